@@ -1,0 +1,37 @@
+"""Where a rank's local tensor sits inside the global tensor.
+
+The one fact both checkpointing and initialisation rest on: for a DTensor, DTensor's own
+`compute_local_shape_and_global_offset` (it understands FSDP-over-TP strided sharding and
+uneven chunks); for a plain tensor, the whole tensor.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, local sizes) of this rank's piece."""
+    if isinstance(tensor, DTensor):
+        sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+    return (0,) * tensor.dim(), tuple(tensor.shape)
+
+
+def is_primary_replica(tensor: torch.Tensor, coords: dict[str, int]) -> bool:
+    """True on exactly one rank among those holding identical copies of this piece.
+
+    Copies sit along the tensor's Replicate mesh dims and along every data/tensor-parallel dim
+    its mesh does not cover (a norm weight under FSDP lives on the (dp, fsdp) mesh but is also
+    copied on every tp rank). The copy at coordinate 0 of all those dims is the primary.
+    `coords` is this rank's position on the full mesh, e.g. {"dp": 1, "fsdp": 0, "tp": 1}.
+    """
+    covered: set[str] = set()
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        for name, coordinate, placement in zip(mesh.mesh_dim_names, mesh.get_coordinate(), tensor.placements):
+            covered.add(name)
+            if isinstance(placement, Replicate) and coordinate != 0:
+                return False
+    return all(coords[name] == 0 for name in ("dp", "fsdp", "tp") if name not in covered)

@@ -1,0 +1,54 @@
+"""A checkpoint chunk: one contiguous piece of one global tensor, stored in one file.
+
+Chunks are layout-free: they say which global tensor, which region (offsets and sizes in the
+global shape), and where the bytes are — never which rank or layout wrote them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# Kinds of state a chunk can hold; optimizer moments share their parameter's name and region.
+PARAM = "param"
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+STATE_KINDS = (PARAM, EXP_AVG, EXP_AVG_SQ)
+
+DTYPE_SIZES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    name: str
+    kind: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # relative to the checkpoint directory
+    byte_start: int
+    byte_end: int
+    checksum: str
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.sizes:
+            count *= size
+        return count
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def to_row(self) -> dict:
+        row = asdict(self)
+        for key in ("global_shape", "offsets", "sizes"):
+            row[key] = list(row[key])
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Chunk":
+        values = dict(row)
+        for key in ("global_shape", "offsets", "sizes"):
+            values[key] = tuple(int(v) for v in values[key])
+        return cls(**{k: values[k] for k in cls.__dataclass_fields__})

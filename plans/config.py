@@ -1,0 +1,166 @@
+"""The one typed training configuration, and every constraint it must meet.
+
+Built from plain data (a YAML file's contents plus CLI overrides); validation errors name the
+field, the constraint and a fix. Pure: reading the file is the CLI's job.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from plans.errors import ConfigError
+from plans.layout import ParallelLayout
+from plans.model_spec import PRESETS, ModelConfig, preset
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    decay_steps: int | None = None  # cosine length; defaults to the run's total steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # "stdlib", a file, a directory, a glob, or an fsspec URL
+    max_bytes: int = 8_000_000
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model_preset: str = "tiny"
+    model: ModelConfig = field(default_factory=lambda: PRESETS["tiny"])
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    world_size: int | None = None  # optional cross-check of dp*fsdp*tp*pp
+    steps: int = 20
+    global_batch: int = 8
+    seq_len: int = 64
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    seed: int = 1234
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    store: str = "./runs"
+    run: str = "demo"
+    ckpt_every: int = 0  # 0: only at the end
+    resume: str | None = None  # "latest", "RUN@STEP", "RUN" or a checkpoint URL
+    collective_timeout_s: float = 300.0
+
+    def validate(self) -> "TrainConfig":
+        self.model.validate()
+        m, lay = self.model, self.layout
+        if self.world_size is not None and self.world_size != lay.world_size:
+            raise ConfigError("world_size", self.world_size,
+                              f"must equal dp*fsdp*tp*pp = {lay.dp}*{lay.fsdp}*{lay.tp}*{lay.pp} = {lay.world_size}",
+                              "change --world-size or the parallel degrees so they agree")
+        if m.n_kv_heads % lay.tp:
+            raise ConfigError("layout.tp", lay.tp, f"must divide the number of kv heads ({m.n_kv_heads})",
+                              f"use --tp in {_divisors(m.n_kv_heads)}")
+        if m.ffn_dim % lay.tp:
+            raise ConfigError("layout.tp", lay.tp, f"must divide model.ffn_dim ({m.ffn_dim})",
+                              f"use --tp in {_divisors(m.ffn_dim)}")
+        if m.vocab_size % lay.tp:
+            raise ConfigError("layout.tp", lay.tp, f"must divide model.vocab_size ({m.vocab_size}) for the vocab-parallel embedding",
+                              f"use --tp in {_divisors(m.vocab_size)}")
+        if lay.pp * lay.vpp > m.n_layers:
+            raise ConfigError("layout.pp", lay.pp, f"pp*vpp = {lay.pp * lay.vpp} stages exceed the model's {m.n_layers} layers",
+                              "lower --pp/--vpp or use a deeper model")
+        if lay.pp > 1:
+            raise ConfigError("layout.pp", lay.pp, "pipeline execution is not available yet (pipeline plans exist: `rayshard plan schedule`)",
+                              "train with --pp 1 for now")
+        if self.seq_len < 1:
+            raise ConfigError("seq_len", self.seq_len, "sequence length must be positive", "set --seq-len to 1 or more")
+        if self.seq_len > m.max_seq_len:
+            raise ConfigError("seq_len", self.seq_len, f"exceeds model.max_seq_len ({m.max_seq_len})",
+                              f"set --seq-len {m.max_seq_len} or less")
+        if self.steps < 1:
+            raise ConfigError("steps", self.steps, "must be at least 1", "set --steps 1 or more")
+        if self.global_batch < 1 or self.global_batch % lay.data_parallel_size:
+            raise ConfigError("global_batch", self.global_batch,
+                              f"must be a positive multiple of dp*fsdp = {lay.data_parallel_size} (each data rank gets an equal slice)",
+                              f"set --global-batch to a multiple of {lay.data_parallel_size}")
+        per_rank = self.global_batch // lay.data_parallel_size
+        if self.microbatches < 1 or per_rank % self.microbatches:
+            raise ConfigError("microbatches", self.microbatches,
+                              f"must divide the per-rank batch ({per_rank} = global_batch / (dp*fsdp))",
+                              f"use --microbatches in {_divisors(per_rank)}")
+        if self.ckpt_every < 0:
+            raise ConfigError("ckpt_every", self.ckpt_every, "must be >= 0 (0 saves only at the end)", "set --ckpt-every 0 or more")
+        if not RUN_NAME.match(self.run):
+            raise ConfigError("run", self.run, "run names are 1-128 letters, digits, '.', '_' or '-' and start with a letter or digit",
+                              "pick a name like my-run-01")
+        opt = self.optimizer
+        if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
+            raise ConfigError("optimizer.lr", opt.lr, "need lr > 0 and 0 <= min_lr <= lr", "adjust --lr / optimizer.min_lr")
+        if opt.warmup_steps < 0:
+            raise ConfigError("optimizer.warmup_steps", opt.warmup_steps, "must be >= 0", "set it to 0 or more")
+        if self.data.max_bytes < self.seq_len + 2:
+            raise ConfigError("data.max_bytes", self.data.max_bytes, "the corpus must hold at least one sequence",
+                              f"set data.max_bytes above {self.seq_len + 1}")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError("collective_timeout_s", self.collective_timeout_s, "must be positive", "set it to e.g. 300")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        """Build from nested plain data; unknown keys are errors (typos must not pass silently)."""
+        data = dict(data)
+        model_data = dict(data.pop("model", {}) or {})
+        if isinstance(model_data, str):
+            model_data = {"preset": model_data}
+        preset_name = model_data.pop("preset", data.pop("model_preset", "tiny"))
+        _check_keys("model", model_data, ModelConfig)
+        kwargs = {"model_preset": preset_name, "model": preset(preset_name, **model_data)}
+        if "layout" in data:
+            layout = data.pop("layout") or {}
+            _check_keys("layout", layout, ParallelLayout)
+            kwargs["layout"] = ParallelLayout(**layout)
+        for name, kind in (("optimizer", OptimizerConfig), ("data", DataConfig)):
+            if name in data:
+                section = data.pop(name) or {}
+                _check_keys(name, section, kind)
+                kwargs[name] = kind(**section)
+        _check_keys("config", data, cls)
+        kwargs.update(data)
+        return cls(**kwargs)
+
+
+def with_overrides(config: TrainConfig, **overrides) -> TrainConfig:
+    """Apply dotted overrides such as {"layout.tp": 2, "optimizer.lr": 1e-3, "steps": 5}."""
+    nested: dict[str, dict] = {}
+    flat = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            flat[key] = value
+    for head, values in nested.items():
+        section = getattr(config, head)
+        _check_keys(head, values, type(section))
+        flat[head] = replace(section, **values)
+    return replace(config, **flat)
+
+
+def _check_keys(section: str, values: dict, kind) -> None:
+    known = {f.name for f in fields(kind)} | ({"preset"} if kind is ModelConfig else set())
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(section, unknown, f"unknown key(s) {unknown}", f"known keys are {sorted(known)}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,101 @@
+"""ParallelLayout: how the world of ranks is split into pp x dp x fsdp x tp.
+
+Rank order puts tp innermost (neighbouring ranks share a node, where tensor parallelism's
+frequent collectives belong), then fsdp, then dp, with pp outermost — the same order as the
+device mesh the actors build, so `coords_of(rank)` equals the rank's mesh coordinates.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from plans.errors import ConfigError
+
+MESH_DIM_NAMES = ("pp", "dp", "fsdp", "tp")
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    pp: int
+    dp: int
+    fsdp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """dp: replicas (gradients all-reduced); fsdp: sharded data parallel (FSDP2);
+    tp: tensor parallel (DTensor); pp: pipeline stages; vpp: virtual stages per pp rank."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+
+    def __post_init__(self):
+        for field in ("dp", "fsdp", "tp", "pp", "vpp"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(field, value, "every parallel degree must be an integer >= 1",
+                                  f"set --{field} to 1 or more")
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError("vpp", self.vpp, "virtual pipeline stages need pp > 1",
+                              "set --vpp 1, or --pp 2 or more")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.fsdp * self.tp * self.pp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different samples: replicas times shards."""
+        return self.dp * self.fsdp
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp, self.fsdp, self.tp)
+
+    def coords_of(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        rank, tp = divmod(rank, self.tp)
+        rank, fsdp = divmod(rank, self.fsdp)
+        pp, dp = divmod(rank, self.dp)
+        return RankCoords(pp=pp, dp=dp, fsdp=fsdp, tp=tp)
+
+    def rank_of(self, coords: RankCoords) -> int:
+        return ((coords.pp * self.dp + coords.dp) * self.fsdp + coords.fsdp) * self.tp + coords.tp
+
+    def data_rank_of(self, rank: int) -> int:
+        """Index of this rank's slice of the global batch (equal for tp and pp peers)."""
+        coords = self.coords_of(rank)
+        return coords.dp * self.fsdp + coords.fsdp
+
+    def describe(self) -> str:
+        parts = [f"{name}{getattr(self, name)}" for name in ("dp", "fsdp", "tp", "pp") if getattr(self, name) > 1]
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        return " x ".join(parts) or "single rank"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ParallelLayout":
+        return cls(**{key: int(data[key]) for key in ("dp", "fsdp", "tp", "pp", "vpp") if key in data})
+
+    @classmethod
+    def parse(cls, text: str) -> "ParallelLayout":
+        """Parse 'dp=2,tp=2' (the form used by --to and in messages)."""
+        values = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep or key not in ("dp", "fsdp", "tp", "pp", "vpp") or not value.strip().isdigit():
+                raise ConfigError("layout", text, f"cannot read {part!r}",
+                                  "write it as dp=N,fsdp=N,tp=N,pp=N,vpp=N (any subset)")
+            values[key] = int(value)
+        return cls(**values)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.to_dict().items())
