@@ -48,49 +48,44 @@ def lower(schedule: Schedule, duration: Callable[[Action], float] | None = None)
             f"schedule {schedule.name!r} already holds communication actions. Fix: lower the "
             "compute-only schedule from plans.schedules.build_schedule"
         )
-    starts, ends = _expected_timeline(schedule, duration or unit_duration)
-    consumer_start = _consumer_starts(schedule, starts)
+    timeline = _Timeline(schedule, duration or unit_duration)
+    starts, ends = timeline.starts, timeline.ends
     owner = schedule.stage_ranks
-    last_stage = schedule.num_stages - 1
-    keyed: list[list[tuple[tuple, Action]]] = [[] for _ in range(schedule.pp)]
+    last_stage, microbatches = schedule.num_stages - 1, schedule.microbatches
+    # Events are (time, 0 for a transfer / 1 for a compute, producer rank, index, part, action);
+    # the first five are unique, so sorting never compares actions.
+    events: list[list[tuple]] = [[] for _ in range(schedule.pp)]
     for rank, actions in enumerate(schedule.ranks):
+        rank_events = events[rank]
+        rank_starts, rank_ends = starts[rank], ends[rank]
         for index, action in enumerate(actions):
-            keyed[rank].append(((starts[rank][index], 1, rank, index, 0), action))
-            for part_number, part in enumerate(action.parts()):
+            rank_events.append((rank_starts[index], 1, rank, index, 0, action))
+            for part_number, part in enumerate(action.parts() if action.kind is Kind.FB else (action,)):
                 kind, stage, mb = part.kind, part.stage, part.microbatch
                 if kind is Kind.F and stage < last_stage:
                     target, send, recv, handoff = stage + 1, Kind.SEND_F, Kind.RECV_F, Kind.HANDOFF_F
-                elif kind in (Kind.B, Kind.I) and stage > 0:
+                    needed = timeline.forward_needed[target * microbatches + mb]
+                elif (kind is Kind.B or kind is Kind.I) and stage > 0:
                     target, send, recv, handoff = stage - 1, Kind.SEND_B, Kind.RECV_B, Kind.HANDOFF_B
+                    needed = timeline.backward_needed[target * microbatches + mb]
                 else:
                     continue
                 peer = owner[target]
-                produced = ends[rank][index]
-                needed = consumer_start.get((kind is Kind.F, target, mb), produced)
+                produced = rank_ends[index]
+                if needed is None:  # nobody consumes it; the checker will say so
+                    needed = produced
                 moment = _meeting_time(starts, ends, rank, peer, produced, needed)
                 # Sorts after everything that started before `moment`, before what starts then.
-                key = (moment, 0, rank, index, part_number)
                 if peer == rank:
-                    keyed[rank].append((key, Action(handoff, stage, mb)))
+                    rank_events.append((moment, 0, rank, index, part_number, Action(handoff, stage, mb)))
                 else:
-                    keyed[rank].append((key, Action(send, stage, mb, peer)))
-                    keyed[peer].append((key, Action(recv, target, mb, rank)))
+                    rank_events.append((moment, 0, rank, index, part_number, Action(send, stage, mb, peer)))
+                    events[peer].append((moment, 0, rank, index, part_number, Action(recv, target, mb, rank)))
     lowered = []
-    for events in keyed:
-        events.sort(key=lambda event: event[0])
-        lowered.append([action for _, action in events])
+    for rank_events in events:
+        rank_events.sort()
+        lowered.append([event[5] for event in rank_events])
     return schedule.with_ranks(lowered)
-
-
-def _consumer_starts(schedule: Schedule, starts: list[list[float]]) -> dict[tuple[bool, int, int], float]:
-    """When each input is needed: (True, stage, mb) by its F, (False, stage, mb) by its B / I."""
-    needed: dict[tuple[bool, int, int], float] = {}
-    for rank, actions in enumerate(schedule.ranks):
-        for index, action in enumerate(actions):
-            for part in action.parts():
-                if part.kind is not Kind.W:
-                    needed[part.kind is Kind.F, part.stage, part.microbatch] = starts[rank][index]
-    return needed
 
 
 def _meeting_time(
@@ -114,96 +109,103 @@ def _meeting_time(
     return produced
 
 
-def _expected_timeline(
-    schedule: Schedule, duration: Callable[[Action], float]
-) -> tuple[list[list[float]], list[list[float]]]:
+class _Timeline:
     """Start and end of every compute action when transfers are free and never block.
 
     Each rank runs its list in order; an action starts when the rank is free and its inputs
-    exist. Ranks waiting for an input park on it and resume when it is produced, so the work
-    is linear in the number of actions.
+    exist. A rank waiting for an input parks on it and resumes when it is produced, so the work
+    is linear in the number of actions. Also records when each input is first needed.
     """
-    num_stages, microbatches = schedule.num_stages, schedule.microbatches
-    last_stage = num_stages - 1
-    # End times of produced forward outputs and input gradients, by stage * microbatches + mb.
-    forward_end: list[float | None] = [None] * (num_stages * microbatches)
-    backward_end: list[float | None] = [None] * (num_stages * microbatches)
-    parked: dict[tuple[int, int], int] = {}  # (table, index) -> the rank waiting for it
-    clock = [0.0] * schedule.pp
-    position = [0] * schedule.pp
-    starts = [[0.0] * len(actions) for actions in schedule.ranks]
-    ends = [[0.0] * len(actions) for actions in schedule.ranks]
-    tables = (forward_end, backward_end)
 
-    def missing_input(part: Action) -> tuple[int, int] | None:
-        """The (table, index) that `part` still waits for, or None when it can start."""
+    def __init__(self, schedule: Schedule, duration: Callable[[Action], float]):
+        self.schedule = schedule
+        stages, microbatches = schedule.num_stages, schedule.microbatches
+        size = stages * microbatches
+        self.size, self.microbatches, self.last_stage = size, microbatches, stages - 1
+        # produced[slot]: end of stage's F for slot = stage * microbatches + mb, and end of its
+        # B or I at size + slot.
+        self.produced: list[float | None] = [None] * (2 * size)
+        self.forward_needed: list[float | None] = [None] * size
+        self.backward_needed: list[float | None] = [None] * size
+        self.starts = [[0.0] * len(actions) for actions in schedule.ranks]
+        self.ends = [[0.0] * len(actions) for actions in schedule.ranks]
+        self._run(duration)
+
+    def _inputs(self, part: Action) -> tuple[int, ...]:
+        """Slots of `produced` that `part` needs."""
         stage, mb = part.stage, part.microbatch
-        if not (0 <= stage < num_stages and 0 <= mb < microbatches):
+        if not (0 <= stage <= self.last_stage and 0 <= mb < self.microbatches):
             raise ScheduleError(
-                f"{part} is outside the schedule's {num_stages} stages and {microbatches} "
-                "microbatches. Fix: generate actions within those ranges"
+                f"{part} is outside the schedule's {self.last_stage + 1} stages and "
+                f"{self.microbatches} microbatches. Fix: generate actions within those ranges"
             )
-        index = stage * microbatches + mb
-        if part.kind is Kind.F:
-            needed = [(0, index - microbatches)] if stage > 0 else []
-        elif part.kind is Kind.W:
-            needed = [(1, index)]
-        else:  # B or I: the gradient from the next stage and this stage's own forward
-            needed = [(0, index)] + ([(1, index + microbatches)] if stage < last_stage else [])
-        for table, slot in needed:
-            if tables[table][slot] is None:
-                return table, slot
-        return None
+        slot = stage * self.microbatches + mb
+        kind = part.kind
+        if kind is Kind.F:
+            return (slot - self.microbatches,) if stage > 0 else ()
+        if kind is Kind.W:
+            return (self.size + slot,)
+        if stage < self.last_stage:  # B or I: this stage's F and the next stage's gradient
+            return (slot, self.size + slot + self.microbatches)
+        return (slot,)
 
-    def ready_time(part: Action) -> float:
-        stage, mb = part.stage, part.microbatch
-        index = stage * microbatches + mb
-        if part.kind is Kind.F:
-            return forward_end[index - microbatches] if stage > 0 else 0.0
-        if part.kind is Kind.W:
-            return backward_end[index]
-        ready = forward_end[index]
-        return max(ready, backward_end[index + microbatches]) if stage < last_stage else ready
-
-    runnable = list(range(schedule.pp - 1, -1, -1))
-    while runnable:
-        rank = runnable.pop()
-        actions = schedule.ranks[rank]
-        index = position[rank]
-        while index < len(actions):
-            action = actions[index]
-            if action.kind not in COMPUTE_KINDS:
-                raise ScheduleError(f"lowering expects compute actions only, found {action}")
-            parts = action.parts()
-            waiting_for = next(filter(None, map(missing_input, parts)), None)
-            if waiting_for is not None:
-                parked[waiting_for] = rank
-                break
-            start = max([clock[rank]] + [ready_time(part) for part in parts])
-            end = start + max(duration(action), _MIN_DURATION)
-            starts[rank][index], ends[rank][index], clock[rank] = start, end, end
-            for part in parts:
-                slot = part.stage * microbatches + part.microbatch
-                table = 0 if part.kind is Kind.F else 1 if part.kind in (Kind.B, Kind.I) else None
-                if table is None:
-                    continue
-                if tables[table][slot] is not None:
-                    raise ScheduleError(f"{part} appears twice. Fix: run each (stage, microbatch) once per kind")
-                tables[table][slot] = end
-                woken = parked.pop((table, slot), None)
-                if woken is not None:
-                    runnable.append(woken)
-            index += 1
-        position[rank] = index
-    stuck = [rank for rank in range(schedule.pp) if position[rank] < len(schedule.ranks[rank])]
-    if stuck:
-        lines = [
-            f"rank {rank} at step {position[rank]}: {schedule.ranks[rank][position[rank]]}"
-            for rank in stuck
-        ]
-        raise ScheduleError(
-            f"schedule {schedule.name!r} cannot run even with free communication: every rank "
-            "left waits for an input no rank will produce first:\n  " + "\n  ".join(lines)
-            + "\nFix: reorder the compute lists so each input is produced before it is needed"
-        )
-    return starts, ends
+    def _run(self, duration: Callable[[Action], float]) -> None:
+        schedule, produced, size = self.schedule, self.produced, self.size
+        parked: dict[int, int] = {}  # slot -> the rank waiting for it
+        clock = [0.0] * schedule.pp
+        position = [0] * schedule.pp
+        runnable = list(range(schedule.pp - 1, -1, -1))
+        while runnable:
+            rank = runnable.pop()
+            actions, starts, ends = schedule.ranks[rank], self.starts[rank], self.ends[rank]
+            index, start_of_rank = position[rank], clock[rank]
+            while index < len(actions):
+                action = actions[index]
+                if action.kind not in COMPUTE_KINDS:
+                    raise ScheduleError(f"lowering expects compute actions only, found {action}")
+                parts = action.parts() if action.kind is Kind.FB else (action,)
+                start, missing = start_of_rank, None
+                for part in parts:
+                    for slot in self._inputs(part):
+                        ready = produced[slot]
+                        if ready is None:
+                            missing = slot
+                            break
+                        if ready > start:
+                            start = ready
+                    if missing is not None:
+                        break
+                if missing is not None:
+                    parked[missing] = rank
+                    break
+                end = start + max(duration(action), _MIN_DURATION)
+                starts[index], ends[index], start_of_rank = start, end, end
+                for part in parts:
+                    kind = part.kind
+                    if kind is Kind.W:
+                        continue
+                    slot = part.stage * self.microbatches + part.microbatch
+                    if kind is Kind.F:
+                        self.forward_needed[slot] = start
+                    else:
+                        self.backward_needed[slot] = start
+                        slot += size
+                    if produced[slot] is not None:
+                        raise ScheduleError(f"{part} appears twice. Fix: run each (stage, microbatch) once per kind")
+                    produced[slot] = end
+                    woken = parked.pop(slot, None)
+                    if woken is not None:
+                        runnable.append(woken)
+                index += 1
+            position[rank], clock[rank] = index, start_of_rank
+        stuck = [rank for rank in range(schedule.pp) if position[rank] < len(schedule.ranks[rank])]
+        if stuck:
+            lines = [
+                f"rank {rank} at step {position[rank]}: {schedule.ranks[rank][position[rank]]}"
+                for rank in stuck
+            ]
+            raise ScheduleError(
+                f"schedule {schedule.name!r} cannot run even with free communication: every "
+                "rank left waits for an input no rank will produce first:\n  " + "\n  ".join(lines)
+                + "\nFix: reorder the compute lists so each input is produced before it is needed"
+            )
