@@ -111,6 +111,11 @@ class CheckReport:
 
 def check(schedule: Schedule) -> CheckReport:
     """Run the lowered lists of `schedule`; report a deadlock and every dependency violation."""
+    if schedule.pp > 1 and not schedule.is_lowered:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has no SEND/RECV actions, so no stage would ever get "
+            "its input. Fix: check plans.lowering.lower(schedule)"
+        )
     return _Run(schedule, verify=True).report()
 
 

@@ -256,8 +256,6 @@ def _validated_layout(
                 "the embedding or the head",
                 "give every middle stage at least one layer, or use fewer stages",
             )
-    if num_stages == 1 and num_layers == 0:
-        raise ConfigError("layers", 0, "the model has no layers", "give the model layers")
     return tuple(stage_layers)
 
 

@@ -2,7 +2,8 @@
 
 One row per rank, one column per time slot (the shortest compute action). A compute shows as
 its kind and microbatch ("F3"), run on for as many slots as it lasts ("B3---"); "." is idle and
-"~" waiting on a transfer. Stages after a rank's first are in lowercase ("f3" is the forward
+"~" a transfer in progress (only when transfers cost time). Times are rounded to slots, so
+costs that are not multiples of the shortest compute draw approximately. Stages after a rank's first are in lowercase ("f3" is the forward
 of microbatch 3 on the rank's second or later stage); an overlapped pair reads "F5b2".
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from plans.simulator import Simulation
 MAX_SLOTS = 400  # wider grids stop being readable in a terminal; draw the PNG instead
 LEGEND = (
     "F forward, B backward, I input-grad, W weight-grad, FB overlapped pair; number = "
-    "microbatch; lowercase = the rank's later stage; '.' idle, '~' waiting on a transfer"
+    "microbatch; lowercase = the rank's later stage; '.' idle, '~' transfer"
 )
 
 
