@@ -43,11 +43,17 @@ def checksum(data) -> str:
     return f"crc32:{zlib.crc32(data):08x}"
 
 
+def _staged(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy that owns its memory: safetensors refuses tensors that share storage, and the
+    copy also decouples the bytes being written from training that continues to update them."""
+    tensor = tensor.detach()
+    return tensor.to("cpu", copy=True).contiguous() if tensor.device.type == "cpu" else tensor.cpu().contiguous()
+
+
 def encode_shard(pieces: list[tuple[str, str, torch.Tensor, tuple, tuple]], file: str) -> tuple[bytes, list[Chunk]]:
     """pieces: (name, kind, local tensor, global shape, global offsets). Returns the safetensors
     bytes and one Chunk per piece with its absolute byte range inside the file."""
-    tensors = {f"{kind}/{name}@{','.join(map(str, offsets))}": tensor.detach().cpu().contiguous()
-               for name, kind, tensor, _, offsets in pieces}
+    tensors = {f"{kind}/{name}@{','.join(map(str, offsets))}": _staged(tensor) for name, kind, tensor, _, offsets in pieces}
     data = safetensors_bytes(tensors, metadata={"format": "rayshard", "version": FORMAT_VERSION})
     header_len = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8:8 + header_len])

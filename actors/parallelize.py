@@ -10,11 +10,14 @@ from __future__ import annotations
 import fnmatch
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from actors.shards import is_primary_replica
 
 # Why these styles: qkv and gate_up are column-parallel (their row blocks are whole head groups /
 # hidden units, see plans/model_spec.py), wo and down row-parallel so the pair needs one
@@ -67,27 +70,25 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """Global gradient norm over all ranks, then scale gradients in place.
+def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int]) -> torch.Tensor:
+    """Global gradient L2 norm over all ranks, then scale gradients in place.
 
-    torch's clip_grad_norm_ stacks per-parameter norms, which fails when parameters live on
-    different meshes (TP-sharded weights on (dp, fsdp, tp), replicated norms on (dp, fsdp)).
-    So norms are summed per mesh, each group is reduced once, and the local shards scaled.
+    Each rank sums the squares of the gradient pieces it is the primary holder of (the same
+    rule that decides who writes a piece to a checkpoint), and one all-reduce over the world
+    adds them up. One collective gives every rank the identical norm, so replicas apply the same
+    clip factor; torch's clip_grad_norm_ instead fails on parameters that live on different
+    meshes, and reducing per mesh takes several sequential all-reduces whose order can differ.
     """
-    groups: dict[object, list[torch.Tensor]] = {}
-    for param in parameters:
-        if param.grad is not None:
-            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
-    squared = torch.zeros((), dtype=torch.float32)
-    for mesh, grads in groups.items():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if mesh is not None:
-            norm = norm.full_tensor()
-        squared = squared + norm.float().cpu() ** 2
+    grads = [p.grad for p in parameters if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    squared = torch.zeros((), dtype=torch.float32, device=local[0].device if local else None)
+    owned = [piece for grad, piece in zip(grads, local) if is_primary_replica(grad, coords) and piece.numel()]
+    if owned:
+        squared = torch.stack([norm.float() for norm in torch._foreach_norm(owned)]).square().sum()
+    if dist.is_initialized():
+        dist.all_reduce(squared)
     total = squared.sqrt()
-    if max_norm > 0:
+    if max_norm > 0 and local:
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        local = [g.to_local() if hasattr(g, "to_local") else g for grads in groups.values() for g in grads]
-        if local:
-            torch._foreach_mul_(local, scale.to(local[0].device))
+        torch._foreach_mul_(local, scale)
     return total

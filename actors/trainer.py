@@ -51,6 +51,7 @@ class Trainer:
         self.rank = rank
         self.layout = config.layout
         self.coords = self.layout.coords_of(rank)
+        self.coord_map = {"dp": self.coords.dp, "fsdp": self.coords.fsdp, "tp": self.coords.tp}
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.layout.world_size,
@@ -96,7 +97,7 @@ class Trainer:
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / config.microbatches
                 loss.backward()
             total_loss += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), opt.grad_clip)
+        grad_norm = clip_grad_norm(self.model.parameters(), opt.grad_clip, self.coord_map)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # Every rank reports the same number: the mean over data ranks (tp peers hold equal copies).
@@ -122,10 +123,9 @@ class Trainer:
 
         Replicated pieces are written by one rank only (coordinate 0 of every replicated dim).
         """
-        coords = {"dp": self.coords.dp, "fsdp": self.coords.fsdp, "tp": self.coords.tp}
         pieces = []
         for name, kind, tensor in self._state_tensors():
-            if is_primary_replica(tensor, coords):
+            if is_primary_replica(tensor, self.coord_map):
                 offsets, _ = local_region(tensor)
                 local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
                 pieces.append((name, kind, local, tuple(tensor.shape), offsets))

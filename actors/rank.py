@@ -1,0 +1,49 @@
+"""RankActor: the Ray actor that owns one rank (one GPU, or a CPU share with gloo).
+
+A thin shell around `actors.trainer.Trainer`: Ray only places the process and carries one RPC
+per step; activations and gradients move between ranks over torch.distributed.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+import torch
+
+from plans.config import TrainConfig
+
+
+@ray.remote
+class RankActor:
+    def __init__(self):
+        torch.set_num_threads(1)
+        self.trainer = None
+
+    def rendezvous_address(self) -> str:
+        """A TCP address on this actor's node that rank 0 will listen on."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def setup(self, config: TrainConfig, rank: int, init_method: str) -> dict:
+        from actors.trainer import Trainer  # heavy imports happen in the actor, not at module load
+
+        self.trainer = Trainer(config, rank, init_method)
+        return {"rank": rank, "pid": os.getpid(), "device": str(self.trainer.device),
+                "data_fingerprint": self.trainer.data_fingerprint()}
+
+    def load(self, checkpoint_url: str) -> dict:
+        return self.trainer.load(checkpoint_url)
+
+    def train_step(self) -> dict:
+        return self.trainer.train_step()
+
+    def save_shard(self, checkpoint_url: str, file: str) -> list[dict]:
+        return self.trainer.save_shard(checkpoint_url, file)
+
+    def shutdown(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()

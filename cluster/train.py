@@ -1,0 +1,150 @@
+"""The training driver: what `rayshard train` and `ray job submit -- python -m cluster train` run.
+
+Thin by design: validate the config, resolve what to resume from, start the rank group, then
+one RPC per rank per step; ranks talk to each other over torch.distributed, not through here.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import fsspec
+from dataclasses import dataclass, field
+
+from actors.checkpoint_io import decode_manifest, encode_manifest
+from cluster.rank_group import RankGroup, connect_ray
+from cluster.store import MANIFEST, CheckpointRef, Store
+from plans.chunks import Chunk
+from plans.config import TrainConfig
+from plans.reshard import check_chunks_disjoint_and_complete
+
+
+@dataclass
+class TrainResult:
+    run: str
+    start_step: int
+    losses: dict[int, float] = field(default_factory=dict)  # completed step -> loss
+    checkpoints: list[str] = field(default_factory=list)
+    resumed_from: str | None = None
+    step_seconds: list[float] = field(default_factory=list)
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    config = config.validate()
+    store = Store(config.store)
+    resume = store.resolve(config.resume, current_run=config.run) if config.resume else None
+    start_step, parent = 0, None
+    if resume is not None:
+        metadata = _read_metadata(resume)
+        start_step, parent = int(metadata["step"]), resume.url
+        _log(f"resuming from {resume.url} (step {start_step}, written by layout {metadata['layout']})")
+        _warn_if_schedule_changed(metadata, config)
+    if start_step >= config.steps:
+        _log(f"nothing to do: the checkpoint is at step {start_step} and --steps is {config.steps}")
+        return TrainResult(config.run, start_step, resumed_from=parent)
+
+    connect_ray()
+    _log(f"run {config.run!r}: model {config.model_preset}, layout {config.layout.describe()} "
+         f"({config.layout.world_size} ranks), steps {start_step}..{config.steps}, store {config.store}")
+    started = time.perf_counter()
+    group = RankGroup(config)
+    _log(f"{config.layout.world_size} rank actors ready on {group.setup_info[0]['device']} "
+         f"in {time.perf_counter() - started:.1f}s")
+    result = TrainResult(config.run, start_step, resumed_from=parent)
+    log = MetricsLog(store, config.run, start_step)
+    try:
+        if resume is not None:
+            loaded = group.call("load", resume.url)
+            _log(f"loaded step {start_step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over "
+                 f"{len(loaded)} ranks")
+        tokens_per_step = config.global_batch * config.seq_len
+        for step in range(start_step, config.steps):
+            tick = time.perf_counter()
+            metrics = group.call("train_step")[0]
+            seconds = time.perf_counter() - tick
+            done = metrics["step"]
+            result.losses[done] = metrics["loss"]
+            result.step_seconds.append(seconds)
+            record = {"step": done, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
+                      "tokens_per_s": tokens_per_step / seconds, "step_s": seconds, "layout": str(config.layout)}
+            log.append(record)
+            _log(f"step {done:>5}/{config.steps} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} "
+                 f"| lr {metrics['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s")
+            if done == config.steps or (config.ckpt_every and done % config.ckpt_every == 0):
+                url = save_checkpoint(group, store, config, done, parent, group.setup_info[0]["data_fingerprint"])
+                parent = url
+                result.checkpoints.append(url)
+                log.flush()
+                _log(f"checkpoint step {done} committed: {url}")
+    finally:
+        log.flush()
+        group.shutdown()
+    return result
+
+
+def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: int, parent: str | None,
+                    data_fingerprint: str) -> str:
+    """Every rank writes its chunks under a fresh attempt prefix; the manifest commits them."""
+    attempt = store.new_attempt()
+    url = store.checkpoint_url(config.run, step)
+    files = [f"{attempt}/rank-{rank:05d}.safetensors" for rank in range(config.layout.world_size)]
+    chunks = [Chunk.from_row(row) for rows in group.call_each("save_shard", [(url, f) for f in files]) for row in rows]
+    check_chunks_disjoint_and_complete(chunks)
+    metadata = {
+        "run": config.run,
+        "step": step,
+        "layout": config.layout.to_dict(),
+        "model_preset": config.model_preset,
+        "model": config.model.to_dict(),
+        "config": json.loads(json.dumps(config.to_dict(), default=str)),
+        "data_position": {"seed": config.seed, "next_step": step, "corpus": data_fingerprint,
+                          "source": config.data.source},
+        # No rank-local RNG stream survives a step: every random draw is seeded by (seed, step).
+        "rng": {"scheme": "seeded-per-step", "seed": config.seed},
+        "lr_schedule": {**_lr_schedule(config), "step": step},
+        "parent": parent,
+        "created_unix": time.time(),
+    }
+    return store.commit(config.run, step, encode_manifest(chunks, metadata))
+
+
+def _read_metadata(ref: CheckpointRef) -> dict:
+    fs, path = fsspec.core.url_to_fs(ref.url)
+    _, metadata = decode_manifest(fs.cat_file(f"{path}/{MANIFEST}"), f"{ref.url}/{MANIFEST}")
+    return metadata
+
+
+def _lr_schedule(config: TrainConfig) -> dict:
+    return {"kind": "warmup-cosine", **config.optimizer.__dict__, "decay_steps": config.optimizer.decay_steps or config.steps}
+
+
+def _warn_if_schedule_changed(metadata: dict, config: TrainConfig) -> None:
+    saved = {k: v for k, v in metadata.get("lr_schedule", {}).items() if k != "step"}
+    now = _lr_schedule(config)
+    changed = sorted(k for k in now if k in saved and saved[k] != now[k])
+    if changed:
+        _log("note: the learning-rate schedule differs from the checkpoint's in "
+             + ", ".join(f"{k} ({saved[k]} -> {now[k]})" for k in changed)
+             + "; the resumed run will not match an uninterrupted one. Pass the original values "
+               "(e.g. --steps, or optimizer.decay_steps in the config) to continue the same schedule.")
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory: one line per step. On resume, lines at or past the
+    resume step are dropped, so the file always tells the history of the current timeline."""
+
+    def __init__(self, store: Store, run: str, start_step: int):
+        self.store, self.relative = store, f"{run}/metrics.jsonl"
+        existing = store.read_text(self.relative) or ""
+        self.lines = [line for line in existing.splitlines()
+                      if line.strip() and json.loads(line).get("step", 0) <= start_step]
+
+    def append(self, record: dict) -> None:
+        self.lines.append(json.dumps(record, sort_keys=True))
+
+    def flush(self) -> None:
+        self.store.write_text(self.relative, "\n".join(self.lines) + "\n")

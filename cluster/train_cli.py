@@ -1,0 +1,75 @@
+"""`rayshard train`: a config file from configs/ plus command-line overrides."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import yaml
+
+from plans.config import TrainConfig, with_overrides
+from plans.errors import ConfigError
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
+
+# CLI flag -> dotted config field. Flags not given leave the file's value alone.
+OVERRIDES = {
+    "model": "model_preset", "run": "run", "store": "store", "steps": "steps", "ckpt_every": "ckpt_every",
+    "resume": "resume", "global_batch": "global_batch", "seq_len": "seq_len", "microbatches": "microbatches",
+    "seed": "seed", "schedule": "schedule", "world_size": "world_size", "lr": "optimizer.lr",
+    "warmup_steps": "optimizer.warmup_steps", "data": "data.source",
+    "dp": "layout.dp", "fsdp": "layout.fsdp", "tp": "layout.tp", "pp": "layout.pp", "vpp": "layout.vpp",
+}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help=f"YAML config (default: configs/demo.yaml embedded defaults)")
+    parser.add_argument("--model", metavar="PRESET", help="model preset: tiny | small")
+    parser.add_argument("--run", metavar="NAME", help="run name within the store")
+    parser.add_argument("--store", metavar="URL", help="store URL: a directory, file://, s3://bucket/prefix, memory://")
+    for name in ("dp", "fsdp", "tp", "pp", "vpp"):
+        parser.add_argument(f"--{name}", type=int, metavar="N", help=f"{name} degree")
+    parser.add_argument("--world-size", type=int, metavar="N", help="optional check: must equal dp*fsdp*tp*pp")
+    parser.add_argument("--steps", type=int, metavar="N", help="train until this many steps are done")
+    parser.add_argument("--ckpt-every", type=int, metavar="N", help="commit a checkpoint every N steps (0: at the end only)")
+    parser.add_argument("--resume", metavar="CKPT", help="latest | RUN | RUN@STEP | checkpoint URL")
+    parser.add_argument("--global-batch", type=int, metavar="N", help="sequences per step over all data ranks")
+    parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
+    parser.add_argument("--microbatches", type=int, metavar="N", help="gradient accumulation / pipeline microbatches")
+    parser.add_argument("--schedule", metavar="NAME", help="pipeline schedule (with --pp > 1)")
+    parser.add_argument("--seed", type=int, metavar="N")
+    parser.add_argument("--lr", type=float, metavar="LR", help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, metavar="N")
+    parser.add_argument("--data", metavar="SOURCE", help="'stdlib', a file, directory, glob or fsspec URL")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    path = args.config or DEFAULT_CONFIG
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle) or {}
+    except FileNotFoundError:
+        raise ConfigError("--config", path, "file not found", "pass an existing YAML file, e.g. configs/demo.yaml") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--config", path, "the file must hold a YAML mapping", "see configs/demo.yaml for the shape")
+    if args.model:  # a preset on the command line replaces the file's model section entirely
+        data["model"] = {"preset": args.model}
+    config = TrainConfig.from_dict(data)
+    overrides = {field: getattr(args, flag) for flag, field in OVERRIDES.items() if flag != "model"}
+    return with_overrides(config, **overrides).validate()
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from cluster.train import train  # imports Ray and torch; keep `--help` fast
+
+    config = config_from_args(args)
+    result = train(config)
+    if result.checkpoints:
+        print(f"latest checkpoint: {result.checkpoints[-1]}")
+    return 0
+
+
+def register(commands) -> None:
+    parser = commands.add_parser("train", help="train a model on Ray rank actors",
+                                 description="Train on Ray: one actor per rank, DP/FSDP x TP, checkpoints to --store.")
+    add_config_arguments(parser)
+    parser.set_defaults(run_command=run_train)

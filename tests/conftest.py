@@ -1,0 +1,34 @@
+"""Shared fixtures: one local Ray instance per test session, small configs."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from plans.config import DataConfig, OptimizerConfig, TrainConfig
+from plans.layout import ParallelLayout
+from plans.model_spec import preset
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Started once; logical CPUs let 8 ranks share 2 real cores with fractional bundles."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def small_config(tmp_path, layout=None, **overrides) -> TrainConfig:
+    """The tiny model on a small corpus slice: fast enough for many runs per session."""
+    values = dict(
+        model=preset("tiny"), layout=layout or ParallelLayout(), steps=10, global_batch=8, seq_len=32,
+        seed=7, optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3),
+        data=DataConfig(source="stdlib", max_bytes=1_000_000), store=str(tmp_path / "store"), run="t",
+    )
+    values.update(overrides)
+    return TrainConfig(**values).validate()

@@ -1,0 +1,68 @@
+"""Checkpoints through Ray actors: bit-exact same-layout resume, resume onto another layout,
+and a mismatched model listed key by key."""
+import json
+
+import pytest
+
+from cluster.store import Store
+from cluster.train import train
+from plans.errors import CheckpointError
+from plans.layout import ParallelLayout
+from plans.model_spec import preset
+from tests.conftest import small_config
+
+DP2_TP2 = ParallelLayout(dp=2, tp=2)
+
+
+def _config(tmp_path, layout, **overrides):
+    # The lr schedule's length is fixed (it defaults to --steps), so runs that stop early and
+    # are resumed follow the same schedule as the uninterrupted run they are compared with.
+    from plans.config import OptimizerConfig
+
+    optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=8)
+    return small_config(tmp_path, layout, optimizer=optimizer, **overrides)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    return train(_config(root, DP2_TP2, steps=8, run="full"))
+
+
+def test_resume_latest_is_bit_exact(ray_session, tmp_path, uninterrupted):
+    first = train(_config(tmp_path, DP2_TP2, steps=4, run="r"))
+    assert first.checkpoints[-1].endswith("step-00000004")
+    resumed = train(_config(tmp_path, DP2_TP2, steps=8, run="r", resume="latest"))
+    assert resumed.start_step == 4
+    for step in range(5, 9):
+        assert resumed.losses[step] == uninterrupted.losses[step], step  # bit for bit
+    # The run's metrics file tells one timeline: steps 1..8, each once.
+    lines = (tmp_path / "store" / "r" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 9))
+
+
+def test_resume_onto_another_layout_continues_the_same_training(ray_session, tmp_path, uninterrupted):
+    train(_config(tmp_path, DP2_TP2, steps=4, run="x", ckpt_every=2))
+    store = Store(str(tmp_path / "store"))
+    assert store.committed_steps("x") == [2, 4] and store.latest_step("x") == 4
+    resumed = train(_config(tmp_path, ParallelLayout(fsdp=2), steps=6, run="x", resume="x@4"))
+    for step in (5, 6):
+        assert resumed.losses[step] == pytest.approx(uninterrupted.losses[step], rel=1e-5)
+
+
+def test_mismatched_model_lists_missing_unexpected_and_shape_errors_together(ray_session, tmp_path):
+    train(small_config(tmp_path, ParallelLayout(), steps=1, run="m"))
+    other = preset("tiny", tie_embeddings=True, ffn_dim=96)  # no output.weight, other ffn shapes
+    with pytest.raises(Exception) as error:
+        train(small_config(tmp_path, ParallelLayout(), steps=2, run="m", model=other, resume="latest"))
+    message = str(error.value)
+    assert "unexpected keys" in message and "output.weight (param)" in message
+    assert "shape/dtype mismatches" in message and "feed_forward.gate_up.weight" in message
+
+
+def test_unknown_checkpoint_addresses_are_clear(ray_session, tmp_path):
+    with pytest.raises(CheckpointError, match="no committed checkpoint"):
+        train(small_config(tmp_path, ParallelLayout(), run="nothing", resume="latest"))
+    train(small_config(tmp_path, ParallelLayout(), steps=1, run="one"))
+    with pytest.raises(CheckpointError, match=r"Committed steps: \[1\]"):
+        train(small_config(tmp_path, ParallelLayout(), steps=3, run="one", resume="one@2"))

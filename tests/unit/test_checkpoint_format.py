@@ -1,0 +1,70 @@
+"""Manifest and shard files: round trip, version gate, truncated and changed files, no pickle."""
+import fsspec
+import pytest
+import torch
+
+from actors.checkpoint_io import decode_manifest, encode_manifest, encode_shard, fill_from_reads
+from plans.errors import CheckpointError
+from plans.reshard import plan_reads
+
+
+def _written(tmp_path):
+    weight = torch.arange(20, dtype=torch.float32).reshape(5, 4) - 7.5
+    data, chunks = encode_shard([("w", "param", weight, (5, 4), (0, 0)),
+                                 ("w", "exp_avg", weight * 2, (5, 4), (0, 0))], "attempt-x/rank-00000.safetensors")
+    (tmp_path / "attempt-x").mkdir()
+    (tmp_path / "attempt-x" / "rank-00000.safetensors").write_bytes(data)
+    return weight, chunks
+
+
+def test_manifest_round_trip_keeps_chunks_and_metadata(tmp_path):
+    _, chunks = _written(tmp_path)
+    decoded, metadata = decode_manifest(encode_manifest(chunks, {"step": 3, "layout": {"dp": 2}}))
+    assert decoded == chunks and metadata["step"] == 3 and metadata["format_version"] == "1.0"
+
+
+def test_unknown_major_version_is_rejected_clearly(tmp_path):
+    _, chunks = _written(tmp_path)
+    import io, json
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(io.BytesIO(encode_manifest(chunks, {"step": 1})))
+    future = json.loads(table.schema.metadata[b"rayshard"]) | {"format_version": "9.0"}
+    sink = io.BytesIO()
+    pq.write_table(table.replace_schema_metadata({b"rayshard": json.dumps(future).encode()}), sink)
+    data = sink.getvalue()
+    with pytest.raises(CheckpointError, match="format version 9.0 is not readable"):
+        decode_manifest(data)
+    with pytest.raises(CheckpointError, match="not a readable Parquet"):
+        decode_manifest(b"garbage")
+
+
+def test_truncated_shard_names_file_and_byte_range(tmp_path):
+    _, chunks = _written(tmp_path)
+    path = tmp_path / "attempt-x" / "rank-00000.safetensors"
+    path.write_bytes(path.read_bytes()[: chunks[1].byte_start + 10])
+    fs = fsspec.filesystem("file")
+    items = plan_reads([chunks[1]], (0, 0), (5, 4))
+    with pytest.raises(CheckpointError, match=rf"rank-00000.safetensors: expected bytes \[{chunks[1].byte_start}, "):
+        fill_from_reads(fs, str(tmp_path), items, torch.empty(5, 4), (0, 0))
+
+
+def test_changed_bytes_fail_the_checksum_naming_tensor_and_file(tmp_path):
+    _, chunks = _written(tmp_path)
+    path = tmp_path / "attempt-x" / "rank-00000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[chunks[0].byte_start + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    items = plan_reads([chunks[0]], (0, 0), (5, 4))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch for w \(param\)"):
+        fill_from_reads(fsspec.filesystem("file"), str(tmp_path), items, torch.empty(5, 4), (0, 0))
+
+
+def test_shard_files_are_plain_safetensors_without_pickle(tmp_path):
+    weight, _ = _written(tmp_path)
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(tmp_path / "attempt-x" / "rank-00000.safetensors"))
+    assert torch.equal(loaded["param/w@0,0"], weight)
+    raw = (tmp_path / "attempt-x" / "rank-00000.safetensors").read_bytes()
+    assert b"\x80\x04" not in raw[:64]  # no pickle protocol header

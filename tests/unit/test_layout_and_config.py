@@ -1,0 +1,87 @@
+"""Layouts and configs: every constraint gives an error naming the field, the constraint and a fix."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from plans.config import TrainConfig, with_overrides
+from plans.errors import ConfigError
+from plans.layout import ParallelLayout, RankCoords
+from plans.model_spec import preset
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))
+def test_rank_and_coordinates_round_trip_with_tp_innermost(dp, fsdp, tp, pp):
+    layout = ParallelLayout(dp=dp, fsdp=fsdp, tp=tp, pp=pp)
+    seen = set()
+    for rank in range(layout.world_size):
+        coords = layout.coords_of(rank)
+        assert layout.rank_of(coords) == rank
+        seen.add(coords)
+    assert len(seen) == layout.world_size
+    if tp > 1:
+        assert layout.coords_of(1) == RankCoords(pp=0, dp=0, fsdp=0, tp=1)
+    data_ranks = {layout.data_rank_of(r) for r in range(layout.world_size)}
+    assert data_ranks == set(range(dp * fsdp))
+
+
+def test_layout_parse_and_describe():
+    layout = ParallelLayout.parse("dp=2, tp=2")
+    assert (layout.dp, layout.tp, layout.world_size) == (2, 2, 4)
+    assert layout.describe() == "dp2 x tp2"
+    assert ParallelLayout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(ConfigError, match="dp=N"):
+        ParallelLayout.parse("dp2")
+
+
+@pytest.mark.parametrize("kwargs, field, fragment", [
+    (dict(dp=0), "dp", ">= 1"),
+    (dict(pp=1, vpp=2), "vpp", "pp > 1"),
+])
+def test_bad_layouts_name_the_constraint(kwargs, field, fragment):
+    with pytest.raises(ConfigError) as error:
+        ParallelLayout(**kwargs)
+    assert error.value.field == field and fragment in str(error.value) and "Fix:" in str(error.value)
+
+
+def _config(**kwargs):
+    base = dict(model=preset("tiny"))
+    base.update(kwargs)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("overrides, field, fragment", [
+    ({"layout.tp": 4}, "layout.tp", "kv heads (2)"),
+    ({"world_size": 8, "layout.dp": 2}, "world_size", "dp*fsdp*tp*pp"),
+    ({"seq_len": 0}, "seq_len", "positive"),
+    ({"seq_len": 100000}, "seq_len", "max_seq_len"),
+    ({"global_batch": 7, "layout.dp": 2}, "global_batch", "multiple of dp*fsdp"),
+    ({"microbatches": 3}, "microbatches", "divide the per-rank batch"),
+    ({"steps": 0}, "steps", "at least 1"),
+    ({"run": "bad/name"}, "run", "letters"),
+    ({"optimizer.lr": -1.0}, "optimizer.lr", "lr > 0"),
+    ({"layout.pp": 8}, "layout.pp", "exceed the model's 4 layers"),
+    ({"ckpt_every": -1}, "ckpt_every", ">= 0"),
+])
+def test_bad_configs_name_field_constraint_and_fix(overrides, field, fragment):
+    with pytest.raises(ConfigError) as error:
+        with_overrides(_config(), **overrides).validate()
+    message = str(error.value)
+    assert error.value.field == field, message
+    assert fragment in message and "Fix:" in message
+
+
+def test_model_constraints():
+    with pytest.raises(ConfigError, match="must divide model.n_heads"):
+        preset("tiny", n_kv_heads=3)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        preset("huge")
+
+
+def test_from_dict_rejects_unknown_keys_and_reads_sections():
+    config = TrainConfig.from_dict({"model": {"preset": "tiny", "tie_embeddings": True},
+                                    "layout": {"dp": 2, "tp": 2}, "optimizer": {"lr": 1e-3}, "steps": 5})
+    assert config.model.tie_embeddings and config.layout.world_size == 4 and config.optimizer.lr == 1e-3
+    with pytest.raises(ConfigError, match="unknown key"):
+        TrainConfig.from_dict({"stepz": 5})
+    with pytest.raises(ConfigError, match="unknown key"):
+        TrainConfig.from_dict({"layout": {"dq": 2}})
