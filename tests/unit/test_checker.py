@@ -172,3 +172,11 @@ def test_checker_handles_a_large_pipeline():
 def test_checking_a_compute_only_schedule_says_to_lower_it():
     with pytest.raises(ScheduleError, match="lower"):
         check(build_schedule("1f1b", 2, 2))
+
+
+def test_lowering_receives_before_sending_where_neighbours_would_both_send():
+    # 1F1B steady state: rank 2 sends F(i+1) to rank 3 while rank 3 sends B(i) back. Rank 3
+    # receives first — the production fix — and rank 2 sends first.
+    last = lower(build_schedule("1f1b", 4, 8)).ranks[3]
+    for mb in range(1, 7):
+        assert last.index(Action(RECV_F, 3, mb + 1, 2)) < last.index(Action(SEND_B, 3, mb, 2))
