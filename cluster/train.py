@@ -16,6 +16,7 @@ from cluster.rank_group import RankGroup, connect_ray
 from cluster.store import MANIFEST, CheckpointRef, Store
 from plans.chunks import Chunk
 from plans.config import TrainConfig
+from plans.errors import ConfigError
 from plans.reshard import check_chunks_disjoint_and_complete
 
 
@@ -38,6 +39,10 @@ def train(config: TrainConfig) -> TrainResult:
     store = Store(config.store)
     resume = store.resolve(config.resume, current_run=config.run) if config.resume else None
     start_step, parent = 0, None
+    if resume is None and store.committed_steps(config.run):
+        raise ConfigError("run", config.run,
+                          f"already has checkpoints in {config.store} (steps {store.committed_steps(config.run)})",
+                          "pass --resume latest to continue it, or choose a new --run name")
     if resume is not None:
         metadata = _read_metadata(resume)
         start_step, parent = int(metadata["step"]), resume.url
