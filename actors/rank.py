@@ -31,6 +31,7 @@ class RankActor:
     def setup(self, config: TrainConfig, rank: int, init_method: str) -> dict:
         from actors.trainer import Trainer  # heavy imports happen in the actor, not at module load
 
+        self.shutdown()  # a reused actor leaves its previous group first
         self.trainer = Trainer(config, rank, init_method)
         return {"rank": rank, "pid": os.getpid(), "device": str(self.trainer.device),
                 "data_fingerprint": self.trainer.data_fingerprint()}
@@ -47,3 +48,4 @@ class RankActor:
     def shutdown(self) -> None:
         if self.trainer is not None:
             self.trainer.shutdown()
+            self.trainer = None

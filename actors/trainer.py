@@ -9,27 +9,21 @@ import contextlib
 import time
 from datetime import timedelta
 
-import fsspec
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from actors.checkpoint_io import decode_manifest, dtype_name, encode_shard, fill_from_reads
+from actors.checkpointing import load_rank_shard, save_rank_shard
 from actors.data import corpus_fingerprint, load_corpus, rank_batch
 from actors.init_weights import initialize_parameters
 from actors.model import build_on_meta
 from actors.parallelize import clip_grad_norm, parallelize
-from actors.shards import is_primary_replica, local_region
-from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from plans.config import TrainConfig
-from plans.errors import CheckpointError
 from plans.layout import MESH_DIM_NAMES
 from plans.lr_schedule import learning_rate
-from plans.reshard import plan_reads
-
-MOMENTS = (EXP_AVG, EXP_AVG_SQ)
+from plans.model_spec import parameter_shapes
 
 
 def param_groups_by_mesh(parameters) -> list[dict]:
@@ -109,78 +103,16 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def _state_tensors(self):
-        """(name, kind, tensor) for every piece of state, params and AdamW moments alike."""
-        for name, param in self.model.named_parameters():
-            yield name, PARAM, param
-            state = self.optimizer.state.get(param, {})
-            for kind in MOMENTS:
-                if kind in state:
-                    yield name, kind, state[kind]
-
     def save_shard(self, checkpoint_url: str, file: str) -> list[dict]:
-        """Write this rank's primary pieces to checkpoint_url/file; return their manifest rows.
+        return save_rank_shard(self.model, self.optimizer, self.coord_map, checkpoint_url, file)
 
-        Replicated pieces are written by one rank only (coordinate 0 of every replicated dim).
-        """
-        pieces = []
-        for name, kind, tensor in self._state_tensors():
-            if is_primary_replica(tensor, self.coord_map):
-                offsets, _ = local_region(tensor)
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                pieces.append((name, kind, local, tuple(tensor.shape), offsets))
-        if not pieces:
-            return []
-        data, chunks = encode_shard(pieces, file)
-        fs, base = fsspec.core.url_to_fs(checkpoint_url)
-        fs.makedirs(f"{base}/{file}".rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(f"{base}/{file}", data)
-        return [chunk.to_row() for chunk in chunks]
+    def load(self, checkpoint_url: str) -> dict:
+        result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(parameter_shapes(self.config.model)))
+        self.step = result["step"]
+        return {"step": result["step"], "bytes_read": result["bytes_read"]}
 
     def data_fingerprint(self) -> str:
         return corpus_fingerprint(self.corpus)
-
-    @torch.no_grad()
-    def load(self, checkpoint_url: str) -> dict:
-        """Fill this rank's shard of params and moments from any layout's checkpoint."""
-        fs, base = fsspec.core.url_to_fs(checkpoint_url)
-        chunks, metadata = decode_manifest(fs.cat_file(f"{base}/manifest.parquet"), f"{checkpoint_url}/manifest.parquet")
-        by_tensor: dict[tuple[str, str], list[Chunk]] = {}
-        for chunk in chunks:
-            by_tensor.setdefault((chunk.name, chunk.kind), []).append(chunk)
-        self._check_matches(by_tensor, checkpoint_url)
-        step = int(metadata["step"])
-        for param in self.model.parameters():  # AdamW state must exist before it can be filled
-            self.optimizer.state[param] = {"step": torch.tensor(float(step)),
-                                           EXP_AVG: torch.zeros_like(param), EXP_AVG_SQ: torch.zeros_like(param)}
-        bytes_read = 0
-        for name, kind, tensor in self._state_tensors():
-            offsets, sizes = local_region(tensor)
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            items = plan_reads(by_tensor[(name, kind)], offsets, sizes, what=f"{name} ({kind})")
-            bytes_read += fill_from_reads(fs, base, items, local, offsets)
-        self.step = step
-        return {"step": step, "bytes_read": bytes_read}
-
-    def _check_matches(self, by_tensor: dict, where: str) -> None:
-        """One error listing every missing key, unexpected key and shape or dtype mismatch."""
-        expected = {}
-        for name, param in self.model.named_parameters():
-            for kind in (PARAM, *MOMENTS):
-                expected[(name, kind)] = (tuple(param.shape), dtype_name(param.dtype))
-        stored = {key: (group[0].global_shape, group[0].dtype) for key, group in by_tensor.items()}
-        missing = sorted(f"{n} ({k})" for n, k in expected.keys() - stored.keys())
-        unexpected = sorted(f"{n} ({k})" for n, k in stored.keys() - expected.keys())
-        mismatched = sorted(f"{n} ({k}): checkpoint {stored[(n, k)][1]}{list(stored[(n, k)][0])}, "
-                            f"model {expected[(n, k)][1]}{list(expected[(n, k)][0])}"
-                            for n, k in expected.keys() & stored.keys() if stored[(n, k)] != expected[(n, k)])
-        if missing or unexpected or mismatched:
-            lines = [f"checkpoint {where} does not match the model:"]
-            for title, entries in (("missing keys", missing), ("unexpected keys", unexpected), ("shape/dtype mismatches", mismatched)):
-                if entries:
-                    lines.append(f"  {title} ({len(entries)}): " + "; ".join(entries[:20]) + (" ..." if len(entries) > 20 else ""))
-            lines.append("  Fix: resume with the model settings the checkpoint was written with (see `rayshard ckpt show`).")
-            raise CheckpointError("\n".join(lines))
 
     def shutdown(self) -> None:
         if dist.is_initialized():

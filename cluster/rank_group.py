@@ -26,24 +26,38 @@ def bundle_for_rank(world_size: int) -> dict[str, float]:
     return {"CPU": max(0.01, round(share, 2))}
 
 
+def start_actors(world: int, setup_timeout_s: float = 600.0):
+    """One RankActor per rank in a fresh placement group. Returns (placement group, actors)."""
+    bundle = bundle_for_rank(world)
+    if "GPU" in bundle and ray.cluster_resources().get("GPU", 0) < world:
+        raise ConfigError("layout", f"{world} ranks",
+                          f"needs {world} GPUs but the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}",
+                          "lower the parallel degrees or add GPU nodes")
+    placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+    ray.get(placement.ready(), timeout=setup_timeout_s)
+    actors = [
+        RankActor.options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank),
+        ).remote()
+        for rank in range(world)
+    ]
+    return placement, actors
+
+
 class RankGroup:
-    def __init__(self, config: TrainConfig, setup_timeout_s: float = 600.0):
+    """The ranks of one training layout. Owns its actors, or borrows live ones (a pool in
+    tests; survivors after a failure) and leaves them alive on shutdown."""
+
+    def __init__(self, config: TrainConfig, actors: list | None = None, setup_timeout_s: float = 600.0):
         world = config.layout.world_size
-        bundle = bundle_for_rank(world)
-        if "GPU" in bundle and ray.cluster_resources().get("GPU", 0) < world:
-            raise ConfigError("layout", config.layout.describe(),
-                              f"needs {world} GPUs but the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}",
-                              "lower the parallel degrees or add GPU nodes")
-        self.placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
-        ray.get(self.placement.ready(), timeout=setup_timeout_s)
-        gpu = bundle.get("GPU", 0)
-        self.actors = [
-            RankActor.options(
-                num_cpus=bundle["CPU"], num_gpus=gpu,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
-            ).remote()
-            for rank in range(world)
-        ]
+        if actors is None:
+            self.placement, self.actors, self.owned = *start_actors(world, setup_timeout_s), True
+        else:
+            if len(actors) < world:
+                raise ConfigError("layout", config.layout.describe(), f"needs {world} ranks but {len(actors)} actors were given",
+                                  "pass more actors or a smaller layout")
+            self.placement, self.actors, self.owned = None, list(actors[:world]), False
         init_method = ray.get(self.actors[0].rendezvous_address.remote(), timeout=setup_timeout_s)
         self.setup_info = ray.get([actor.setup.remote(config, rank, init_method) for rank, actor in enumerate(self.actors)],
                                   timeout=setup_timeout_s)
@@ -62,6 +76,7 @@ class RankGroup:
             ray.get([actor.shutdown.remote() for actor in self.actors], timeout=60)
         except Exception:  # a dead rank cannot shut down cleanly; killing it below is enough
             pass
-        for actor in self.actors:
-            ray.kill(actor)
-        remove_placement_group(self.placement)
+        if self.owned:
+            for actor in self.actors:
+                ray.kill(actor)
+            remove_placement_group(self.placement)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from actors.checkpointing import MANIFEST
 from plans.errors import CheckpointError
 
-MANIFEST = "manifest.parquet"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 

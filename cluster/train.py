@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import time
-
-import fsspec
 from dataclasses import dataclass, field
 
-from actors.checkpoint_io import decode_manifest, encode_manifest
+from actors.checkpoint_io import encode_manifest
+from actors.checkpointing import read_manifest
 from cluster.rank_group import RankGroup, connect_ray
-from cluster.store import MANIFEST, CheckpointRef, Store
+from cluster.store import CheckpointRef, Store
 from plans.chunks import Chunk
 from plans.config import TrainConfig
 from plans.errors import ConfigError
@@ -34,7 +33,8 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
-def train(config: TrainConfig) -> TrainResult:
+def train(config: TrainConfig, actors: list | None = None) -> TrainResult:
+    """Run (or resume) training. `actors`: live RankActors to borrow instead of starting new ones."""
     config = config.validate()
     store = Store(config.store)
     resume = store.resolve(config.resume, current_run=config.run) if config.resume else None
@@ -56,7 +56,7 @@ def train(config: TrainConfig) -> TrainResult:
     _log(f"run {config.run!r}: model {config.model_preset}, layout {config.layout.describe()} "
          f"({config.layout.world_size} ranks), steps {start_step}..{config.steps}, store {config.store}")
     started = time.perf_counter()
-    group = RankGroup(config)
+    group = RankGroup(config, actors)
     _log(f"{config.layout.world_size} rank actors ready on {group.setup_info[0]['device']} "
          f"in {time.perf_counter() - started:.1f}s")
     result = TrainResult(config.run, start_step, resumed_from=parent)
@@ -118,9 +118,7 @@ def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: i
 
 
 def _read_metadata(ref: CheckpointRef) -> dict:
-    fs, path = fsspec.core.url_to_fs(ref.url)
-    _, metadata = decode_manifest(fs.cat_file(f"{path}/{MANIFEST}"), f"{ref.url}/{MANIFEST}")
-    return metadata
+    return read_manifest(ref.url)[1]
 
 
 def _lr_schedule(config: TrainConfig) -> dict:

@@ -23,6 +23,27 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def rank_pool(ray_session):
+    """Eight live RankActors shared by the session: each training run borrows the first N, so
+    tests pay the process start and torch import once instead of once per run."""
+    from cluster.rank_group import start_actors
+
+    placement, actors = start_actors(8)
+    yield actors
+    for actor in actors:
+        ray_session.kill(actor)
+    ray_session.util.remove_placement_group(placement)
+
+
+@pytest.fixture(scope="session")
+def run_training(rank_pool):
+    """train(config) on the shared actor pool."""
+    from cluster.train import train
+
+    return lambda config: train(config, rank_pool)
+
+
 def small_config(tmp_path, layout=None, **overrides) -> TrainConfig:
     """The tiny model on a small corpus slice: fast enough for many runs per session."""
     values = dict(

@@ -5,7 +5,6 @@ import json
 import pytest
 
 from cluster.store import Store
-from cluster.train import train
 from plans.errors import CheckpointError
 from plans.layout import ParallelLayout
 from plans.model_spec import preset
@@ -24,15 +23,15 @@ def _config(tmp_path, layout, **overrides):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_session, tmp_path_factory):
+def uninterrupted(run_training, tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    return train(_config(root, DP2_TP2, steps=8, run="full"))
+    return run_training(_config(root, DP2_TP2, steps=8, run="full"))
 
 
-def test_resume_latest_is_bit_exact(ray_session, tmp_path, uninterrupted):
-    first = train(_config(tmp_path, DP2_TP2, steps=4, run="r"))
+def test_resume_latest_is_bit_exact(run_training, tmp_path, uninterrupted):
+    first = run_training(_config(tmp_path, DP2_TP2, steps=4, run="r"))
     assert first.checkpoints[-1].endswith("step-00000004")
-    resumed = train(_config(tmp_path, DP2_TP2, steps=8, run="r", resume="latest"))
+    resumed = run_training(_config(tmp_path, DP2_TP2, steps=8, run="r", resume="latest"))
     assert resumed.start_step == 4
     for step in range(5, 9):
         assert resumed.losses[step] == uninterrupted.losses[step], step  # bit for bit
@@ -41,28 +40,28 @@ def test_resume_latest_is_bit_exact(ray_session, tmp_path, uninterrupted):
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 9))
 
 
-def test_resume_onto_another_layout_continues_the_same_training(ray_session, tmp_path, uninterrupted):
-    train(_config(tmp_path, DP2_TP2, steps=4, run="x", ckpt_every=2))
+def test_resume_onto_another_layout_continues_the_same_training(run_training, tmp_path, uninterrupted):
+    run_training(_config(tmp_path, DP2_TP2, steps=4, run="x", ckpt_every=2))
     store = Store(str(tmp_path / "store"))
     assert store.committed_steps("x") == [2, 4] and store.latest_step("x") == 4
-    resumed = train(_config(tmp_path, ParallelLayout(fsdp=2), steps=6, run="x", resume="x@4"))
+    resumed = run_training(_config(tmp_path, ParallelLayout(fsdp=2), steps=6, run="x", resume="x@4"))
     for step in (5, 6):
         assert resumed.losses[step] == pytest.approx(uninterrupted.losses[step], rel=1e-5)
 
 
-def test_mismatched_model_lists_missing_unexpected_and_shape_errors_together(ray_session, tmp_path):
-    train(small_config(tmp_path, ParallelLayout(), steps=1, run="m"))
+def test_mismatched_model_lists_missing_unexpected_and_shape_errors_together(run_training, tmp_path):
+    run_training(small_config(tmp_path, ParallelLayout(), steps=1, run="m"))
     other = preset("tiny", tie_embeddings=True, ffn_dim=96)  # no output.weight, other ffn shapes
     with pytest.raises(Exception) as error:
-        train(small_config(tmp_path, ParallelLayout(), steps=2, run="m", model=other, resume="latest"))
+        run_training(small_config(tmp_path, ParallelLayout(), steps=2, run="m", model=other, resume="latest"))
     message = str(error.value)
     assert "unexpected keys" in message and "output.weight (param)" in message
     assert "shape/dtype mismatches" in message and "feed_forward.gate_up.weight" in message
 
 
-def test_unknown_checkpoint_addresses_are_clear(ray_session, tmp_path):
+def test_unknown_checkpoint_addresses_are_clear(run_training, tmp_path):
     with pytest.raises(CheckpointError, match="no committed checkpoint"):
-        train(small_config(tmp_path, ParallelLayout(), run="nothing", resume="latest"))
-    train(small_config(tmp_path, ParallelLayout(), steps=1, run="one"))
+        run_training(small_config(tmp_path, ParallelLayout(), run="nothing", resume="latest"))
+    run_training(small_config(tmp_path, ParallelLayout(), steps=1, run="one"))
     with pytest.raises(CheckpointError, match=r"Committed steps: \[1\]"):
-        train(small_config(tmp_path, ParallelLayout(), steps=3, run="one", resume="one@2"))
+        run_training(small_config(tmp_path, ParallelLayout(), steps=3, run="one", resume="one@2"))

@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from cluster.train import train
 from plans.layout import ParallelLayout
 from tests.conftest import small_config
 
@@ -22,14 +21,14 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def reference_losses(ray_session, tmp_path_factory):
-    result = train(small_config(tmp_path_factory.mktemp("ref"), LAYOUTS["single"], run="ref"))
+def reference_losses(run_training, tmp_path_factory):
+    result = run_training(small_config(tmp_path_factory.mktemp("ref"), LAYOUTS["single"], run="ref"))
     return result.losses
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single"])
-def test_losses_agree_across_layouts(ray_session, tmp_path, reference_losses, name):
-    result = train(small_config(tmp_path, LAYOUTS[name], run=name))
+def test_losses_agree_across_layouts(run_training, tmp_path, reference_losses, name):
+    result = run_training(small_config(tmp_path, LAYOUTS[name], run=name))
     assert sorted(result.losses) == list(range(1, 11))
     for step, loss in result.losses.items():
         assert math.isclose(loss, reference_losses[step], rel_tol=1e-5), (name, step, loss, reference_losses[step])
@@ -37,13 +36,13 @@ def test_losses_agree_across_layouts(ray_session, tmp_path, reference_losses, na
     assert result.losses[10] < result.losses[1] - 0.3
 
 
-def test_tied_embeddings_agree_across_layouts(ray_session, tmp_path):
+def test_tied_embeddings_agree_across_layouts(run_training, tmp_path):
     from plans.model_spec import preset
 
     tied = preset("tiny", tie_embeddings=True)
-    single = train(small_config(tmp_path / "a", ParallelLayout(), model=tied, steps=4, run="a")).losses
-    sharded = train(small_config(tmp_path / "b", ParallelLayout(fsdp=2, tp=2), model=tied, steps=4, run="b")).losses
-    untied = train(small_config(tmp_path / "c", ParallelLayout(), steps=4, run="c")).losses
+    single = run_training(small_config(tmp_path / "a", ParallelLayout(), model=tied, steps=4, run="a")).losses
+    sharded = run_training(small_config(tmp_path / "b", ParallelLayout(fsdp=2, tp=2), model=tied, steps=4, run="b")).losses
+    untied = run_training(small_config(tmp_path / "c", ParallelLayout(), steps=4, run="c")).losses
     for step in single:
         assert math.isclose(single[step], sharded[step], rel_tol=1e-5)
     assert single[1] != untied[1]  # the tie is real: it changes the model
