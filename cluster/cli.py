@@ -14,10 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each family registers its own subcommands; importing lazily keeps `rayshard --help` fast.
-    from cluster import train_cli, plan_cli
+    from cluster import ckpt_cli, plan_cli, train_cli
 
-    train_cli.register(commands)
-    plan_cli.register(commands)
+    for module in (train_cli, plan_cli, ckpt_cli):
+        module.register(commands)
     return parser
 
 

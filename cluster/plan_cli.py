@@ -20,6 +20,7 @@ from plans.partition import Placement, parse_layout, partition_layers
 from plans.schedule_text import LEGEND, text_grid
 from plans.schedules import SPECS, build_schedule, memory_bounds, schedule_spec
 from plans.simulator import PipelineCosts, Simulation, simulate
+from cluster.cli_groups import command_group
 
 SCHEDULE_NAMES = list(SPECS) + ["i1f1b"]
 DEFAULT_COSTS = "F=1,B=2,W=1"
@@ -27,15 +28,8 @@ DEFAULT_COSTS = "F=1,B=2,W=1"
 
 def plan_subcommands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """The subparsers of `rayshard plan`, created on first use; any module may add to them."""
-    existing = commands.choices.get("plan")
-    if existing is not None:
-        return existing.rayshard_subcommands
-    parser = commands.add_parser(
-        "plan", help="pipeline schedules, stage placement and other plans (no cluster needed)",
-        description="Build, check, simulate and draw plans without starting anything.",
-    )
-    parser.rayshard_subcommands = parser.add_subparsers(dest="plan_command", required=True, metavar="PLAN")
-    return parser.rayshard_subcommands
+    return command_group(commands, "plan", help="pipeline schedules, stage placement and other plans (no cluster needed)",
+                         description="Build, check, simulate and draw plans without starting anything.")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
