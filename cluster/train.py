@@ -37,12 +37,15 @@ def train(config: TrainConfig, actors: list | None = None) -> TrainResult:
     """Run (or resume) training. `actors`: live RankActors to borrow instead of starting new ones."""
     config = config.validate()
     store = Store(config.store)
-    resume = store.resolve(config.resume, current_run=config.run) if config.resume else None
+    requested = config.resume
+    if requested == "auto":  # resubmitting a run by name continues it; a new name starts fresh
+        requested = "latest" if store.committed_steps(config.run) else None
+    resume = store.resolve(requested, current_run=config.run) if requested else None
     start_step, parent = 0, None
     if resume is None and store.committed_steps(config.run):
         raise ConfigError("run", config.run,
                           f"already has checkpoints in {config.store} (steps {store.committed_steps(config.run)})",
-                          "pass --resume latest to continue it, or choose a new --run name")
+                          "pass --resume latest (or auto) to continue it, or choose a new --run name")
     if resume is not None:
         metadata = _read_metadata(resume)
         start_step, parent = int(metadata["step"]), resume.url

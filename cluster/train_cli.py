@@ -31,7 +31,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, metavar="N", help="optional check: must equal dp*fsdp*tp*pp")
     parser.add_argument("--steps", type=int, metavar="N", help="train until this many steps are done")
     parser.add_argument("--ckpt-every", type=int, metavar="N", help="commit a checkpoint every N steps (0: at the end only)")
-    parser.add_argument("--resume", metavar="CKPT", help="latest | RUN | RUN@STEP | checkpoint URL")
+    parser.add_argument("--resume", metavar="CKPT", help="latest | auto (latest if the run has checkpoints, else start fresh) | RUN | RUN@STEP | checkpoint URL")
     parser.add_argument("--global-batch", type=int, metavar="N", help="sequences per step over all data ranks")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
     parser.add_argument("--microbatches", type=int, metavar="N", help="gradient accumulation / pipeline microbatches")
