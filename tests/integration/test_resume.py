@@ -65,3 +65,10 @@ def test_unknown_checkpoint_addresses_are_clear(run_training, tmp_path):
     run_training(small_config(tmp_path, ParallelLayout(), steps=1, run="one"))
     with pytest.raises(CheckpointError, match=r"Committed steps: \[1\]"):
         run_training(small_config(tmp_path, ParallelLayout(), steps=3, run="one", resume="one@2"))
+
+
+def test_resume_auto_starts_fresh_then_continues_the_same_run_name(run_training, tmp_path):
+    first = run_training(small_config(tmp_path, ParallelLayout(), steps=2, run="auto", resume="auto"))
+    assert first.start_step == 0 and first.resumed_from is None
+    second = run_training(small_config(tmp_path, ParallelLayout(dp=2), steps=3, run="auto", resume="auto"))
+    assert second.start_step == 2 and second.resumed_from.endswith("step-00000002")
