@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Callable
 from dataclasses import dataclass, field
 
 from actors.checkpoint_io import encode_manifest
@@ -27,14 +28,21 @@ class TrainResult:
     checkpoints: list[str] = field(default_factory=list)
     resumed_from: str | None = None
     step_seconds: list[float] = field(default_factory=list)
+    stopped_early: bool = False
 
 
 def _log(message: str) -> None:
     print(message, flush=True)
 
 
-def train(config: TrainConfig, actors: list | None = None) -> TrainResult:
-    """Run (or resume) training. `actors`: live RankActors to borrow instead of starting new ones."""
+def train(config: TrainConfig, actors: list | None = None,
+          stop_after_checkpoint: Callable[[int], bool] | None = None) -> TrainResult:
+    """Run (or resume) training.
+
+    actors: live RankActors to borrow instead of starting new ones.
+    stop_after_checkpoint(step): asked after each committed checkpoint; True stops here (the
+    elastic controller uses it to resize at a checkpoint, losing no work).
+    """
     config = config.validate()
     store = Store(config.store)
     requested = config.resume
@@ -88,6 +96,10 @@ def train(config: TrainConfig, actors: list | None = None) -> TrainResult:
                 result.checkpoints.append(url)
                 log.flush()
                 _log(f"checkpoint step {done} committed: {url}")
+                if done < config.steps and stop_after_checkpoint is not None and stop_after_checkpoint(done):
+                    result.stopped_early = True
+                    _log(f"stopping after the checkpoint at step {done} as asked (resize)")
+                    break
     finally:
         log.flush()
         group.shutdown()
