@@ -1,25 +1,36 @@
-"""Checkpoint bytes: a rank's chunks in a safetensors file, the Parquet manifest, ranged reads.
+"""Checkpoint bytes: streaming a rank's chunks into a safetensors file, the Parquet manifest, and
+executing read plans with ranged reads.
 
 No pickle anywhere: tensors go through safetensors, metadata through Parquet and JSON.
+
+Memory: a save computes the whole safetensors header from shapes first, then streams each piece
+in row blocks of at most STAGE_BYTES (a device tensor is copied to CPU one block at a time; a CPU
+tensor is written straight from its own memory), so the extra memory of a save is one block plus
+the file system's write buffer, whatever the shard size. A load fetches requests in windows of
+at most WINDOW_BYTES and copies each into place before fetching the next window.
 """
 from __future__ import annotations
 
 import io
 import json
-import struct
+import uuid
 import zlib
+from collections.abc import Callable, Iterable, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from safetensors.torch import save as safetensors_bytes
 
 from plans.chunks import Chunk
 from plans.errors import CheckpointError
-from plans.reshard import ReadItem
+from plans.reshard import HeaderCheck, ReadItem, Request, coalesce
+from plans.safetensors_layout import Entry, file_layout
 
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
+READABLE_MAJOR = "1"
 METADATA_KEY = b"rayshard"
+STAGE_BYTES = 16 * 2**20
+WINDOW_BYTES = 64 * 2**20
 
 MANIFEST_SCHEMA = pa.schema([
     ("name", pa.string()),
@@ -32,6 +43,7 @@ MANIFEST_SCHEMA = pa.schema([
     ("byte_start", pa.int64()),
     ("byte_end", pa.int64()),
     ("checksum", pa.string()),
+    ("file_header", pa.string()),
 ])
 
 
@@ -39,33 +51,75 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def checksum(data) -> str:
-    return f"crc32:{zlib.crc32(data):08x}"
+def checksum(data, running: int = 0) -> str:
+    return f"crc32:{zlib.crc32(data, running):08x}"
 
 
-def _staged(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy that owns its memory: safetensors refuses tensors that share storage, and the
-    copy also decouples the bytes being written from training that continues to update them."""
+def chunk_key(name: str, kind: str, offsets: Sequence[int]) -> str:
+    """The tensor's key inside its safetensors file (unique per file, readable by any safetensors tool)."""
+    return f"{kind}/{name}@{','.join(map(str, offsets))}"
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+
+def _byte_blocks(tensor: torch.Tensor, stage_bytes: int):
+    """The tensor's row-major bytes as CPU buffers of at most ~stage_bytes (whole rows each)."""
     tensor = tensor.detach()
-    return tensor.to("cpu", copy=True).contiguous() if tensor.device.type == "cpu" else tensor.cpu().contiguous()
+    if tensor.dim() == 0 or tensor.numel() == 0:
+        yield tensor.reshape(-1).to("cpu").contiguous().view(torch.uint8).numpy().data
+        return
+    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+    rows_per_block = max(1, stage_bytes // row_bytes)
+    for start in range(0, tensor.shape[0], rows_per_block):
+        block = tensor[start:start + rows_per_block]
+        # On CPU a contiguous block is written from the parameter's own memory (no copy): the save
+        # runs between steps, so nothing changes it meanwhile. A device block is staged to CPU.
+        block = block.to("cpu").contiguous()
+        yield block.reshape(-1).view(torch.uint8).numpy().data
 
 
-def encode_shard(pieces: list[tuple[str, str, torch.Tensor, tuple, tuple]], file: str) -> tuple[bytes, list[Chunk]]:
-    """pieces: (name, kind, local tensor, global shape, global offsets). Returns the safetensors
-    bytes and one Chunk per piece with its absolute byte range inside the file."""
-    tensors = {f"{kind}/{name}@{','.join(map(str, offsets))}": _staged(tensor) for name, kind, tensor, _, offsets in pieces}
-    data = safetensors_bytes(tensors, metadata={"format": "rayshard", "version": FORMAT_VERSION})
-    header_len = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + header_len])
-    base = 8 + header_len
+def write_pieces(handle, pieces: Sequence[tuple[str, str, torch.Tensor, tuple, tuple]], file: str,
+                 stage_bytes: int = STAGE_BYTES) -> list[Chunk]:
+    """Stream pieces (name, kind, local tensor, global shape, global offsets) into an open binary
+    handle as one safetensors file; return one Chunk per piece with its absolute byte range."""
+    entries = [Entry(chunk_key(name, kind, offsets), dtype_name(tensor.dtype), tuple(tensor.shape))
+               for name, kind, tensor, _, offsets in pieces]
+    # The nonce makes every written header unique, so a manifest can tell its own file from a
+    # replacement even when it reads only part of a chunk.
+    header, ranges = file_layout(entries, {"format": "rayshard", "version": FORMAT_VERSION, "nonce": uuid.uuid4().hex})
+    handle.write(header)
+    header_checksum = checksum(header)
     chunks = []
-    view = memoryview(data)
-    for (name, kind, tensor, shape, offsets), key in zip(pieces, tensors):
-        begin, end = header[key]["data_offsets"]
-        start, stop = base + begin, base + end
-        chunks.append(Chunk(name, kind, dtype_name(tensor.dtype), tuple(shape), tuple(offsets),
-                            tuple(tensor.shape), file, start, stop, checksum(view[start:stop])))
-    return data, chunks
+    for (name, kind, tensor, shape, offsets), entry, (start, end) in zip(pieces, entries, ranges):
+        running, written = 0, 0
+        for block in _byte_blocks(tensor, stage_bytes):
+            handle.write(block)
+            running = zlib.crc32(block, running)
+            written += len(block)
+        if written != end - start:
+            raise CheckpointError(f"{name} ({kind}): wrote {written} bytes but its header entry needs {end - start}")
+        chunks.append(Chunk(name, kind, entry.dtype, tuple(shape), tuple(offsets), entry.shape, file, start, end,
+                            f"crc32:{running:08x}", header_checksum))
+    return chunks
+
+
+def write_shard(fs, base: str, file: str, pieces, stage_bytes: int = STAGE_BYTES) -> list[Chunk]:
+    """Write pieces to base/file on an fsspec file system, streaming."""
+    path = f"{base}/{file}"
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "wb") as handle:
+        return write_pieces(handle, pieces, file, stage_bytes)
+
+
+def encode_shard(pieces, file: str) -> tuple[bytes, list[Chunk]]:
+    """The same file in memory (tests, small tools)."""
+    sink = io.BytesIO()
+    chunks = write_pieces(sink, pieces, file)
+    return sink.getvalue(), chunks
+
+
+# ---- the manifest -------------------------------------------------------------------------------
 
 
 def encode_manifest(chunks: list[Chunk], metadata: dict) -> bytes:
@@ -87,35 +141,150 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], 
         raise CheckpointError(f"{where}: Parquet file has no rayshard metadata; it is not a rayshard manifest")
     metadata = json.loads(raw)
     version = str(metadata.get("format_version", "?"))
-    if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+    if version.split(".")[0] != READABLE_MAJOR:
         raise CheckpointError(f"{where}: format version {version} is not readable by this rayshard "
-                              f"(reads {FORMAT_VERSION.split('.')[0]}.x); upgrade rayshard to read it")
-    return [Chunk.from_row(row) for row in table.to_pylist()], metadata
+                              f"(reads {READABLE_MAJOR}.x); upgrade rayshard to read it")
+    columns = table.to_pydict()
+    count = table.num_rows
+    rows = [{key: values[i] for key, values in columns.items()} for i in range(count)]
+    return [Chunk.from_row(row) for row in rows], metadata
 
 
-def fill_from_reads(fs, base: str, items: list[ReadItem], target: torch.Tensor, target_offsets: tuple[int, ...]) -> int:
-    """Fetch every item's byte range (one batched call), copy the intersections into target.
-    Returns bytes read."""
-    if not items:
-        return 0
-    paths = [f"{base}/{item.chunk.file}" for item in items]
-    blobs = fs.cat_ranges(paths, [i.byte_start for i in items], [i.byte_end for i in items], on_error="return")
-    for item, blob, path in zip(items, blobs, paths):
-        if isinstance(blob, BaseException) or len(blob) != item.nbytes:
-            got = "an error: " + str(blob) if isinstance(blob, BaseException) else f"{len(blob)} bytes"
-            raise CheckpointError(f"{path}: expected bytes [{item.byte_start}, {item.byte_end}) of "
-                                  f"{item.chunk.name} ({item.chunk.kind}) but got {got}; the shard is missing or truncated")
-        if (item.byte_start, item.byte_end) == (item.chunk.byte_start, item.chunk.byte_end) and checksum(blob) != item.chunk.checksum:
-            raise CheckpointError(f"{path}: checksum mismatch for {item.chunk.name} ({item.chunk.kind}) "
-                                  f"at bytes [{item.byte_start}, {item.byte_end}); the file changed or is corrupt")
-        chunk = item.chunk
-        dtype = getattr(torch, chunk.dtype)
-        rows = torch.frombuffer(bytearray(blob), dtype=dtype)
-        rows = rows.view((item.rows[1] - item.rows[0], *chunk.sizes[1:]) if chunk.sizes else ())
-        source = tuple(slice(o - c, o - c + s) for o, c, s in zip(item.offsets[1:], chunk.offsets[1:], item.sizes[1:]))
-        destination = tuple(slice(o - t, o - t + s) for o, t, s in zip(item.offsets, target_offsets, item.sizes))
-        piece = rows[(slice(None), *source)] if chunk.sizes else rows
-        if piece.dtype != target.dtype:
-            raise CheckpointError(f"{chunk.name} ({chunk.kind}): stored as {chunk.dtype}, model expects {dtype_name(target.dtype)}")
-        target[destination].copy_(piece)
-    return sum(item.nbytes for item in items)
+# ---- reading ------------------------------------------------------------------------------------
+
+# (target, destination tensor, the destination's global offsets)
+Destination = tuple[torch.Tensor, tuple[int, ...]]
+
+
+def _windows(requests: Sequence[Request], window_bytes: int) -> Iterable[list[Request]]:
+    batch, size = [], 0
+    for request in requests:
+        if batch and size + request.nbytes > window_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(request)
+        size += request.nbytes
+    if batch:
+        yield batch
+
+
+def _short_read(path: str, start: int, end: int, what: str, got) -> CheckpointError:
+    detail = "an error: " + str(got) if isinstance(got, BaseException) else f"{len(got)} bytes"
+    return CheckpointError(f"{path}: expected bytes [{start}, {end}) of {what} but got {detail}; "
+                           "the shard is missing or truncated. Fix: restore the file, or resume from an earlier checkpoint")
+
+
+def _copy_item(item: ReadItem, data, destination: Destination, path: str) -> None:
+    chunk = item.chunk
+    tensor, target_offsets = destination
+    dtype = getattr(torch, chunk.dtype)
+    if tensor.dtype != dtype:
+        raise CheckpointError(f"{chunk.name} ({chunk.kind}): stored as {chunk.dtype}, model expects {dtype_name(tensor.dtype)}")
+    held = torch.frombuffer(data, dtype=dtype).view(item.held_sizes) if item.held_sizes else \
+        torch.frombuffer(data, dtype=dtype).view(())
+    source = tuple(slice(o - h, o - h + s) for o, h, s in zip(item.offsets, item.held_offsets, item.sizes))
+    place = tuple(slice(o - t, o - t + s) for o, t, s in zip(item.offsets, target_offsets, item.sizes))
+    tensor[place].copy_(held[source])
+
+
+def _check_whole_chunk(item: ReadItem, data, path: str) -> None:
+    if item.whole_chunk and checksum(data) != item.chunk.checksum:
+        raise CheckpointError(f"{path}: checksum mismatch for {item.chunk.name} ({item.chunk.kind}) at bytes "
+                              f"[{item.byte_start}, {item.byte_end}); the file changed or is corrupt. "
+                              "Fix: restore it from a copy, or resume from another checkpoint")
+
+
+def _check_header(part: HeaderCheck, data, path: str) -> None:
+    if checksum(data) != part.checksum:
+        raise CheckpointError(f"{path}: its safetensors header differs from the one recorded in the manifest; "
+                              "the file was replaced or rewritten after the checkpoint was committed. "
+                              "Fix: restore the original file, or resume from another checkpoint")
+
+
+def execute_requests(fs, base: str, requests: Sequence[Request], destinations: dict[ReadItem, Destination] | Callable,
+                     window_bytes: int = WINDOW_BYTES) -> int:
+    """Fetch requests (batched per window; concurrent on object stores), verify, and copy every
+    item into its destination. `destinations` maps an item to (tensor, global offsets of that
+    tensor), or is a function doing so. Returns bytes read."""
+    lookup = destinations if callable(destinations) else destinations.__getitem__
+    total = 0
+    small = [r for r in requests if r.nbytes <= window_bytes]
+    for batch in _windows(small, window_bytes):
+        paths = [f"{base}/{r.file}" for r in batch]
+        blobs = fs.cat_ranges(paths, [r.byte_start for r in batch], [r.byte_end for r in batch], on_error="return")
+        for request, blob, path in zip(batch, blobs, paths):
+            if isinstance(blob, BaseException) or len(blob) != request.nbytes:
+                raise _short_read(path, request.byte_start, request.byte_end, _describe(request), blob)
+            _serve(request, bytearray(blob), path, lookup)
+            total += request.nbytes
+    for request in requests:
+        if request.nbytes > window_bytes:
+            total += _serve_large(fs, base, request, lookup, window_bytes)
+    return total
+
+
+def _describe(request: Request) -> str:
+    names = sorted({f"{p.chunk.name} ({p.chunk.kind})" for p in request.parts if isinstance(p, ReadItem)})
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "the safetensors header"
+
+
+def _serve(request: Request, blob: bytearray, path: str, lookup) -> None:
+    view = memoryview(blob)
+    for part in request.parts:
+        data = view[part.byte_start - request.byte_start: part.byte_end - request.byte_start]
+        if isinstance(part, HeaderCheck):
+            _check_header(part, data, path)
+            continue
+        _check_whole_chunk(part, data, path)
+        _copy_item(part, data, lookup(part), path)
+
+
+def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int) -> int:
+    """A request bigger than the window: read each part on its own, and a whole-rows item bigger
+    than the window in row blocks, verifying its checksum incrementally."""
+    path = f"{base}/{request.file}"
+    total = 0
+    for part in request.parts:
+        if isinstance(part, HeaderCheck) or part.nbytes <= window_bytes or len(part.held_sizes) == 0:
+            data = _cat(fs, path, part.byte_start, part.byte_end, _describe(Request(part.file, 0, 0, (part,))))
+            _serve(Request(request.file, part.byte_start, part.byte_end, (part,)), data, path, lookup)
+            total += part.nbytes
+            continue
+        row_bytes = part.nbytes // part.held_sizes[0]
+        rows_per_block = max(1, window_bytes // row_bytes)
+        running = 0
+        for first in range(0, part.held_sizes[0], rows_per_block):
+            rows = min(rows_per_block, part.held_sizes[0] - first)
+            start = part.byte_start + first * row_bytes
+            data = _cat(fs, path, start, start + rows * row_bytes, f"{part.chunk.name} ({part.chunk.kind})")
+            running = zlib.crc32(data, running)
+            held_off = (part.held_offsets[0] + first, *part.held_offsets[1:])
+            held_size = (rows, *part.held_sizes[1:])
+            inter = [(max(a, b), min(a + sa, b + sb)) for a, sa, b, sb in zip(held_off, held_size, part.offsets, part.sizes)]
+            if all(lo < hi for lo, hi in inter):
+                piece = ReadItem(part.chunk, start, start + rows * row_bytes, held_off, held_size,
+                                 tuple(lo for lo, _ in inter), tuple(hi - lo for lo, hi in inter))
+                _copy_item(piece, data, lookup(part), path)
+            total += len(data)
+        if part.whole_chunk and f"crc32:{running:08x}" != part.chunk.checksum:
+            raise CheckpointError(f"{path}: checksum mismatch for {part.chunk.name} ({part.chunk.kind}) at bytes "
+                                  f"[{part.byte_start}, {part.byte_end}); the file changed or is corrupt. "
+                                  "Fix: restore it from a copy, or resume from another checkpoint")
+    return total
+
+
+def _cat(fs, path: str, start: int, end: int, what: str) -> bytearray:
+    try:
+        data = fs.cat_file(path, start=start, end=end)
+    except (FileNotFoundError, OSError) as error:
+        raise _short_read(path, start, end, what, error) from None
+    if len(data) != end - start:
+        raise _short_read(path, start, end, what, data)
+    return bytearray(data)
+
+
+def fill_from_reads(fs, base: str, items: list[ReadItem], target: torch.Tensor, target_offsets: tuple[int, ...],
+                    window_bytes: int = WINDOW_BYTES) -> int:
+    """Fetch one target's items and copy them into `target`."""
+    return execute_requests(fs, base, coalesce(items, window_bytes), lambda item: (target, target_offsets), window_bytes)
+

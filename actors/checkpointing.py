@@ -1,22 +1,32 @@
 """A rank's side of checkpoints: which pieces it writes, and how it fills its shard on load.
 
-Layout-free in both directions: a piece is written with its global name and region by the one
-rank that is its primary holder, and a load reads, for each local piece, only the byte ranges of
-stored chunks that overlap it — so any layout can load what any other layout wrote.
+Layout-free in both directions: a piece is written with its global name and region by exactly one
+of the ranks holding it, and a load reads, for each local piece, only the byte ranges of stored
+chunks that overlap it — so any layout can load what any other layout wrote.
+
+Which replica writes is decided here, not by `actors.shards.is_primary_replica` (the grad-norm's
+rule, which always picks coordinate 0): each replica group splits its pieces by bytes
+(`plans/save_plan.py`), so dp replicas share the writing instead of replica 0 writing everything.
 """
 from __future__ import annotations
 
 import fsspec
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
-from actors.checkpoint_io import decode_manifest, dtype_name, encode_shard, fill_from_reads
-from actors.shards import is_primary_replica, local_region
+from actors.checkpoint_io import WINDOW_BYTES, decode_manifest, dtype_name, execute_requests, write_shard
+from actors.shards import local_region
 from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from plans.errors import CheckpointError
-from plans.reshard import plan_reads
+from plans.layout import ParallelLayout, RankCoords
+from plans.reshard import Target, header_checks, index_chunks, plan_rank
+from plans.save_plan import assign_writers, group_salt
+from plans.target_regions import EMBEDDING, replica_members
 
 MANIFEST = "manifest.parquet"
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
+DATA_DIMS = ("dp", "fsdp", "tp")
 
 
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
@@ -33,20 +43,70 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def save_rank_shard(model, optimizer, coords: dict[str, int], checkpoint_url: str, file: str) -> list[dict]:
-    """Write this rank's primary pieces to checkpoint_url/file; return their manifest rows."""
-    pieces = []
+def rank_layout(model: torch.nn.Module) -> tuple[ParallelLayout, RankCoords]:
+    """This rank's layout and coordinates, read off the DTensor meshes and the process group
+    (degrees no mesh shows are 1: FSDP and TP turn every parameter they touch into a DTensor)."""
+    sizes = {dim: 1 for dim in DATA_DIMS}
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            for dim, size in zip(param.device_mesh.mesh_dim_names or (), param.device_mesh.shape):
+                if dim in sizes:
+                    sizes[dim] = size
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    layout = ParallelLayout(pp=max(1, world // (sizes["dp"] * sizes["fsdp"] * sizes["tp"])), **sizes)
+    return layout, layout.coords_of(rank)
+
+
+def replicated_dims(tensor: torch.Tensor, layout: ParallelLayout) -> tuple[str, ...]:
+    """Mesh dims along which other ranks hold an identical copy of this rank's piece: the tensor's
+    Replicate dims, and every data/tensor-parallel dim its mesh does not cover (a norm weight under
+    TP without FSDP is a plain tensor copied on every tp rank)."""
+    covered, copies = set(), set()
+    if isinstance(tensor, DTensor):
+        for dim, placement in zip(tensor.device_mesh.mesh_dim_names, tensor.placements):
+            covered.add(dim)
+            if isinstance(placement, Replicate):
+                copies.add(dim)
+    copies |= {dim for dim in DATA_DIMS if dim not in covered}
+    return tuple(dim for dim in ("pp", *DATA_DIMS) if dim in copies and getattr(layout, dim) > 1)
+
+
+def pieces_to_write(model, optimizer) -> list[tuple[str, str, torch.Tensor, tuple, tuple]]:
+    """This rank's share of the writing: (name, kind, local tensor, global shape, global offsets)."""
+    layout, coords = rank_layout(model)
+    config = getattr(model, "config", None)
+    tied = bool(getattr(config, "tie_embeddings", False))
+    candidates = []
     for name, kind, tensor in state_tensors(model, optimizer):
-        if is_primary_replica(tensor, coords):
-            offsets, _ = local_region(tensor)
-            pieces.append((name, kind, _local(tensor), tuple(tensor.shape), offsets))
+        offsets, sizes = local_region(tensor)
+        if not all(sizes) and sizes:
+            continue  # an empty FSDP shard (more shards than rows)
+        if tied and name == EMBEDDING and coords.pp != 0:
+            continue  # the last stage's copy of the tied embedding: the first stage writes it
+        candidates.append((name, kind, _local(tensor), tuple(tensor.shape), offsets, replicated_dims(tensor, layout)))
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for index, candidate in enumerate(candidates):
+        groups.setdefault(candidate[5], []).append(index)
+    chosen = [True] * len(candidates)
+    for dims, members in groups.items():
+        if not dims:
+            continue
+        mine, size = replica_members(layout, coords, dims)
+        nbytes = [candidates[i][2].numel() * candidates[i][2].element_size() for i in members]
+        for index, writer in zip(members, assign_writers(nbytes, size, group_salt(dims, coords))):
+            chosen[index] = writer == mine
+    return [c[:5] for c, keep in zip(candidates, chosen) if keep]
+
+
+def save_rank_shard(model, optimizer, coords: dict[str, int], checkpoint_url: str, file: str) -> list[dict]:
+    """Stream this rank's share of the pieces to checkpoint_url/file; return their manifest rows.
+    `coords` is accepted for the caller's convenience; the rank's position is read off its meshes."""
+    pieces = pieces_to_write(model, optimizer)
     if not pieces:
         return []
-    data, chunks = encode_shard(pieces, file)
     fs, base = fsspec.core.url_to_fs(checkpoint_url)
-    fs.makedirs(f"{base}/{file}".rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(f"{base}/{file}", data)
-    return [chunk.to_row() for chunk in chunks]
+    return [chunk.to_row() for chunk in write_shard(fs, base, file, pieces)]
 
 
 def read_manifest(checkpoint_url: str) -> tuple[list[Chunk], dict]:
@@ -59,6 +119,19 @@ def read_manifest(checkpoint_url: str) -> tuple[list[Chunk], dict]:
     return decode_manifest(data, where)
 
 
+def read_targets(checkpoint_url: str, chunks: list[Chunk], destinations: dict[Target, tuple[torch.Tensor, tuple]],
+                 window_bytes: int = WINDOW_BYTES) -> dict:
+    """Plan and execute the reads that fill every target (name, kind, region) into its tensor.
+    The one I/O path shared by training loads, the offline reshard and the digest."""
+    plan = plan_rank(index_chunks(chunks), list(destinations), headers=header_checks(chunks),
+                     max_request_bytes=window_bytes)
+    by_item = {item: destinations[target] for target, items in plan.items.items() for item in items}
+    fs, base = fsspec.core.url_to_fs(checkpoint_url)
+    bytes_read = execute_requests(fs, base, plan.requests, by_item, window_bytes)
+    return {"bytes_read": bytes_read, "bytes_needed": plan.bytes_needed, "requests": len(plan.requests),
+            "files": plan.files}
+
+
 @torch.no_grad()
 def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: set[str]) -> dict:
     """Fill this rank's params and AdamW state from a checkpoint written by any layout.
@@ -67,40 +140,44 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     key is 'unexpected' only if no rank of the model could own it.
     """
     chunks, metadata = read_manifest(checkpoint_url)
-    by_tensor: dict[tuple[str, str], list[Chunk]] = {}
+    stored: dict[tuple[str, str], Chunk] = {}
     for chunk in chunks:
-        by_tensor.setdefault((chunk.name, chunk.kind), []).append(chunk)
-    check_matches(model, by_tensor, all_parameter_names, checkpoint_url)
+        stored.setdefault((chunk.name, chunk.kind), chunk)
+    check_matches(model, stored, all_parameter_names, checkpoint_url)
     step = int(metadata["step"])
     for param in model.parameters():  # AdamW state must exist before it can be filled
         optimizer.state[param] = {"step": torch.tensor(float(step)),
                                   EXP_AVG: torch.zeros_like(param), EXP_AVG_SQ: torch.zeros_like(param)}
-    fs, base = fsspec.core.url_to_fs(checkpoint_url)
-    bytes_read = 0
+    destinations = {}
     for name, kind, tensor in state_tensors(model, optimizer):
         offsets, sizes = local_region(tensor)
-        items = plan_reads(by_tensor[(name, kind)], offsets, sizes, what=f"{name} ({kind})")
-        bytes_read += fill_from_reads(fs, base, items, _local(tensor), offsets)
-    return {"step": step, "bytes_read": bytes_read, "metadata": metadata}
+        destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
+    stats = read_targets(checkpoint_url, chunks, destinations)
+    return {"step": step, "metadata": metadata, **stats}
 
 
-def check_matches(model, by_tensor: dict, all_parameter_names: set[str], where: str) -> None:
+def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str) -> None:
     """One error listing every missing key, unexpected key and shape or dtype mismatch."""
     kinds = (PARAM, *MOMENTS)
     expected = {(name, kind): (tuple(param.shape), dtype_name(param.dtype))
                 for name, param in model.named_parameters() for kind in kinds}
     possible = {(name, kind) for name in all_parameter_names for kind in kinds}
-    stored = {key: (group[0].global_shape, group[0].dtype) for key, group in by_tensor.items()}
-    missing = sorted(f"{n} ({k})" for n, k in expected.keys() - stored.keys())
-    unexpected = sorted(f"{n} ({k})" for n, k in stored.keys() - possible)
-    mismatched = sorted(f"{n} ({k}): checkpoint {stored[(n, k)][1]}{list(stored[(n, k)][0])}, "
+    found = {key: (chunk.global_shape, chunk.dtype) for key, chunk in stored.items()}
+    raise_if_mismatched(expected, found, possible, where)
+
+
+def raise_if_mismatched(expected: dict, found: dict, possible: set, where: str,
+                        fix: str = "resume with the model settings the checkpoint was written with (`model` in its manifest metadata)") -> None:
+    missing = sorted(f"{n} ({k})" for n, k in expected.keys() - found.keys())
+    unexpected = sorted(f"{n} ({k})" for n, k in found.keys() - possible)
+    mismatched = sorted(f"{n} ({k}): checkpoint {found[(n, k)][1]}{list(found[(n, k)][0])}, "
                         f"model {expected[(n, k)][1]}{list(expected[(n, k)][0])}"
-                        for n, k in expected.keys() & stored.keys() if stored[(n, k)] != expected[(n, k)])
+                        for n, k in expected.keys() & found.keys() if found[(n, k)] != expected[(n, k)])
     if missing or unexpected or mismatched:
         lines = [f"checkpoint {where} does not match the model:"]
         for title, entries in (("missing keys", missing), ("unexpected keys", unexpected),
                                ("shape/dtype mismatches", mismatched)):
             if entries:
                 lines.append(f"  {title} ({len(entries)}): " + "; ".join(entries[:20]) + (" ..." if len(entries) > 20 else ""))
-        lines.append("  Fix: resume with the model settings the checkpoint was written with (`model` in its manifest metadata).")
+        lines.append(f"  Fix: {fix}.")
         raise CheckpointError("\n".join(lines))

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from plans.safetensors_layout import ITEMSIZE as DTYPE_SIZES
+
 # Kinds of state a chunk can hold; optimizer moments share their parameter's name and region.
 PARAM = "param"
 EXP_AVG = "exp_avg"
 EXP_AVG_SQ = "exp_avg_sq"
 STATE_KINDS = (PARAM, EXP_AVG, EXP_AVG_SQ)
-
-DTYPE_SIZES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,11 @@ class Chunk:
     file: str  # relative to the checkpoint directory
     byte_start: int
     byte_end: int
-    checksum: str
+    checksum: str  # "crc32:xxxxxxxx" of bytes [byte_start, byte_end)
+    # "crc32:xxxxxxxx" of the file's safetensors header (bytes before its first chunk), which holds a
+    # nonce unique to the write: a reader detects a replaced or rewritten file even when it reads
+    # only part of a chunk. Empty in format 1.0 manifests.
+    file_header: str = ""
 
     @property
     def numel(self) -> int:
@@ -51,4 +55,4 @@ class Chunk:
         values = dict(row)
         for key in ("global_shape", "offsets", "sizes"):
             values[key] = tuple(int(v) for v in values[key])
-        return cls(**{k: values[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: values[k] for k in cls.__dataclass_fields__ if k in values and values[k] is not None})

@@ -3,7 +3,7 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint_io import decode_manifest, encode_manifest, encode_shard, fill_from_reads
+from actors.checkpoint_io import FORMAT_VERSION, decode_manifest, encode_manifest, encode_shard, fill_from_reads
 from plans.errors import CheckpointError
 from plans.reshard import plan_reads
 
@@ -20,7 +20,7 @@ def _written(tmp_path):
 def test_manifest_round_trip_keeps_chunks_and_metadata(tmp_path):
     _, chunks = _written(tmp_path)
     decoded, metadata = decode_manifest(encode_manifest(chunks, {"step": 3, "layout": {"dp": 2}}))
-    assert decoded == chunks and metadata["step"] == 3 and metadata["format_version"] == "1.0"
+    assert decoded == chunks and metadata["step"] == 3 and metadata["format_version"] == FORMAT_VERSION
 
 
 def test_unknown_major_version_is_rejected_clearly(tmp_path):

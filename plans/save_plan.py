@@ -1,0 +1,81 @@
+"""Who writes each piece of training state: replicas are written once, and the writing is spread.
+
+A piece held identically by several ranks (dp replicas, tp copies of a norm weight) must be
+written by exactly one of them. Always picking the first copy makes the dp=0 ranks write the whole
+model while their replicas idle; instead each replica group splits its pieces by bytes
+(largest first onto the least-loaded member, Graham's LPT rule). Every member computes the same
+split from the same list, so no communication is needed: the actors call `assign_writers` on
+their local pieces, and `predicted_writes` calls it on predicted regions (for dry runs and for
+synthetic manifests), with the same result.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plans.chunks import STATE_KINDS
+from plans.layout import ParallelLayout, RankCoords
+from plans.model_spec import ModelConfig
+from plans.partition import StagePartition
+from plans.safetensors_layout import ITEMSIZE
+from plans.target_regions import Region, rank_regions, replica_members
+
+
+def group_salt(replicated_over: Sequence[str], coords: RankCoords) -> str:
+    """Names one replica group: its copy dims plus the coordinates its members share."""
+    shared = {dim: (0 if dim in replicated_over else getattr(coords, dim)) for dim in ("pp", "dp", "fsdp", "tp")}
+    return f"{','.join(replicated_over)}|" + ",".join(f"{k}{v}" for k, v in shared.items())
+
+
+def assign_writers(piece_bytes: Sequence[int], group_size: int, salt: str) -> list[int]:
+    """The member (0..group_size-1) that writes each piece, for pieces listed in the same order on
+    every member. The rotation by `salt` keeps member 0 from taking the largest piece of every group."""
+    if group_size == 1:
+        return [0] * len(piece_bytes)
+    rotation = zlib.crc32(salt.encode()) % group_size
+    loads = [0] * group_size
+    writers = [0] * len(piece_bytes)
+    for index in sorted(range(len(piece_bytes)), key=lambda i: (-piece_bytes[i], i)):
+        member = min(range(group_size), key=lambda m: (loads[m], (m - rotation) % group_size))
+        writers[index] = member
+        loads[member] += piece_bytes[index]
+    return writers
+
+
+@dataclass(frozen=True)
+class PlannedPiece:
+    """A piece one rank writes: its tensor region, state kind and dtype."""
+
+    region: Region
+    kind: str
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * ITEMSIZE[self.dtype]
+
+
+def rank_writes(regions: Sequence[Region], kinds: Sequence[str], dtype: str, layout: ParallelLayout,
+                coords: RankCoords) -> list[PlannedPiece]:
+    """The pieces this rank writes, in module order (each tensor's kinds together)."""
+    pieces = [PlannedPiece(region, kind, dtype) for region in regions if not region.tied_copy and region.numel
+              for kind in kinds]
+    chosen = [True] * len(pieces)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for index, piece in enumerate(pieces):
+        if piece.region.replicated_over:
+            groups.setdefault(piece.region.replicated_over, []).append(index)
+    for dims, members in groups.items():
+        mine, size = replica_members(layout, coords, dims)
+        writers = assign_writers([pieces[i].nbytes for i in members], size, group_salt(dims, coords))
+        for index, writer in zip(members, writers):
+            chosen[index] = writer == mine
+    return [piece for piece, keep in zip(pieces, chosen) if keep]
+
+
+def predicted_writes(model: ModelConfig, layout: ParallelLayout, partition: StagePartition | None = None,
+                     kinds: Sequence[str] = STATE_KINDS, dtype: str = "float32") -> list[list[PlannedPiece]]:
+    """For every rank, the pieces it would write when saving this model in this layout."""
+    return [rank_writes(rank_regions(model, layout, rank, partition), kinds, dtype, layout, layout.coords_of(rank))
+            for rank in range(layout.world_size)]

@@ -1,0 +1,159 @@
+"""Which piece of every global tensor each rank of a layout holds, predicted without torch.distributed.
+
+The reshard planner needs the target ranks' regions before any target rank exists (dry runs,
+offline resharding, a 768-rank plan on a laptop), so this module states the sharding rules as
+data and computes regions with plain integers. They are the rules the actors apply with DTensor
+(`actors/parallelize.py` and FSDP2); tests check every rank's prediction against torch's own
+`compute_local_shape_and_global_offset` for many layouts, so the two cannot drift apart.
+
+Rules, in the order the actors apply them:
+- tp: fused qkv, gate_up, the embedding and the LM head are split by rows (dim 0) into tp equal
+  blocks; wo and down by columns (dim 1); norm weights are copied on every tp rank.
+- fsdp: the (tp-local) piece is then cut along dim 0 into fsdp chunks with torch.chunk's sizes
+  (ceil(n / fsdp) each, the last ones shorter or empty); dp replicas hold identical copies.
+- pp: a rank holds the layers of its stages; the first stage's rank holds the embedding, the last
+  stage's rank the final norm and the LM head (with tied embeddings: the embedding again, a copy
+  of the first stage's piece).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from plans.layout import ParallelLayout, RankCoords
+from plans.model_spec import ModelConfig, parameter_shapes
+from plans.partition import StagePartition, partition_layers
+
+# Which dimension tensor parallelism splits, by the last two parts of the parameter name.
+# Parameters not listed are copied on every tp rank.
+TP_SPLIT_DIM = {
+    "tok_embeddings.weight": 0,   # vocab-parallel embedding
+    "attention.qkv.weight": 0,    # column-parallel: whole kv-head groups per rank
+    "attention.wo.weight": 1,     # row-parallel: input features split
+    "feed_forward.gate_up.weight": 0,
+    "feed_forward.down.weight": 1,
+    "output.weight": 0,           # vocab-sharded logits
+}
+EMBEDDING = "tok_embeddings.weight"
+HEAD_ONLY = ("norm.weight", "output.weight")
+
+
+@dataclass(frozen=True)
+class Region:
+    """One rank's piece of one global tensor, in global coordinates."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    # Mesh dims along which other ranks hold an identical copy (their writer is chosen among them).
+    replicated_over: tuple[str, ...]
+    # True for the tied embedding's copy on the last stage: never written, the first stage writes it.
+    tied_copy: bool = False
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.sizes:
+            count *= size
+        return count
+
+
+def tp_split_dim(name: str) -> int | None:
+    key = name if name in TP_SPLIT_DIM else ".".join(name.split(".")[-3:])
+    return TP_SPLIT_DIM.get(key)
+
+
+def chunk_bounds(length: int, pieces: int, index: int) -> tuple[int, int]:
+    """[start, stop) of piece `index` when torch.chunk cuts `length` into `pieces` (may be empty)."""
+    size = -(-length // pieces)
+    start = min(length, size * index)
+    return start, min(length, start + size)
+
+
+def pipeline_partition(model: ModelConfig, layout: ParallelLayout, schedule: str = "1f1b",
+                       stage_layout: Sequence[int] | None = None) -> StagePartition:
+    """The trainer's stage cut: every layer costs the same unless `stage_layout` gives counts, and
+    the schedule decides how stages map to pp ranks (single, looped for vpp, or V)."""
+    from plans.schedules import schedule_spec
+
+    placement = schedule_spec(schedule).placement if layout.pp > 1 else "single"
+    if layout.pp > 1 and layout.vpp > 1 and str(placement) == "single":
+        placement = "looped"  # a vpp layout given without its schedule: interleaved is the one that fits
+    return partition_layers([1.0] * model.n_layers, layout.pp, layout.vpp, placement,
+                            layout=list(stage_layout) if stage_layout is not None else None)
+
+
+def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
+                      partition: StagePartition | None) -> list[tuple[str, bool]]:
+    """(global name, is the tied copy) of every parameter pipeline rank `pp_rank` holds, in module order."""
+    shapes = parameter_shapes(model)
+    if layout.pp == 1 or partition is None:
+        return [(name, False) for name in shapes]
+    stages = partition.stages_of_rank(pp_rank)
+    first = partition.embedding_stage in stages
+    last = partition.head_stage in stages
+    names: list[tuple[str, bool]] = []
+    if first:
+        names.append((EMBEDDING, False))
+    for layer in partition.layers_of_rank(pp_rank):
+        prefix = f"layers.{layer}."
+        names += [(name, False) for name in shapes if name.startswith(prefix)]
+    if last:
+        if model.tie_embeddings and not first:
+            names.append((EMBEDDING, True))
+        names += [(name, False) for name in HEAD_ONLY if name in shapes]
+    return names
+
+
+def tensor_region(name: str, shape: tuple[int, ...], layout: ParallelLayout, coords: RankCoords) -> Region:
+    """Where rank `coords` sits in tensor `name` (any pp coordinate that holds it)."""
+    offsets, sizes = [0] * len(shape), list(shape)
+    split = tp_split_dim(name) if layout.tp > 1 else None
+    if split is not None:
+        block = shape[split] // layout.tp
+        offsets[split], sizes[split] = coords.tp * block, block
+    if layout.data_parallel_size > 1 and shape:
+        # FSDP2 cuts the tp-local piece along dim 0 (a strided shard when tp also split dim 0).
+        start, stop = chunk_bounds(sizes[0], layout.fsdp, coords.fsdp)
+        offsets[0], sizes[0] = offsets[0] + start, stop - start
+    replicated = []
+    if layout.dp > 1:
+        replicated.append("dp")
+    if layout.tp > 1 and split is None:
+        replicated.append("tp")
+    return Region(name, tuple(shape), tuple(offsets), tuple(sizes), tuple(replicated))
+
+
+def rank_regions(model: ModelConfig, layout: ParallelLayout, rank: int,
+                 partition: StagePartition | None = None) -> list[Region]:
+    """Every parameter region rank `rank` holds (optimizer moments share them), in module order."""
+    coords = layout.coords_of(rank)
+    if layout.pp > 1 and partition is None:
+        partition = pipeline_partition(model, layout)
+    return list(_rank_regions_cached(model, layout, coords, partition))
+
+
+@lru_cache(maxsize=4096)
+def _rank_regions_cached(model, layout, coords, partition) -> tuple[Region, ...]:
+    # Ranks that differ only in dp hold the same regions: a 768-rank plan computes each once.
+    shapes = parameter_shapes(model)
+    regions = []
+    for name, tied in rank_tensor_names(model, layout, coords.pp, partition):
+        region = tensor_region(name, shapes[name], layout, coords)
+        if tied:
+            region = Region(region.name, region.global_shape, region.offsets, region.sizes,
+                            region.replicated_over, tied_copy=True)
+        regions.append(region)
+    return tuple(regions)
+
+
+def replica_members(layout: ParallelLayout, coords: RankCoords, replicated_over: Sequence[str]) -> tuple[int, int]:
+    """(this rank's index in its replica group, group size) for a piece copied along `replicated_over`."""
+    index, size = 0, 1
+    for dim in ("pp", "dp", "fsdp", "tp"):
+        if dim in replicated_over:
+            extent = getattr(layout, dim)
+            index, size = index * extent + getattr(coords, dim), size * extent
+    return index, size

@@ -1,0 +1,70 @@
+"""The pure region predictor (plans/target_regions.py) against torch's own answer.
+
+The model is parallelized exactly as the actors do it (DTensor TP + FSDP2) under a fake process
+group, once per layout; then, for every rank's mesh coordinate, torch's
+`_compute_local_shape_and_global_offset` must give the region the predictor gives, and the
+replica dims read off the DTensor placements must be the predicted ones. No Ray, no real ranks.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from plans.layout import MESH_DIM_NAMES, ParallelLayout
+from plans.model_spec import parameter_shapes, preset
+from plans.target_regions import tensor_region
+
+LAYOUTS = [
+    ParallelLayout(), ParallelLayout(dp=2), ParallelLayout(fsdp=2), ParallelLayout(tp=2),
+    ParallelLayout(dp=2, tp=2), ParallelLayout(fsdp=3, tp=2), ParallelLayout(fsdp=6),
+    ParallelLayout(dp=2, fsdp=2, tp=2), ParallelLayout(dp=3, fsdp=2), ParallelLayout(fsdp=5),
+]
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def build(layout, model_config):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from actors.checkpointing import replicated_dims
+        from actors.model import build_on_meta
+        from actors.parallelize import parallelize
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
+        try:
+            mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+            model = build_on_meta(model_config)
+            parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings)
+            return {name: (getattr(p, "placements", None), tuple(p.device_mesh.mesh_dim_names) if hasattr(p, "device_mesh") else (),
+                           tuple(p.device_mesh.shape) if hasattr(p, "device_mesh") else (), replicated_dims(p, layout))
+                    for name, p in model.named_parameters()}
+        finally:
+            dist.destroy_process_group()
+
+    return build
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_rank_region_matches_dtensor(fake_world, layout, tied):
+    model = preset("tiny", tie_embeddings=tied)
+    placements = fake_world(layout, model)
+    shapes = parameter_shapes(model)
+    assert set(placements) == set(shapes)
+    for rank in range(layout.world_size):
+        coords = layout.coords_of(rank)
+        for name, shape in shapes.items():
+            spec, dims, mesh_shape, copies = placements[name]
+            if spec is None:
+                sizes, offsets = shape, (0,) * len(shape)
+            else:
+                coordinate = [getattr(coords, dim) for dim in dims]
+                sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, spec)
+            predicted = tensor_region(name, shape, layout, coords)
+            if torch.Size(sizes).numel() == 0:
+                assert torch.Size(predicted.sizes).numel() == 0, (name, rank)
+                continue
+            assert (tuple(offsets), tuple(sizes)) == (predicted.offsets, predicted.sizes), (name, rank, str(layout))
+            assert copies == predicted.replicated_over, (name, str(layout))
