@@ -6,8 +6,9 @@
     {store}/{run}/checkpoints/step-00000020/attempt-<id>/rank-00003.safetensors
 
 A checkpoint exists once its manifest exists: shards are written first under an attempt-unique
-prefix, the manifest last with create-only semantics, then LATEST moves. A save that dies before
-the manifest leaves only an orphaned attempt directory, never a visible checkpoint.
+prefix, the manifest last with create-only semantics, then LATEST moves by compare-and-swap (the
+protocol is in docs/checkpoint-format.md, "Commit protocol"). A save that dies before the
+manifest leaves only an orphaned attempt directory, never a visible checkpoint.
 
 On every command a checkpoint is `RUN[@STEP]` within the store (the latest committed one when no
 step is given), `latest` (the current run's), or the URL of a checkpoint directory.
@@ -23,7 +24,10 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from actors.checkpointing import MANIFEST
+from cluster import object_store
+from cluster.object_store import PreconditionFailed, StorageOptions, create_only, read_versioned, replace_if
 from plans.errors import CheckpointError
+from plans.object_keys import check_object_keys
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -40,8 +44,11 @@ def step_dirname(step: int) -> str:
 
 
 class Store:
-    def __init__(self, url: str):
+    def __init__(self, url: str, options: StorageOptions | None = None):
         self.url = url.rstrip("/") or url
+        # Object-store options apply process-wide (fsspec's config), so the driver's own reads and
+        # the rank actors (which receive `storage_conf`) use one endpoint, retry and timeout policy.
+        self.storage_conf = object_store.configure(options)
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self._protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
@@ -92,6 +99,7 @@ class Store:
             if not fs.exists(f"{path.rstrip('/')}/{MANIFEST}"):
                 raise CheckpointError(f"{ref}: no {MANIFEST} there, so it is not a committed checkpoint. "
                                       "Fix: pass a checkpoint directory (…/checkpoints/step-NNNNNNNN) or RUN[@STEP] with --store")
+            check_manifest_keys(ref.rstrip("/"))
             return CheckpointRef(ref.rstrip("/"), None, None)
         run, _, step_text = ref.partition("@")
         if run == "latest":
@@ -110,17 +118,43 @@ class Store:
             if step is None:
                 raise CheckpointError(f"run {run!r} has no committed checkpoint in {self.url}. "
                                       f"Runs with checkpoints there: {self.runs() or 'none'}")
-        return CheckpointRef(self.checkpoint_url(run, step), run, step)
+        url = self.checkpoint_url(run, step)
+        check_manifest_keys(url)
+        return CheckpointRef(url, run, step)
 
     # ---- commit -----------------------------------------------------------------------------
 
     def commit(self, run: str, step: int, manifest: bytes) -> str:
-        """Create the manifest (never overwriting one) and then move LATEST. Returns the URL."""
-        directory = f"{self.root}/{run}/checkpoints/{step_dirname(step)}"
-        self.fs.makedirs(directory, exist_ok=True)
-        _create_only(self.fs, f"{directory}/{MANIFEST}", manifest)
-        _replace(self.fs, f"{self.root}/{run}/LATEST", step_dirname(step).encode())
-        return self._url(directory)
+        """Create the manifest (never overwriting one), then move LATEST by compare-and-swap.
+
+        Two writers committing the same step: the create-only manifest admits exactly one, the
+        other gets a CheckpointError and its shards stay an orphaned attempt for `ckpt gc`. Two
+        writers committing different steps at once: both checkpoints are whole; LATEST names the
+        one whose swap won and the other writer gets a CheckpointError. Returns the URL."""
+        name = step_dirname(step)
+        directory = f"{self.root}/{run}/checkpoints/{name}"
+        url = self._url(directory)
+        latest = f"{self.root}/{run}/LATEST"
+        # Read before the manifest exists: a swap that still matches proves nobody moved LATEST
+        # while this commit was in flight.
+        _, version = read_versioned(self.fs, latest)
+        if isinstance(self.fs, LocalFileSystem):
+            self.fs.makedirs(directory, exist_ok=True)
+        try:
+            create_only(self.fs, f"{directory}/{MANIFEST}", manifest)
+        except FileExistsError:
+            raise CheckpointError(
+                f"{run}@{step}: another writer committed this checkpoint first ({url}); this save's shards are "
+                "left as an orphaned attempt that `rayshard ckpt gc` removes. Fix: run one trainer per run — "
+                "continue it with --resume latest, or train under a new --run name") from None
+        try:
+            replace_if(self.fs, latest, name.encode(), version)
+        except PreconditionFailed:
+            raise CheckpointError(
+                f"{run}@{step} is committed ({url}), but another writer moved LATEST (now step "
+                f"{self.latest_step(run)}) while this save was committing, so LATEST names the other writer's "
+                f"checkpoint. Fix: run one trainer per run; address this one as {run}@{step}") from None
+        return url
 
     def write_text(self, relative: str, text: str) -> None:
         path = f"{self.root}/{relative}"
@@ -132,24 +166,12 @@ class Store:
         return self.fs.cat_file(path).decode() if self.fs.exists(path) else None
 
 
-def _create_only(fs, path: str, data: bytes) -> None:
-    if isinstance(fs, LocalFileSystem):
-        # Write aside, then hard-link into place: link() fails if the name exists, atomically.
-        temporary = f"{path}.{uuid.uuid4().hex}.tmp"
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            raise CheckpointError(f"{path} already exists: another writer committed this checkpoint first") from None
-        finally:
-            os.unlink(temporary)
-        return
-    if fs.exists(path):
-        raise CheckpointError(f"{path} already exists: another writer committed this checkpoint first")
-    fs.pipe_file(path, data)
+def check_manifest_keys(checkpoint_url: str) -> None:
+    """Refuse a checkpoint whose manifest names objects outside its own directory."""
+    from actors.checkpointing import read_manifest
+
+    chunks, _ = read_manifest(checkpoint_url)
+    check_object_keys((chunk.file for chunk in chunks), checkpoint_url)
 
 
 def _replace(fs, path: str, data: bytes) -> None:

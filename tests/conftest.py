@@ -1,6 +1,8 @@
 """Shared fixtures: one local Ray instance per test session, small configs."""
 from __future__ import annotations
 
+pytest_plugins = ["tests.s3_fixtures"]  # moto S3 server, fault proxy, per-test buckets
+
 import os
 
 import pytest
