@@ -36,6 +36,13 @@ class RankActor:
         return {"rank": rank, "pid": os.getpid(), "device": str(self.trainer.device),
                 "data_fingerprint": self.trainer.data_fingerprint()}
 
+    def configure_storage(self, conf: dict) -> None:
+        """The driver's object-store options (endpoint, retries, timeouts, part size — never
+        credentials) as fsspec defaults, so this process's checkpoint I/O uses the same policy."""
+        import fsspec
+
+        fsspec.config.conf.update(conf)
+
     def load(self, checkpoint_url: str) -> dict:
         return self.trainer.load(checkpoint_url)
 
