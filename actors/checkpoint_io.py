@@ -16,6 +16,7 @@ import json
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -63,6 +64,17 @@ def chunk_key(name: str, kind: str, offsets: Sequence[int]) -> str:
 # ---- writing ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LazyTensor:
+    """A piece whose bytes are produced only when the writer reaches it (the offline reshard reads
+    each piece just before writing it, so one piece at a time is in memory)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    load: Callable[[], torch.Tensor]
+
+
+
 def _byte_blocks(tensor: torch.Tensor, stage_bytes: int):
     """The tensor's row-major bytes as CPU buffers of at most ~stage_bytes (whole rows each)."""
     tensor = tensor.detach()
@@ -84,7 +96,7 @@ def write_pieces(handle, pieces: Sequence[tuple[str, str, torch.Tensor, tuple, t
     """Stream pieces (name, kind, local tensor, global shape, global offsets) into an open binary
     handle as one safetensors file; return one Chunk per piece with its absolute byte range."""
     entries = [Entry(chunk_key(name, kind, offsets), dtype_name(tensor.dtype), tuple(tensor.shape))
-               for name, kind, tensor, _, offsets in pieces]
+               for name, kind, tensor, _, offsets in pieces]  # a LazyTensor has dtype and shape too
     # The nonce makes every written header unique, so a manifest can tell its own file from a
     # replacement even when it reads only part of a chunk.
     header, ranges = file_layout(entries, {"format": "rayshard", "version": FORMAT_VERSION, "nonce": uuid.uuid4().hex})
@@ -93,6 +105,8 @@ def write_pieces(handle, pieces: Sequence[tuple[str, str, torch.Tensor, tuple, t
     chunks = []
     for (name, kind, tensor, shape, offsets), entry, (start, end) in zip(pieces, entries, ranges):
         running, written = 0, 0
+        if isinstance(tensor, LazyTensor):
+            tensor = tensor.load()
         for block in _byte_blocks(tensor, stage_bytes):
             handle.write(block)
             running = zlib.crc32(block, running)

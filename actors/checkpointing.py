@@ -119,17 +119,37 @@ def read_manifest(checkpoint_url: str) -> tuple[list[Chunk], dict]:
     return decode_manifest(data, where)
 
 
-def read_targets(checkpoint_url: str, chunks: list[Chunk], destinations: dict[Target, tuple[torch.Tensor, tuple]],
-                 window_bytes: int = WINDOW_BYTES) -> dict:
-    """Plan and execute the reads that fill every target (name, kind, region) into its tensor.
-    The one I/O path shared by training loads, the offline reshard and the digest."""
-    plan = plan_rank(index_chunks(chunks), list(destinations), headers=header_checks(chunks),
-                     max_request_bytes=window_bytes)
-    by_item = {item: destinations[target] for target, items in plan.items.items() for item in items}
-    fs, base = fsspec.core.url_to_fs(checkpoint_url)
-    bytes_read = execute_requests(fs, base, plan.requests, by_item, window_bytes)
-    return {"bytes_read": bytes_read, "bytes_needed": plan.bytes_needed, "requests": len(plan.requests),
-            "files": plan.files}
+class StoredCheckpoint:
+    """A committed checkpoint opened for reading: its chunks indexed once, then any number of
+    planned reads. The one read path shared by training loads, the offline reshard, the digest
+    and the exporters."""
+
+    def __init__(self, url: str, chunks: list[Chunk] | None = None, metadata: dict | None = None):
+        if chunks is None:
+            chunks, metadata = read_manifest(url)
+        self.url, self.chunks, self.metadata = url, chunks, metadata or {}
+        self.index = index_chunks(chunks)
+        # Header ranges come from all of a file's chunks (everything before its first one).
+        self.headers = header_checks(chunks)
+        self.fs, self.base = fsspec.core.url_to_fs(url)
+
+    def tensors(self) -> dict[tuple[str, str], list[Chunk]]:
+        return {key: index.chunks for key, index in self.index.items()}
+
+    def read(self, destinations: dict[Target, tuple[torch.Tensor, tuple]], window_bytes: int = WINDOW_BYTES) -> dict:
+        """Plan and execute the reads that fill every target (name, kind, region) into its tensor."""
+        plan = plan_rank(self.index, list(destinations), headers=self.headers, max_request_bytes=window_bytes)
+        by_item = {item: destinations[target] for target, items in plan.items.items() for item in items}
+        bytes_read = execute_requests(self.fs, self.base, plan.requests, by_item, window_bytes)
+        return {"bytes_read": bytes_read, "bytes_needed": plan.bytes_needed, "requests": len(plan.requests),
+                "files": plan.files}
+
+    def read_region(self, name: str, kind: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
+        """A fresh CPU tensor holding one region of one stored tensor."""
+        chunk = self.index[(name, kind)].chunks[0]
+        tensor = torch.empty(sizes, dtype=getattr(torch, chunk.dtype))
+        self.read({Target(name, kind, tuple(offsets), tuple(sizes)): (tensor, tuple(offsets))})
+        return tensor
 
 
 @torch.no_grad()
@@ -152,7 +172,7 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     for name, kind, tensor in state_tensors(model, optimizer):
         offsets, sizes = local_region(tensor)
         destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
-    stats = read_targets(checkpoint_url, chunks, destinations)
+    stats = StoredCheckpoint(checkpoint_url, chunks, metadata).read(destinations)
     return {"step": step, "metadata": metadata, **stats}
 
 

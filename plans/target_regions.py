@@ -157,3 +157,27 @@ def replica_members(layout: ParallelLayout, coords: RankCoords, replicated_over:
             extent = getattr(layout, dim)
             index, size = index * extent + getattr(coords, dim), size * extent
     return index, size
+
+
+def layout_targets(model: ModelConfig, layout: ParallelLayout, kinds: Sequence[str],
+                   partition: StagePartition | None = None) -> list[list["Target"]]:
+    """For every rank of the layout, the (name, kind, region) pieces it must fill on load."""
+    from plans.reshard import Target
+
+    return [[Target(region.name, kind, region.offsets, region.sizes)
+             for region in rank_regions(model, layout, rank, partition) if region.numel for kind in kinds]
+            for rank in range(layout.world_size)]
+
+
+def check_layout_fits(model: ModelConfig, layout: ParallelLayout) -> None:
+    """The model-shape constraints a layout must meet to hold this model (the same ones training checks)."""
+    from plans.errors import ConfigError
+
+    for what, count in (("the number of kv heads", model.n_kv_heads), ("model.ffn_dim", model.ffn_dim),
+                        ("model.vocab_size", model.vocab_size)):
+        if count % layout.tp:
+            divisors = [d for d in range(1, count + 1) if count % d == 0]
+            raise ConfigError("tp", layout.tp, f"must divide {what} ({count})", f"use tp in {divisors}")
+    if layout.pp * layout.vpp > model.n_layers:
+        raise ConfigError("pp", layout.pp, f"pp*vpp = {layout.pp * layout.vpp} stages exceed the model's {model.n_layers} layers",
+                          "lower pp or vpp")

@@ -1,0 +1,104 @@
+"""The round-trip matrix: A -> B -> A reproduces A bit for bit, and A -> B keeps A's digests.
+
+Default run: one trained source (dp2 x tp2, 2 steps) resharded offline to every layout and back,
+a Ray-actor reshard, and a few load-and-save pairs through real training actors. The full 8 x 8
+matrices (offline and through training actors) are marked slow:
+
+    .venv/bin/python -m pytest -m slow tests/integration/test_reshard_roundtrip.py
+"""
+import itertools
+
+import pytest
+
+from cluster.reshard_job import planned_writes, reshard_checkpoint
+from cluster.store import Store
+from actors.checkpointing import read_manifest
+from plans.layout import ParallelLayout
+from tests.conftest import small_config
+from tests.integration.reshard_helpers import (LAYOUTS, PP_LAYOUTS, chunk_fingerprint, digests, load_and_save,
+                                               pipelines_train, writer_rank)
+
+SOURCE = ParallelLayout(dp=2, tp=2)
+MATRIX = dict(LAYOUTS, **(PP_LAYOUTS if pipelines_train() else {}))
+
+
+@pytest.fixture(scope="module")
+def source(run_training, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard")
+    result = run_training(small_config(root, SOURCE, steps=2, run="src"))
+    url = result.checkpoints[-1]
+    return Store(str(root / "store")), url, digests(url)
+
+
+def _training_config(tmp_path, layout, run):
+    # 24 sequences split evenly over 1, 2, 3, 4, 6 or 8 data ranks; no step is taken anyway.
+    return small_config(tmp_path, layout, run=run, global_batch=24)
+
+
+def _reshard(store, url, layout, run, **kwargs):
+    return reshard_checkpoint(url, layout, store, run, local=kwargs.pop("local", True), log=lambda *_: None, **kwargs).url
+
+
+def test_a_training_save_writes_exactly_the_predicted_pieces(source):
+    """The offline reshard writes what training would: same regions, same writer per piece."""
+    _, url, _ = source
+    chunks, metadata = read_manifest(url)
+    actual = {(c.name, c.kind, c.offsets, c.sizes, writer_rank(c.file)) for c in chunks}
+    predicted = {(p.region.name, p.kind, p.region.offsets, p.region.sizes, rank)
+                 for rank, pieces in enumerate(planned_writes(chunks, metadata, SOURCE)) for p in pieces}
+    assert actual == predicted
+    # Replicas share the writing: both dp replicas write (replica 0 alone would write everything).
+    writers = {writer_rank(c.file) for c in chunks}
+    assert writers == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_reshard_there_and_back_is_bit_exact(source, name, tmp_path):
+    store, url, source_digests = source
+    there = _reshard(store, url, LAYOUTS[name], f"to-{name}")
+    assert digests(there) == source_digests
+    back = _reshard(store, there, SOURCE, f"back-{name}")
+    assert chunk_fingerprint(back) == chunk_fingerprint(url)
+    assert read_manifest(there)[1]["layout"] == LAYOUTS[name].to_dict()
+
+
+def test_reshard_on_ray_actors(source, ray_session):
+    store, url, source_digests = source
+    # num_cpus=0: the session's rank pool holds every logical CPU; the workers only do I/O here.
+    result = reshard_checkpoint(url, ParallelLayout(fsdp=3, tp=2), store, "ray-fsdp3-tp2", workers=3, num_cpus=0,
+                                log=lambda *_: None)
+    assert result.workers == 3 and result.ranks == 6
+    # Every stored byte is read once (dp replicas do not re-read what another replica writes).
+    assert result.bytes_read == result.bytes_written
+    assert digests(result.url) == source_digests
+
+
+@pytest.mark.parametrize("name", ["single", "fsdp3_tp2", "dp2_fsdp2_tp2"])
+def test_load_and_save_in_training_actors_round_trips(source, rank_pool, tmp_path, name):
+    store, url, source_digests = source
+    there = load_and_save(_training_config(tmp_path, LAYOUTS[name], f"train-{name}"), url, rank_pool)
+    assert digests(there) == source_digests
+    back = load_and_save(_training_config(tmp_path, SOURCE, f"train-back-{name}"), there, rank_pool)
+    assert chunk_fingerprint(back) == chunk_fingerprint(url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("a,b", list(itertools.product(MATRIX, MATRIX)))
+def test_full_matrix_offline(source, a, b):
+    store, url, source_digests = source
+    start = _reshard(store, url, MATRIX[a], f"m-{a}-{b}-a")
+    there = _reshard(store, start, MATRIX[b], f"m-{a}-{b}-b")
+    assert digests(there) == source_digests
+    back = _reshard(store, there, MATRIX[a], f"m-{a}-{b}-back")
+    assert chunk_fingerprint(back) == chunk_fingerprint(start)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("a,b", list(itertools.product(MATRIX, MATRIX)))
+def test_full_matrix_through_training_actors(source, rank_pool, tmp_path, a, b):
+    _, url, source_digests = source
+    start = load_and_save(_training_config(tmp_path, MATRIX[a], "a"), url, rank_pool)
+    there = load_and_save(_training_config(tmp_path, MATRIX[b], "b"), start, rank_pool)
+    assert digests(there) == source_digests
+    back = load_and_save(_training_config(tmp_path, MATRIX[a], "back"), there, rank_pool)
+    assert chunk_fingerprint(back) == chunk_fingerprint(start)
