@@ -55,13 +55,15 @@ class WorkerGroup(Protocol):
 class Transition:
     state: State
     detail: str
-    at: float
+    at: float  # the controller's clock (monotonic)
+    at_wall: float  # unix time, to line up with logs and metrics
 
 
 @dataclass
 class Controller:
     group: WorkerGroup
-    choose: Callable[[int], ParallelLayout]  # ranks -> layout (the layout chooser, pins applied)
+    # ranks -> layout: a ParallelLayout, or a LayoutChoice whose explanation gets logged
+    choose: Callable[[int], object]
     failure_policy: FailurePolicy = field(default_factory=FailurePolicy)
     scaling_policy: ScalingPolicy = field(default_factory=ScalingPolicy)
     wait_for_ranks_s: float = 300.0
@@ -80,7 +82,7 @@ class Controller:
 
     def _enter(self, state: State, detail: str) -> None:
         self.state = state
-        self.history.append(Transition(state, detail, self.clock()))
+        self.history.append(Transition(state, detail, self.clock(), time.time()))
         self.log(f"[controller] {state.value}: {detail}")
 
     def step(self) -> State:
@@ -110,14 +112,25 @@ class Controller:
             self.sleep(self.poll_s)
             return
         self._waiting_since = None
-        self.layout = self.choose(ranks)
+        choice = self.choose(ranks)
+        self.layout = getattr(choice, "layout", choice)
+        if hasattr(choice, "explain"):
+            self.log("[controller] layout choice:\n  " + choice.explain().replace("\n", "\n  "))
         self._enter(State.RUNNING, f"{available} ranks available, running {self.layout.describe()} "
                                    f"on {self.layout.world_size}")
 
+    def _should_grow(self, layout: ParallelLayout) -> bool:
+        """More ranks are usable than the running layout uses, and the layout chooser would
+        actually use them (6 ranks may still mean a 4-rank layout: then there is nothing to gain)."""
+        available = self.group.available_ranks()
+        if not self.scaling_policy.should_grow(layout.world_size, available):
+            return False
+        choice = self.choose(self.scaling_policy.ranks_to_use(available))
+        return getattr(choice, "layout", choice).world_size > layout.world_size
+
     def _run(self) -> None:
         layout = self.layout
-        result = self.group.run(layout, lambda: self.scaling_policy.should_grow(layout.world_size,
-                                                                               self.group.available_ranks()))
+        result = self.group.run(layout, lambda: self._should_grow(layout))
         if result.outcome is Outcome.FINISHED:
             self._enter(State.FINISHED, result.detail or "training complete")
         elif result.outcome is Outcome.RESIZE:

@@ -87,7 +87,8 @@ def train(config: TrainConfig, actors: list | None = None,
             result.losses[done] = metrics["loss"]
             result.step_seconds.append(seconds)
             record = {"step": done, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
-                      "tokens_per_s": tokens_per_step / seconds, "step_s": seconds, "layout": str(config.layout)}
+                      "tokens_per_s": tokens_per_step / seconds, "step_s": seconds, "layout": str(config.layout),
+                      "time": time.time()}
             log.append(record)
             _log(f"step {done:>5}/{config.steps} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} "
                  f"| lr {metrics['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s")

@@ -59,12 +59,31 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.elastic:
+        return _run_elastic(args, config)
     from cluster.train import train  # imports Ray and torch; keep `--help` fast
 
-    config = config_from_args(args)
     result = train(config)
     if result.checkpoints:
         print(f"latest checkpoint: {result.checkpoints[-1]}")
+    return 0
+
+
+def _run_elastic(args: argparse.Namespace, config) -> int:
+    from cluster.controller import State
+    from cluster.elastic import train_elastic
+    from plans.elastic import FailurePolicy, ScalingPolicy
+
+    # Dimensions given on the command line are pins; the chooser picks the rest for each attempt.
+    pinned = {name: getattr(args, name) for name in ("dp", "fsdp", "tp", "pp") if getattr(args, name)}
+    controller, state = train_elastic(
+        config, pinned, ScalingPolicy(args.min_ranks, args.max_ranks),
+        FailurePolicy(max_failures=args.max_failures, backoff_s=args.backoff_s),
+        memory_per_rank_bytes=args.memory_gib * 2**30, cpus_per_rank=args.cpus_per_rank)
+    if state is State.ERRORED:
+        print(f"rayshard: error: elastic training stopped: {controller.history[-1].detail}")
+        return 1
     return 0
 
 
@@ -72,4 +91,13 @@ def register(commands) -> None:
     parser = commands.add_parser("train", help="train a model on Ray rank actors",
                                  description="Train on Ray: one actor per rank, DP/FSDP x TP, checkpoints to --store.")
     add_config_arguments(parser)
+    elastic = parser.add_argument_group("elastic training (survive rank failures and topology changes)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="choose the layout from the ranks available; on failure or growth, resume from LATEST on a new layout")
+    elastic.add_argument("--min-ranks", type=int, default=1, metavar="N")
+    elastic.add_argument("--max-ranks", type=int, default=None, metavar="N")
+    elastic.add_argument("--max-failures", type=int, default=3, metavar="N")
+    elastic.add_argument("--backoff-s", type=float, default=1.0, metavar="S", help="first restart delay (doubles)")
+    elastic.add_argument("--memory-gib", type=float, default=64.0, metavar="GIB", help="memory budget per rank")
+    elastic.add_argument("--cpus-per-rank", type=float, default=1.0, metavar="N", help="on CPU clusters: CPUs per rank")
     parser.set_defaults(run_command=run_train)
