@@ -14,9 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each family registers its own subcommands; importing lazily keeps `rayshard --help` fast.
-    from cluster import ckpt_cli, layout_cli, plan_cli, train_cli
+    from cluster import catalog_cli, ckpt_cli, layout_cli, plan_cli, train_cli
 
-    for module in (train_cli, plan_cli, layout_cli, ckpt_cli):
+    for module in (train_cli, plan_cli, layout_cli, ckpt_cli, catalog_cli):
         module.register(commands)
     return parser
 

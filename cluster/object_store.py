@@ -231,3 +231,34 @@ async def _s3_get_with_etag(fs, path: str) -> tuple[bytes, str]:
     finally:
         response["Body"].close()
     return data, response["ETag"]
+
+
+# ---- multipart uploads -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    path: str  # bucket/key
+    upload_id: str
+    initiated_unix: float
+
+
+def pending_uploads(fs, root: str) -> list[PendingUpload]:
+    """Multipart uploads started under root and never completed or aborted (S3 only): their
+    parts cost storage but no listing shows them."""
+    if not is_s3(fs):
+        return []
+    bucket, prefix, _ = fs.split_path(root)
+    found, markers = [], {}
+    while True:
+        page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix.rstrip('/')}/" if prefix else "", **markers)
+        for upload in page.get("Uploads", []) or []:
+            found.append(PendingUpload(f"{bucket}/{upload['Key']}", upload["UploadId"], upload["Initiated"].timestamp()))
+        if not page.get("IsTruncated"):
+            return found
+        markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+
+def abort_upload(fs, upload: PendingUpload) -> None:
+    bucket, key, _ = fs.split_path(upload.path)
+    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id)

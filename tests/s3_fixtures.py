@@ -53,8 +53,11 @@ def _serialise_conditional_writes() -> None:
 
 @pytest.fixture(scope="session")
 def moto_server():
+    import logging
+
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request drowns failures
     _serialise_conditional_writes()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -1,0 +1,152 @@
+"""The catalog on S3 (moto) and a local directory: ls shows whole checkpoints only, verify finds
+missing, truncated and corrupted shards, gc keeps LATEST, leased and young things and removes the
+rest, including orphaned attempts and pending multipart uploads. No Ray: checkpoints are written
+by the same shard writer the ranks use."""
+from __future__ import annotations
+
+import time
+
+import fsspec
+import pytest
+import torch
+
+from actors.checkpoint_io import encode_manifest, write_shard
+from cluster import leases
+from cluster.catalog import Catalog
+from cluster.cli import main
+from cluster.retention import collect
+from cluster.store import Store
+from cluster.verify import verify
+from plans.chunks import Chunk
+from plans.errors import CheckpointError
+
+
+@pytest.fixture(params=["s3", "local"])
+def store(request, tmp_path):
+    url = request.getfixturevalue("s3_store") if request.param == "s3" else str(tmp_path / "store")
+    return Store(url)
+
+
+def write_checkpoint(store: Store, run: str, step: int, parent: str | None = None, commit: bool = True,
+                     ranks: int = 2) -> tuple[str, str]:
+    """Two 'ranks' each write half of an asymmetric tensor under a fresh attempt; the manifest
+    commits them. Returns (checkpoint URL, attempt)."""
+    attempt, url = store.new_attempt(), store.checkpoint_url(run, step)
+    fs, base = fsspec.core.url_to_fs(url)
+    weight = torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4) * 0.5 + step
+    rows = 64 // ranks
+    chunks: list[Chunk] = []
+    for rank in range(ranks):
+        piece = ("w", "param", weight[rank * rows:(rank + 1) * rows], (64, 4), (rank * rows, 0))
+        chunks += write_shard(fs, base, f"{attempt}/rank-{rank:05d}.safetensors", [piece])
+    if commit:
+        metadata = {"run": run, "step": step, "layout": {"dp": 1, "fsdp": ranks, "tp": 1, "pp": 1},
+                    "model_preset": "tiny", "parent": parent, "created_unix": time.time()}
+        store.commit(run, step, encode_manifest(chunks, metadata))
+    return url, attempt
+
+
+def test_ls_shows_whole_checkpoints_and_leftovers_separately(store, capsys):
+    first, _ = write_checkpoint(store, "r", 2)
+    write_checkpoint(store, "r", 4, parent=first)
+    _, crashed = write_checkpoint(store, "r", 6, commit=False)  # a save that died before its manifest
+    catalog = Catalog(store)
+    entries = catalog.checkpoints("r")
+    assert [(e.step, e.status, e.latest, e.layout, e.files, e.chunks) for e in entries] == \
+        [(2, "ok", False, "fsdp2", 2, 2), (4, "ok", True, "fsdp2", 2, 2)]
+    assert entries[1].parent == first and entries[0].size_bytes > 64 * 4 * 4
+    [leftover] = catalog.leftovers("r")
+    assert (leftover.step, leftover.kind, leftover.path.rsplit("/", 1)[-1], leftover.objects) == (6, "incomplete save", crashed, 2)
+
+    assert main(["ckpt", "ls", "--store", store.url, "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "4 *" in out and "fsdp2" in out and "step-00000006" not in out.split("leftover")[0]
+    assert "leftover: incomplete save" in out
+
+
+def test_catalog_is_a_pyarrow_dataset(store):
+    first, _ = write_checkpoint(store, "a", 1)
+    write_checkpoint(store, "a", 2, parent=first)
+    write_checkpoint(store, "b", 5)
+    import pyarrow.compute as pc
+
+    table = Catalog(store).dataset().to_table(filter=pc.field("latest"))
+    assert sorted(zip(table["run"].to_pylist(), table["step"].to_pylist())) == [("a", 2), ("b", 5)]
+    chunks = Catalog(store).chunks_dataset().to_table()
+    assert chunks.num_rows == 6 and set(chunks["run"].to_pylist()) == {"a", "b"}
+    assert set(chunks["checkpoint"].to_pylist()) == {"step-00000001", "step-00000002", "step-00000005"}
+
+
+def test_verify_finds_missing_truncated_and_corrupted_shards(store, capsys):
+    url, attempt = write_checkpoint(store, "r", 2)
+    assert verify(url, deep=True).ok
+    shard0, shard1 = (f"{store.root}/r/checkpoints/step-00000002/{attempt}/rank-0000{i}.safetensors" for i in (0, 1))
+    data = bytearray(store.fs.cat_file(shard0))
+    data[-3] ^= 0xFF  # same size, one flipped byte: only --deep sees it
+    store.fs.pipe_file(shard0, bytes(data))
+    assert verify(url).ok
+    deep = verify(url, deep=True)
+    assert len(deep.problems) == 1 and "checksum mismatch in w (param)" in deep.problems[0]
+    store.fs.pipe_file(shard1, store.fs.cat_file(shard1)[:-10])
+    assert any("truncated" in p for p in verify(url).problems)
+    assert main(["ckpt", "verify", "r@2", "--store", store.url, "--deep", "--quiet"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+    store.fs.rm_file(shard1)
+    assert any("missing" in p for p in verify(url).problems)
+    assert Catalog(store).checkpoints("r")[0].status == "1 file(s) missing"
+
+
+def test_gc_keeps_latest_leased_and_young_things(store, capsys):
+    for step in (1, 2, 3, 4, 5):
+        write_checkpoint(store, "r", step)
+    _, crashed = write_checkpoint(store, "r", 6, commit=False)
+    lease = leases.acquire(store, "r", 2)
+    # LATEST goes back to step 1 (a resumed run forked from there): it must survive gc.
+    store.fs.pipe_file(f"{store.root}/r/LATEST", b"step-00000001")
+
+    young = collect(store, keep=1)  # default grace: the crashed save may still be running
+    assert sorted(u.rsplit("/", 1)[-1] for u in young.removed_checkpoints) == ["step-00000003", "step-00000004"]
+    assert any("LATEST" in why for _, why in young.kept) and any("reader lease" in why for _, why in young.kept)
+    assert not young.removed_leftovers and Catalog(store).leftovers("r")
+
+    leases.release(store, lease)
+    assert main(["ckpt", "gc", "--keep", "1", "--store", store.url, "--grace", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "removed checkpoint" in out and crashed in out
+    assert store.committed_steps("r") == [1, 5] and store.latest_step("r") == 1
+    assert Catalog(store).leftovers("r") == []
+    assert verify(store.resolve("r@5").url, deep=True).ok and verify(store.resolve("r").url, deep=True).ok
+
+
+def test_gc_aborts_pending_multipart_uploads(s3_store):
+    import boto3
+
+    store = Store(s3_store)
+    write_checkpoint(store, "r", 1)
+    bucket, prefix = s3_store.removeprefix("s3://").split("/", 1)
+    client = boto3.client("s3", endpoint_url=store.storage_conf["s3"]["endpoint_url"], region_name="us-east-1")
+    upload = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/r/checkpoints/step-00000002/attempt-x/rank-00000.safetensors")
+    client.create_multipart_upload(Bucket=bucket, Key="elsewhere/not-ours")
+    [pending] = [u for u in client.list_multipart_uploads(Bucket=bucket)["Uploads"] if u["Key"].startswith(prefix)]
+    # moto reports every upload as initiated in 2010, so "young" is checked with gc's clock moved back.
+    young = collect(store, keep=1, now=pending["Initiated"].timestamp() + 60)
+    assert not young.aborted_uploads and any("multipart upload" in why for _, why in young.kept)
+    report = collect(store, keep=1, grace_s=0)
+    assert [p.rsplit("/", 1)[-1] for p in report.aborted_uploads] == ["rank-00000.safetensors"]
+    remaining = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert [u["Key"] for u in remaining] == ["elsewhere/not-ours"]
+    assert upload["UploadId"] not in {u["UploadId"] for u in remaining}
+
+
+def test_manifest_keys_escaping_the_checkpoint_are_refused_and_never_deleted(store):
+    url, attempt = write_checkpoint(store, "victim", 1)
+    fs, base = fsspec.core.url_to_fs(url)
+    evil = Chunk("w", "param", "float32", (64, 4), (0, 0), (32, 4), f"../../../victim/checkpoints/step-00000001/{attempt}/rank-00000.safetensors",
+                 0, 8, "crc32:00000000")
+    store.commit("evil", 1, encode_manifest([evil], {"run": "evil", "step": 1, "layout": {}}))
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        store.resolve("evil@1")
+    assert any("outside the checkpoint" in p for p in verify(store.checkpoint_url("evil", 1)).problems)
+    store.fs.pipe_file(f"{store.root}/evil/LATEST", b"step-00000000")
+    collect(store, keep=0, grace_s=0)
+    assert verify(url, deep=True).ok  # the other run's shard is untouched
