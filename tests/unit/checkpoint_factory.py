@@ -1,0 +1,43 @@
+"""A real checkpoint written by one process (no Ray, no process group): a trained model plus
+AdamW moments, saved through the rank save path and committed like training commits."""
+from __future__ import annotations
+
+import torch
+
+from actors.checkpoint_io import encode_manifest
+from actors.checkpointing import save_rank_shard
+from actors.init_weights import initialize_parameters
+from actors.model import Transformer
+from cluster.store import Store
+from plans.chunks import Chunk
+from plans.layout import ParallelLayout
+from plans.model_spec import ModelConfig
+from plans.reshard import check_chunks_disjoint_and_complete
+
+
+def trained_model(config: ModelConfig, steps: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    initialize_parameters(model, seed, config.n_layers)  # the trainer's init: logits of realistic size
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        tokens = torch.randint(0, config.vocab_size, (2, 12))
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def write_checkpoint(store_url: str, run: str, config: ModelConfig, steps: int = 2, seed: int = 0):
+    """Returns (checkpoint url, model, optimizer)."""
+    model, optimizer = trained_model(config, steps, seed)
+    store = Store(store_url)
+    url = store.checkpoint_url(run, steps)
+    rows = save_rank_shard(model, optimizer, {}, url, f"{store.new_attempt()}/rank-00000.safetensors")
+    chunks = [Chunk.from_row(row) for row in rows]
+    check_chunks_disjoint_and_complete(chunks)
+    metadata = {"run": run, "step": steps, "layout": ParallelLayout().to_dict(), "model": config.to_dict(),
+                "model_preset": None}
+    return store.commit(run, steps, encode_manifest(chunks, metadata)), model, optimizer

@@ -1,0 +1,103 @@
+"""Hugging Face export and import: transformers loads the export and computes our logits; an
+import of the export is the same checkpoint, digest for digest (weights and optimizer moments)."""
+import json
+
+import pytest
+import torch
+
+from safetensors.torch import load_file
+
+from actors.checkpointing import StoredCheckpoint
+from cluster.digest import digest_checkpoint
+from cluster.hf_interop import export_hf, import_hf
+from cluster.store import Store
+from plans.errors import CheckpointError
+from plans.model_spec import preset
+from tests.unit.checkpoint_factory import write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_logits(directory, tokens):
+    model = transformers.LlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_loads_the_export_and_computes_our_logits(tmp_path, tied):
+    config = preset("tiny", tie_embeddings=tied)
+    url, model, _ = write_checkpoint(str(tmp_path / "store"), "hf", config)
+    export_hf(url, str(tmp_path / "hf"), log=lambda *_: None)
+    tokens = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(tokens)
+    theirs = _hf_logits(tmp_path / "hf", tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["tie_word_embeddings"] is tied
+
+
+def test_a_sharded_export_has_an_index_and_still_loads(tmp_path):
+    config = preset("tiny")
+    url, model, _ = write_checkpoint(str(tmp_path / "store"), "hf", config)
+    result = export_hf(url, str(tmp_path / "hf"), max_shard_bytes=200_000, log=lambda *_: None)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    weight_files = {f for f in result.files if f.startswith("model-")}
+    assert len(weight_files) > 1 and set(index["weight_map"].values()) == weight_files
+    tokens = torch.randint(0, config.vocab_size, (1, 16))
+    with torch.no_grad():
+        assert (model(tokens) - _hf_logits(tmp_path / "hf", tokens)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_import_of_the_export_has_the_same_digests(tmp_path, tied):
+    config = preset("tiny", tie_embeddings=tied)
+    url, _, _ = write_checkpoint(str(tmp_path / "store"), "src", config)
+    export_hf(url, str(tmp_path / "hf"), max_shard_bytes=300_000, log=lambda *_: None)
+    imported = import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "imported", log=lambda *_: None)
+    assert imported.endswith("step-00000002")  # the step travels in rayshard.json
+    assert digest_checkpoint(imported) == digest_checkpoint(url)
+
+
+def test_a_plain_bf16_hf_directory_imports_as_float32_with_fresh_moments(tmp_path):
+    hf_config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(1)
+    reference = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16)
+    reference.save_pretrained(str(tmp_path / "plain"))
+    url = import_hf(str(tmp_path / "plain"), Store(str(tmp_path / "store")), "plain", log=lambda *_: None)
+    stored = StoredCheckpoint(url)
+    assert stored.metadata["step"] == 0
+    qkv = stored.read_region("layers.0.attention.qkv.weight", "param", (0, 0), (128, 64))
+    assert qkv.dtype == torch.float32  # cast up for training
+    assert not stored.read_region("layers.0.attention.qkv.weight", "exp_avg", (0, 0), (128, 64)).any()
+    # Back to bfloat16 for Hugging Face: every weight is bit-identical to the original.
+    export_hf(url, str(tmp_path / "again"), dtype="bfloat16", log=lambda *_: None)
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    original = reference.state_dict()
+    assert set(again) == set(original)
+    assert all(torch.equal(again[name], original[name]) for name in again)
+
+
+def test_import_lists_missing_and_unexpected_tensors_together(tmp_path):
+    config = preset("tiny")
+    url, _, _ = write_checkpoint(str(tmp_path / "store"), "src", config)
+    export_hf(url, str(tmp_path / "hf"), include_optimizer=False, log=lambda *_: None)
+    settings = json.loads((tmp_path / "hf" / "config.json").read_text())
+    settings["num_hidden_layers"] = 5  # the config promises a layer the weights lack
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(CheckpointError, match=r"missing keys \(6\): layers.4"):
+        import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "bad", log=lambda *_: None)
+
+
+def test_import_refuses_models_ours_cannot_compute(tmp_path):
+    config = preset("tiny")
+    url, _, _ = write_checkpoint(str(tmp_path / "store"), "src", config)
+    export_hf(url, str(tmp_path / "hf"), include_optimizer=False, log=lambda *_: None)
+    settings = json.loads((tmp_path / "hf" / "config.json").read_text())
+    settings["attention_bias"] = True
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(CheckpointError, match="attention_bias=True"):
+        import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "bad", log=lambda *_: None)
