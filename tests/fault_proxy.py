@@ -11,7 +11,10 @@ matched against the rules in order; a matching rule with injections left decides
     delay        wait `seconds`, then forward
     stall        accept the request and never answer (until `seconds` pass)
 
-Faults are counted per rule, so tests can check they really happened.
+A rule may also carry a `callback(method, target)`, run when it injects: crash tests use it to
+kill a rank actor or the driver at an exact point of the storage protocol (e.g. on the PUT of
+LATEST, between the manifest and the pointer move). Faults are counted per rule, so tests can
+check they really happened.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -36,6 +40,7 @@ class Rule:
     times: int = 1_000_000  # injections before the rule goes quiet
     skip: int = 0  # matching requests let through before the first injection
     seconds: float = 0.0  # for delay and stall
+    callback: Callable[[str, str], None] | None = None
     seen: int = 0
     injected: int = 0
 
@@ -131,6 +136,8 @@ def _handler_for(proxy: FaultProxy):
             body = self._body()
             rule = proxy.decide(self.command, self.path)
             fault = rule.fault if rule else None
+            if rule is not None and rule.callback is not None:
+                rule.callback(self.command, self.path)
             if fault == "slowdown":
                 return self._error(503, "SlowDown", "Please reduce your request rate.")
             if fault == "error500":
