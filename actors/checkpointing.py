@@ -21,7 +21,7 @@ from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from plans.errors import CheckpointError
 from plans.layout import ParallelLayout, RankCoords
 from plans.reshard import Target, header_checks, index_chunks, plan_rank
-from plans.save_plan import assign_writers, group_salt
+from plans.save_plan import assign_writers, file_position, group_salt
 from plans.target_regions import EMBEDDING, replica_members
 
 MANIFEST = "manifest.parquet"
@@ -96,7 +96,8 @@ def pieces_to_write(model, optimizer) -> list[tuple[str, str, torch.Tensor, tupl
         nbytes = [candidates[i][2].numel() * candidates[i][2].element_size() for i in members]
         for index, writer in zip(members, assign_writers(nbytes, size, group_salt(dims, coords))):
             chosen[index] = writer == mine
-    return [c[:5] for c, keep in zip(candidates, chosen) if keep]
+    mine = [c for c, keep in zip(candidates, chosen) if keep]
+    return [c[:5] for c in sorted(mine, key=lambda c: file_position(c[5]))]
 
 
 def save_rank_shard(model, optimizer, coords: dict[str, int], checkpoint_url: str, file: str) -> list[dict]:

@@ -113,6 +113,13 @@ def _remote_worker(num_cpus: float):
     return ReshardWorker
 
 
+def _describe(layout: dict | None) -> str:
+    try:
+        return ParallelLayout.from_dict(layout or {}).describe()
+    except Exception:  # a foreign or damaged layout entry is still worth printing
+        return str(layout)
+
+
 def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str, workers: int | None = None,
                        num_cpus: float = 1.0, local: bool = False, schedule: str | None = None,
                        stage_layout: list[int] | None = None, log=print) -> ReshardResult:
@@ -127,7 +134,7 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
     jobs = [(pieces, target_url, f"{attempt}/rank-{rank:05d}.safetensors") for rank, pieces in enumerate(plans)]
     workers = max(1, min(workers or layout.world_size, layout.world_size))
     shares = [jobs[w::workers] for w in range(workers)]
-    log(f"resharding {source_url} (layout {metadata.get('layout')}) to {layout.describe()} "
+    log(f"resharding {source_url} ({_describe(metadata.get('layout'))}) to {layout.describe()} "
         f"({layout.world_size} ranks on {workers} {'local worker' if local else 'Ray actors'}{'s' if workers > 1 and local else ''})")
     if local:
         results = [result for share in shares for result in run_ranks(source_url, share)]

@@ -291,7 +291,10 @@ def plan_rank(index: dict[tuple[str, str], TensorChunks], targets: Sequence[Targ
         plan.items[target] = items
         parts += items
     if headers:
-        parts += [headers[f] for f in {item.chunk.file for item in parts} if f in headers]
+        # A whole-chunk read is verified by the chunk's CRC32; a file read only partly is checked
+        # by its header (which carries a per-write nonce) instead.
+        partly_read = {item.chunk.file for item in parts if not item.whole_chunk}
+        parts += [headers[f] for f in sorted(partly_read) if f in headers]
     plan.requests = coalesce(parts, max_request_bytes)
     return plan
 

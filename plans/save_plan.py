@@ -28,6 +28,13 @@ def group_salt(replicated_over: Sequence[str], coords: RankCoords) -> str:
     return f"{','.join(replicated_over)}|" + ",".join(f"{k}{v}" for k, v in shared.items())
 
 
+def file_position(replicated_over: Sequence[str]) -> int:
+    """Where a piece goes in its writer's file: pieces only this rank holds first, then pieces
+    copied across dp, then pieces copied across tp. A replica reading its share from a peer's file
+    then finds it in one contiguous tail: one request instead of one per piece."""
+    return 0 if not replicated_over else (2 if "tp" in replicated_over else 1)
+
+
 def assign_writers(piece_bytes: Sequence[int], group_size: int, salt: str) -> list[int]:
     """The member (0..group_size-1) that writes each piece, for pieces listed in the same order on
     every member. The rotation by `salt` keeps member 0 from taking the largest piece of every group."""
@@ -71,7 +78,8 @@ def rank_writes(regions: Sequence[Region], kinds: Sequence[str], dtype: str, lay
         writers = assign_writers([pieces[i].nbytes for i in members], size, group_salt(dims, coords))
         for index, writer in zip(members, writers):
             chosen[index] = writer == mine
-    return [piece for piece, keep in zip(pieces, chosen) if keep]
+    mine = [piece for piece, keep in zip(pieces, chosen) if keep]
+    return sorted(mine, key=lambda piece: file_position(piece.region.replicated_over))  # stable: module order within
 
 
 def predicted_writes(model: ModelConfig, layout: ParallelLayout, partition: StagePartition | None = None,

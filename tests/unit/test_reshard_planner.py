@@ -69,3 +69,79 @@ def test_gaps_and_overlaps_are_reported():
                                    ("w", "param", tensor[1:2], (4, 3), (1, 0))], "b")
     with pytest.raises(CheckpointError, match="overlap|chunks hold"):
         check_chunks_disjoint_and_complete(overlapping)
+
+
+# ---- whole layouts: random model shapes, random source and target layouts ----------------------
+
+from plans.layout import ParallelLayout  # noqa: E402
+from plans.model_spec import ModelConfig, parameter_shapes  # noqa: E402
+from plans.reshard import plan_layout  # noqa: E402
+from plans.save_plan import predicted_writes  # noqa: E402
+from plans.target_regions import layout_targets  # noqa: E402
+
+
+@st.composite
+def model_and_layouts(draw):
+    n_kv = draw(st.sampled_from([1, 2, 4]))
+    heads_per_group = draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from([2, 4]))
+    model = ModelConfig(vocab_size=draw(st.sampled_from([8, 12, 16])), dim=n_kv * heads_per_group * head_dim,
+                        n_layers=draw(st.integers(1, 4)), n_heads=n_kv * heads_per_group, n_kv_heads=n_kv,
+                        ffn_dim=draw(st.sampled_from([4, 8, 12])), tie_embeddings=draw(st.booleans())).validate()
+
+    def layout():
+        tp = draw(st.sampled_from([d for d in (1, 2, 4) if n_kv % d == 0 and model.ffn_dim % d == 0 and model.vocab_size % d == 0]))
+        pp = draw(st.integers(1, min(2, model.n_layers)))
+        vpp = draw(st.sampled_from([v for v in (1, 2) if pp > 1 and pp * v <= model.n_layers] or [1]))
+        return ParallelLayout(dp=draw(st.integers(1, 2)), fsdp=draw(st.integers(1, 5)), tp=tp, pp=pp, vpp=vpp)
+
+    return model, layout(), layout(), draw(st.sampled_from([0, 1 << 30]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(model_and_layouts())
+def test_any_layout_to_any_layout_covers_exactly_and_reproduces_every_global_tensor(case):
+    model, source, target, min_segment_bytes = case
+    shapes = parameter_shapes(model)
+    kinds = ("param", "exp_avg")
+    generator = torch.Generator().manual_seed(0)
+    globals_ = {(name, kind): torch.randn(shape, generator=generator) for name, shape in shapes.items() for kind in kinds}
+    fs = fsspec.filesystem("memory")
+    base = f"/layouts-{uuid.uuid4().hex}"
+    chunks = []
+    for rank, pieces in enumerate(predicted_writes(model, source, kinds=kinds)):
+        if not pieces:
+            continue
+        written = [(p.region.name, p.kind, globals_[(p.region.name, p.kind)][
+            tuple(slice(o, o + s) for o, s in zip(p.region.offsets, p.region.sizes))].clone(),
+            p.region.global_shape, p.region.offsets) for p in pieces]
+        data, file_chunks = encode_shard(written, f"rank-{rank:05d}.safetensors")
+        fs.pipe_file(f"{base}/rank-{rank:05d}.safetensors", data)
+        chunks += file_chunks
+    plan = plan_layout(chunks, layout_targets(model, target, kinds), min_segment_bytes)  # proves coverage or raises
+    assert plan.bytes_read >= plan.bytes_needed
+    from actors.checkpoint_io import execute_requests
+
+    for rank_plan in plan.ranks:
+        buffers = {t: torch.full(t.sizes, float("nan")) for t in rank_plan.items}
+        by_item = {item: (buffers[t], t.offsets) for t, items in rank_plan.items.items() for item in items}
+        execute_requests(fs, base, rank_plan.requests, by_item)
+        for target_piece, buffer in buffers.items():
+            expected = globals_[(target_piece.name, target_piece.kind)][
+                tuple(slice(o, o + s) for o, s in zip(target_piece.offsets, target_piece.sizes))]
+            assert torch.equal(buffer, expected), (target_piece, str(source), str(target))
+
+
+def test_a_same_layout_load_is_one_request_per_file_of_whole_chunks():
+    model = ModelConfig(vocab_size=16, dim=8, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=8).validate()
+    layout = ParallelLayout(fsdp=2, tp=2)
+    chunks = []
+    for rank, pieces in enumerate(predicted_writes(model, layout, kinds=("param",))):
+        written = [(p.region.name, p.kind, torch.zeros(p.region.sizes), p.region.global_shape, p.region.offsets) for p in pieces]
+        chunks += encode_shard(written, f"rank-{rank}.safetensors")[1]
+    plan = plan_layout(chunks, layout_targets(model, layout, ("param",)))
+    for rank_plan in plan.ranks:
+        assert all(item.whole_chunk for items in rank_plan.items.values() for item in items)  # checksums verified
+        assert len(rank_plan.requests) == rank_plan.files  # header + chunks of a file: one coalesced read
+    assert plan.bytes_needed == sum(c.byte_end - c.byte_start for c in chunks) + \
+        sum(c.byte_end - c.byte_start for c in chunks if c.name.endswith("norm.weight"))  # norms: both tp ranks

@@ -1,0 +1,71 @@
+"""`rayshard ckpt plan|reshard|digest|diff|export|import|plot-resume` on a real (single-process) checkpoint."""
+import json
+
+import pytest
+
+from cluster.cli import main
+from cluster.store import Store
+from plans.model_spec import preset
+from tests.unit.checkpoint_factory import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("cli") / "store")
+    write_checkpoint(url, "one", preset("tiny"))
+    return url
+
+
+def test_plan_prints_per_rank_reads_and_the_coverage_proof_without_moving_data(store, capsys):
+    assert main(["ckpt", "plan", "one", "--store", store, "--to", "dp=1,tp=2,pp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "to tp2 x pp2 (4 ranks)" in out and "pp1 dp0 fsdp0 tp1" in out
+    assert "every target element is read exactly once" in out and "no tensor data was read" in out
+
+
+def test_plan_refuses_a_layout_the_model_cannot_take(store, capsys):
+    assert main(["ckpt", "plan", "one", "--store", store, "--to", "tp=4"]) == 2
+    assert "tp=4: must divide the number of kv heads (2)" in capsys.readouterr().err
+
+
+def test_reshard_digest_and_diff(store, capsys):
+    assert main(["ckpt", "reshard", "one", "--store", store, "--to", "fsdp=2,tp=2", "--run", "two", "--local"]) == 0
+    assert "committed" in capsys.readouterr().out
+    assert main(["ckpt", "digest", "one", "--store", store]) == 0
+    first = capsys.readouterr().out.splitlines()
+    assert main(["ckpt", "digest", "two", "--store", store]) == 0
+    second = capsys.readouterr().out.splitlines()
+    assert first == second and first[-1].startswith("checkpoint digest sha256:")
+    assert main(["ckpt", "diff", "one", "two", "--store", store]) == 0
+    assert "the checkpoints hold the same training state" in capsys.readouterr().out
+
+
+def test_diff_reports_which_tensors_differ_and_by_how_much(tmp_path, capsys):
+    url = str(tmp_path / "store")
+    write_checkpoint(url, "a", preset("tiny"), seed=0)
+    write_checkpoint(url, "b", preset("tiny"), seed=1)
+    assert main(["ckpt", "diff", "a", "b", "--store", url]) == 1
+    out = capsys.readouterr().out
+    assert "different" in out and "elements differ, max |a-b|" in out and "layers.0.attention.qkv.weight" in out
+
+
+def test_export_and_import(store, tmp_path, capsys):
+    assert main(["ckpt", "export", "one", "--store", store, "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert main(["ckpt", "import", str(tmp_path / "hf"), "--store", store, "--run", "back"]) == 0
+    assert Store(store).committed_steps("back") == [2]
+    assert main(["ckpt", "diff", "one", "back", "--store", store]) == 0
+
+
+def test_plot_resume_draws_segments_per_layout(tmp_path, capsys):
+    store = Store(str(tmp_path / "store"))
+    lines = [{"step": s, "loss": 5.0 - 0.1 * s, "layout": "dp=2,fsdp=1,tp=2,pp=1,vpp=1" if s <= 3 else "dp=1,fsdp=1,tp=2,pp=1,vpp=1"}
+             for s in range(1, 7)]
+    store.write_text("r/metrics.jsonl", "\n".join(json.dumps(line) for line in lines) + "\n")
+    store.write_text("ref/metrics.jsonl", "\n".join(json.dumps(dict(line, layout="dp=2,fsdp=1,tp=2,pp=1,vpp=1")) for line in lines))
+    out = tmp_path / "resume.png"
+    assert main(["ckpt", "plot-resume", "--store", str(tmp_path / "store"), "--run", "r", "--reference", "ref",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "r: dp2 x tp2 (steps 1-3)" in printed and "r: tp2 (steps 4-6)" in printed and "0.00e+00" in printed
+    assert out.read_bytes()[:4] == b"\x89PNG"
