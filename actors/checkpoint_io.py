@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from actors.object_writer import open_object_writer
 from plans.chunks import Chunk
 from plans.errors import CheckpointError
 from plans.reshard import HeaderCheck, ReadItem, Request, coalesce
@@ -122,7 +123,7 @@ def write_shard(fs, base: str, file: str, pieces, stage_bytes: int = STAGE_BYTES
     """Write pieces to base/file on an fsspec file system, streaming."""
     path = f"{base}/{file}"
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "wb") as handle:
+    with open_object_writer(fs, path) as handle:  # S3: parallel multipart, bounded memory, stall bound
         return write_pieces(handle, pieces, file, stage_bytes)
 
 

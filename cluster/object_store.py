@@ -36,7 +36,9 @@ class StorageOptions:
     read_timeout_s: float = 30.0  # per request: a silent server is retried, not waited on forever
     part_size_mib: int = 8  # multipart part size for uploads, range size for downloads
     max_concurrency: int = 4  # parts in flight per rank: memory bound = part_size * max_concurrency
-    object_timeout_s: float = 600.0  # a whole object upload or download, retries included
+    # A part (or a small object's single PUT) not done this long after it was sent fails the
+    # save, naming the rank and the object: the bound on a stalled upload, retries included.
+    stall_timeout_s: float = 300.0
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "StorageOptions":
@@ -57,6 +59,9 @@ class StorageOptions:
         return cls(**values).validate()
 
     def validate(self) -> "StorageOptions":
+        if self.stall_timeout_s <= 0:
+            raise ConfigError("storage.stall_timeout_s", self.stall_timeout_s, "must be positive",
+                              "set RAYSHARD_S3_STALL_TIMEOUT_S to e.g. 300")
         for name in ("max_attempts", "part_size_mib", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"storage.{name}", getattr(self, name), "must be at least 1",
