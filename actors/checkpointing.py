@@ -10,6 +10,8 @@ rule, which always picks coordinate 0): each replica group splits its pieces by 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import fsspec
 import torch
 import torch.distributed as dist
@@ -169,12 +171,45 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     for param in model.parameters():  # AdamW state must exist before it can be filled
         optimizer.state[param] = {"step": torch.tensor(float(step)),
                                   EXP_AVG: torch.zeros_like(param), EXP_AVG_SQ: torch.zeros_like(param)}
-    destinations = {}
+    layout, coords = rank_layout(model)
+    destinations, shared = {}, []
     for name, kind, tensor in state_tensors(model, optimizer):
         offsets, sizes = local_region(tensor)
-        destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
-    stats = StoredCheckpoint(checkpoint_url, chunks, metadata).read(destinations)
-    return {"step": step, "metadata": metadata, **stats}
+        if layout.dp > 1 and isinstance(tensor, DTensor) and "dp" in replicated_dims(tensor, layout) and all(sizes):
+            shared.append((name, kind, tensor, offsets, sizes))
+        else:
+            destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
+    # Read once per dp replica group: each replica reads its share (by bytes, as on save) and
+    # broadcasts it, so storage serves the checkpoint once, not dp times.
+    salt = "read|" + group_salt(("dp",), coords)
+    readers = assign_writers([_local(t).numel() * _local(t).element_size() for _, _, t, _, _ in shared], layout.dp, salt)
+    for (name, kind, tensor, offsets, sizes), reader in zip(shared, readers):
+        if reader == coords.dp:
+            destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
+    failure, stats = None, {}
+    try:
+        stats = StoredCheckpoint(checkpoint_url, chunks, metadata).read(destinations)
+    except CheckpointError as error:  # tell the replicas before anyone waits on a broadcast
+        failure = error
+    if shared:
+        group = shared[0][2].device_mesh.get_group("dp")
+        failed = torch.tensor([int(failure is not None)], device=_local(shared[0][2]).device)
+        dist.all_reduce(failed, group=group)
+        if failure is None and failed.item():
+            failure = CheckpointError(f"{checkpoint_url}: a dp replica of this rank could not read its share of the "
+                                      "checkpoint (its own error names the file); nothing was loaded")
+    if failure is not None:
+        raise failure
+    received = 0
+    for (_, _, tensor, _, _), reader in zip(shared, readers):
+        local = _local(tensor)
+        buffer = local if local.is_contiguous() else local.contiguous()
+        source = layout.rank_of(replace(coords, dp=reader))
+        dist.broadcast(buffer, src=source, group=tensor.device_mesh.get_group("dp"))
+        if buffer is not local:
+            local.copy_(buffer)
+        received += 0 if reader == coords.dp else local.numel() * local.element_size()
+    return {"step": step, "metadata": metadata, "bytes_received": received, **stats}
 
 
 def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str) -> None:

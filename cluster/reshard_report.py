@@ -34,14 +34,17 @@ def format_plan(plan: LayoutPlan, layout: ParallelLayout, source: str, metadata:
     lines = [f"reshard plan for {source}",
              f"  from {source_text} ({files} files, {plan.source_bytes / MiB:.2f} MiB) "
              f"to {layout.describe()} ({layout.world_size} ranks)",
-             "  rank  coords                 pieces   needed MiB   read MiB  requests  files"]
+             "  rank  coords                 pieces   needed MiB   read MiB   recv MiB  requests  files"]
     ranks = plan.ranks
     shown = ranks if len(ranks) <= show_ranks else sorted(ranks, key=lambda r: -r.bytes_read)[:5]
     for rank_plan in shown:
         c = layout.coords_of(rank_plan.rank)
         coords = f"pp{c.pp} dp{c.dp} fsdp{c.fsdp} tp{c.tp}"
-        lines.append(f"  {rank_plan.rank:>4}  {coords:<22} {len(rank_plan.items):>6} {rank_plan.bytes_needed / MiB:>12.3f} "
-                     f"{rank_plan.bytes_read / MiB:>10.3f} {len(rank_plan.requests):>9} {rank_plan.files:>6}")
+        pieces = len(rank_plan.items) + len(rank_plan.received)
+        needed = rank_plan.bytes_needed + rank_plan.bytes_received
+        lines.append(f"  {rank_plan.rank:>4}  {coords:<22} {pieces:>6} {needed / MiB:>12.3f} "
+                     f"{rank_plan.bytes_read / MiB:>10.3f} {rank_plan.bytes_received / MiB:>10.3f} "
+                     f"{len(rank_plan.requests):>9} {rank_plan.files:>6}")
     if len(ranks) > len(shown):
         reads = [r.bytes_read / MiB for r in ranks]
         requests = [len(r.requests) for r in ranks]
@@ -49,9 +52,9 @@ def format_plan(plan: LayoutPlan, layout: ParallelLayout, source: str, metadata:
                      f"median {statistics.median(reads):.2f} max {max(reads):.2f}; requests per rank min {min(requests)} "
                      f"median {statistics.median(requests):g} max {max(requests)}")
     amplification = plan.bytes_read / plan.bytes_needed if plan.bytes_needed else 1.0
-    lines += [f"  total: {plan.bytes_needed / MiB:.2f} MiB needed, {plan.bytes_read / MiB:.2f} MiB read "
-              f"({amplification:.3f}x needed, {plan.bytes_read / max(1, plan.source_bytes):.2f}x the checkpoint), "
-              f"{plan.requests} requests",
+    lines += [f"  total: {plan.bytes_read / MiB:.2f} MiB read from storage for {plan.bytes_needed / MiB:.2f} MiB needed "
+              f"({amplification:.3f}x; {plan.bytes_read / max(1, plan.source_bytes):.2f}x the checkpoint) in {plan.requests} requests; "
+              f"{plan.bytes_received / MiB:.2f} MiB more reach dp replicas by broadcast (each piece read once per replica group)",
               f"  {plan.proof()}",
               f"  planned in {seconds:.3f}s from the manifest alone; no tensor data was read"]
     return lines

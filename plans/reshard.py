@@ -250,6 +250,10 @@ class Target:
     kind: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    # Read once per dp replica group: the rank that reads this region from storage and broadcasts
+    # it to its replicas. None: this rank reads it itself.
+    receive_from: int | None = None
+    itemsize: int = 4
 
 
 @dataclass
@@ -257,6 +261,11 @@ class RankReadPlan:
     rank: int
     items: dict[Target, list[ReadItem]] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)
+    received: list[Target] = field(default_factory=list)  # filled by a replica's broadcast, not read
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(_volume(t.sizes) * t.itemsize for t in self.received)
 
     @property
     def bytes_read(self) -> int:
@@ -279,6 +288,9 @@ def plan_rank(index: dict[tuple[str, str], TensorChunks], targets: Sequence[Targ
     plan = RankReadPlan(rank)
     parts: list = []
     for target in targets:
+        if target.receive_from is not None:
+            plan.received.append(target)
+            continue
         key = (target.name, target.kind, target.offsets, target.sizes)
         items = cache.get(key) if cache is not None else None
         if items is None:
@@ -318,6 +330,10 @@ class LayoutPlan:
     @property
     def requests(self) -> int:
         return sum(len(r.requests) for r in self.ranks)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(r.bytes_received for r in self.ranks)
 
     def proof(self) -> str:
         return (f"coverage proven: source chunks tile every tensor without overlap, and each of the "

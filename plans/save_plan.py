@@ -50,6 +50,19 @@ def assign_writers(piece_bytes: Sequence[int], group_size: int, salt: str) -> li
     return writers
 
 
+def read_once_readers(regions: Sequence[Region], piece_bytes: Sequence[int], layout: ParallelLayout,
+                      coords: RankCoords) -> list[int | None]:
+    """On load, the global rank that reads each piece from storage for its dp replica group
+    (None: not shared across dp, this rank reads it). Pieces listed in the same order on every
+    replica; the split is by bytes, like the writers'."""
+    shared = [i for i, region in enumerate(regions) if layout.dp > 1 and "dp" in region.replicated_over]
+    readers: list[int | None] = [None] * len(regions)
+    salt = "read|" + group_salt(("dp",), coords)
+    for index, member in zip(shared, assign_writers([piece_bytes[i] for i in shared], layout.dp, salt)):
+        readers[index] = layout.rank_of(RankCoords(coords.pp, member, coords.fsdp, coords.tp))
+    return readers
+
+
 @dataclass(frozen=True)
 class PlannedPiece:
     """A piece one rank writes: its tensor region, state kind and dtype."""

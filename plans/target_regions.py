@@ -160,13 +160,25 @@ def replica_members(layout: ParallelLayout, coords: RankCoords, replicated_over:
 
 
 def layout_targets(model: ModelConfig, layout: ParallelLayout, kinds: Sequence[str],
-                   partition: StagePartition | None = None) -> list[list["Target"]]:
-    """For every rank of the layout, the (name, kind, region) pieces it must fill on load."""
-    from plans.reshard import Target
+                   partition: StagePartition | None = None, read_once: bool = True,
+                   itemsize: int = 4) -> list[list["Target"]]:
+    """For every rank of the layout, the (name, kind, region) pieces it must fill on load.
 
-    return [[Target(region.name, kind, region.offsets, region.sizes)
-             for region in rank_regions(model, layout, rank, partition) if region.numel for kind in kinds]
-            for rank in range(layout.world_size)]
+    read_once: dp replicas hold identical pieces, so each replica group reads each piece once
+    (readers balanced by bytes, as writers are on save) and the reader broadcasts it; without it,
+    every replica reads everything and storage serves dp times the checkpoint."""
+    from plans.reshard import Target
+    from plans.save_plan import read_once_readers
+
+    targets = []
+    for rank in range(layout.world_size):
+        coords = layout.coords_of(rank)
+        pieces = [(region, kind) for region in rank_regions(model, layout, rank, partition) if region.numel for kind in kinds]
+        readers = read_once_readers([r for r, _ in pieces], [r.numel * itemsize for r, _ in pieces], layout, coords) \
+            if read_once else [None] * len(pieces)
+        targets.append([Target(region.name, kind, region.offsets, region.sizes, None if reader in (None, rank) else reader, itemsize)
+                        for (region, kind), reader in zip(pieces, readers)])
+    return targets
 
 
 def check_layout_fits(model: ModelConfig, layout: ParallelLayout) -> None:

@@ -122,7 +122,10 @@ def test_any_layout_to_any_layout_covers_exactly_and_reproduces_every_global_ten
     assert plan.bytes_read >= plan.bytes_needed
     from actors.checkpoint_io import execute_requests
 
+    read_by_rank = [{(t.name, t.kind, t.offsets, t.sizes) for t in r.items} for r in plan.ranks]
     for rank_plan in plan.ranks:
+        for received in rank_plan.received:  # read once per dp replica group, by the rank named
+            assert (received.name, received.kind, received.offsets, received.sizes) in read_by_rank[received.receive_from]
         buffers = {t: torch.full(t.sizes, float("nan")) for t in rank_plan.items}
         by_item = {item: (buffers[t], t.offsets) for t, items in rank_plan.items.items() for item in items}
         execute_requests(fs, base, rank_plan.requests, by_item)
