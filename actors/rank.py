@@ -52,6 +52,18 @@ class RankActor:
     def save_shard(self, checkpoint_url: str, file: str) -> list[dict]:
         return self.trainer.save_shard(checkpoint_url, file)
 
+    def stage_save(self, checkpoint_url: str, file: str) -> dict:
+        """Async save: copy this rank's share of the state to CPU (all a training step waits for),
+        then upload it in a background thread; the driver polls save_status."""
+        from actors.async_save import BackgroundSave
+
+        trainer = self.trainer
+        self.background_save = BackgroundSave(trainer.model, trainer.optimizer, checkpoint_url, file, trainer.rank)
+        return self.background_save.staged
+
+    def save_status(self, wait: bool = False) -> dict:
+        return self.background_save.status(wait)
+
     def shutdown(self) -> None:
         if self.trainer is not None:
             self.trainer.shutdown()

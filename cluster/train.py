@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from actors.checkpoint_io import encode_manifest
 from actors.checkpointing import read_manifest
+from cluster import leases
+from cluster.async_save import AsyncCheckpointer
 from cluster.rank_group import RankGroup, connect_ray
 from cluster.store import CheckpointRef, Store
 from plans.chunks import Chunk
@@ -36,10 +38,12 @@ def _log(message: str) -> None:
 
 
 def train(config: TrainConfig, actors: list | None = None,
-          stop_after_checkpoint: Callable[[int], bool] | None = None) -> TrainResult:
+          stop_after_checkpoint: Callable[[int], bool] | None = None, async_save: bool = False) -> TrainResult:
     """Run (or resume) training.
 
     actors: live RankActors to borrow instead of starting new ones.
+    async_save: a checkpoint blocks training only while ranks copy their state to CPU; uploads run
+    in the background and commit at a later step (cluster/async_save.py).
     stop_after_checkpoint(step): asked after each committed checkpoint; True stops here (the
     elastic controller uses it to resize at a checkpoint, losing no work).
     """
@@ -73,9 +77,20 @@ def train(config: TrainConfig, actors: list | None = None,
          f"in {time.perf_counter() - started:.1f}s")
     result = TrainResult(config.run, start_step, resumed_from=parent)
     log = MetricsLog(store, config.run, start_step)
+
+    def committed(step: int, url: str) -> None:
+        result.checkpoints.append(url)
+        log.flush()
+        _log(f"checkpoint step {step} committed: {url}")
+
+    fingerprint = group.setup_info[0]["data_fingerprint"]
+    saver = (AsyncCheckpointer(group, store, config.run, config.layout.world_size,
+                               lambda step, parent: checkpoint_metadata(config, step, parent, fingerprint), committed)
+             if async_save else None)
     try:
         if resume is not None:
-            loaded = group.call("load", resume.url)
+            with leases.reading(store, resume):  # `ckpt gc` keeps the checkpoint while ranks read it
+                loaded = group.call("load", resume.url)
             _log(f"loaded step {start_step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over "
                  f"{len(loaded)} ranks")
         tokens_per_step = config.global_batch * config.seq_len
@@ -92,12 +107,16 @@ def train(config: TrainConfig, actors: list | None = None,
             log.append(record)
             _log(f"step {done:>5}/{config.steps} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} "
                  f"| lr {metrics['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s")
+            if saver is not None:
+                saver.poll()  # commits a finished background save; a failed one raises here
             if done == config.steps or (config.ckpt_every and done % config.ckpt_every == 0):
-                url = save_checkpoint(group, store, config, done, parent, group.setup_info[0]["data_fingerprint"])
-                parent = url
-                result.checkpoints.append(url)
-                log.flush()
-                _log(f"checkpoint step {done} committed: {url}")
+                if saver is not None:
+                    parent = saver.start(done, parent)  # training waits only while ranks stage to CPU
+                    if done == config.steps or stop_after_checkpoint is not None:
+                        saver.wait()
+                else:
+                    parent = save_checkpoint(group, store, config, done, parent, group.setup_info[0]["data_fingerprint"])
+                    committed(done, parent)
                 if done < config.steps and stop_after_checkpoint is not None and stop_after_checkpoint(done):
                     result.stopped_early = True
                     _log(f"stopping after the checkpoint at step {done} as asked (resize)")
@@ -116,7 +135,12 @@ def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: i
     files = [f"{attempt}/rank-{rank:05d}.safetensors" for rank in range(config.layout.world_size)]
     chunks = [Chunk.from_row(row) for rows in group.call_each("save_shard", [(url, f) for f in files]) for row in rows]
     check_chunks_disjoint_and_complete(chunks)
-    metadata = {
+    return store.commit(config.run, step, encode_manifest(chunks, checkpoint_metadata(config, step, parent, data_fingerprint)))
+
+
+def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data_fingerprint: str) -> dict:
+    """Run metadata stored in the manifest next to the chunk table."""
+    return {
         "run": config.run,
         "step": step,
         "layout": config.layout.to_dict(),

@@ -1,0 +1,82 @@
+"""The driver's side of asynchronous saves.
+
+`start` blocks training only while every rank copies its share of the state to CPU; the uploads
+then run in the ranks' background threads. After each training step the driver `poll`s: when
+every rank's upload has finished the manifest is committed (create-only, then LATEST moves), and
+when one failed the failure is raised there — at the next step — as a CheckpointError naming the
+rank and the object; nothing was committed, so LATEST still names the last good checkpoint. The
+next save first waits for the previous one, so at most one save is in flight.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from actors.checkpoint_io import encode_manifest
+from cluster.store import Store
+from plans.chunks import Chunk
+from plans.errors import CheckpointError
+from plans.reshard import check_chunks_disjoint_and_complete
+
+
+@dataclass
+class PendingSave:
+    step: int
+    url: str
+    parent: str | None
+    blocked_seconds: float
+
+
+class AsyncCheckpointer:
+    def __init__(self, group, store: Store, run: str, world_size: int,
+                 metadata_for: Callable[[int, str | None], dict], on_commit: Callable[[int, str], None]):
+        self.group, self.store, self.run, self.world_size = group, store, run, world_size
+        self.metadata_for, self.on_commit = metadata_for, on_commit
+        self.pending: PendingSave | None = None
+        self.blocked_seconds: list[float] = []  # per save: how long training waited for staging
+
+    def start(self, step: int, parent: str | None) -> str:
+        """Stage a save of `step` and let it upload; returns the URL it will commit to."""
+        self.wait()
+        attempt = self.store.new_attempt()
+        url = self.store.checkpoint_url(self.run, step)
+        files = [f"{attempt}/rank-{rank:05d}.safetensors" for rank in range(self.world_size)]
+        started = time.perf_counter()
+        self.group.call_each("stage_save", [(url, file) for file in files])
+        blocked = time.perf_counter() - started
+        self.blocked_seconds.append(blocked)
+        self.pending = PendingSave(step, url, parent, blocked)
+        return url
+
+    def poll(self) -> None:
+        """Commit the pending save if every upload finished; raise if one failed."""
+        if self.pending is None:
+            return
+        statuses = self.group.call("save_status", False)
+        if any(s["error"] for s in statuses) or all(s["done"] for s in statuses):
+            if not all(s["done"] for s in statuses):  # report only once every rank has stopped writing
+                statuses = self.group.call("save_status", True)
+            self._commit(statuses)
+
+    def wait(self) -> None:
+        """Block until the pending save ends; commit it (or raise its failure)."""
+        if self.pending is not None:
+            self._commit(self.group.call("save_status", True))
+
+    def _commit(self, statuses: list[dict]) -> None:
+        pending, self.pending = self.pending, None
+        errors = [s["error"] for s in statuses if s["error"]]
+        if errors:
+            latest = self.store.latest_step(self.run)
+            kept = (f"LATEST still names step {latest}, the last good checkpoint" if latest is not None
+                    else "the run has no committed checkpoint yet")
+            raise CheckpointError(
+                f"checkpoint step {pending.step} of run {self.run!r} was not committed: its background upload "
+                f"failed on {len(errors)} rank(s): " + "; ".join(errors) + f". {kept}; the partial upload is a "
+                "leftover that `rayshard ckpt gc` removes. Fix: check the store (credentials, quota, network), "
+                "then resume with --resume latest")
+        chunks = [Chunk.from_row(row) for status in statuses for row in status["rows"]]
+        check_chunks_disjoint_and_complete(chunks)
+        manifest = encode_manifest(chunks, self.metadata_for(pending.step, pending.parent))
+        self.on_commit(pending.step, self.store.commit(self.run, pending.step, manifest))

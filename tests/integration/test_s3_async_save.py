@@ -1,0 +1,61 @@
+"""Async saves on S3: uploads overlap the next steps yet each checkpoint holds exactly the state
+of its step (the same checksums as a synchronous save); a failed background upload stops the run
+at the next step with an error naming the rank and the object, and LATEST stays on the last good
+checkpoint."""
+from __future__ import annotations
+
+import pytest
+
+from actors.checkpointing import read_manifest
+from cluster.store import Store
+from cluster.train import train
+from plans.errors import CheckpointError
+from plans.layout import ParallelLayout
+from tests.integration.test_s3_training import _config
+
+DP2 = ParallelLayout(dp=2)
+
+
+def _checksums(url: str) -> dict:
+    chunks, _ = read_manifest(url)
+    return {(c.name, c.kind, c.offsets): c.checksum for c in chunks}
+
+
+@pytest.fixture(scope="module")
+def sync_run(run_training, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sync")
+    return run_training(_config(root, DP2, steps=3, run="s", ckpt_every=1))
+
+
+def test_async_checkpoints_hold_their_step_while_training_goes_on(rank_pool, s3_store, fault_proxy, tmp_path, sync_run):
+    # Slow shard uploads: each save is still uploading while the next step runs.
+    slow = fault_proxy.add("delay", method="PUT", path=r"rank-0000\d\.safetensors", seconds=1.0)
+    result = train(_config(tmp_path, DP2, steps=3, run="a", ckpt_every=1, store=s3_store), rank_pool, async_save=True)
+    assert slow.injected == 6
+    assert result.losses == sync_run.losses  # saving in the background changes nothing in training
+    store = Store(s3_store)
+    assert store.committed_steps("a") == [1, 2, 3] and store.latest_step("a") == 3
+    for ours, theirs in zip(result.checkpoints, sync_run.checkpoints):
+        assert _checksums(ours) == _checksums(theirs)
+    chunks, metadata = read_manifest(result.checkpoints[1])
+    assert metadata["parent"] == result.checkpoints[0] and metadata["step"] == 2
+
+
+def test_a_failed_background_upload_is_reported_at_the_next_step(rank_pool, s3_store, fault_proxy, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("RAYSHARD_S3_MAX_ATTEMPTS", "2")
+    broken = fault_proxy.add("error500", method="PUT", path=r"step-00000002/attempt-[0-9a-f]+/rank-00001")
+    with pytest.raises(CheckpointError) as error:
+        train(_config(tmp_path, DP2, steps=4, run="b", ckpt_every=2, store=s3_store), rank_pool, async_save=True)
+    message = str(error.value)
+    assert "checkpoint step 2" in message and "rank 1" in message and "rank-00001.safetensors" in message
+    assert "no committed checkpoint yet" in message
+    assert broken.injected
+    fault_proxy.clear()
+    store = Store(s3_store)
+    assert store.committed_steps("b") == [] and store.latest_step("b") is None
+    # Now with a good checkpoint before the failure: LATEST stays on it.
+    fault_proxy.add("error500", method="PUT", path=r"step-00000004/attempt-[0-9a-f]+/rank-00000")
+    with pytest.raises(CheckpointError, match="LATEST still names step 2"):
+        train(_config(tmp_path, DP2, steps=6, run="c", ckpt_every=2, store=s3_store), rank_pool, async_save=True)
+    assert store.committed_steps("c") == [2] and store.latest_step("c") == 2
