@@ -10,9 +10,11 @@ synthetic manifests), with the same result.
 """
 from __future__ import annotations
 
+import heapq
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from plans.chunks import STATE_KINDS
 from plans.layout import ParallelLayout, RankCoords
@@ -40,14 +42,20 @@ def assign_writers(piece_bytes: Sequence[int], group_size: int, salt: str) -> li
     every member. The rotation by `salt` keeps member 0 from taking the largest piece of every group."""
     if group_size == 1:
         return [0] * len(piece_bytes)
-    rotation = zlib.crc32(salt.encode()) % group_size
-    loads = [0] * group_size
+    return list(_assign(tuple(piece_bytes), group_size, zlib.crc32(salt.encode()) % group_size))
+
+
+@lru_cache(maxsize=8192)
+def _assign(piece_bytes: tuple[int, ...], group_size: int, rotation: int) -> tuple[int, ...]:
+    # Replicas call this with the same arguments: at 1024 ranks the cache does the work once per group.
+    loads = [(0, (member - rotation) % group_size, member) for member in range(group_size)]
+    heapq.heapify(loads)
     writers = [0] * len(piece_bytes)
     for index in sorted(range(len(piece_bytes)), key=lambda i: (-piece_bytes[i], i)):
-        member = min(range(group_size), key=lambda m: (loads[m], (m - rotation) % group_size))
+        load, order, member = heapq.heappop(loads)
         writers[index] = member
-        loads[member] += piece_bytes[index]
-    return writers
+        heapq.heappush(loads, (load + piece_bytes[index], order, member))
+    return tuple(writers)
 
 
 def read_once_readers(regions: Sequence[Region], piece_bytes: Sequence[int], layout: ParallelLayout,

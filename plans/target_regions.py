@@ -85,10 +85,24 @@ def pipeline_partition(model: ModelConfig, layout: ParallelLayout, schedule: str
                             layout=list(stage_layout) if stage_layout is not None else None)
 
 
+@lru_cache(maxsize=64)
+def _shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return parameter_shapes(model)
+
+
+@lru_cache(maxsize=64)
+def _names_by_layer(model: ModelConfig) -> dict[int, tuple[str, ...]]:
+    layers: dict[int, list[str]] = {}
+    for name in _shapes(model):
+        if name.startswith("layers."):
+            layers.setdefault(int(name.split(".")[1]), []).append(name)
+    return {layer: tuple(names) for layer, names in layers.items()}
+
+
 def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
                       partition: StagePartition | None) -> list[tuple[str, bool]]:
     """(global name, is the tied copy) of every parameter pipeline rank `pp_rank` holds, in module order."""
-    shapes = parameter_shapes(model)
+    shapes = _shapes(model)
     if layout.pp == 1 or partition is None:
         return [(name, False) for name in shapes]
     stages = partition.stages_of_rank(pp_rank)
@@ -97,9 +111,9 @@ def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
     names: list[tuple[str, bool]] = []
     if first:
         names.append((EMBEDDING, False))
+    by_layer = _names_by_layer(model)
     for layer in partition.layers_of_rank(pp_rank):
-        prefix = f"layers.{layer}."
-        names += [(name, False) for name in shapes if name.startswith(prefix)]
+        names += [(name, False) for name in by_layer.get(layer, ())]
     if last:
         if model.tie_embeddings and not first:
             names.append((EMBEDDING, True))
@@ -132,13 +146,13 @@ def rank_regions(model: ModelConfig, layout: ParallelLayout, rank: int,
     coords = layout.coords_of(rank)
     if layout.pp > 1 and partition is None:
         partition = pipeline_partition(model, layout)
-    return list(_rank_regions_cached(model, layout, coords, partition))
+    # Ranks that differ only in dp hold the same regions: a 768-rank plan computes each once.
+    return list(_rank_regions_cached(model, layout, RankCoords(coords.pp, 0, coords.fsdp, coords.tp), partition))
 
 
 @lru_cache(maxsize=4096)
 def _rank_regions_cached(model, layout, coords, partition) -> tuple[Region, ...]:
-    # Ranks that differ only in dp hold the same regions: a 768-rank plan computes each once.
-    shapes = parameter_shapes(model)
+    shapes = _shapes(model)
     regions = []
     for name, tied in rank_tensor_names(model, layout, coords.pp, partition):
         region = tensor_region(name, shapes[name], layout, coords)
