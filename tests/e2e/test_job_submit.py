@@ -24,7 +24,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
     # Ray's socket paths must stay under 107 bytes, so its session dir gets a short name.
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
@@ -33,34 +33,46 @@ def ray_head():
                RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
     gcs_port, dashboard_port = _free_port(), _free_port()
+    # Every agent gets a free port: the defaults (52365, ...) collide with any other Ray on the
+    # machine, and a job agent that cannot bind answers "No available agent to submit job".
+    agent_ports = [f"--{flag}={_free_port()}" for flag in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
+        "ray-client-server-port")]
     head = subprocess.Popen(
-        [f"{bin_dir}/ray", "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=4",
+        [f"{bin_dir}/ray", "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=8",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-         f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+         *agent_ports, f"--temp-dir={temp_dir}", "--disable-usage-stats"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
     address = f"http://127.0.0.1:{dashboard_port}"
-    deadline = time.time() + 120
+    try:
+        _wait_until_jobs_run(head, bin_dir, address, env)
+        yield address, env, f"127.0.0.1:{gcs_port}"
+    finally:  # also when start-up failed: a leaked head would slow every later test
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_until_jobs_run(head, bin_dir, address, env, timeout=300):
+    """Generous: on a loaded 2-core machine the job agent starts slowly."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
-        probe = subprocess.run([f"{bin_dir}/ray", "job", "list", "--address", address], env=env,
-                               capture_output=True, text=True)
+        # Ready means a job can run: the dashboard answers `job list` before its agent accepts jobs.
+        probe = subprocess.run([f"{bin_dir}/ray", "job", "submit", "--address", address, "--", "python", "-c", "pass"],
+                               env=env, capture_output=True, text=True)
         if probe.returncode == 0:
-            break
+            return
         if head.poll() is not None:
             pytest.fail(f"ray start exited early:\n{head.stdout.read()}")
         time.sleep(2)
-    else:
-        pytest.fail("the Ray dashboard did not come up within 120 s")
-    yield address, env
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    pytest.fail(f"the Ray job agent did not accept a job within {timeout} s; last answer:\n{probe.stdout[-2000:]}{probe.stderr[-2000:]}")
 
 
 def test_ray_job_submit_trains_and_commits_a_checkpoint(ray_head, tmp_path):
-    address, env = ray_head
+    address, env, _ = ray_head
     store = tmp_path / "store"
     submit = subprocess.run(
         [f"{os.path.dirname(sys.executable)}/ray", "job", "submit", "--address", address, "--working-dir", ".",
@@ -72,3 +84,83 @@ def test_ray_job_submit_trains_and_commits_a_checkpoint(ray_head, tmp_path):
     assert "succeeded" in output and "step     3/3" in output, output
     assert (store / "job" / "checkpoints" / "step-00000003" / "manifest.parquet").exists()
     assert (store / "job" / "LATEST").read_text() == "step-00000003"
+
+
+def _ray(*args, env, **kwargs):
+    return subprocess.run([f"{os.path.dirname(sys.executable)}/ray", *args], env=env, capture_output=True, text=True, **kwargs)
+
+
+def _latest(store: Path, run: str) -> int:
+    path = store / run / "LATEST"
+    return int(path.read_text().split("-")[1]) if path.exists() else 0
+
+
+def _wait_for_checkpoint(store: Path, run: str, step: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while _latest(store, run) < step:
+        assert time.time() < deadline, f"no checkpoint at step {step} of {run} within {timeout}s"
+        time.sleep(0.5)
+
+
+def _losses(store: Path, run: str) -> dict[int, float]:
+    import json
+
+    lines = (store / run / "metrics.jsonl").read_text().splitlines()
+    return {json.loads(line)["step"]: json.loads(line)["loss"] for line in lines if line}
+
+
+TRAIN = ["python", "-m", "cluster", "train", "--steps", "10", "--ckpt-every", "2", "--global-batch", "8",
+         "--seq-len", "32", "--tp", "1", "--warmup-steps", "3", "--resume", "auto"]
+
+
+def test_stopped_job_resubmitted_on_fewer_ranks_continues_the_losses(ray_head, tmp_path, run_training):
+    address, env, _ = ray_head
+    store = tmp_path / "store"
+    common = ["--store", str(store), "--run", "resub"]
+    submitted = _ray("job", "submit", "--address", address, "--no-wait", "--working-dir", ".", "--",
+                     *TRAIN, "--dp", "8", *common, cwd=REPO, env=env, timeout=120)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job_id = next(word for line in submitted.stdout.splitlines() for word in line.split() if word.startswith("raysubmit_"))
+    _wait_for_checkpoint(store, "resub", 4)
+    stopped = _ray("job", "stop", "--address", address, "--no-wait", job_id, env=env, timeout=120)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    deadline = time.time() + 300
+    while "STOPPED" not in _ray("job", "status", "--address", address, job_id, env=env, timeout=120).stdout:
+        assert time.time() < deadline, "the job did not stop within 300 s"
+        time.sleep(1)
+    stopped_at = _latest(store, "resub")
+    assert stopped_at < 10, "the job finished before it could be stopped"
+    resubmitted = _ray("job", "submit", "--address", address, "--working-dir", ".", "--",
+                       *TRAIN, "--dp", "4", *common, cwd=REPO, env=env, timeout=480)
+    output = resubmitted.stdout + resubmitted.stderr
+    assert resubmitted.returncode == 0, output
+    assert f"resuming from" in output and f"step {stopped_at}," in output
+    from cluster.cli import build_parser
+    from cluster.train_cli import config_from_args
+
+    # The same flags on the same embedded config, uninterrupted, on a third layout.
+    reference_args = build_parser().parse_args([*TRAIN[3:], "--dp", "2", "--store", str(tmp_path / "ref"), "--run", "ref"])
+    uninterrupted = run_training(config_from_args(reference_args))
+    losses = _losses(store, "resub")
+    assert sorted(losses) == list(range(1, 11))
+    for step, loss in losses.items():
+        assert abs(loss - uninterrupted.losses[step]) <= 1e-5 * abs(uninterrupted.losses[step]), (step, loss)
+
+
+def test_a_new_driver_continues_after_the_old_one_is_killed(ray_head, tmp_path):
+    _, env, gcs_address = ray_head
+    store = tmp_path / "store"
+    command = [sys.executable, "-m", "cluster", *TRAIN[3:], "--dp", "2", "--store", str(store), "--run", "phoenix"]
+    driver_env = dict(env, RAY_ADDRESS=gcs_address)  # a driver joining the cluster, as on a head node
+    first = subprocess.Popen(command, cwd=REPO, env=driver_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        _wait_for_checkpoint(store, "phoenix", 2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    killed_at = _latest(store, "phoenix")
+    second = subprocess.run(command, cwd=REPO, env=driver_env, capture_output=True, text=True, timeout=480)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"step {killed_at}," in second.stdout and _latest(store, "phoenix") == 10
+    assert sorted(_losses(store, "phoenix")) == list(range(1, 11))
