@@ -11,6 +11,7 @@ from typing import Callable
 from dataclasses import dataclass, field
 
 from actors.checkpoint_io import encode_manifest
+from cluster.pipeline_timings import PipelineTimings
 from actors.checkpointing import read_manifest
 from cluster import leases
 from cluster.async_save import AsyncCheckpointer
@@ -87,6 +88,7 @@ def train(config: TrainConfig, actors: list | None = None,
     saver = (AsyncCheckpointer(group, store, config.run, config.layout.world_size,
                                lambda step, parent: checkpoint_metadata(config, step, parent, fingerprint), committed)
              if async_save else None)
+    timings = PipelineTimings(config)
     try:
         if resume is not None:
             with leases.reading(store, resume):  # `ckpt gc` keeps the checkpoint while ranks read it
@@ -96,8 +98,10 @@ def train(config: TrainConfig, actors: list | None = None,
         tokens_per_step = config.global_batch * config.seq_len
         for step in range(start_step, config.steps):
             tick = time.perf_counter()
-            metrics = group.call("train_step")[0]
+            per_rank = group.call_reporting_failures("train_step")
+            metrics = per_rank[0]
             seconds = time.perf_counter() - tick
+            timings.add(per_rank, seconds)
             done = metrics["step"]
             result.losses[done] = metrics["loss"]
             result.step_seconds.append(seconds)
@@ -123,6 +127,7 @@ def train(config: TrainConfig, actors: list | None = None,
                     break
     finally:
         log.flush()
+        timings.write(store)
         group.shutdown()
     return result
 
@@ -155,7 +160,6 @@ def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data
         "parent": parent,
         "created_unix": time.time(),
     }
-    return store.commit(config.run, step, encode_manifest(chunks, metadata))
 
 
 def _read_metadata(ref: CheckpointRef) -> dict:
