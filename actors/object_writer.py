@@ -80,17 +80,17 @@ class MultipartWriter:
             self.buffer += view[:take]
             view = view[take:]
             if len(self.buffer) == self.part_size:
-                self._send_part(bytes(self.buffer))
+                self._send_part(self.buffer)  # handed over whole: a fresh buffer takes the next bytes
                 self.buffer = bytearray()
         self.written += count
         return count
 
     def close(self) -> None:
         if self.upload_id is None:  # smaller than one part: a single PUT
-            self._wait(self._submit("put_object", Body=bytes(self.buffer)), "the object", time.monotonic())
+            self._wait(self._submit("put_object", Body=self.buffer), "the object", time.monotonic())
             return
         if self.buffer:
-            self._send_part(bytes(self.buffer))
+            self._send_part(self.buffer)
             self.buffer = bytearray()
         while self.in_flight:
             self._finish_oldest()
@@ -113,7 +113,7 @@ class MultipartWriter:
         call = self.fs._call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
         return asyncio.run_coroutine_threadsafe(call, self.fs.loop)
 
-    def _send_part(self, body: bytes) -> None:
+    def _send_part(self, body: bytearray) -> None:
         if self.upload_id is None:
             started = time.monotonic()
             self.upload_id = self._wait(self._submit("create_multipart_upload"), "starting a multipart upload",

@@ -43,7 +43,7 @@ class AsyncCheckpointer:
         url = self.store.checkpoint_url(self.run, step)
         files = [f"{attempt}/rank-{rank:05d}.safetensors" for rank in range(self.world_size)]
         started = time.perf_counter()
-        self.group.call_each("stage_save", [(url, file) for file in files])
+        self.staged = self.group.call_each("stage_save", [(url, file) for file in files])
         blocked = time.perf_counter() - started
         self.blocked_seconds.append(blocked)
         self.pending = PendingSave(step, url, parent, blocked)

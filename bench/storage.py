@@ -1,0 +1,180 @@
+"""Checkpoint I/O against raw s3fs on an S3 server at 127.0.0.1, and async save's training stall.
+
+Starts moto's S3 server in its own process (so the server does not share this driver's GIL) and
+4 rank actors training the `small` preset, then alternates, for each repeat:
+
+  save   rayshard's synchronous save (stream shards with parallel multipart, commit the manifest)
+  put    raw s3fs `pipe_file` of the very same shard bytes, one object per rank, from the same actors
+  load   rayshard's load of that checkpoint (planned ranged reads)
+  get    raw s3fs `cat_file` of the objects `put` wrote
+  async  an async save: training is blocked while ranks stage to CPU and while the driver polls
+         and commits; the upload overlaps the next training steps
+
+and prints medians and the ratios against the anchors measured in the same run:
+
+  save throughput / raw put      goal >= 0.9
+  load throughput / raw get      goal >= 0.9
+  async blocked / sync save      goal <= 0.05
+
+    .venv/bin/python bench/storage.py [--model small] [--dp 2 --tp 2] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BUCKET = "bench"
+
+
+def start_s3_server() -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        with socket.socket() as client:
+            if client.connect_ex(("127.0.0.1", port)) == 0:
+                return server, f"http://127.0.0.1:{port}"
+        time.sleep(0.2)
+    server.kill()
+    raise RuntimeError("the moto S3 server did not start within 60 s")
+
+
+# ---- the raw s3fs anchor, run inside the rank actors (Ray's __ray_call__) --------------------
+
+def _raw_prepare(actor, source_url: str) -> int:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(source_url)
+    actor._bench_bytes = fs.cat_file(path)
+    return len(actor._bench_bytes)
+
+
+def _raw_put(actor, url: str) -> None:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.pipe_file(path, actor._bench_bytes)
+
+
+def _raw_get(actor, url: str) -> int:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return len(fs.cat_file(path))
+
+
+def _timed(call) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--fsdp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seq-len", type=int, default=64)
+    args = parser.parse_args()
+
+    server, endpoint = start_s3_server()
+    # Before Ray starts, so the rank actors inherit them; fake credentials for the local server.
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL": endpoint})
+    try:
+        run(args)
+    finally:
+        server.kill()
+
+
+def run(args) -> None:
+    import boto3
+    import ray
+
+    from cluster.async_save import AsyncCheckpointer
+    from cluster.rank_group import RankGroup
+    from cluster.store import Store
+    from cluster.train import checkpoint_metadata, save_checkpoint
+    from plans.config import DataConfig, TrainConfig
+    from plans.layout import ParallelLayout
+    from plans.model_spec import preset
+
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    config = TrainConfig(model_preset=args.model, model=preset(args.model),
+                         layout=ParallelLayout(dp=args.dp, fsdp=args.fsdp, tp=args.tp), steps=10_000, global_batch=8,
+                         seq_len=args.seq_len, data=DataConfig(max_bytes=2_000_000), store=f"s3://{BUCKET}/store",
+                         run="bench").validate()
+    world = config.layout.world_size
+    ray.init(address="local", num_cpus=world, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    store = Store(config.store)
+    group = RankGroup(config)
+    group.call("configure_storage", store.storage_conf)
+    group.call("train_step")  # AdamW moments exist from the first step: full-size checkpoints
+    fingerprint = group.setup_info[0]["data_fingerprint"]
+    times = {name: [] for name in ("save", "put", "load", "get", "async", "stage", "copy")}
+    total_bytes = 0
+    try:
+        for repeat in range(args.repeats):
+            step = 1000 + repeat
+            started = time.perf_counter()
+            url = save_checkpoint(group, store, config, step, None, fingerprint)
+            times["save"].append(time.perf_counter() - started)
+
+            from actors.checkpointing import read_manifest
+
+            chunks, _ = read_manifest(url)
+            files = sorted({c.file for c in chunks})
+            raw = [f"{config.store}/raw/{repeat}/object-{rank}" for rank in range(world)]
+            sources = [f"{url}/{files[rank]}" for rank in range(world)]  # rank-NNNNN files, in rank order
+            sizes = ray.get([a.__ray_call__.remote(_raw_prepare, s) for a, s in zip(group.actors, sources)])
+            total_bytes = sum(sizes)
+            times["put"].append(_timed(lambda: ray.get([a.__ray_call__.remote(_raw_put, u) for a, u in zip(group.actors, raw)])))
+            times["load"].append(_timed(lambda: group.call("load", url)))
+            times["get"].append(_timed(lambda: ray.get([a.__ray_call__.remote(_raw_get, u) for a, u in zip(group.actors, raw)])))
+
+            committed = []
+            saver = AsyncCheckpointer(group, store, config.run, world,
+                                      lambda s, p: checkpoint_metadata(config, s, p, fingerprint),
+                                      lambda s, u: committed.append(u))
+            blocked = _timed(lambda: saver.start(step + 500, None))
+            times["stage"].append(blocked)
+            times["copy"].append(max(s["seconds"] for s in saver.staged))
+            while not committed:  # training goes on; each poll (and the commit) blocks it
+                group.call("train_step")
+                blocked += _timed(saver.poll)
+            times["async"].append(blocked)
+            print(f"repeat {repeat + 1}: save {times['save'][-1]:.2f}s put {times['put'][-1]:.2f}s "
+                  f"load {times['load'][-1]:.2f}s get {times['get'][-1]:.2f}s async blocked {blocked * 1e3:.0f} ms "
+                  f"(staging {times['stage'][-1] * 1e3:.0f} ms, of which copying {times['copy'][-1] * 1e3:.0f} ms)", flush=True)
+            store.fs.rm(f"{store.root}/bench/checkpoints", recursive=True)  # the server keeps everything
+            store.fs.rm(f"{store.root}/raw", recursive=True)
+    finally:
+        group.shutdown()
+        ray.shutdown()
+
+    median = {name: statistics.median(values) for name, values in times.items()}
+    mib = total_bytes / 2**20
+    print(f"\nmodel {args.model}, layout {config.layout.describe()} ({world} ranks), {mib:.0f} MiB per checkpoint, "
+          f"S3 server moto at 127.0.0.1, {args.repeats} repeats (medians)")
+    for name, anchor in (("save", "put"), ("load", "get")):
+        print(f"  {name:5s} rayshard {median[name]:6.2f} s ({mib / median[name]:6.1f} MiB/s)   "
+              f"raw s3fs {anchor} {median[anchor]:6.2f} s ({mib / median[anchor]:6.1f} MiB/s)   "
+              f"ratio {median[anchor] / median[name]:.3f}   (goal >= 0.9)")
+    print(f"  async save: training blocked {median['async'] * 1e3:.0f} ms (staging {median['stage'] * 1e3:.0f} ms) vs "
+          f"sync save {median['save'] * 1e3:.0f} ms   ratio {median['async'] / median['save']:.3f}   (goal <= 0.05)")
+
+
+if __name__ == "__main__":
+    main()
