@@ -16,8 +16,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The product's story: train on 4 ranks, reshard, resume on 2 ranks, prove nothing changed.
+DEMO_TO ?= fsdp=2
+DEMO_TO_FLAGS ?= --dp 1 --fsdp 2 --tp 1
+demo: DEMO_NAME := $(DEMO_RUN)
 demo: $(STAMP)
-	$(PY) -m cluster train --config configs/demo.yaml --run $(DEMO_RUN)
+	@echo "== 1. train on 4 ranks (dp2 x tp2), 30 steps, a checkpoint every 10"
+	$(PY) -m cluster train --config configs/demo.yaml --run $(DEMO_NAME)
+	@echo "== 2. dry run: what 2 ranks ($(DEMO_TO)) would read from step 10, no data moved"
+	$(PY) -m cluster ckpt plan $(DEMO_NAME)@10 --to $(DEMO_TO)
+	@echo "== 3. offline reshard of step 10 to $(DEMO_TO), on Ray actors; digests are layout-independent"
+	$(PY) -m cluster ckpt reshard $(DEMO_NAME)@10 --to $(DEMO_TO) --run $(DEMO_NAME)-resharded
+	@$(PY) -m cluster ckpt digest $(DEMO_NAME)@10 | tail -1
+	@$(PY) -m cluster ckpt digest $(DEMO_NAME)-resharded@10 | tail -1
+	$(PY) -m cluster ckpt diff $(DEMO_NAME)@10 $(DEMO_NAME)-resharded@10
+	@echo "== 4. resume step 10 on 2 ranks ($(DEMO_TO)) to step 30, resharding at load time"
+	$(PY) -m cluster train --config configs/demo.yaml --run $(DEMO_NAME)-resumed --resume $(DEMO_NAME)@10 $(DEMO_TO_FLAGS)
+	@echo "== 5. loss continuity against the uninterrupted run, and the picture"
+	$(PY) -m cluster ckpt plot-resume --run $(DEMO_NAME) --run $(DEMO_NAME)-resumed --reference $(DEMO_NAME) \
+		--out runs/$(DEMO_NAME)-resume.png
 
 test: $(STAMP)
 	$(PY) -m pytest

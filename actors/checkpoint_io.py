@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import uuid
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from actors.object_writer import open_object_writer
 from plans.chunks import Chunk
@@ -184,7 +186,8 @@ def _windows(requests: Sequence[Request], window_bytes: int) -> Iterable[list[Re
 
 
 def _short_read(path: str, start: int, end: int, what: str, got) -> CheckpointError:
-    detail = "an error: " + str(got) if isinstance(got, BaseException) else f"{len(got)} bytes"
+    detail = ("an error: " + str(got) if isinstance(got, BaseException) else
+              f"{got} bytes" if isinstance(got, int) else f"{len(got)} bytes")
     return CheckpointError(f"{path}: expected bytes [{start}, {end}) of {what} but got {detail}; "
                            "the shard is missing or truncated. Fix: restore the file, or resume from an earlier checkpoint")
 
@@ -195,8 +198,10 @@ def _copy_item(item: ReadItem, data, destination: Destination, path: str) -> Non
     dtype = getattr(torch, chunk.dtype)
     if tensor.dtype != dtype:
         raise CheckpointError(f"{chunk.name} ({chunk.kind}): stored as {chunk.dtype}, model expects {dtype_name(tensor.dtype)}")
-    held = torch.frombuffer(data, dtype=dtype).view(item.held_sizes) if item.held_sizes else \
-        torch.frombuffer(data, dtype=dtype).view(())
+    with warnings.catch_warnings():  # read-only bytes are fine: the data is only copied out
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=dtype)
+    held = flat.view(item.held_sizes) if item.held_sizes else flat.view(())
     source = tuple(slice(o - h, o - h + s) for o, h, s in zip(item.offsets, item.held_offsets, item.sizes))
     place = tuple(slice(o - t, o - t + s) for o, t, s in zip(item.offsets, target_offsets, item.sizes))
     tensor[place].copy_(held[source])
@@ -218,10 +223,15 @@ def _check_header(part: HeaderCheck, data, path: str) -> None:
 
 def execute_requests(fs, base: str, requests: Sequence[Request], destinations: dict[ReadItem, Destination] | Callable,
                      window_bytes: int = WINDOW_BYTES) -> int:
-    """Fetch requests (batched per window; concurrent on object stores), verify, and copy every
-    item into its destination. `destinations` maps an item to (tensor, global offsets of that
-    tensor), or is a function doing so. Returns bytes read."""
+    """Fetch requests, verify, and copy every item into its destination. `destinations` maps an
+    item to (tensor, global offsets of that tensor), or is a function doing so. Returns bytes read.
+
+    Local files are read item by item straight into the destination when its slice is contiguous
+    (a same-layout load copies nothing twice and needs no buffer), else through one reused buffer.
+    Object stores get each window's requests in one batched call (fetched concurrently)."""
     lookup = destinations if callable(destinations) else destinations.__getitem__
+    if isinstance(fs, LocalFileSystem):
+        return _execute_local(fs, base, requests, lookup, window_bytes)
     total = 0
     small = [r for r in requests if r.nbytes <= window_bytes]
     for batch in _windows(small, window_bytes):
@@ -230,7 +240,7 @@ def execute_requests(fs, base: str, requests: Sequence[Request], destinations: d
         for request, blob, path in zip(batch, blobs, paths):
             if isinstance(blob, BaseException) or len(blob) != request.nbytes:
                 raise _short_read(path, request.byte_start, request.byte_end, _describe(request), blob)
-            _serve(request, bytearray(blob), path, lookup)
+            _serve(request, blob, path, lookup)
             total += request.nbytes
     for request in requests:
         if request.nbytes > window_bytes:
@@ -238,12 +248,66 @@ def execute_requests(fs, base: str, requests: Sequence[Request], destinations: d
     return total
 
 
+def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_bytes: int) -> int:
+    total = 0
+    scratch = bytearray()
+    handles: dict[str, object] = {}
+    try:
+        for request in requests:
+            path = f"{base}/{request.file}"
+            if path not in handles:
+                try:
+                    handles[path] = fs.open(path, "rb")
+                except (FileNotFoundError, OSError) as error:
+                    raise _short_read(path, request.byte_start, request.byte_end, _describe(request), error) from None
+            handle = handles[path]
+            for part in request.parts:
+                if isinstance(part, ReadItem) and part.nbytes > window_bytes and part.held_sizes:
+                    total += _serve_large(fs, base, Request(part.file, part.byte_start, part.byte_end, (part,)), lookup, window_bytes)
+                    continue
+                destination = None if isinstance(part, HeaderCheck) else _direct_view(part, lookup(part))
+                if destination is None:
+                    if len(scratch) < part.nbytes:
+                        scratch = bytearray(part.nbytes)
+                    target = memoryview(scratch)[:part.nbytes]
+                else:
+                    target = destination
+                handle.seek(part.byte_start)
+                got = handle.readinto(target)
+                if got != part.nbytes:
+                    raise _short_read(path, part.byte_start, part.byte_end, _describe(Request(part.file, 0, 0, (part,))),
+                                      got or 0)
+                if isinstance(part, HeaderCheck):
+                    _check_header(part, target, path)
+                else:
+                    _check_whole_chunk(part, target, path)
+                    if destination is None:
+                        _copy_item(part, target, lookup(part), path)
+                total += part.nbytes
+    finally:
+        for handle in handles.values():
+            handle.close()
+    return total
+
+
+def _direct_view(item: ReadItem, destination: Destination) -> memoryview | None:
+    """The destination's bytes, when the item fills a contiguous slice of it exactly."""
+    tensor, target_offsets = destination
+    if item.sizes != item.held_sizes or tensor.dtype != getattr(torch, item.chunk.dtype) or tensor.device.type != "cpu":
+        return None
+    place = tuple(slice(o - t, o - t + s) for o, t, s in zip(item.offsets, target_offsets, item.sizes))
+    view = tensor[place] if place else tensor
+    if not view.is_contiguous():
+        return None
+    return view.reshape(-1).view(torch.uint8).numpy().data
+
+
 def _describe(request: Request) -> str:
     names = sorted({f"{p.chunk.name} ({p.chunk.kind})" for p in request.parts if isinstance(p, ReadItem)})
     return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "the safetensors header"
 
 
-def _serve(request: Request, blob: bytearray, path: str, lookup) -> None:
+def _serve(request: Request, blob, path: str, lookup) -> None:
     view = memoryview(blob)
     for part in request.parts:
         data = view[part.byte_start - request.byte_start: part.byte_end - request.byte_start]

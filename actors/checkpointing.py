@@ -10,11 +10,13 @@ rule, which always picks coordinate 0): each replica group splits its pieces by 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import fsspec
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.tensor import DTensor, Replicate
 
 from actors.checkpoint_io import WINDOW_BYTES, decode_manifest, dtype_name, execute_requests, write_shard
@@ -139,9 +141,12 @@ class StoredCheckpoint:
     def tensors(self) -> dict[tuple[str, str], list[Chunk]]:
         return {key: index.chunks for key, index in self.index.items()}
 
+    def plan(self, targets, window_bytes: int = WINDOW_BYTES):
+        return plan_rank(self.index, list(targets), headers=self.headers, max_request_bytes=window_bytes)
+
     def read(self, destinations: dict[Target, tuple[torch.Tensor, tuple]], window_bytes: int = WINDOW_BYTES) -> dict:
         """Plan and execute the reads that fill every target (name, kind, region) into its tensor."""
-        plan = plan_rank(self.index, list(destinations), headers=self.headers, max_request_bytes=window_bytes)
+        plan = self.plan(destinations, window_bytes)
         by_item = {item: destinations[target] for target, items in plan.items.items() for item in items}
         bytes_read = execute_requests(self.fs, self.base, plan.requests, by_item, window_bytes)
         return {"bytes_read": bytes_read, "bytes_needed": plan.bytes_needed, "requests": len(plan.requests),
@@ -171,21 +176,7 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     for param in model.parameters():  # AdamW state must exist before it can be filled
         optimizer.state[param] = {"step": torch.tensor(float(step)),
                                   EXP_AVG: torch.zeros_like(param), EXP_AVG_SQ: torch.zeros_like(param)}
-    layout, coords = rank_layout(model)
-    destinations, shared = {}, []
-    for name, kind, tensor in state_tensors(model, optimizer):
-        offsets, sizes = local_region(tensor)
-        if layout.dp > 1 and isinstance(tensor, DTensor) and "dp" in replicated_dims(tensor, layout) and all(sizes):
-            shared.append((name, kind, tensor, offsets, sizes))
-        else:
-            destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
-    # Read once per dp replica group: each replica reads its share (by bytes, as on save) and
-    # broadcasts it, so storage serves the checkpoint once, not dp times.
-    salt = "read|" + group_salt(("dp",), coords)
-    readers = assign_writers([_local(t).numel() * _local(t).element_size() for _, _, t, _, _ in shared], layout.dp, salt)
-    for (name, kind, tensor, offsets, sizes), reader in zip(shared, readers):
-        if reader == coords.dp:
-            destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
+    destinations, shared, readers = load_destinations(model, optimizer, read_once_for(checkpoint_url))
     failure, stats = None, {}
     try:
         stats = StoredCheckpoint(checkpoint_url, chunks, metadata).read(destinations)
@@ -201,6 +192,7 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     if failure is not None:
         raise failure
     received = 0
+    layout, coords = rank_layout(model)
     for (_, _, tensor, _, _), reader in zip(shared, readers):
         local = _local(tensor)
         buffer = local if local.is_contiguous() else local.contiguous()
@@ -210,6 +202,41 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
             local.copy_(buffer)
         received += 0 if reader == coords.dp else local.numel() * local.element_size()
     return {"step": step, "metadata": metadata, "bytes_received": received, **stats}
+
+
+def read_once_for(checkpoint_url: str) -> bool:
+    """Whether dp replicas read each piece once and broadcast it (object stores, network file
+    systems: storage bandwidth is the bottleneck) or each read it (a local disk: page-cache reads
+    beat a gloo broadcast; measured in docs/decisions.md). RAYSHARD_READ_ONCE=1/0 overrides."""
+    setting = os.environ.get("RAYSHARD_READ_ONCE", "auto").strip().lower()
+    if setting in ("1", "true", "yes"):
+        return True
+    if setting in ("0", "false", "no"):
+        return False
+    fs, _ = fsspec.core.url_to_fs(checkpoint_url)
+    return not isinstance(fs, LocalFileSystem)
+
+
+def load_destinations(model, optimizer, read_once: bool = True):
+    """(what this rank reads: target -> (local tensor, its global offsets), the pieces shared with
+    dp replicas, and the dp coordinate that reads each shared piece).
+
+    read_once: each dp replica reads its share of the replicated pieces (split by bytes, as on
+    save) and broadcasts it, so storage serves the checkpoint once, not dp times."""
+    layout, coords = rank_layout(model)
+    destinations, shared = {}, []
+    for name, kind, tensor in state_tensors(model, optimizer):
+        offsets, sizes = local_region(tensor)
+        if read_once and layout.dp > 1 and isinstance(tensor, DTensor) and "dp" in replicated_dims(tensor, layout) and all(sizes):
+            shared.append((name, kind, tensor, offsets, sizes))
+        else:
+            destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
+    salt = "read|" + group_salt(("dp",), coords)
+    readers = assign_writers([_local(t).numel() * _local(t).element_size() for _, _, t, _, _ in shared], layout.dp, salt)
+    for (name, kind, tensor, offsets, sizes), reader in zip(shared, readers):
+        if reader == coords.dp:
+            destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
+    return destinations, shared, readers
 
 
 def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str) -> None:

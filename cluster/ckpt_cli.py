@@ -62,7 +62,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from actors.checkpointing import read_manifest
+    from actors.checkpointing import read_manifest, read_once_for
     from cluster.reshard_job import target_partition
     from cluster.reshard_report import build_plan, format_plan
 
@@ -70,7 +70,7 @@ def run_plan(args: argparse.Namespace) -> int:
     chunks, metadata = read_manifest(ref.url)
     layout = _layout(args.to)
     partition = target_partition(metadata, layout, args.schedule, _stage_layout(args.stage_layout))
-    plan, seconds = build_plan(chunks, metadata, layout, partition, int(args.min_segment_kib * 1024))
+    plan, seconds = build_plan(chunks, metadata, layout, partition, int(args.min_segment_kib * 1024), read_once_for(ref.url))
     for line in format_plan(plan, layout, ref.url, metadata, seconds, len({c.file for c in chunks}), args.show_ranks):
         print(line)
     return 0

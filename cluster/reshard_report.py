@@ -14,13 +14,13 @@ MiB = 2**20
 
 
 def build_plan(chunks: list[Chunk], metadata: dict, layout: ParallelLayout, partition=None,
-               min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES) -> tuple[LayoutPlan, float]:
+               min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES, read_once: bool = True) -> tuple[LayoutPlan, float]:
     """(plan, seconds) for loading this checkpoint onto `layout`; metadata only, no data read."""
     started = time.perf_counter()
     model = ModelConfig.from_dict(metadata["model"])
     check_layout_fits(model, layout)
     kinds = [k for k in ("param", "exp_avg", "exp_avg_sq") if any(c.kind == k for c in chunks)]
-    plan = plan_layout(chunks, layout_targets(model, layout, kinds, partition), min_segment_bytes)
+    plan = plan_layout(chunks, layout_targets(model, layout, kinds, partition, read_once), min_segment_bytes)
     return plan, time.perf_counter() - started
 
 
@@ -52,9 +52,11 @@ def format_plan(plan: LayoutPlan, layout: ParallelLayout, source: str, metadata:
                      f"median {statistics.median(reads):.2f} max {max(reads):.2f}; requests per rank min {min(requests)} "
                      f"median {statistics.median(requests):g} max {max(requests)}")
     amplification = plan.bytes_read / plan.bytes_needed if plan.bytes_needed else 1.0
+    sharing = (f"{plan.bytes_received / MiB:.2f} MiB more reach dp replicas by broadcast (each piece read once per replica group)"
+               if plan.bytes_received else "every rank reads what it holds (no broadcast)")
     lines += [f"  total: {plan.bytes_read / MiB:.2f} MiB read from storage for {plan.bytes_needed / MiB:.2f} MiB needed "
               f"({amplification:.3f}x; {plan.bytes_read / max(1, plan.source_bytes):.2f}x the checkpoint) in {plan.requests} requests; "
-              f"{plan.bytes_received / MiB:.2f} MiB more reach dp replicas by broadcast (each piece read once per replica group)",
+              + sharing,
               f"  {plan.proof()}",
               f"  planned in {seconds:.3f}s from the manifest alone; no tensor data was read"]
     return lines

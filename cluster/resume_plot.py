@@ -1,7 +1,8 @@
 """The continuity picture: a run's loss on layout A, its resume on layout B, over an uninterrupted run.
 
 Reads `{store}/{run}/metrics.jsonl` (one JSON line per step: step, loss, layout) of each run
-given; consecutive steps on the same layout form a segment, each drawn in its own colour, with
+given (a later run cuts an earlier one where it starts: resuming into a new run name continues
+the timeline); consecutive steps on the same layout form a segment, each drawn in its own colour, with
 the uninterrupted reference in grey underneath and, below, the relative difference per step on a
 log scale next to the 1e-5 bar.
 """
@@ -55,6 +56,18 @@ def relative_differences(parts: list[Segment], reference: dict[int, float]) -> d
             for part in parts for step, loss in zip(part.steps, part.losses) if step in reference and reference[step]}
 
 
+def _timeline(store, runs: list[str]) -> list[tuple[str, list[dict]]]:
+    """Each run's records, cut where the next run takes over (a run resumed into a new run name
+    continues the earlier one from its first step)."""
+    records = [read_metrics(store, run) for run in runs]
+    timeline = []
+    for index, (run, lines) in enumerate(zip(runs, records)):
+        later = [min(int(r["step"]) for r in nxt) for nxt in records[index + 1:] if nxt]
+        cut = min(later, default=None)
+        timeline.append((run, [r for r in lines if cut is None or int(r["step"]) < cut]))
+    return timeline
+
+
 def plot_resume(store, runs: list[str], out: str, reference: str | None = None, title: str | None = None) -> dict:
     """Draw the picture to `out` (PNG); return the largest relative difference to the reference."""
     import matplotlib
@@ -62,7 +75,7 @@ def plot_resume(store, runs: list[str], out: str, reference: str | None = None, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [part for run in runs for part in segments(run, read_metrics(store, run))]
+    parts = [part for run, records in _timeline(store, runs) for part in segments(run, records)]
     ref = {int(r["step"]): float(r["loss"]) for r in read_metrics(store, reference)} if reference else {}
     differences = relative_differences(parts, ref) if ref else {}
     figure, axes = plt.subplots(2 if ref else 1, 1, figsize=(9, 6.5 if ref else 4.5), sharex=True, squeeze=False,

@@ -191,6 +191,10 @@ class HeaderCheck:
     byte_end: int
     checksum: str
 
+    @property
+    def nbytes(self) -> int:
+        return self.byte_end - self.byte_start
+
 
 @dataclass(frozen=True)
 class Request:

@@ -55,8 +55,9 @@ def writer_rank(file: str) -> int:
     return int(re.search(r"rank-(\d+)", file).group(1))
 
 
-def load_and_save(config, source_url: str, actors) -> str:
-    """Load a checkpoint into training actors of config.layout and save it again, no step taken."""
+def load_and_save(config, source_url: str, actors, loaded: list | None = None) -> str:
+    """Load a checkpoint into training actors of config.layout and save it again, no step taken.
+    `loaded` (a list) receives each rank's load result."""
     from cluster.rank_group import RankGroup
     from cluster.store import Store
     from cluster.train import save_checkpoint
@@ -66,7 +67,10 @@ def load_and_save(config, source_url: str, actors) -> str:
     try:
         if hasattr(actors[0], "configure_storage"):
             group.call("configure_storage", store.storage_conf)
-        step = group.call("load", source_url)[0]["step"]
+        results = group.call("load", source_url)
+        if loaded is not None:
+            loaded.extend(results)
+        step = results[0]["step"]
         return save_checkpoint(group, store, config, step, source_url, group.setup_info[0]["data_fingerprint"])
     finally:
         group.shutdown()

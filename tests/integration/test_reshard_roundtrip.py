@@ -82,6 +82,22 @@ def test_load_and_save_in_training_actors_round_trips(source, rank_pool, tmp_pat
     assert chunk_fingerprint(back) == chunk_fingerprint(url)
 
 
+def test_on_an_object_store_dp_replicas_read_each_piece_once(rank_pool, s3_store, tmp_path):
+    """Through S3 (moto): a dp2 x tp2 load reads the checkpoint once in all (each replica its
+    share, then a broadcast), and the state it holds is bit for bit the one saved."""
+    config = _training_config(tmp_path, SOURCE, "s3-src")
+    from dataclasses import replace
+
+    from cluster.train import train
+
+    url = train(replace(config, store=s3_store, steps=1), rank_pool).checkpoints[-1]
+    loaded = []
+    again = load_and_save(replace(config, store=s3_store, run="s3-again"), url, rank_pool, loaded)
+    chunks, _ = read_manifest(url)
+    assert sum(r["bytes_read"] for r in loaded) <= 1.01 * sum(c.byte_end - c.byte_start for c in chunks)
+    assert chunk_fingerprint(again) == chunk_fingerprint(url)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("a,b", list(itertools.product(MATRIX, MATRIX)))
 def test_full_matrix_offline(source, a, b):

@@ -1,0 +1,274 @@
+"""Checkpoint save and load against torch DCP and raw storage, on the same state and ranks.
+
+Four ranks (torch.multiprocessing + gloo, the same `actors.trainer.Trainer` the Ray actors run)
+train the `small` preset one step on layout A (dp2 x tp2), so params and AdamW moments exist,
+then, repeatedly and in rotating order:
+- save: rayshard (`save_rank_shard` + manifest), DCP (`dcp.save` with `FileSystemWriter`, the
+  same model and optimizer state dict), raw (each rank writes the bytes rayshard's save writes as
+  one plain file);
+- load on the same layout: rayshard (`load_rank_shard`), DCP (`dcp.load` + `set_state_dict`),
+  raw (each rank reads its raw file back).
+Then four fresh ranks on layout B (fsdp4) load what A saved: rayshard, DCP, and raw reads of
+exactly the byte ranges rayshard's plan reads. An operation's time is the slowest rank's; the
+figure is the median over repeats. No fsync anywhere (DCP's sync_files=False), so all three
+measure the same page-cache path. Peak RSS above the rank's baseline during each operation is
+sampled every 2 ms.
+
+    .venv/bin/python bench/checkpoint.py [--model small] [--repeats 5] [--root /tmp/rayshard-bench-ckpt]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from plans.config import DataConfig, TrainConfig  # noqa: E402
+from plans.layout import ParallelLayout  # noqa: E402
+from plans.model_spec import preset  # noqa: E402
+
+LAYOUT_A = ParallelLayout(dp=2, tp=2)
+LAYOUT_B = ParallelLayout(fsdp=4)
+MiB = 2**20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Largest resident set above the starting one while the block runs (sampled every 2 ms)."""
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * PAGE
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+        self.extra = self.peak - self.base
+
+
+def _timed(operation):
+    """Run on every rank between barriers; (slowest rank's seconds, this rank's extra RSS)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    with PeakRSS() as rss:
+        started = time.perf_counter()
+        operation()
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed), rss.extra
+
+
+def _our_save(trainer, url: str):
+    import fsspec
+    import torch.distributed as dist
+
+    from actors.checkpoint_io import encode_manifest
+    from actors.checkpointing import MANIFEST, save_rank_shard
+    from plans.chunks import Chunk
+
+    rows = save_rank_shard(trainer.model, trainer.optimizer, trainer.coord_map, url, f"attempt-bench/rank-{trainer.rank:05d}.safetensors")
+    gathered = [None] * dist.get_world_size() if trainer.rank == 0 else None
+    dist.gather_object(rows, gathered, dst=0)
+    if trainer.rank == 0:
+        chunks = [Chunk.from_row(row) for part in gathered for row in part]
+        metadata = {"step": trainer.step, "layout": trainer.layout.to_dict(), "model": trainer.config.model.to_dict()}
+        fs, base = fsspec.core.url_to_fs(url)
+        fs.pipe_file(f"{base}/{MANIFEST}", encode_manifest(chunks, metadata))
+
+
+def _dcp_state(trainer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    return {"model": model_state, "optim": optimizer_state}
+
+
+def _dcp_save(trainer, path: str):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(trainer), storage_writer=dcp.FileSystemWriter(path, sync_files=False))
+
+
+def _dcp_load(trainer, path: str):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(trainer)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _raw_bytes(trainer) -> list[memoryview]:
+    from actors.checkpointing import pieces_to_write
+
+    return [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+            for _, _, t, _, _ in pieces_to_write(trainer.model, trainer.optimizer)]
+
+
+def _raw_save(trainer, path: str):
+    blocks = _raw_bytes(trainer)
+    with open(path, "wb") as handle:
+        for block in blocks:
+            handle.write(block)
+
+
+def _raw_read(path: str):
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def _raw_ranges(ranges: list[tuple[str, int, int]]):
+    for path, start, end in ranges:
+        with open(path, "rb") as handle:
+            handle.seek(start)
+            handle.read(end - start)
+
+
+def _our_load(trainer, url: str) -> dict:
+    from actors.checkpointing import load_rank_shard
+    from plans.model_spec import parameter_shapes
+
+    return load_rank_shard(trainer.model, trainer.optimizer, url, set(parameter_shapes(trainer.config.model)))
+
+
+def _planned_ranges(trainer, url: str) -> list[tuple[str, int, int]]:
+    """The byte ranges rayshard's load on this rank reads (for the raw-read anchor)."""
+    from actors.checkpointing import StoredCheckpoint, load_destinations, read_once_for
+
+    stored = StoredCheckpoint(url)
+    destinations, _, _ = load_destinations(trainer.model, trainer.optimizer, read_once_for(url))
+    return [(f"{stored.base}/{r.file}", r.byte_start, r.byte_end) for r in stored.plan(destinations).requests]
+
+
+def _phase_a(rank, config, port, root, repeats, queue):
+    from actors.trainer import Trainer
+
+    trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
+    trainer.train_step()
+    results = {key: [] for key in ("save/rayshard", "save/dcp", "save/raw", "load/rayshard", "load/dcp", "load/raw")}
+    memory = {key: [] for key in results}
+    methods = ["rayshard", "dcp", "raw"]
+    for repeat in range(repeats):
+        order = methods[repeat % 3:] + methods[:repeat % 3]  # no method always runs first (warm caches)
+        for method in order:
+            where = f"{root}/{method}-{repeat}"
+            raw_file = f"{where}/rank-{rank:05d}.raw"
+            if method == "raw":
+                os.makedirs(where, exist_ok=True)
+            save = {"rayshard": lambda: _our_save(trainer, where), "dcp": lambda: _dcp_save(trainer, where),
+                    "raw": lambda: _raw_save(trainer, raw_file)}[method]
+            seconds, extra = _timed(save)
+            results[f"save/{method}"].append(seconds)
+            memory[f"save/{method}"].append(extra)
+        for method in order:
+            where = f"{root}/{method}-{repeat}"
+            load = {"rayshard": lambda: _our_load(trainer, where), "dcp": lambda: _dcp_load(trainer, where),
+                    "raw": lambda: _raw_read(f"{where}/rank-{rank:05d}.raw")}[method]
+            seconds, extra = _timed(load)
+            results[f"load/{method}"].append(seconds)
+            memory[f"load/{method}"].append(extra)
+    shard_bytes = sum(len(b) for b in _raw_bytes(trainer))
+    queue.put((rank, results, memory, shard_bytes, _peak_rss()))
+    trainer.shutdown()
+
+
+def _phase_b(rank, config, port, root, repeats, queue):
+    from actors.trainer import Trainer
+
+    trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
+    results = {key: [] for key in ("reshard/rayshard", "reshard/dcp", "reshard/raw")}
+    memory = {key: [] for key in results}
+    stats = {}
+    _our_load(trainer, f"{root}/rayshard-0")  # untimed: creates the AdamW state every method then fills
+    for repeat in range(repeats):
+        ranges = _planned_ranges(trainer, f"{root}/rayshard-{repeat}")
+        for method in ["rayshard", "dcp", "raw"][repeat % 3:] + ["rayshard", "dcp", "raw"][:repeat % 3]:
+            load = {"rayshard": lambda: stats.update(_our_load(trainer, f"{root}/rayshard-{repeat}")),
+                    "dcp": lambda: _dcp_load(trainer, f"{root}/dcp-{repeat}"),
+                    "raw": lambda: _raw_ranges(ranges)}[method]
+            seconds, extra = _timed(load)
+            results[f"reshard/{method}"].append(seconds)
+            memory[f"reshard/{method}"].append(extra)
+    queue.put((rank, results, memory, {"bytes_read": stats.get("bytes_read", 0), "bytes_needed": stats.get("bytes_needed", 0)},
+               _peak_rss()))
+    trainer.shutdown()
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _spawn(phase, config, root, repeats):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.spawn(phase, args=(config, port, root, repeats, queue), nprocs=config.layout.world_size)
+    return sorted((queue.get() for _ in range(config.layout.world_size)), key=lambda item: item[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--root", default="/tmp/rayshard-bench-ckpt")
+    args = parser.parse_args()
+    shutil.rmtree(args.root, ignore_errors=True)
+    os.makedirs(args.root)
+    common = dict(model=preset(args.model), model_preset=args.model, steps=1, global_batch=8, seq_len=64,
+                  data=DataConfig(max_bytes=2_000_000))
+    config_a = TrainConfig(layout=LAYOUT_A, **common).validate()
+    config_b = TrainConfig(layout=LAYOUT_B, **common).validate()
+    phase_a = _spawn(_phase_a, config_a, args.root, args.repeats)
+    phase_b = _spawn(_phase_b, config_b, args.root, args.repeats)
+
+    times = {**phase_a[0][1], **phase_b[0][1]}  # every rank got the same (slowest-rank) times
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    total_bytes = sum(item[3] for item in phase_a)
+    print(f"model {args.model}, {LAYOUT_A.world_size} ranks (gloo, CPU), local store {args.root}, {args.repeats} repeats; "
+          f"state {total_bytes / MiB:.1f} MiB written once (params + AdamW moments), no fsync")
+    print(f"{'operation':<34}{'rayshard':>10}{'DCP':>10}{'raw':>10}{'DCP/ours':>10}{'raw/ours':>10}")
+    for title, key in (("save, dp2 x tp2", "save"), ("load, same layout", "load"), ("load, resharded to fsdp4", "reshard")):
+        ours, dcp, raw = (medians[f"{key}/{m}"] for m in ("rayshard", "dcp", "raw"))
+        print(f"{title:<34}{ours:>9.3f}s{dcp:>9.3f}s{raw:>9.3f}s{dcp / ours:>10.2f}{raw / ours:>10.2f}")
+    print("  (DCP/ours > 1: rayshard faster than DCP; raw/ours is the fraction of raw bandwidth reached, goal >= 0.8)")
+    read = sum(item[3]["bytes_read"] for item in phase_b)
+    needed = sum(item[3]["bytes_needed"] for item in phase_b)
+    print(f"resharded load: rayshard read {read / MiB:.2f} MiB for {needed / MiB:.2f} MiB needed ({read / max(1, needed):.4f}x; "
+          "the excess is safetensors headers checked on partly read files)")
+    print("extra RSS above each rank's baseline during the operation, max over ranks and repeats (MiB):")
+    for key in ("save", "load", "reshard"):
+        phase = phase_a if key != "reshard" else phase_b
+        cells = [f"{m} {max(max(item[2][f'{key}/{m}']) for item in phase) / MiB:7.1f}" for m in ("rayshard", "dcp", "raw")]
+        print(f"  {key:<8} " + "   ".join(cells))
+    print("peak RSS per rank over the whole run (MiB): layout A " + ", ".join(f"{item[4] / MiB:.0f}" for item in phase_a)
+          + "; layout B " + ", ".join(f"{item[4] / MiB:.0f}" for item in phase_b))
+
+
+if __name__ == "__main__":
+    main()
