@@ -20,6 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.tensor import DTensor, Replicate
 
 from actors.checkpoint_io import WINDOW_BYTES, decode_manifest, dtype_name, execute_requests, write_shard
+from actors import shards
 from actors.shards import local_region
 from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from plans.errors import CheckpointError
@@ -76,17 +77,28 @@ def replicated_dims(tensor: torch.Tensor, layout: ParallelLayout) -> tuple[str, 
     return tuple(dim for dim in ("pp", *DATA_DIMS) if dim in copies and getattr(layout, dim) > 1)
 
 
+def _ties_embeddings(model) -> bool:
+    if hasattr(model, "tie_embeddings"):  # the pipeline's view of a rank's stages
+        return bool(model.tie_embeddings)
+    return bool(getattr(getattr(model, "config", None), "tie_embeddings", False))
+
+
+def _is_pipeline_copy(tensor: torch.Tensor) -> bool:
+    """The trainer marks the last stage's copy of a tied embedding (and its moments)."""
+    mark = getattr(shards, "PIPELINE_COPY", None)
+    return bool(mark and getattr(tensor, mark, False))
+
+
 def pieces_to_write(model, optimizer) -> list[tuple[str, str, torch.Tensor, tuple, tuple]]:
     """This rank's share of the writing: (name, kind, local tensor, global shape, global offsets)."""
     layout, coords = rank_layout(model)
-    config = getattr(model, "config", None)
-    tied = bool(getattr(config, "tie_embeddings", False))
+    tied = _ties_embeddings(model)
     candidates = []
     for name, kind, tensor in state_tensors(model, optimizer):
         offsets, sizes = local_region(tensor)
         if not all(sizes) and sizes:
             continue  # an empty FSDP shard (more shards than rows)
-        if tied and name == EMBEDDING and coords.pp != 0:
+        if _is_pipeline_copy(tensor) or (tied and name == EMBEDDING and coords.pp != 0):
             continue  # the last stage's copy of the tied embedding: the first stage writes it
         candidates.append((name, kind, _local(tensor), tuple(tensor.shape), offsets, replicated_dims(tensor, layout)))
     groups: dict[tuple[str, ...], list[int]] = {}
@@ -201,6 +213,7 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
         if buffer is not local:
             local.copy_(buffer)
         received += 0 if reader == coords.dp else local.numel() * local.element_size()
+    _fill_local_copies(model, optimizer)
     return {"step": step, "metadata": metadata, "bytes_received": received, **stats}
 
 
@@ -217,6 +230,19 @@ def read_once_for(checkpoint_url: str) -> bool:
     return not isinstance(fs, LocalFileSystem)
 
 
+def _fill_local_copies(model, optimizer) -> None:
+    """Tensors this rank holds twice under one name and region (with the V placement, rank 0
+    runs both the first stage and the last one's tied copy): the copy takes the loaded values."""
+    first: dict[tuple, torch.Tensor] = {}
+    for name, kind, tensor in state_tensors(model, optimizer):
+        key = (name, kind, local_region(tensor))
+        if key in first:
+            if tensor is not first[key]:
+                _local(tensor).copy_(_local(first[key]))
+        else:
+            first[key] = tensor
+
+
 def load_destinations(model, optimizer, read_once: bool = True):
     """(what this rank reads: target -> (local tensor, its global offsets), the pieces shared with
     dp replicas, and the dp coordinate that reads each shared piece).
@@ -227,6 +253,9 @@ def load_destinations(model, optimizer, read_once: bool = True):
     destinations, shared = {}, []
     for name, kind, tensor in state_tensors(model, optimizer):
         offsets, sizes = local_region(tensor)
+        if Target(name, kind, offsets, sizes) in destinations or any(
+                (n, k, o) == (name, kind, offsets) for n, k, _, o, _ in shared):
+            continue  # a second copy on this rank (a tied embedding's, V placement): filled after the read
         if read_once and layout.dp > 1 and isinstance(tensor, DTensor) and "dp" in replicated_dims(tensor, layout) and all(sizes):
             shared.append((name, kind, tensor, offsets, sizes))
         else:

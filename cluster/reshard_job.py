@@ -46,6 +46,8 @@ def target_partition(metadata: dict, layout: ParallelLayout, schedule: str | Non
         schedule = config.get("schedule", "1f1b")
         if layout.vpp > 1 and str(schedule).replace("-", "").lower() in ("1f1b", "gpipe", "zbh1"):
             schedule = "interleaved1f1b"
+    if stage_layout is None and config.get("stage_layout") and metadata.get("layout") == layout.to_dict():
+        stage_layout = list(config["stage_layout"])  # the same layout: keep the checkpoint's own cut
     model = ModelConfig.from_dict(metadata["model"])
     return pipeline_partition(model, layout, schedule, stage_layout)
 

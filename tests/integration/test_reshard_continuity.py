@@ -46,6 +46,7 @@ def test_resume_on_another_layout_continues_within_1e5(run_training, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_fifty_steps_on_a_then_two_hundred_on_b(run_training, tmp_path):
     picture = _continuity(run_training, tmp_path, before=50, after=200)
     print(f"max relative difference over 200 resumed steps: {picture['max_relative_difference']:.2e}")
