@@ -148,3 +148,27 @@ def test_full_matrix_through_training_actors(source, rank_pool, tmp_path, tmp_pa
     assert digests(there) == source_digests
     back = load_and_save(_training_config(tmp_path, MATRIX[a], "back"), there, rank_pool)
     assert chunk_fingerprint(back) == chunk_fingerprint(start)
+
+
+@pytest.fixture(scope="module")
+def tied_source(run_training, tmp_path_factory):
+    from plans.model_spec import preset
+
+    root = tmp_path_factory.mktemp("tied")
+    tied = preset("tiny", tie_embeddings=True)
+    return tied, run_training(small_config(root, ParallelLayout(tp=2), steps=1, run="tied", model=tied)).checkpoints[-1]
+
+
+@pytest.mark.skipif(not PP_IN_MATRIX, reason="pipeline training is not in this tree yet")
+@pytest.mark.parametrize("layout,schedule", [(ParallelLayout(pp=2), "1f1b"), (ParallelLayout(pp=2, vpp=2), "zbv")],
+                         ids=["pp2-1f1b", "pp2-zbv"])
+def test_tied_embeddings_through_pipeline_layouts(tied_source, rank_pool, tmp_path, layout, schedule):
+    """The last stage's copy of a tied embedding is never written (the first stage's is), and a
+    load fills it too — also with the V placement, where rank 0 holds both."""
+    tied, url = tied_source
+    config = small_config(tmp_path, layout, run=f"tied-{schedule}", model=tied, global_batch=24, schedule=schedule,
+                          microbatches=2)
+    there = load_and_save(config, url, rank_pool)
+    assert digests(there) == digests(url)
+    chunks, _ = read_manifest(there)
+    assert sum(1 for c in chunks if c.name == "tok_embeddings.weight" and c.kind == "param") == 1
