@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from plans.errors import ConfigError
 from plans.layout import ParallelLayout
 from plans.model_spec import PRESETS, ModelConfig, preset
+from plans.pipeline_plan import stage_partition
+from plans.schedules import build_schedule, schedule_spec
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -53,6 +55,20 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: only at the end
     resume: str | None = None  # "latest", "RUN@STEP", "RUN" or a checkpoint URL
     collective_timeout_s: float = 300.0
+    # Pipeline (pp > 1). stage_layout: layer counts per stage (pp * vpp of them) for an uneven
+    # cut, e.g. [1, 3]; None cuts evenly. pipeline_timeout_s: how long one transfer (or the
+    # step's own all-reduce) may wait before the step fails naming rank, step and action;
+    # None means collective_timeout_s.
+    stage_layout: tuple[int, ...] | None = None
+    pipeline_timeout_s: float | None = None
+    # Test-only fault injection: this rank sleeps stall_seconds before each pipeline step, to
+    # prove that a stalled rank turns into a named timeout error rather than a hang.
+    stall_rank: int | None = None
+    stall_seconds: float = 0.0
+
+    def __post_init__(self):
+        if self.stage_layout is not None and not isinstance(self.stage_layout, tuple):
+            object.__setattr__(self, "stage_layout", tuple(self.stage_layout))  # YAML gives a list
 
     def validate(self) -> "TrainConfig":
         self.model.validate()
@@ -73,9 +89,6 @@ class TrainConfig:
         if lay.pp * lay.vpp > m.n_layers:
             raise ConfigError("layout.pp", lay.pp, f"pp*vpp = {lay.pp * lay.vpp} stages exceed the model's {m.n_layers} layers",
                               "lower --pp/--vpp or use a deeper model")
-        if lay.pp > 1:
-            raise ConfigError("layout.pp", lay.pp, "pipeline execution is not available yet (pipeline plans exist: `rayshard plan schedule`)",
-                              "train with --pp 1 for now")
         if self.seq_len < 1:
             raise ConfigError("seq_len", self.seq_len, "sequence length must be positive", "set --seq-len to 1 or more")
         if self.seq_len > m.max_seq_len:
@@ -92,6 +105,7 @@ class TrainConfig:
             raise ConfigError("microbatches", self.microbatches,
                               f"must divide the per-rank batch ({per_rank} = global_batch / (dp*fsdp))",
                               f"use --microbatches in {_divisors(per_rank)}")
+        self._validate_pipeline()
         if self.ckpt_every < 0:
             raise ConfigError("ckpt_every", self.ckpt_every, "must be >= 0 (0 saves only at the end)", "set --ckpt-every 0 or more")
         if not RUN_NAME.match(self.run):
@@ -107,7 +121,33 @@ class TrainConfig:
                               f"set data.max_bytes above {self.seq_len + 1}")
         if self.collective_timeout_s <= 0:
             raise ConfigError("collective_timeout_s", self.collective_timeout_s, "must be positive", "set it to e.g. 300")
+        if self.pipeline_timeout_s is not None and self.pipeline_timeout_s <= 0:
+            raise ConfigError("pipeline_timeout_s", self.pipeline_timeout_s, "must be positive (or unset for collective_timeout_s)",
+                              "set it to e.g. 300")
+        if self.stall_rank is not None and not 0 <= self.stall_rank < lay.world_size:
+            raise ConfigError("stall_rank", self.stall_rank, f"must name a rank in 0..{lay.world_size - 1}",
+                              "pick an existing rank, or leave it unset (it is for tests)")
         return self
+
+    def _validate_pipeline(self) -> None:
+        """Schedule name, stages per rank, microbatch count and stage cut, checked up front."""
+        lay = self.layout
+        spec = schedule_spec(self.schedule)  # a typo fails even when pp == 1
+        if lay.pp == 1:
+            if self.stage_layout is not None:
+                raise ConfigError("stage_layout", self.stage_layout, "only applies to pipelines (pp > 1)",
+                                  "drop stage_layout, or set --pp 2 or more")
+            return
+        if spec.fixed_vpp and lay.vpp != spec.default_vpp:
+            raise ConfigError("layout.vpp", lay.vpp, f"the {spec.title} schedule runs exactly {spec.default_vpp} stage(s) per rank",
+                              f"use --vpp {spec.default_vpp}, or interleaved1f1b for other vpp")
+        build_schedule(spec.name, lay.pp, self.microbatches, lay.vpp)  # ScheduleError names valid counts
+        try:
+            stage_partition(self.model, lay, spec.name, self.stage_layout)
+        except ConfigError as error:
+            if error.field != "layout":
+                raise
+            raise ConfigError("stage_layout", self.stage_layout, error.constraint, error.fix) from None
 
     def to_dict(self) -> dict:
         return asdict(self)
