@@ -49,8 +49,13 @@ def global_rows(seed: int, name: str, shape: tuple[int, ...], std: float | None,
 
 
 @torch.no_grad()
-def initialize_parameters(model: torch.nn.Module, seed: int, n_layers: int) -> None:
-    for name, param in model.named_parameters():
+def initialize_parameters(model: torch.nn.Module, seed: int, n_layers: int,
+                          global_names: dict[str, str] | None = None) -> None:
+    """global_names: module name -> the global name whose values it takes (a pipeline stage's
+    copy of tied embeddings, `output.weight`, starts as `tok_embeddings.weight`)."""
+    global_names = global_names or {}
+    for module_name, param in model.named_parameters():
+        name = global_names.get(module_name, module_name)
         shape = tuple(param.shape)
         offsets, sizes = local_region(param)
         local = param.to_local() if hasattr(param, "to_local") else param

@@ -85,12 +85,17 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta, tokens.device)
-        h = self.tok_embeddings(tokens)
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Tokens [batch, seq] -> logits; a pipeline stage (`actors/stage.py`) may lack the
+        embedding (it then takes the residual stream [batch, seq, dim]) or the head (it then
+        returns the residual stream)."""
+        seq = inputs.shape[1]
+        cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta, inputs.device)
+        h = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
         for layer in self.layers.values():
             h = layer(h, cos, sin)
+        if self.output is None:
+            return h
         return self.output(self.norm(h))
 
 

@@ -8,16 +8,17 @@ also covers plain DP (fsdp=1) and plain FSDP (dp=1). We write none of these coll
 from __future__ import annotations
 
 import fnmatch
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from actors.shards import is_primary_replica
+from actors.shards import PIPELINE_COPY, is_primary_replica
 
 # Why these styles: qkv and gate_up are column-parallel (their row blocks are whole head groups /
 # hidden units, see plans/model_spec.py), wo and down row-parallel so the pair needs one
@@ -48,29 +49,62 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns=None) 
     parallelize_module(model, tp_mesh, plan)
 
 
-def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
     """FSDP2 per transformer block (so only one block is gathered at a time), then the root."""
     blocks = getattr(model, "layers", {})
     for block in blocks.values():
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size: int,
-                tie_embeddings: bool = False) -> nn.Module:
+                tie_embeddings: bool = False, pipeline: bool = False) -> nn.Module:
+    """pipeline: `model` is one stage of a pipeline. FSDP then keeps parameters gathered from
+    the first forward to the end of the step (as torchtitan does under PP): the schedule
+    interleaves microbatches' forwards and backwards, and regathering per microbatch would
+    multiply the all-gathers by the microbatch count."""
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-        if tie_embeddings:
+        if tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             # parallelize_module gives each module its own DTensor parameter; both are
             # Shard(0) over the vocabulary on the same mesh, so one can serve both again.
             model.output.weight = model.tok_embeddings.weight
     if data_parallel_size > 1:
-        apply_data_parallel(model, mesh["dp", "fsdp"])
+        apply_data_parallel(model, mesh["dp", "fsdp"], reshard_after_forward=not pipeline)
     return model
 
 
+def defer_gradient_reduction(stage: nn.Module) -> None:
+    """Before a pipeline step: accumulate unsharded gradients over every microbatch and keep
+    parameters gathered; `reduce_gradients_now` reduces once at the end of the step."""
+    if isinstance(stage, FSDPModule):
+        stage.set_is_last_backward(False)
+        stage.set_reshard_after_backward(False)
+        stage.set_requires_gradient_sync(False)
+
+
+def reduce_gradients_now(stage: nn.Module) -> None:
+    """After a pipeline step: one reduce-scatter (and dp all-reduce) of the accumulated
+    gradients, then reshard.
+
+    The split backward (I/W) calls autograd.grad, which never fires FSDP2's end-of-backward
+    callback with the last microbatch, so we run FSDP2's post-backward ourselves. This is
+    torch.distributed.pipelining's `_PipelineStageBase.perform_reduce_grad` (private FSDP2
+    state, pinned torch version)."""
+    if not isinstance(stage, FSDPModule):
+        return
+    stage.set_is_last_backward(True)
+    stage.set_reshard_after_backward(True)
+    stage.set_requires_gradient_sync(True)
+    state = fully_shard.state(stage)
+    for module_state in state._state_ctx.all_states:
+        for param_group in module_state._fsdp_param_groups:
+            param_group.post_backward()
+    state._root_post_backward_final_callback()
+
+
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int]) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int], timeout: timedelta | None = None) -> torch.Tensor:
     """Global gradient L2 norm over all ranks, then scale gradients in place.
 
     Each rank sums the squares of the gradient pieces it is the primary holder of (the same
@@ -78,15 +112,21 @@ def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int]) -> torch
     adds them up. One collective gives every rank the identical norm, so replicas apply the same
     clip factor; torch's clip_grad_norm_ instead fails on parameters that live on different
     meshes, and reducing per mesh takes several sequential all-reduces whose order can differ.
+    timeout: fail (rather than wait for the process group's timeout) if the all-reduce takes longer.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    with_grads = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in with_grads]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     squared = torch.zeros((), dtype=torch.float32, device=local[0].device if local else None)
-    owned = [piece for grad, piece in zip(grads, local) if is_primary_replica(grad, coords) and piece.numel()]
+    # Replication follows the gradient (DTensor may replicate a sharded parameter's gradient);
+    # the pipeline-copy mark (tied embeddings) is on the parameter.
+    owned = [piece for param, grad, piece in zip(with_grads, grads, local)
+             if not getattr(param, PIPELINE_COPY, False) and is_primary_replica(grad, coords) and piece.numel()]
     if owned:
         squared = torch.stack([norm.float() for norm in torch._foreach_norm(owned)]).square().sum()
     if dist.is_initialized():
-        dist.all_reduce(squared)
+        work = dist.all_reduce(squared, async_op=True)
+        work.wait(timeout) if timeout is not None else work.wait()
     total = squared.sqrt()
     if max_norm > 0 and local:
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)

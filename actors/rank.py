@@ -28,11 +28,12 @@ class RankActor:
             port = probe.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def setup(self, config: TrainConfig, rank: int, init_method: str) -> dict:
+    def setup(self, config: TrainConfig, rank: int, init_method: str, plan=None) -> dict:
+        """plan: the run's PipelinePlan (pp > 1), shipped once and replayed every step."""
         from actors.trainer import Trainer  # heavy imports happen in the actor, not at module load
 
         self.shutdown()  # a reused actor leaves its previous group first
-        self.trainer = Trainer(config, rank, init_method)
+        self.trainer = Trainer(config, rank, init_method, plan)
         return {"rank": rank, "pid": os.getpid(), "device": str(self.trainer.device),
                 "data_fingerprint": self.trainer.data_fingerprint()}
 
@@ -48,6 +49,10 @@ class RankActor:
 
     def train_step(self) -> dict:
         return self.trainer.train_step()
+
+    def full_gradients(self) -> dict:
+        """Test support: loss and full gradients of the next step's batch, no optimizer step."""
+        return self.trainer.full_gradients()
 
     def save_shard(self, checkpoint_url: str, file: str) -> list[dict]:
         return self.trainer.save_shard(checkpoint_url, file)

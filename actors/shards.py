@@ -19,6 +19,17 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     return (0,) * tensor.dim(), tuple(tensor.shape)
 
 
+# Set (to True) on a tensor that is a pipeline copy of another rank's or stage's tensor: the
+# last stage's copy of tied embeddings, and that copy's optimizer moments. The first stage holds
+# the original; copies are never primary, so checkpoints write the tensor once and the gradient
+# norm counts it once.
+PIPELINE_COPY = "_rayshard_pipeline_copy"
+
+
+def mark_pipeline_copy(tensor: torch.Tensor) -> None:
+    setattr(tensor, PIPELINE_COPY, True)
+
+
 def is_primary_replica(tensor: torch.Tensor, coords: dict[str, int]) -> bool:
     """True on exactly one rank among those holding identical copies of this piece.
 
@@ -26,7 +37,10 @@ def is_primary_replica(tensor: torch.Tensor, coords: dict[str, int]) -> bool:
     its mesh does not cover (a norm weight under FSDP lives on the (dp, fsdp) mesh but is also
     copied on every tp rank). The copy at coordinate 0 of all those dims is the primary.
     `coords` is this rank's position on the full mesh, e.g. {"dp": 1, "fsdp": 0, "tp": 1}.
+    A tensor marked by `mark_pipeline_copy` is a copy along the pipeline and never primary.
     """
+    if getattr(tensor, PIPELINE_COPY, False):
+        return False
     covered: set[str] = set()
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh

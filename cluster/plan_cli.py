@@ -2,6 +2,7 @@
 
     rayshard plan schedule --schedule zbh1 --pp 4 --microbatches 8 [--vpp 2]
                            [--costs F=1,B=2,W=1] [--comm async|rendezvous] [--png out.png]
+    rayshard plan schedule --costs-from RUN [--store URL] [--schedule ...]   (measured costs)
     rayshard plan compare  --pp 4 --microbatches 8 [--vpp 2] [--costs ...]
     rayshard plan layers   --layers 30 --pp 4 [--vpp 2] [--schedule ...] [--layout 8,7,7,8]
 
@@ -19,7 +20,7 @@ from plans.lowering import lower
 from plans.partition import Placement, parse_layout, partition_layers
 from plans.schedule_text import LEGEND, text_grid
 from plans.schedules import SPECS, build_schedule, memory_bounds, schedule_spec
-from plans.simulator import PipelineCosts, Simulation, simulate
+from plans.simulator import PipelineCosts, Simulation, simulate, simulate_measured
 from cluster.cli_groups import command_group
 
 SCHEDULE_NAMES = list(SPECS) + ["i1f1b"]
@@ -40,9 +41,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Build a schedule, lower it with send/recv, check it for deadlocks and "
         "dependencies, simulate time and activation memory, and print (or draw) it.",
     )
-    schedule.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES, metavar="NAME",
-                          help="one of: " + ", ".join(SCHEDULE_NAMES))
-    _add_shape_arguments(schedule)
+    schedule.add_argument("--schedule", choices=SCHEDULE_NAMES, metavar="NAME",
+                          help="one of: " + ", ".join(SCHEDULE_NAMES) + " (default with --costs-from: the run's)")
+    _add_shape_arguments(schedule, shape_from_run=True)
+    schedule.add_argument("--costs-from", metavar="RUN",
+                          help="simulate with the per-action times a pipeline training run measured: a run name "
+                          "in --store, a run directory, or a pipeline_timings.json file; --schedule, --pp and "
+                          "--microbatches default to the run's")
+    schedule.add_argument("--store", default="./runs", metavar="URL", help="where --costs-from finds runs (default ./runs)")
     schedule.add_argument("--png", type=Path, help="also draw a Gantt chart into this PNG file")
     schedule.add_argument("--json", type=Path, help="also write the lowered per-rank action lists as JSON")
     schedule.add_argument("--no-grid", action="store_true", help="skip the text grid")
@@ -73,9 +79,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     layers.set_defaults(run_command=run_layers)
 
 
-def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step")
+def _add_shape_arguments(parser: argparse.ArgumentParser, shape_from_run: bool = False) -> None:
+    parser.add_argument("--pp", type=int, required=not shape_from_run, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=int, required=not shape_from_run, help="microbatches per step")
     parser.add_argument("--vpp", type=int, help="stages per rank (interleaved only; default 2 there, else fixed)")
     parser.add_argument("--costs", default=DEFAULT_COSTS,
                         help="time of one rank's share of the model: F, B (= I + W), I, W, C (one "
@@ -84,25 +90,43 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transfers as isend/irecv (async, default) or blocking rendezvous")
 
 
-def _prepare(name: str, args) -> tuple[Simulation, object]:
+def _prepare(name: str, args, measured=None) -> tuple[Simulation, object]:
     """Build, lower, check and simulate one schedule for the shape and costs in `args`."""
     spec = schedule_spec(name)
     vpp = args.vpp if (args.vpp is not None and not spec.fixed_vpp) else None
     compute = build_schedule(spec.name, args.pp, args.microbatches, vpp)
-    costs = PipelineCosts.parse(args.costs, compute.num_stages, vpp=compute.vpp)
+    costs = (measured.costs_for(compute) if measured is not None
+             else PipelineCosts.parse(args.costs, compute.num_stages, vpp=compute.vpp))
     lowered = lower(compute, costs.duration)
     report = check(lowered)
     if not report.ok:
         return None, report
+    if measured is not None and measured.same_plan(compute):
+        # The run executed exactly this plan: replay it with every action's own median time.
+        return simulate_measured(lowered, measured.durations, comm=args.comm, checked=report), report
     return simulate(lowered, costs, comm=args.comm, checked=report), report
 
 
 def run_schedule(args) -> int:
+    measured = None
+    if args.costs_from:
+        from cluster.pipeline_timings import MeasuredCosts
+
+        measured = MeasuredCosts.load(args.costs_from, args.store)
+        args.schedule = args.schedule or measured.schedule
+        args.pp = args.pp or measured.pp
+        args.microbatches = args.microbatches or measured.microbatches
+        if args.vpp is None and schedule_spec(args.schedule).name == schedule_spec(measured.schedule).name:
+            args.vpp = measured.vpp
+    missing = [flag for flag, value in (("--schedule", args.schedule), ("--pp", args.pp),
+                                        ("--microbatches", args.microbatches)) if value is None]
+    if missing:
+        raise ConfigError("plan schedule", " ".join(missing), "is required", "pass it, or --costs-from a pipeline run")
     spec = schedule_spec(args.schedule)
     if args.vpp is not None and spec.fixed_vpp and args.vpp != spec.default_vpp:
         raise ConfigError("vpp", args.vpp, f"{spec.title} runs exactly {spec.default_vpp} stage(s) per rank",
                           f"drop --vpp or use --vpp {spec.default_vpp}")
-    simulation, report = _prepare(args.schedule, args)
+    simulation, report = _prepare(args.schedule, args, measured)
     schedule = report.schedule
     print(f"{spec.title} ({spec.name}): pp={schedule.pp}, vpp={schedule.vpp}, "
           f"{schedule.microbatches} microbatches, {schedule.num_stages} stages "
@@ -111,8 +135,16 @@ def run_schedule(args) -> int:
         print(report.describe())
         return 1
     print("check: " + report.describe().split(": ", 1)[1] + " under blocking send/recv")
-    print(f"costs per rank's share of the model: {PipelineCosts.parse(args.costs, 1).describe()}; "
-          f"transfers {args.comm}")
+    if measured is None:
+        print(f"costs per rank's share of the model: {PipelineCosts.parse(args.costs, 1).describe()}; "
+              f"transfers {args.comm}")
+    else:
+        print(measured.describe(schedule))
+        if measured.same_plan(schedule):
+            ratio = simulation.step_time / measured.plan_seconds
+            print(f"measured plan time {measured.plan_seconds:.4g} s (median), simulated {simulation.step_time:.4g} s: "
+                  f"simulated/measured {ratio:.3f}; whole step measured {measured.step_seconds:.4g} s "
+                  "(adds gradient reduction, clipping and the optimizer)")
     ideal = max(simulation.busy)
     print(f"step time {simulation.step_time:g} (compute alone {ideal:g}); bubble fraction "
           f"{simulation.bubble_fraction:.1%} = idle / (ranks x step time)")

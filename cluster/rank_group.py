@@ -1,6 +1,8 @@
 """A group of RankActors: one placement-group bundle per rank, one process group over them."""
 from __future__ import annotations
 
+import time
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -8,6 +10,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.rank import RankActor
 from plans.config import TrainConfig
 from plans.errors import ConfigError
+from plans.pipeline_plan import build_pipeline_plan
 
 
 def connect_ray() -> None:
@@ -45,6 +48,26 @@ def start_actors(world: int, setup_timeout_s: float = 600.0):
     return placement, actors
 
 
+class StepFailed(RuntimeError):
+    """One or more ranks failed a call; the message lists each rank's own error."""
+
+    def __init__(self, method: str, failures: dict[int, str], silent: list[int]):
+        self.failures = failures
+        lines = [f"{method} failed on {len(failures)} rank(s):"]
+        lines += [f"  rank {rank}: {message}" for rank, message in sorted(failures.items())]
+        if silent:
+            lines.append(f"  no answer yet from rank(s) {silent}")
+        super().__init__("\n".join(lines))
+
+
+def _root_message(error: Exception) -> str:
+    """The rank's own error message, without Ray's wrapping and traceback."""
+    cause = getattr(error, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    return str(error).strip().splitlines()[-1]
+
+
 class RankGroup:
     """The ranks of one training layout. Owns its actors, or borrows live ones (a pool in
     tests; survivors after a failure) and leaves them alive on shutdown."""
@@ -58,13 +81,38 @@ class RankGroup:
                 raise ConfigError("layout", config.layout.describe(), f"needs {world} ranks but {len(actors)} actors were given",
                                   "pass more actors or a smaller layout")
             self.placement, self.actors, self.owned = None, list(actors[:world]), False
+        # The pipeline plan is built, lowered and checked here, once, and shipped with setup.
+        self.plan = (build_pipeline_plan(config.model, config.layout, config.schedule, config.microbatches,
+                                         config.stage_layout) if config.layout.pp > 1 else None)
+        self.step_grace_s = (config.pipeline_timeout_s or config.collective_timeout_s) + 10.0
         init_method = ray.get(self.actors[0].rendezvous_address.remote(), timeout=setup_timeout_s)
-        self.setup_info = ray.get([actor.setup.remote(config, rank, init_method) for rank, actor in enumerate(self.actors)],
-                                  timeout=setup_timeout_s)
+        self.setup_info = ray.get([actor.setup.remote(config, rank, init_method, self.plan)
+                                   for rank, actor in enumerate(self.actors)], timeout=setup_timeout_s)
 
     def call(self, method: str, *args, timeout: float | None = None) -> list:
         """Call `method` on every rank at once; results in rank order."""
         return ray.get([getattr(actor, method).remote(*args) for actor in self.actors], timeout=timeout)
+
+    def call_reporting_failures(self, method: str, *args) -> list:
+        """Like `call`, but when a rank fails, wait a grace period for the others' errors
+        (a stalled peer makes its neighbours time out one after another) and raise one
+        StepFailed naming every failed rank, instead of blocking on a rank that may never answer."""
+        pending = {getattr(actor, method).remote(*args): rank for rank, actor in enumerate(self.actors)}
+        results, failures, deadline = {}, {}, None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not ready:
+                break
+            rank = pending.pop(ready[0])
+            try:
+                results[rank] = ray.get(ready[0])
+            except Exception as error:  # RayTaskError wraps the rank's exception
+                failures[rank] = _root_message(error)
+                deadline = deadline or time.monotonic() + self.step_grace_s
+        if failures:
+            raise StepFailed(method, failures, silent=sorted(pending.values()))
+        return [results[rank] for rank in range(len(self.actors))]
 
     def call_each(self, method: str, per_rank_args: list[tuple], timeout: float | None = None) -> list:
         """Call `method` on every rank with that rank's own arguments; results in rank order."""

@@ -8,6 +8,7 @@ import yaml
 
 from plans.config import TrainConfig, with_overrides
 from plans.errors import ConfigError
+from plans.schedules import schedule_spec
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml")
 
@@ -18,6 +19,7 @@ OVERRIDES = {
     "seed": "seed", "schedule": "schedule", "world_size": "world_size", "lr": "optimizer.lr",
     "warmup_steps": "optimizer.warmup_steps", "data": "data.source",
     "dp": "layout.dp", "fsdp": "layout.fsdp", "tp": "layout.tp", "pp": "layout.pp", "vpp": "layout.vpp",
+    "stage_layout": "stage_layout", "pipeline_timeout": "pipeline_timeout_s",
 }
 
 
@@ -35,7 +37,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, metavar="N", help="sequences per step over all data ranks")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
     parser.add_argument("--microbatches", type=int, metavar="N", help="gradient accumulation / pipeline microbatches")
-    parser.add_argument("--schedule", metavar="NAME", help="pipeline schedule (with --pp > 1)")
+    parser.add_argument("--schedule", metavar="NAME",
+                        help="pipeline schedule with --pp > 1: gpipe, 1f1b, interleaved1f1b, zbh1, zbv, dualpipev "
+                        "(--vpp defaults to the schedule's: 2 for interleaved1f1b, zbv and dualpipev)")
+    parser.add_argument("--stage-layout", type=_layer_counts, metavar="N,N,..",
+                        help="layers per pipeline stage (pp x vpp counts), e.g. 1,3; default: an even cut")
+    parser.add_argument("--pipeline-timeout", type=float, metavar="SECONDS",
+                        help="fail a pipeline step whose transfer waits longer than this (default: the collective timeout)")
     parser.add_argument("--seed", type=int, metavar="N")
     parser.add_argument("--lr", type=float, metavar="LR", help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, metavar="N")
@@ -55,7 +63,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         data["model"] = {"preset": args.model}
     config = TrainConfig.from_dict(data)
     overrides = {field: getattr(args, flag) for flag, field in OVERRIDES.items() if flag != "model"}
+    file_layout = data.get("layout") or {}
+    pipelined = (args.pp if args.pp is not None else file_layout.get("pp", 1)) > 1
+    if pipelined and args.schedule and args.vpp is None and "vpp" not in file_layout:
+        # The schedule fixes how many stages a rank runs; don't make the user repeat it.
+        overrides["layout.vpp"] = schedule_spec(args.schedule).default_vpp
     return with_overrides(config, **overrides).validate()
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated layer counts, e.g. 1,3") from None
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -89,7 +109,7 @@ def _run_elastic(args: argparse.Namespace, config) -> int:
 
 def register(commands) -> None:
     parser = commands.add_parser("train", help="train a model on Ray rank actors",
-                                 description="Train on Ray: one actor per rank, DP/FSDP x TP, checkpoints to --store.")
+                                 description="Train on Ray: one actor per rank, DP/FSDP x TP x PP, checkpoints to --store.")
     add_config_arguments(parser)
     elastic = parser.add_argument_group("elastic training (survive rank failures and topology changes)")
     elastic.add_argument("--elastic", action="store_true",
