@@ -1,6 +1,8 @@
 """Damaged checkpoints fail loudly and say where: a missing or truncated shard names the file and
 byte range, a checksum mismatch names the tensor and file, and a changed file is detected even
 when only part of a chunk is read."""
+import shutil
+
 import pytest
 
 from actors.checkpointing import StoredCheckpoint, read_manifest
@@ -12,9 +14,18 @@ from tests.unit.checkpoint_factory import write_checkpoint
 QKV = "layers.1.attention.qkv.weight"
 
 
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pristine")
+    write_checkpoint(str(root / "store"), "run", preset("tiny"))
+    return root / "store"
+
+
 @pytest.fixture
-def checkpoint(tmp_path):
-    url, _, _ = write_checkpoint(str(tmp_path / "store"), "run", preset("tiny"))
+def checkpoint(pristine, tmp_path):
+    """A private copy of one written checkpoint: each test damages its own."""
+    shutil.copytree(pristine, tmp_path / "store")
+    url = str(tmp_path / "store" / "run" / "checkpoints" / "step-00000002")
     chunks, _ = read_manifest(url)
     chunk = next(c for c in chunks if c.name == QKV and c.kind == "param")
     return url, chunk, tmp_path / "store" / "run" / "checkpoints" / "step-00000002" / chunk.file

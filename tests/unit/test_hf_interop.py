@@ -18,6 +18,20 @@ from tests.unit.checkpoint_factory import write_checkpoint
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """One trained checkpoint per tie setting, shared by the module: (url, model, store URL)."""
+    cache = {}
+
+    def get(tied: bool):
+        if tied not in cache:
+            store = str(tmp_path_factory.mktemp("hf-store") / "store")
+            url, model, _ = write_checkpoint(store, "src", preset("tiny", tie_embeddings=tied))
+            cache[tied] = (url, model, store)
+        return cache[tied]
+    return get
+
+
 def _hf_logits(directory, tokens):
     model = transformers.LlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
     model.eval()
@@ -26,9 +40,9 @@ def _hf_logits(directory, tokens):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_transformers_loads_the_export_and_computes_our_logits(tmp_path, tied):
+def test_transformers_loads_the_export_and_computes_our_logits(written, tmp_path, tied):
     config = preset("tiny", tie_embeddings=tied)
-    url, model, _ = write_checkpoint(str(tmp_path / "store"), "hf", config)
+    url, model, _ = written(tied)
     export_hf(url, str(tmp_path / "hf"), log=lambda *_: None)
     tokens = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -39,9 +53,9 @@ def test_transformers_loads_the_export_and_computes_our_logits(tmp_path, tied):
     assert hf_config["tie_word_embeddings"] is tied
 
 
-def test_a_sharded_export_has_an_index_and_still_loads(tmp_path):
+def test_a_sharded_export_has_an_index_and_still_loads(written, tmp_path):
     config = preset("tiny")
-    url, model, _ = write_checkpoint(str(tmp_path / "store"), "hf", config)
+    url, model, _ = written(False)
     result = export_hf(url, str(tmp_path / "hf"), max_shard_bytes=200_000, log=lambda *_: None)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     weight_files = {f for f in result.files if f.startswith("model-")}
@@ -52,11 +66,10 @@ def test_a_sharded_export_has_an_index_and_still_loads(tmp_path):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_import_of_the_export_has_the_same_digests(tmp_path, tied):
-    config = preset("tiny", tie_embeddings=tied)
-    url, _, _ = write_checkpoint(str(tmp_path / "store"), "src", config)
+def test_import_of_the_export_has_the_same_digests(written, tmp_path, tied):
+    url, _, store = written(tied)
     export_hf(url, str(tmp_path / "hf"), max_shard_bytes=300_000, log=lambda *_: None)
-    imported = import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "imported", log=lambda *_: None)
+    imported = import_hf(str(tmp_path / "hf"), Store(store), "imported", log=lambda *_: None)
     assert imported.endswith("step-00000002")  # the step travels in rayshard.json
     assert digest_checkpoint(imported) == digest_checkpoint(url)
 
@@ -81,9 +94,8 @@ def test_a_plain_bf16_hf_directory_imports_as_float32_with_fresh_moments(tmp_pat
     assert all(torch.equal(again[name], original[name]) for name in again)
 
 
-def test_import_lists_missing_and_unexpected_tensors_together(tmp_path):
-    config = preset("tiny")
-    url, _, _ = write_checkpoint(str(tmp_path / "store"), "src", config)
+def test_import_lists_missing_and_unexpected_tensors_together(written, tmp_path):
+    url, _, _ = written(False)
     export_hf(url, str(tmp_path / "hf"), include_optimizer=False, log=lambda *_: None)
     settings = json.loads((tmp_path / "hf" / "config.json").read_text())
     settings["num_hidden_layers"] = 5  # the config promises a layer the weights lack
@@ -92,9 +104,8 @@ def test_import_lists_missing_and_unexpected_tensors_together(tmp_path):
         import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "bad", log=lambda *_: None)
 
 
-def test_import_refuses_models_ours_cannot_compute(tmp_path):
-    config = preset("tiny")
-    url, _, _ = write_checkpoint(str(tmp_path / "store"), "src", config)
+def test_import_refuses_models_ours_cannot_compute(written, tmp_path):
+    url, _, _ = written(False)
     export_hf(url, str(tmp_path / "hf"), include_optimizer=False, log=lambda *_: None)
     settings = json.loads((tmp_path / "hf" / "config.json").read_text())
     settings["attention_bias"] = True
