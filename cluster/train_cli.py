@@ -34,6 +34,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, metavar="N", help="train until this many steps are done")
     parser.add_argument("--ckpt-every", type=int, metavar="N", help="commit a checkpoint every N steps (0: at the end only)")
     parser.add_argument("--resume", metavar="CKPT", help="latest | auto (latest if the run has checkpoints, else start fresh) | RUN | RUN@STEP | checkpoint URL")
+    parser.add_argument("--async-save", action="store_true",
+                        help="checkpoints block training only while ranks copy state to CPU; uploads run in the background")
     parser.add_argument("--global-batch", type=int, metavar="N", help="sequences per step over all data ranks")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
     parser.add_argument("--microbatches", type=int, metavar="N", help="gradient accumulation / pipeline microbatches")
@@ -84,7 +86,7 @@ def run_train(args: argparse.Namespace) -> int:
         return _run_elastic(args, config)
     from cluster.train import train  # imports Ray and torch; keep `--help` fast
 
-    result = train(config)
+    result = train(config, async_save=getattr(args, "async_save", False))
     if result.checkpoints:
         print(f"latest checkpoint: {result.checkpoints[-1]}")
     return 0
