@@ -172,3 +172,17 @@ def test_tied_embeddings_through_pipeline_layouts(tied_source, rank_pool, tmp_pa
     assert digests(there) == digests(url)
     chunks, _ = read_manifest(there)
     assert sum(1 for c in chunks if c.name == "tok_embeddings.weight" and c.kind == "param") == 1
+
+
+def test_training_continues_from_an_imported_hugging_face_export(source, run_training, tmp_path):
+    """export -> import restores the training state: resuming from the import takes the same
+    next step as resuming from the original checkpoint."""
+    from cluster.hf_interop import export_hf, import_hf
+
+    store, url, source_digests = source
+    export_hf(url, str(tmp_path / "hf"), log=lambda *_: None)
+    imported = import_hf(str(tmp_path / "hf"), store, "imported", log=lambda *_: None)
+    assert digests(imported) == source_digests
+    from_original = run_training(small_config(tmp_path, SOURCE, steps=3, run="cont-a", resume=url))
+    from_import = run_training(small_config(tmp_path, SOURCE, steps=3, run="cont-b", resume=imported))
+    assert from_import.start_step == 2 and from_import.losses[3] == from_original.losses[3]
