@@ -91,10 +91,6 @@ class StorageOptions:
         s3["use_listings_cache"] = False
         return {"s3": s3, "rayshard": asdict(self)}
 
-    @classmethod
-    def from_conf(cls, conf: dict | None) -> "StorageOptions":
-        return cls(**conf["rayshard"]) if conf and "rayshard" in conf else cls.from_env()
-
 
 def configure(options: StorageOptions | None = None) -> dict:
     """Apply options (default: from the environment) to this process; return the conf to ship."""
@@ -109,21 +105,9 @@ def apply_conf(conf: dict) -> None:
     fsspec.config.conf.update(conf)
 
 
-def current_options() -> StorageOptions:
-    return StorageOptions.from_conf(fsspec.config.conf)
-
-
 def is_s3(fs) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "s3" in protocol
-
-
-def redact(text: str) -> str:
-    """Error text without anything that looks like a credential (botocore never puts secrets in
-    messages, but endpoint URLs can carry user:password@)."""
-    import re
-
-    return re.sub(r"//[^/@\s]+:[^/@\s]+@", "//***:***@", text)
 
 
 # ---- conditional writes ------------------------------------------------------------------------
