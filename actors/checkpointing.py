@@ -186,8 +186,12 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     check_matches(model, stored, all_parameter_names, checkpoint_url)
     step = int(metadata["step"])
     for param in model.parameters():  # AdamW state must exist before it can be filled
-        optimizer.state[param] = {"step": torch.tensor(float(step)),
-                                  EXP_AVG: torch.zeros_like(param), EXP_AVG_SQ: torch.zeros_like(param)}
+        state = optimizer.state.get(param, {})
+        # Every element is overwritten (coverage is proven), so existing moments are reused and
+        # new ones need no zero fill.
+        moments = {kind: state[kind] if kind in state and state[kind].shape == param.shape and state[kind].dtype == param.dtype
+                   else torch.empty_like(param) for kind in MOMENTS}
+        optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
     destinations, shared, readers = load_destinations(model, optimizer, read_once_for(checkpoint_url))
     failure, stats = None, {}
     try:

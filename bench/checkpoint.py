@@ -7,7 +7,7 @@ then, repeatedly and in rotating order:
   same model and optimizer state dict), raw (each rank writes the bytes rayshard's save writes as
   one plain file);
 - load on the same layout: rayshard (`load_rank_shard`), DCP (`dcp.load` + `set_state_dict`),
-  raw (each rank reads its raw file back).
+  raw (plain reads of exactly the byte ranges rayshard's load reads).
 Then four fresh ranks on layout B (fsdp4) load what A saved: rayshard, DCP, and raw reads of
 exactly the byte ranges rayshard's plan reads. An operation's time is the slowest rank's; the
 figure is the median over repeats. No fsync anywhere (DCP's sync_files=False), so all three
@@ -134,11 +134,6 @@ def _raw_save(trainer, path: str):
             handle.write(block)
 
 
-def _raw_read(path: str):
-    with open(path, "rb") as handle:
-        return handle.read()
-
-
 def _raw_ranges(ranges: list[tuple[str, int, int]]):
     for path, start, end in ranges:
         with open(path, "rb") as handle:
@@ -182,10 +177,11 @@ def _phase_a(rank, config, port, root, repeats, queue):
             seconds, extra = _timed(save)
             results[f"save/{method}"].append(seconds)
             memory[f"save/{method}"].append(extra)
+        ranges = _planned_ranges(trainer, f"{root}/rayshard-{repeat}")
         for method in order:
             where = f"{root}/{method}-{repeat}"
             load = {"rayshard": lambda: _our_load(trainer, where), "dcp": lambda: _dcp_load(trainer, where),
-                    "raw": lambda: _raw_read(f"{where}/rank-{rank:05d}.raw")}[method]
+                    "raw": lambda: _raw_ranges(ranges)}[method]
             seconds, extra = _timed(load)
             results[f"load/{method}"].append(seconds)
             memory[f"load/{method}"].append(extra)
