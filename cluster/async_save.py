@@ -2,13 +2,15 @@
 
 `start` blocks training only while every rank copies its share of the state to CPU; the uploads
 then run in the ranks' background threads. After each training step the driver `poll`s: when
-every rank's upload has finished the manifest is committed (create-only, then LATEST moves), and
-when one failed the failure is raised there — at the next step — as a CheckpointError naming the
-rank and the object; nothing was committed, so LATEST still names the last good checkpoint. The
-next save first waits for the previous one, so at most one save is in flight.
+every rank's upload has finished the manifest is committed (create-only, then LATEST moves) in a
+driver thread, reported at a later poll; when an upload failed the failure is raised there — at
+the next step — as a CheckpointError naming the rank and the object; nothing was committed, so
+LATEST still names the last good checkpoint. The next save first waits for the previous one, so
+at most one save is in flight.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +35,8 @@ class AsyncCheckpointer:
                  metadata_for: Callable[[int, str | None], dict], on_commit: Callable[[int, str], None]):
         self.group, self.store, self.run, self.world_size = group, store, run, world_size
         self.metadata_for, self.on_commit = metadata_for, on_commit
-        self.pending: PendingSave | None = None
+        self.pending: PendingSave | None = None  # staged, uploading
+        self.committing: tuple | None = None  # (PendingSave, thread, outcome): manifest and LATEST being written
         self.blocked_seconds: list[float] = []  # per save: how long training waited for staging
 
     def start(self, step: int, parent: str | None) -> str:
@@ -50,21 +53,25 @@ class AsyncCheckpointer:
         return url
 
     def poll(self) -> None:
-        """Commit the pending save if every upload finished; raise if one failed."""
+        """Called after each training step: report a finished commit; once every rank's upload
+        has finished, start committing in a driver thread (training goes on meanwhile); raise
+        if an upload or a commit failed."""
+        self._finish_commit(block=False)
         if self.pending is None:
             return
         statuses = self.group.call("save_status", False)
         if any(s["error"] for s in statuses) or all(s["done"] for s in statuses):
             if not all(s["done"] for s in statuses):  # report only once every rank has stopped writing
                 statuses = self.group.call("save_status", True)
-            self._commit(statuses)
+            self._begin_commit(statuses)
 
     def wait(self) -> None:
-        """Block until the pending save ends; commit it (or raise its failure)."""
+        """Block until the pending save is committed (or raise its failure)."""
         if self.pending is not None:
-            self._commit(self.group.call("save_status", True))
+            self._begin_commit(self.group.call("save_status", True))
+        self._finish_commit(block=True)
 
-    def _commit(self, statuses: list[dict]) -> None:
+    def _begin_commit(self, statuses: list[dict]) -> None:
         pending, self.pending = self.pending, None
         errors = [s["error"] for s in statuses if s["error"]]
         if errors:
@@ -79,4 +86,28 @@ class AsyncCheckpointer:
         chunks = [Chunk.from_row(row) for status in statuses for row in status["rows"]]
         check_chunks_disjoint_and_complete(chunks)
         manifest = encode_manifest(chunks, self.metadata_for(pending.step, pending.parent))
-        self.on_commit(pending.step, self.store.commit(self.run, pending.step, manifest))
+        outcome: dict = {}
+
+        def commit() -> None:
+            try:
+                outcome["url"] = self.store.commit(self.run, pending.step, manifest)
+            except BaseException as error:  # re-raised on the training thread by _finish_commit
+                outcome["error"] = error
+
+        thread = threading.Thread(target=commit, name=f"commit-step-{pending.step}", daemon=True)
+        thread.start()
+        self.committing = (pending, thread, outcome)
+
+    def _finish_commit(self, block: bool) -> None:
+        """On the training thread: surface a commit's outcome (on_commit, or its error)."""
+        if self.committing is None:
+            return
+        pending, thread, outcome = self.committing
+        if block:
+            thread.join()
+        elif thread.is_alive():
+            return
+        self.committing = None
+        if "error" in outcome:
+            raise outcome["error"]
+        self.on_commit(pending.step, outcome["url"])

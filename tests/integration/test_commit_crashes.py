@@ -72,8 +72,9 @@ def _driver(ray_session, store_url: str, proxy_url: str, **spec) -> subprocess.P
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-DRIVER_POINTS = [pytest.param(p, marks=[] if p in ("between shards", "between manifest and LATEST") else pytest.mark.slow)
-                 for p in POINTS]
+# Default run: one point each for driver and rank deaths (a subprocess driver costs ~10 s); the
+# rest with -m slow.
+DRIVER_POINTS = [pytest.param(p, marks=[] if p == "between manifest and LATEST" else pytest.mark.slow) for p in POINTS]
 
 
 @pytest.mark.parametrize("point", DRIVER_POINTS)
