@@ -13,6 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import fsspec
+import torch
+
 from actors.checkpoint_io import LazyTensor, encode_manifest, write_shard
 from actors.checkpointing import StoredCheckpoint, read_manifest
 from plans.chunks import Chunk
@@ -77,14 +80,10 @@ def write_rank(source: StoredCheckpoint, pieces: list[PlannedPiece], target_url:
             return tensor
         return load
 
-    import torch
-
     lazy = [(p.region.name, p.kind, LazyTensor(getattr(torch, p.dtype), p.region.sizes, loader(p)),
              p.region.global_shape, p.region.offsets) for p in pieces]
     if not lazy:
         return {"rows": [], **stats}
-    import fsspec
-
     fs, base = fsspec.core.url_to_fs(target_url)
     chunks = write_shard(fs, base, file, lazy)
     stats["bytes_written"] = sum(c.byte_end - c.byte_start for c in chunks)
@@ -93,8 +92,6 @@ def write_rank(source: StoredCheckpoint, pieces: list[PlannedPiece], target_url:
 
 def run_ranks(source_url: str, jobs: list[tuple[list[PlannedPiece], str, str]], storage_conf: dict | None = None) -> list[dict]:
     """What one worker does: open the source once, then play each of its ranks in turn."""
-    import torch
-
     torch.set_num_threads(1)
     if storage_conf:  # reach the store with the driver's endpoint, retry and timeout policy
         from cluster.object_store import apply_conf

@@ -24,6 +24,7 @@ from functools import lru_cache
 from plans.layout import ParallelLayout, RankCoords
 from plans.model_spec import ModelConfig, parameter_shapes
 from plans.partition import StagePartition, partition_layers
+from plans.reshard import Target
 
 # Which dimension tensor parallelism splits, by the last two parts of the parameter name.
 # Parameters not listed are copied on every tp rank.
@@ -175,14 +176,14 @@ def replica_members(layout: ParallelLayout, coords: RankCoords, replicated_over:
 
 def layout_targets(model: ModelConfig, layout: ParallelLayout, kinds: Sequence[str],
                    partition: StagePartition | None = None, read_once: bool = True,
-                   itemsize: int = 4) -> list[list["Target"]]:
+                   itemsize: int = 4) -> list[list[Target]]:
     """For every rank of the layout, the (name, kind, region) pieces it must fill on load.
 
     read_once: dp replicas hold identical pieces, so each replica group reads each piece once
     (readers balanced by bytes, as writers are on save) and the reader broadcasts it; without it,
     every replica reads everything and storage serves dp times the checkpoint."""
-    from plans.reshard import Target
-    from plans.save_plan import read_once_readers
+    from plans.save_plan import read_once_readers  # save_plan builds on this module
+
 
     targets = []
     for rank in range(layout.world_size):

@@ -357,8 +357,3 @@ def _groups(sources: dict[str, Meta], steps: list[Application], origin: dict, fi
         groups.append(Group((), tuple(created), tuple(extra)))
     return groups
 
-
-def describe(mapping: Mapping) -> list[str]:
-    """One line per rule, for docs and `--explain` output."""
-    return [repr(rule) for rule in mapping.rules]
-
