@@ -74,7 +74,7 @@ class StepRecord:
     plan_seconds: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Transfer:
     work: object
     tensor: torch.Tensor
@@ -98,6 +98,7 @@ class PipelineRunner:
         self.dtype, self.device = dtype, device
         self.loss_fn = loss_fn
         self.timeout_s = timeout_s
+        self._reset_step_state()
         # Runs of consecutive transfers, posted together: start index -> end index.
         self._comm_runs: dict[int, int] = {}
         index = 0
@@ -114,16 +115,8 @@ class PipelineRunner:
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[torch.Tensor, StepRecord]:
         """Run the plan once on these microbatches; returns the summed (scaled) loss of the
         microbatches whose last stage ran here (zero elsewhere) and the step's timings."""
+        self._reset_step_state()
         self._inputs, self._targets = inputs, targets
-        self._stage_inputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._stage_outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._output_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self._pending_weights: dict[tuple[int, int], PendingWeightGrad] = {}
-        self._incoming: dict[tuple[int, int, int], _Transfer] = {}
-        self._outgoing: list[_Transfer] = []
-        self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._record = StepRecord()
         started = time.perf_counter()
         index = 0
         while index < len(self.actions):
@@ -149,9 +142,22 @@ class PipelineRunner:
                                     "a lowered plan from plans.pipeline_plan never does (is this the rank's own list?)")
         self._record.plan_seconds = time.perf_counter() - started
         loss, record = self._loss, self._record
-        self._stage_inputs = self._stage_outputs = self._output_grads = self._input_grads = None
-        self._outgoing, self._incoming = [], {}
+        self._reset_step_state()  # drop this step's tensors
         return loss, record
+
+    def _reset_step_state(self) -> None:
+        """What one step keeps between actions, keyed by (stage, microbatch)."""
+        self._inputs: list[torch.Tensor] = []
+        self._targets: list[torch.Tensor] = []
+        self._stage_inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._stage_outputs: dict[tuple[int, int], torch.Tensor] = {}  # the loss on the last stage
+        self._output_grads: dict[tuple[int, int], torch.Tensor] = {}  # received for B / I
+        self._input_grads: dict[tuple[int, int], torch.Tensor] = {}  # to send by SEND_B / HANDOFF_B
+        self._pending_weights: dict[tuple[int, int], PendingWeightGrad] = {}  # I done, W to come
+        self._incoming: dict[tuple[int, int, int], _Transfer] = {}  # (direction, stage, mb): posted RECVs
+        self._outgoing: list[_Transfer] = []
+        self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._record = StepRecord()
 
     # ---- transfers --------------------------------------------------------------------------
 
@@ -159,6 +165,14 @@ class PipelineRunner:
         return (receiving_stage * self.microbatches + microbatch) * 2 + direction
 
     def _post_transfers(self, start: int, end: int) -> None:
+        # Sends that completed since the last batch release their buffers now, not at step end.
+        still_sending = []
+        for transfer in self._outgoing:
+            if transfer.work.is_completed():
+                self._wait(transfer)  # returns at once, or raises the send's error
+            else:
+                still_sending.append(transfer)
+        self._outgoing = still_sending
         ops, transfers = [], []
         for index in range(start, end):
             action = self.actions[index]
