@@ -1,13 +1,14 @@
 """Writing one object to storage as a stream: parallel multipart uploads with bounded memory and
 a bound on how long a stalled upload can hang.
 
-On S3 the bytes are cut into parts of `part_size`; up to `max_concurrency` parts are in flight
-at once (sent on fsspec's event loop while the writer keeps producing the next part), so the
-memory a rank spends on an upload is at most (max_concurrency + 1) * part_size whatever the shard
-size. A part that has not completed `stall_timeout_s` after it was sent — retries and backoff
-included — fails the write with an error naming the rank and the object, and the multipart
-upload is aborted (gc aborts any that a dead process leaves behind). Other filesystems get
-fsspec's own streaming file.
+On S3 the bytes are cut into parts of `part_size`. The memory budget of one upload is
+(max_concurrency + 1) * part_size: an object that ends within it goes as one PUT (one request,
+no multipart bookkeeping on either side); a bigger one becomes a multipart upload with up to
+`max_concurrency` parts in flight (sent on fsspec's event loop while the writer produces the next
+part), so memory stays within the budget whatever the shard size. A part that has not completed
+`stall_timeout_s` after it was sent — retries and backoff included — fails the write with an
+error naming the rank and the object, and the multipart upload is aborted (gc aborts any that a
+dead process leaves behind). Other filesystems get fsspec's own streaming file.
 
 The options are the driver's (`cluster/object_store.py`), shipped to each actor as fsspec config
 under "rayshard"; defaults apply where none were shipped.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import io
 import re
 import time
 from collections import deque
@@ -25,7 +27,7 @@ import fsspec
 
 from plans.errors import CheckpointError
 
-DEFAULTS = {"part_size_mib": 8, "max_concurrency": 4, "stall_timeout_s": 300.0}
+DEFAULTS = {"part_size_mib": 16, "max_concurrency": 4, "stall_timeout_s": 300.0}
 
 
 def upload_settings() -> dict:
@@ -65,6 +67,7 @@ class MultipartWriter:
         self.bucket, self.key, _ = fs.split_path(path)
         self.part_size, self.max_concurrency, self.stall_timeout_s = part_size, max_concurrency, stall_timeout_s
         self.buffer = bytearray()
+        self.held: list[bytearray] = []  # full parts kept while the object still fits one PUT
         self.upload_id: str | None = None
         self.in_flight: deque = deque()  # (part number, future, sent at)
         self.parts: list[dict] = []
@@ -80,14 +83,16 @@ class MultipartWriter:
             self.buffer += view[:take]
             view = view[take:]
             if len(self.buffer) == self.part_size:
-                self._send_part(self.buffer)  # handed over whole: a fresh buffer takes the next bytes
+                self._part_full(self.buffer)  # handed over whole: a fresh buffer takes the next bytes
                 self.buffer = bytearray()
         self.written += count
         return count
 
     def close(self) -> None:
-        if self.upload_id is None:  # smaller than one part: a single PUT
-            self._wait(self._submit("put_object", Body=self.buffer), "the object", time.monotonic())
+        if self.upload_id is None:  # the whole object fit the budget: a single PUT
+            body = self.buffer if not self.held else ChunksReader([*self.held, self.buffer])  # no joined copy
+            self._wait(self._submit("put_object", Body=body), "the object", time.monotonic())
+            self.held.clear()
             return
         if self.buffer:
             self._send_part(self.buffer)
@@ -112,6 +117,16 @@ class MultipartWriter:
     def _submit(self, method: str, **kwargs) -> concurrent.futures.Future:
         call = self.fs._call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
         return asyncio.run_coroutine_threadsafe(call, self.fs.loop)
+
+    def _part_full(self, part: bytearray) -> None:
+        if self.upload_id is not None:
+            self._send_part(part)
+            return
+        self.held.append(part)
+        if len(self.held) > self.max_concurrency:  # the budget is full and bytes keep coming: go multipart
+            held, self.held = self.held, []
+            for body in held:
+                self._send_part(body)
 
     def _send_part(self, body: bytearray) -> None:
         if self.upload_id is None:
@@ -143,3 +158,39 @@ class MultipartWriter:
         except Exception as error:
             raise CheckpointError(f"{describe(self.path)}: upload failed on {what}: {error}. The save is abandoned "
                                   "and the last committed checkpoint stays LATEST") from error
+
+
+class ChunksReader(io.RawIOBase):
+    """Several buffers read as one seekable stream (botocore rewinds a body to retry it)."""
+
+    def __init__(self, chunks: list):
+        self.chunks = [memoryview(chunk).cast("B") for chunk in chunks]
+        self.size = sum(len(chunk) for chunk in self.chunks)
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.position = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence] + offset
+        return self.position
+
+    def readinto(self, target) -> int:
+        target = memoryview(target).cast("B")
+        filled, start = 0, 0
+        for chunk in self.chunks:
+            end = start + len(chunk)
+            if start <= self.position < end and filled < len(target):
+                offset = self.position - start
+                take = min(len(chunk) - offset, len(target) - filled)
+                target[filled:filled + take] = chunk[offset:offset + take]
+                filled += take
+                self.position += take
+            start = end
+        return filled

@@ -34,7 +34,7 @@ class StorageOptions:
     max_attempts: int = 8  # per request, first try included
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0  # per request: a silent server is retried, not waited on forever
-    part_size_mib: int = 8  # multipart part size for uploads, range size for downloads
+    part_size_mib: int = 16  # multipart part size; one upload buffers at most (max_concurrency + 1) parts
     max_concurrency: int = 4  # parts in flight per rank: memory bound = part_size * max_concurrency
     # A part (or a small object's single PUT) not done this long after it was sent fails the
     # save, naming the rank and the object: the bound on a stalled upload, retries included.

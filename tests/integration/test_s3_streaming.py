@@ -35,7 +35,7 @@ def _pending_uploads(store: Store) -> list:
 
 def test_parallel_multipart_upload_is_bit_exact_with_bounded_parts_in_flight(s3_store, fault_proxy, monkeypatch):
     store = Store(s3_store)
-    data = _payload(23 * MiB + 11)
+    data = _payload(41 * MiB + 11)  # beyond the 25 MiB budget (5 MiB parts, 4 in flight): multipart
     peak = []
     original = MultipartWriter._send_part
 
@@ -50,14 +50,14 @@ def test_parallel_multipart_upload_is_bit_exact_with_bounded_parts_in_flight(s3_
     with open_object_writer(store.fs, path) as handle:
         _write_in_odd_pieces(handle, data)
     assert store.fs.cat_file(path) == data
-    assert parts.injected == 5  # 23 MiB in 5 MiB parts
+    assert parts.injected == 9  # 41 MiB in 5 MiB parts
     assert max(peak) <= 4  # the default max_concurrency: the memory bound held
     assert _pending_uploads(store) == []
 
 
 def test_parts_survive_throttling_resets_and_server_errors(s3_store, fault_proxy):
     store = Store(s3_store)
-    data = _payload(12 * MiB)
+    data = _payload(31 * MiB)
     rules = [fault_proxy.add("slowdown", method="PUT", path="partNumber=1", times=2),
              fault_proxy.add("reset", method="PUT", path="partNumber=2", times=1),
              fault_proxy.add("error500", method="POST", path="uploadId=", times=1),  # the completion
@@ -69,13 +69,16 @@ def test_parts_survive_throttling_resets_and_server_errors(s3_store, fault_proxy
     assert all(rule.injected for rule in rules), [(r.fault, r.path, r.injected) for r in rules]
 
 
-def test_small_objects_are_one_put(s3_store, fault_proxy):
+@pytest.mark.parametrize("nbytes", [4, 23 * MiB + 1])
+def test_objects_within_the_memory_budget_are_one_put(s3_store, fault_proxy, nbytes):
     store = Store(s3_store)
+    data = _payload(nbytes)
+    reset = fault_proxy.add("reset", method="PUT", path="small", times=1)  # the retry must rewind the body
     path = f"{store.root}/small/rank-00001.safetensors"
     with open_object_writer(store.fs, path) as handle:
-        handle.write(b"tiny")
-    assert [m for m, p in fault_proxy.requests if "small" in p] == ["PUT"]
-    assert store.fs.cat_file(path) == b"tiny"
+        _write_in_odd_pieces(handle, data)
+    assert [m for m, p in fault_proxy.requests if "small" in p] == ["PUT", "PUT"] and reset.injected == 1
+    assert store.fs.cat_file(path) == data
 
 
 def test_a_stalled_part_fails_in_bounded_time_naming_rank_and_object(s3_store, fault_proxy, monkeypatch):
@@ -85,7 +88,7 @@ def test_a_stalled_part_fails_in_bounded_time_naming_rank_and_object(s3_store, f
     path = f"{store.root}/stalled/rank-00003.safetensors"
     with pytest.raises(CheckpointError) as error:
         with open_object_writer(store.fs, path) as handle:
-            handle.write(_payload(11 * MiB))
+            handle.write(_payload(31 * MiB))
     message = str(error.value)
     assert "rank 3" in message and "stalled/rank-00003.safetensors" in message and "stalled" in message
     assert "testing-secret" not in message
