@@ -8,8 +8,11 @@ the next gc collects.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
+
+from fsspec.implementations.local import LocalFileSystem
 
 from actors.checkpointing import MANIFEST
 from cluster import leases, object_store
@@ -42,6 +45,7 @@ def collect(store: Store, keep: int, run: str | None = None, grace_s: float = DE
                 continue
             if not dry_run:
                 fs.rm(leftover.path, recursive=True)
+                _remove_if_empty(fs, leftover.path.rsplit("/", 1)[0])
             report.removed_leftovers.append(leftover.path)
             report.freed_bytes += leftover.size_bytes
         for held in leases.all_leases(store, name).values():
@@ -98,6 +102,15 @@ def _remove_checkpoint(store: Store, entry, dry_run: bool) -> None:
         path = f"{directory}/{attempt}"
         if store.fs.exists(path):
             store.fs.rm(path, recursive=True)
+    _remove_if_empty(store.fs, directory)
+
+
+def _remove_if_empty(fs, directory: str) -> None:
+    """Local stores keep emptied step directories; rmdir removes only an empty one, so a save
+    that has just started writing there keeps it."""
+    if isinstance(fs, LocalFileSystem):  # object stores have no directories (and s3fs rmdir means buckets)
+        with contextlib.suppress(OSError):
+            fs.rmdir(directory)
 
 
 def object_store_escape(key: str) -> bool:
