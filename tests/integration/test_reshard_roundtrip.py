@@ -72,9 +72,9 @@ def test_reshard_there_and_back_is_bit_exact(source, name, tmp_path):
 def test_reshard_on_ray_actors(source, ray_session):
     store, url, source_digests = source
     # num_cpus=0: the session's rank pool holds every logical CPU; the workers only do I/O here.
-    result = reshard_checkpoint(url, ParallelLayout(fsdp=3, tp=2), store, "ray-fsdp3-tp2", workers=3, num_cpus=0,
+    result = reshard_checkpoint(url, ParallelLayout(fsdp=3, tp=2), store, "ray-fsdp3-tp2", workers=2, num_cpus=0,
                                 log=lambda *_: None)
-    assert result.workers == 3 and result.ranks == 6
+    assert result.workers == 2 and result.ranks == 6  # each actor plays three target ranks
     # Every stored byte is read once (dp replicas do not re-read what another replica writes).
     assert result.bytes_read == result.bytes_written
     assert digests(result.url) == source_digests
