@@ -1,19 +1,21 @@
 """The driver's side of asynchronous saves.
 
-`start` blocks training only while every rank copies its share of the state to CPU; the uploads
-then run in the ranks' background threads. After each training step the driver `poll`s: when
-every rank's upload has finished the manifest is committed (create-only, then LATEST moves) in a
-driver thread, reported at a later poll; when an upload failed the failure is raised there — at
-the next step — as a CheckpointError naming the rank and the object; nothing was committed, so
-LATEST still names the last good checkpoint. The next save first waits for the previous one, so
-at most one save is in flight.
+`start` requests a save and returns at once: each rank copies its share of the state to host
+memory in a background thread, overlapping the next forward and backward (its next optimizer
+step waits for the copy if it is not done yet), then uploads it. After each training step the
+driver `poll`s: once every rank's upload has finished, the manifest is committed (create-only,
+then LATEST moves) in a driver thread and reported at a later poll; when an upload failed, the
+failure is raised there — at the next steps — as a CheckpointError naming the rank and the
+object; nothing was committed, so LATEST still names the last good checkpoint. The next save
+first waits for the previous one, so at most one save is in flight.
 """
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import ray
 
 from actors.checkpoint_io import encode_manifest
 from cluster.store import Store
@@ -27,29 +29,33 @@ class PendingSave:
     step: int
     url: str
     parent: str | None
-    blocked_seconds: float
+    requests: list  # ObjectRefs of the ranks' stage_save calls
+    status_requests: list | None = None  # ObjectRefs of save_status calls not looked at yet
 
 
 class AsyncCheckpointer:
+    """Nothing here waits on the ranks while training runs: Ray runs one caller's calls to an
+    actor in the order they were sent, so `stage_save` is sent without waiting (it runs before
+    the rank's next train_step), and `poll` sends `save_status` and reads the answer at the next
+    poll. The ranks themselves make their next optimizer step wait for the snapshot copy."""
+
     def __init__(self, group, store: Store, run: str, world_size: int,
                  metadata_for: Callable[[int, str | None], dict], on_commit: Callable[[int, str], None]):
         self.group, self.store, self.run, self.world_size = group, store, run, world_size
         self.metadata_for, self.on_commit = metadata_for, on_commit
-        self.pending: PendingSave | None = None  # staged, uploading
+        self.pending: PendingSave | None = None  # requested, copying or uploading
         self.committing: tuple | None = None  # (PendingSave, thread, outcome): manifest and LATEST being written
-        self.blocked_seconds: list[float] = []  # per save: how long training waited for staging
+        self.last_statuses: list[dict] = []
 
     def start(self, step: int, parent: str | None) -> str:
-        """Stage a save of `step` and let it upload; returns the URL it will commit to."""
+        """Request a save of `step`; returns the URL it will commit to. Waits only for the
+        previous save, if it is still in flight."""
         self.wait()
         attempt = self.store.new_attempt()
         url = self.store.checkpoint_url(self.run, step)
         files = [f"{attempt}/rank-{rank:05d}.safetensors" for rank in range(self.world_size)]
-        started = time.perf_counter()
-        self.staged = self.group.call_each("stage_save", [(url, file) for file in files])
-        blocked = time.perf_counter() - started
-        self.blocked_seconds.append(blocked)
-        self.pending = PendingSave(step, url, parent, blocked)
+        requests = [actor.stage_save.remote(url, file) for actor, file in zip(self.group.actors, files)]
+        self.pending = PendingSave(step, url, parent, requests)
         return url
 
     def poll(self) -> None:
@@ -57,9 +63,17 @@ class AsyncCheckpointer:
         has finished, start committing in a driver thread (training goes on meanwhile); raise
         if an upload or a commit failed."""
         self._finish_commit(block=False)
-        if self.pending is None:
+        pending = self.pending
+        if pending is None:
             return
-        statuses = self.group.call("save_status", False)
+        if pending.status_requests is None:
+            pending.status_requests = [actor.save_status.remote(False) for actor in self.group.actors]
+            return
+        ready, _ = ray.wait(pending.status_requests, num_returns=len(pending.status_requests), timeout=0)
+        if len(ready) < len(pending.status_requests):
+            return
+        ray.get(pending.requests)  # a rank that could not even start the save raises here
+        statuses, pending.status_requests = ray.get(ready), None
         if any(s["error"] for s in statuses) or all(s["done"] for s in statuses):
             if not all(s["done"] for s in statuses):  # report only once every rank has stopped writing
                 statuses = self.group.call("save_status", True)
@@ -68,11 +82,13 @@ class AsyncCheckpointer:
     def wait(self) -> None:
         """Block until the pending save is committed (or raise its failure)."""
         if self.pending is not None:
+            ray.get(self.pending.requests)
             self._begin_commit(self.group.call("save_status", True))
         self._finish_commit(block=True)
 
     def _begin_commit(self, statuses: list[dict]) -> None:
         pending, self.pending = self.pending, None
+        self.last_statuses = statuses  # per rank: copy, upload and optimizer-wait seconds (bench/storage.py)
         errors = [s["error"] for s in statuses if s["error"]]
         if errors:
             latest = self.store.latest_step(self.run)
