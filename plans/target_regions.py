@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from plans.layout import ParallelLayout, RankCoords
 from plans.model_spec import ModelConfig, parameter_shapes
-from plans.partition import StagePartition, partition_layers
+from plans.partition import StagePartition
 from plans.reshard import Target
 
 # Which dimension tensor parallelism splits, by the last two parts of the parameter name.
@@ -75,15 +75,14 @@ def chunk_bounds(length: int, pieces: int, index: int) -> tuple[int, int]:
 
 def pipeline_partition(model: ModelConfig, layout: ParallelLayout, schedule: str = "1f1b",
                        stage_layout: Sequence[int] | None = None) -> StagePartition:
-    """The trainer's stage cut: every layer costs the same unless `stage_layout` gives counts, and
-    the schedule decides how stages map to pp ranks (single, looped for vpp, or V)."""
+    """The trainer's own stage cut (`plans/pipeline_plan.py`): the schedule decides how stages map
+    to pp ranks (single, looped for vpp, or V); `stage_layout` gives layer counts per stage."""
+    from plans.pipeline_plan import stage_partition
     from plans.schedules import schedule_spec
 
-    placement = schedule_spec(schedule).placement if layout.pp > 1 else "single"
-    if layout.pp > 1 and layout.vpp > 1 and str(placement) == "single":
-        placement = "looped"  # a vpp layout given without its schedule: interleaved is the one that fits
-    return partition_layers([1.0] * model.n_layers, layout.pp, layout.vpp, placement,
-                            layout=list(stage_layout) if stage_layout is not None else None)
+    if layout.vpp > 1 and schedule_spec(schedule).placement.value == "single":
+        schedule = "interleaved1f1b"  # a vpp layout given without its schedule: interleaved is the one that fits
+    return stage_partition(model, layout, schedule, stage_layout)
 
 
 @lru_cache(maxsize=64)
