@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 
 from cluster.ckpt_cli import add_checkpoint_argument, ckpt_subcommands
 
@@ -25,7 +26,7 @@ def run_ls(args: argparse.Namespace) -> int:
     catalog = Catalog(args.store)
     entries = catalog.checkpoints(args.run)
     if args.json:
-        print(catalog.table(args.run).to_pandas().to_json(orient="records", indent=2))
+        print(json.dumps(catalog.table(args.run).to_pylist(), indent=2))
         return 0
     if not entries:
         runs = catalog.runs()

@@ -4,6 +4,7 @@ rest, including orphaned attempts and pending multipart uploads. No Ray: checkpo
 by the same shard writer the ranks use."""
 from __future__ import annotations
 
+import json
 import time
 
 import fsspec
@@ -62,6 +63,9 @@ def test_ls_shows_whole_checkpoints_and_leftovers_separately(store, capsys):
     out = capsys.readouterr().out
     assert "4 *" in out and "fsdp2" in out and "step-00000006" not in out.split("leftover")[0]
     assert "leftover: incomplete save" in out
+    assert main(["ckpt", "ls", "--store", store.url, "--run", "r", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["latest"], r["status"]) for r in records] == [(2, False, "ok"), (4, True, "ok")]
 
 
 def test_catalog_is_a_pyarrow_dataset(store):
