@@ -33,6 +33,21 @@ from plans.pipeline_plan import PipelinePlan, build_pipeline_plan
 _TIED_TAG = 2**30  # above every pipeline transfer's tag
 
 
+def forget_previous_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions before a reused process trains again.
+
+    They are keyed by DeviceMesh equality, which compares shapes and ranks but not process
+    groups: a new mesh equal to an earlier run's would pick up that run's destroyed groups
+    ("Could not resolve the process group registered under the name 19"), or a new group that
+    reused the name, and its collectives would hang or talk to the wrong ranks.
+    """
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+
+
 def _place_grad_like_param(param: torch.nn.Parameter) -> None:
     """Give the gradient its parameter's placements. DTensor may leave a sharded parameter's
     gradient replicated (the vocab-parallel embedding's is); the two tied copies must hold
@@ -66,6 +81,7 @@ class Trainer:
         self.coord_map = {"dp": self.coords.dp, "fsdp": self.coords.fsdp, "tp": self.coords.tp}
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        forget_previous_meshes()
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.layout.world_size,
                                 timeout=timedelta(seconds=config.collective_timeout_s))
         self.mesh = init_device_mesh(self.device.type, self.layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
@@ -285,3 +301,4 @@ class Trainer:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        forget_previous_meshes()

@@ -116,15 +116,26 @@ def test_one_step_equals_single_rank(rank_pool, reference, tmp_path, schedule, l
     assert_matches_reference(one_step(rank_pool, config), reference(layers=layers, tied=tied))
 
 
-@pytest.mark.parametrize("schedule, layout", [
-    ("zbh1", {"pp": 2, "tp": 2}),
-    ("interleaved1f1b", {"pp": 2, "vpp": 2, "dp": 2}),
-])
-def test_twenty_steps_follow_single_rank(run_training, tmp_path, schedule, layout):
-    single = run_training(_config(tmp_path / "single", ParallelLayout(), steps=20, run="s"))
-    piped = run_training(_config(tmp_path / "pipe", ParallelLayout(**layout), steps=20, schedule=schedule,
-                                 microbatches=4, run="p"))
+@pytest.fixture(scope="module")
+def single_rank_losses(run_training, tmp_path_factory):
+    return run_training(_config(tmp_path_factory.mktemp("single"), ParallelLayout(), steps=20, run="s")).losses
+
+
+TWENTY_STEP_CASES = [
+    ("zbh1", {"pp": 2, "tp": 2}, ()),
+    ("interleaved1f1b", {"pp": 2, "vpp": 2, "dp": 2}, ()),
+    ("gpipe", {"pp": 4}, pytest.mark.slow),
+    ("1f1b", {"pp": 2, "fsdp": 2, "tp": 2}, pytest.mark.slow),
+    ("zbv", {"pp": 2, "vpp": 2, "tp": 2}, pytest.mark.slow),
+    ("dualpipev", {"pp": 2, "vpp": 2, "fsdp": 2}, pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("schedule, layout", [pytest.param(s, l, marks=m, id=f"{s}-" + "-".join(f"{k}{v}" for k, v in l.items()))
+                                              for s, l, m in TWENTY_STEP_CASES])
+def test_twenty_steps_follow_single_rank(run_training, tmp_path, single_rank_losses, schedule, layout):
+    piped = run_training(_config(tmp_path, ParallelLayout(**layout), steps=20, schedule=schedule, microbatches=4))
     assert sorted(piped.losses) == list(range(1, 21))
-    for step, loss in single.losses.items():
+    for step, loss in single_rank_losses.items():
         assert math.isclose(piped.losses[step], loss, rel_tol=1e-5), (step, piped.losses[step], loss)
     assert piped.losses[20] < piped.losses[1] - 0.3  # it trained
