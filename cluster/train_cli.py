@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import yaml
 
@@ -84,9 +85,14 @@ def run_train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.elastic:
         return _run_elastic(args, config)
+    from cluster.rank_group import StepFailed
     from cluster.train import train  # imports Ray and torch; keep `--help` fast
 
-    result = train(config, async_save=getattr(args, "async_save", False))
+    try:
+        result = train(config, async_save=getattr(args, "async_save", False))
+    except StepFailed as failed:  # each rank's own error says where it stopped; a traceback adds nothing
+        print(f"rayshard: training stopped: {failed}", file=sys.stderr)
+        return 1
     if result.checkpoints:
         print(f"latest checkpoint: {result.checkpoints[-1]}")
     return 0
