@@ -86,7 +86,7 @@ def _case(schedule, pp, extra="", microbatches=4, layers=4, **kwargs):
 DEFAULT_CASES = [
     _case("gpipe", 2, "dp2"),
     _case("1f1b", 4),
-    _case("interleaved1f1b", 2, "tp2"),
+    _case("interleaved1f1b", 2, "dp2xtp2"),
     _case("zbh1", 2, "tp2"),
     _case("zbh1", 4, "fsdp2", microbatches=4),
     _case("zbv", 2, "dp2", tied=True),
