@@ -12,6 +12,8 @@ import pytest
 
 from plans.layout import ParallelLayout
 
+pytestmark = pytest.mark.slow  # a 3-node cluster with three injected faults: minutes on 2 cores
+
 SCENARIO = Path(__file__).with_name("elastic_scenario.py")
 
 

@@ -113,6 +113,7 @@ TRAIN = ["python", "-m", "cluster", "train", "--steps", "10", "--ckpt-every", "2
          "--seq-len", "32", "--tp", "1", "--warmup-steps", "3", "--resume", "auto"]
 
 
+@pytest.mark.slow
 def test_stopped_job_resubmitted_on_fewer_ranks_continues_the_losses(ray_head, tmp_path, run_training):
     address, env, _ = ray_head
     store = tmp_path / "store"
@@ -147,6 +148,7 @@ def test_stopped_job_resubmitted_on_fewer_ranks_continues_the_losses(ray_head, t
         assert abs(loss - uninterrupted.losses[step]) <= 1e-5 * abs(uninterrupted.losses[step]), (step, loss)
 
 
+@pytest.mark.slow
 def test_a_new_driver_continues_after_the_old_one_is_killed(ray_head, tmp_path):
     _, env, gcs_address = ray_head
     store = tmp_path / "store"
