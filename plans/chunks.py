@@ -5,6 +5,8 @@ global shape), and where the bytes are — never which rank or layout wrote them
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 
 from plans.safetensors_layout import ITEMSIZE as DTYPE_SIZES
@@ -35,10 +37,7 @@ class Chunk:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.sizes:
-            count *= size
-        return count
+        return math.prod(self.sizes)
 
     @property
     def itemsize(self) -> int:

@@ -17,6 +17,8 @@ Rules, in the order the actors apply them:
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -55,10 +57,7 @@ class Region:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.sizes:
-            count *= size
-        return count
+        return math.prod(self.sizes)
 
 
 def tp_split_dim(name: str) -> int | None:
