@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The product's story: train on 4 ranks, reshard, resume on 2 ranks, prove nothing changed.
-DEMO_TO ?= fsdp=2
-DEMO_TO_FLAGS ?= --dp 1 --fsdp 2 --tp 1
+DEMO_TO ?= tp=2
+DEMO_TO_FLAGS ?= --dp 1 --fsdp 1 --tp 2
 demo: DEMO_NAME := $(DEMO_RUN)
 demo: $(STAMP)
 	@echo "== 1. train on 4 ranks (dp2 x tp2), 30 steps, a checkpoint every 10"

@@ -1,7 +1,7 @@
 """Loss continuity across a reshard: train on layout A, resume on layout B, compare every step with
 an uninterrupted run on A (fp32, within 1e-5 relative), and draw the picture.
 
-The default version is short (4 steps on A, 6 on B, dp2 x tp2 -> fsdp2); the issue's full
+The default version is short (4 steps on A, 6 on B, dp2 x tp2 -> tp2); the issue's full
 version (50 on A, 200 on B) is marked slow:
 
     .venv/bin/python -m pytest -m slow tests/integration/test_reshard_continuity.py
@@ -14,10 +14,8 @@ from plans.config import OptimizerConfig
 from plans.layout import ParallelLayout
 from tests.conftest import small_config
 
-# B is fsdp2, not tp2: on tp-only layouts the trainer's gradient norm counts the vocab-parallel
-# embedding's (replicated) gradient on every tp rank, so clipping differs and long runs drift
-# (reported to the trainer's owner; resuming itself is exact: the first resumed loss matches).
-A, B = ParallelLayout(dp=2, tp=2), ParallelLayout(fsdp=2)
+# 4 ranks -> 2 ranks, as in the demo: dp2 x tp2 -> tp2.
+A, B = ParallelLayout(dp=2, tp=2), ParallelLayout(tp=2)
 
 
 def _config(tmp_path, layout, steps, total, run, **overrides):
