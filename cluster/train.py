@@ -16,6 +16,7 @@ from actors.checkpointing import read_manifest
 from cluster import leases
 from cluster.async_save import AsyncCheckpointer
 from cluster.rank_group import RankGroup, connect_ray
+from cluster.resume_check import verify_resumed_state
 from cluster.store import CheckpointRef, Store
 from plans.chunks import Chunk
 from plans.config import TrainConfig
@@ -95,6 +96,11 @@ def train(config: TrainConfig, actors: list | None = None,
                 loaded = group.call("load", resume.url)
             _log(f"loaded step {start_step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over "
                  f"{len(loaded)} ranks")
+            if config.verify_resume:
+                with leases.reading(store, resume):
+                    check = verify_resumed_state(group, store, config.run, start_step, resume.url, str(config.layout))
+                _log(f"resumed state verified: {check['tensors']} tensors, digests equal to the checkpoint's "
+                     f"({check['digest'][:19]}...)")
         tokens_per_step = config.global_batch * config.seq_len
         for step in range(start_step, config.steps):
             tick = time.perf_counter()

@@ -21,6 +21,7 @@ OVERRIDES = {
     "warmup_steps": "optimizer.warmup_steps", "data": "data.source",
     "dp": "layout.dp", "fsdp": "layout.fsdp", "tp": "layout.tp", "pp": "layout.pp", "vpp": "layout.vpp",
     "stage_layout": "stage_layout", "pipeline_timeout": "pipeline_timeout_s",
+    "verify_resume": "verify_resume",
 }
 
 
@@ -37,6 +38,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="CKPT", help="latest | auto (latest if the run has checkpoints, else start fresh) | RUN | RUN@STEP | checkpoint URL")
     parser.add_argument("--async-save", action="store_true",
                         help="checkpoints block training only while ranks copy state to CPU; uploads run in the background")
+    parser.add_argument("--verify-resume", action="store_true", default=None,
+                        help="after resuming, prove the loaded state's digests equal the checkpoint's (one extra save)")
     parser.add_argument("--global-batch", type=int, metavar="N", help="sequences per step over all data ranks")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
     parser.add_argument("--microbatches", type=int, metavar="N", help="gradient accumulation / pipeline microbatches")

@@ -55,6 +55,9 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: only at the end
     resume: str | None = None  # "latest", "RUN@STEP", "RUN" or a checkpoint URL
     collective_timeout_s: float = 300.0
+    # After a resume, save the loaded state to a side copy and check its per-tensor digests equal
+    # the checkpoint's before training on (one extra save and two digests per resume).
+    verify_resume: bool = False
     # Pipeline (pp > 1). stage_layout: layer counts per stage (pp * vpp of them) for an uneven
     # cut, e.g. [1, 3]; None cuts evenly. pipeline_timeout_s: how long one transfer (or the
     # step's own all-reduce) may wait before the step fails naming rank, step and action;

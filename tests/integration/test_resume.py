@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from cluster.rank_group import RankGroup
+from cluster.resume_check import resume_checks, verify_resumed_state
 from cluster.store import Store
 from plans.errors import CheckpointError
 from plans.layout import ParallelLayout
@@ -44,9 +46,30 @@ def test_resume_onto_another_layout_continues_the_same_training(run_training, tm
     run_training(_config(tmp_path, DP2_TP2, steps=4, run="x", ckpt_every=2))
     store = Store(str(tmp_path / "store"))
     assert store.committed_steps("x") == [2, 4] and store.latest_step("x") == 4
-    resumed = run_training(_config(tmp_path, ParallelLayout(fsdp=2), steps=6, run="x", resume="x@4"))
+    resumed = run_training(_config(tmp_path, ParallelLayout(fsdp=2), steps=6, run="x", resume="x@4",
+                                   verify_resume=True))
     for step in (5, 6):
         assert resumed.losses[step] == pytest.approx(uninterrupted.losses[step], rel=1e-5)
+    # What the fsdp2 ranks held after the resharding load has the digests of the dp2 x tp2 checkpoint.
+    [check] = resume_checks(store, "x")
+    assert check["equal"] and check["step"] == 4 and check["checkpoint"].endswith("step-00000004")
+    assert check["tensors"] > 20 and not list((tmp_path / "store" / "x" / "resume-checks").glob("*/*"))
+
+
+def test_resume_check_names_the_tensors_that_differ(rank_pool, run_training, tmp_path):
+    run_training(_config(tmp_path, DP2_TP2, steps=4, run="v", ckpt_every=2))
+    store = Store(str(tmp_path / "store"))
+    group = RankGroup(_config(tmp_path, ParallelLayout(tp=2), steps=6, run="v"), rank_pool)
+    try:
+        group.call("configure_storage", store.storage_conf)
+        group.call("load", store.checkpoint_url("v", 4))
+        # Held: step 4. Compared with: step 2. Every trained tensor and the step counters differ.
+        with pytest.raises(CheckpointError, match=r"differs from the checkpoint in \d+ tensors: ") as error:
+            verify_resumed_state(group, store, "v", 4, store.checkpoint_url("v", 2), "tp2")
+    finally:
+        group.shutdown()
+    assert "exp_avg layers.0.attention.qkv.weight" in str(error.value)
+    assert resume_checks(store, "v")[-1]["equal"] is False
 
 
 def test_mismatched_model_lists_missing_unexpected_and_shape_errors_together(run_training, tmp_path):
