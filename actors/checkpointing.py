@@ -25,6 +25,7 @@ from actors.shards import local_region
 from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from plans.errors import CheckpointError
 from plans.layout import ParallelLayout, RankCoords
+from plans.object_keys import check_object_keys
 from plans.reshard import Target, header_checks, index_chunks, plan_rank
 from plans.save_plan import assign_writers, file_position, group_salt
 from plans.target_regions import EMBEDDING, replica_members
@@ -127,13 +128,19 @@ def save_rank_shard(model, optimizer, coords: dict[str, int], checkpoint_url: st
 
 
 def read_manifest(checkpoint_url: str) -> tuple[list[Chunk], dict]:
+    """The chunks and metadata of a committed checkpoint. Every path that opens a checkpoint for
+    reading (loads, resume, offline reshard, digest, diff, export, verify, gc) comes through here,
+    so this is where a manifest naming objects outside its own directory (`..`, absolute paths,
+    other buckets) is refused, before any shard byte is fetched."""
     fs, base = fsspec.core.url_to_fs(checkpoint_url)
     where = f"{checkpoint_url}/{MANIFEST}"
     try:
         data = fs.cat_file(f"{base}/{MANIFEST}")
     except FileNotFoundError:
         raise CheckpointError(f"{where} does not exist: not a committed checkpoint") from None
-    return decode_manifest(data, where)
+    chunks, metadata = decode_manifest(data, where)
+    check_object_keys((chunk.file for chunk in chunks), checkpoint_url)
+    return chunks, metadata
 
 
 class StoredCheckpoint:
@@ -144,6 +151,8 @@ class StoredCheckpoint:
     def __init__(self, url: str, chunks: list[Chunk] | None = None, metadata: dict | None = None):
         if chunks is None:
             chunks, metadata = read_manifest(url)
+        else:  # chunks decoded elsewhere get the same check as read_manifest's
+            check_object_keys((chunk.file for chunk in chunks), url)
         self.url, self.chunks, self.metadata = url, chunks, metadata or {}
         self.index = index_chunks(chunks)
         # Header ranges come from all of a file's chunks (everything before its first one).

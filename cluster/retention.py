@@ -90,13 +90,14 @@ def _remove_checkpoint(store: Store, entry, dry_run: bool) -> None:
     try:
         chunks, _ = read_manifest(entry.url)
         attempts = sorted({c.file.split("/", 1)[0] for c in chunks if not object_store_escape(c.file)})
-    except Exception:  # an unreadable manifest: its directory goes whole
+    except Exception:  # an unreadable manifest, or one naming keys outside it: its directory goes whole
         attempts = None
     if dry_run:
         return
     store.fs.rm_file(f"{directory}/{MANIFEST}")  # invisible first: no reader can start on it after this
     if attempts is None:
-        store.fs.rm(directory, recursive=True)
+        with contextlib.suppress(FileNotFoundError):  # on S3 a manifest-only directory is gone already
+            store.fs.rm(directory, recursive=True)
         return
     for attempt in attempts:
         path = f"{directory}/{attempt}"

@@ -3,7 +3,8 @@
 A manifest is data from storage, possibly written by someone else. A `file` such as
 `../../other-run/...`, `/etc/passwd` or `s3://other-bucket/key` would make a load read (and a
 gc delete) outside the checkpoint, so every key is checked before any byte is fetched. Pure:
-callable from the driver (Store.resolve) and from rank actors (wherever a manifest is decoded).
+applied by `actors.checkpointing.read_manifest`, the one function every reader of a manifest
+(driver, rank actors, CLI) goes through, and by StoredCheckpoint for chunks decoded elsewhere.
 """
 from __future__ import annotations
 
