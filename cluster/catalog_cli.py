@@ -56,13 +56,10 @@ def run_ls(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from cluster import leases
-    from cluster.ckpt_cli import resolve_checkpoint
-    from cluster.store import Store
+    from cluster.ckpt_cli import reading
     from cluster.verify import verify
 
-    ref = resolve_checkpoint(args)
-    with leases.reading(Store(args.store), ref), \
+    with reading(args) as (_, [ref]), \
             tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=not args.deep or args.quiet) as bar:
         report = verify(ref.url, deep=args.deep, progress=bar.update)
     checked = f", {_size(report.bytes_checked)} read back and checksummed" if report.deep else ""

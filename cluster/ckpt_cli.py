@@ -3,6 +3,7 @@ subcommands to the same group (`ckpt_subcommands`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 from cluster.cli_groups import command_group
@@ -26,6 +27,25 @@ def resolve_checkpoint(args: argparse.Namespace, name: str = "checkpoint"):
     return Store(args.store).resolve(getattr(args, name))
 
 
+@contextlib.contextmanager
+def reading(args: argparse.Namespace, *names: str):
+    """Resolve the named checkpoint arguments and hold a reader lease on each while the command
+    reads its shards (cluster/leases.py), so a concurrent `ckpt gc` keeps them. Yields (store,
+    refs). A checkpoint given by URL has no run and step in --store (it may be outside any store)
+    and is read without a lease."""
+    from cluster import leases
+    from cluster.store import Store
+
+    store = Store(args.store)
+    with contextlib.ExitStack() as held:
+        refs = []
+        for name in names or ("checkpoint",):
+            ref = store.resolve(getattr(args, name))
+            held.enter_context(leases.reading(store, ref))
+            refs.append(ref)
+        yield store, refs
+
+
 def _layout(text: str):
     from plans.layout import ParallelLayout
 
@@ -42,7 +62,7 @@ def _stage_layout(text: str | None):
 def run_show(args: argparse.Namespace) -> int:
     from actors.checkpointing import read_manifest
 
-    ref = resolve_checkpoint(args)
+    ref = resolve_checkpoint(args)  # reads the manifest only, no shard: no lease
     chunks, metadata = read_manifest(ref.url)
     tensors = {(c.name, c.kind) for c in chunks}
     files = {c.file for c in chunks}
@@ -66,7 +86,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from cluster.reshard_job import target_partition
     from cluster.reshard_report import build_plan, format_plan
 
-    ref = resolve_checkpoint(args)
+    ref = resolve_checkpoint(args)  # a dry run reads the manifest only: no lease
     chunks, metadata = read_manifest(ref.url)
     layout = _layout(args.to)
     partition = target_partition(metadata, layout, args.schedule, _stage_layout(args.stage_layout))
@@ -78,12 +98,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_reshard(args: argparse.Namespace) -> int:
     from cluster.reshard_job import reshard_checkpoint
-    from cluster.store import Store
 
-    ref = resolve_checkpoint(args)
-    reshard_checkpoint(ref.url, _layout(args.to), Store(args.store), args.run, workers=args.workers,
-                       num_cpus=args.cpus_per_worker, local=args.local, schedule=args.schedule,
-                       stage_layout=_stage_layout(args.stage_layout))
+    with reading(args) as (store, [ref]):
+        reshard_checkpoint(ref.url, _layout(args.to), store, args.run, workers=args.workers,
+                           num_cpus=args.cpus_per_worker, local=args.local, schedule=args.schedule,
+                           stage_layout=_stage_layout(args.stage_layout))
     return 0
 
 
@@ -93,8 +112,8 @@ def run_reshard(args: argparse.Namespace) -> int:
 def run_digest(args: argparse.Namespace) -> int:
     from cluster.digest import checkpoint_digest, digest_checkpoint
 
-    ref = resolve_checkpoint(args)
-    digests = digest_checkpoint(ref.url, block_bytes=int(args.block_mib * 2**20))
+    with reading(args) as (_, [ref]):
+        digests = digest_checkpoint(ref.url, block_bytes=int(args.block_mib * 2**20))
     if args.json:
         print(json.dumps({"checkpoint": ref.url, "digest": checkpoint_digest(digests),
                           "tensors": [d.__dict__ | {"shape": list(d.shape)} for d in digests]}, indent=2))
@@ -108,8 +127,8 @@ def run_digest(args: argparse.Namespace) -> int:
 def run_diff(args: argparse.Namespace) -> int:
     from cluster.digest import diff_checkpoints
 
-    a, b = resolve_checkpoint(args, "a"), resolve_checkpoint(args, "b")
-    differences = diff_checkpoints(a.url, b.url)
+    with reading(args, "a", "b") as (_, [a, b]):
+        differences = diff_checkpoints(a.url, b.url)
     unequal = [d for d in differences if d.status != "equal"]
     for difference in (differences if args.all else unequal):
         print(f"{difference.status:<18} {difference.kind:<10} {difference.name}  {difference.detail}".rstrip())
@@ -124,9 +143,9 @@ def run_diff(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from cluster.hf_interop import export_hf
 
-    ref = resolve_checkpoint(args)
-    export_hf(ref.url, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_mib * 2**20),
-              include_optimizer=not args.no_optimizer)
+    with reading(args) as (_, [ref]):
+        export_hf(ref.url, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_mib * 2**20),
+                  include_optimizer=not args.no_optimizer)
     return 0
 
 
