@@ -6,6 +6,7 @@ benchmark; `actors/rank.py` is the thin Ray actor around it.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from datetime import timedelta
 
@@ -194,6 +195,8 @@ class Trainer:
             return self._accumulate_gradients(inputs, targets), None
         if self.config.stall_rank == self.rank:
             time.sleep(self.config.stall_seconds)
+        if self.config.exit_rank == self.rank:
+            os._exit(1)
         for module in self.model.modules.values():
             defer_gradient_reduction(module)
         with loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext():

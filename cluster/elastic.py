@@ -15,14 +15,15 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.controller import Controller, Outcome, RunResult
+from cluster.rank_group import StepFailed
 from cluster.train import train
 from plans.config import TrainConfig
 from plans.elastic import FailurePolicy, ScalingPolicy
 from plans.layout import ParallelLayout
 from plans.layout_chooser import Workload, choose_layout
 
-# What a rank losing its process or node looks like from the driver.
-RANK_FAILURES = (RayActorError, RayTaskError, GetTimeoutError)
+# What a rank losing its process or node, or an unrecoverable step, looks like from the driver.
+RANK_FAILURES = (RayActorError, RayTaskError, GetTimeoutError, StepFailed)
 
 
 @dataclass

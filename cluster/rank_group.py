@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -48,11 +49,16 @@ def start_actors(world: int, setup_timeout_s: float = 600.0):
     return placement, actors
 
 
+# After a rank's process dies, its peers are stuck in collectives with it until their own
+# timeout (minutes); waiting the full grace for their errors would only delay recovery.
+DEAD_RANK_GRACE_S = 5.0
+
+
 class StepFailed(RuntimeError):
     """One or more ranks failed a call; the message lists each rank's own error."""
 
-    def __init__(self, method: str, failures: dict[int, str], silent: list[int]):
-        self.failures = failures
+    def __init__(self, method: str, failures: dict[int, str], silent: list[int], dead_ranks: list[int] = ()):
+        self.failures, self.silent, self.dead_ranks = failures, list(silent), sorted(dead_ranks)
         lines = [f"{method} failed on {len(failures)} rank(s):"]
         lines += [f"  rank {rank}: {message}" for rank, message in sorted(failures.items())]
         if silent:
@@ -85,20 +91,23 @@ class RankGroup:
         self.plan = (build_pipeline_plan(config.model, config.layout, config.schedule, config.microbatches,
                                          config.stage_layout) if config.layout.pp > 1 else None)
         self.step_grace_s = (config.pipeline_timeout_s or config.collective_timeout_s) + 10.0
+        self.broken = False  # a call failed: ranks may be stuck in collectives
         init_method = ray.get(self.actors[0].rendezvous_address.remote(), timeout=setup_timeout_s)
         self.setup_info = ray.get([actor.setup.remote(config, rank, init_method, self.plan)
                                    for rank, actor in enumerate(self.actors)], timeout=setup_timeout_s)
 
     def call(self, method: str, *args, timeout: float | None = None) -> list:
         """Call `method` on every rank at once; results in rank order."""
-        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors], timeout=timeout)
+        return self._get([getattr(actor, method).remote(*args) for actor in self.actors], timeout)
 
     def call_reporting_failures(self, method: str, *args) -> list:
         """Like `call`, but when a rank fails, wait a grace period for the others' errors
         (a stalled peer makes its neighbours time out one after another) and raise one
-        StepFailed naming every failed rank, instead of blocking on a rank that may never answer."""
+        StepFailed naming every failed rank, instead of blocking on a rank that may never answer.
+        A rank whose process died shortens the grace to DEAD_RANK_GRACE_S: its peers can only
+        time out, and the group is lost anyway."""
         pending = {getattr(actor, method).remote(*args): rank for rank, actor in enumerate(self.actors)}
-        results, failures, deadline = {}, {}, None
+        results, failures, dead, deadline = {}, {}, [], None
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
@@ -109,21 +118,36 @@ class RankGroup:
                 results[rank] = ray.get(ready[0])
             except Exception as error:  # RayTaskError wraps the rank's exception
                 failures[rank] = _root_message(error)
-                deadline = deadline or time.monotonic() + self.step_grace_s
+                grace = self.step_grace_s
+                if isinstance(error, RayActorError):
+                    dead.append(rank)
+                    grace = DEAD_RANK_GRACE_S
+                deadline = min(deadline or float("inf"), time.monotonic() + grace)
         if failures:
-            raise StepFailed(method, failures, silent=sorted(pending.values()))
+            self.broken = True
+            raise StepFailed(method, failures, silent=sorted(pending.values()), dead_ranks=dead)
         return [results[rank] for rank in range(len(self.actors))]
 
     def call_each(self, method: str, per_rank_args: list[tuple], timeout: float | None = None) -> list:
         """Call `method` on every rank with that rank's own arguments; results in rank order."""
-        return ray.get([getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_rank_args)],
-                       timeout=timeout)
+        return self._get([getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_rank_args)],
+                         timeout)
+
+    def _get(self, futures: list, timeout: float | None) -> list:
+        try:
+            return ray.get(futures, timeout=timeout)
+        except Exception:
+            self.broken = True
+            raise
 
     def shutdown(self) -> None:
-        try:
-            ray.get([actor.shutdown.remote() for actor in self.actors], timeout=60)
-        except Exception:  # a dead rank cannot shut down cleanly; killing it below is enough
-            pass
+        # After a failed call, ranks may sit in a collective until their timeout: owned actors
+        # are killed at once; borrowed ones get a short chance to leave their process group.
+        if not (self.broken and self.owned):
+            try:
+                ray.get([actor.shutdown.remote() for actor in self.actors], timeout=5 if self.broken else 60)
+            except Exception:  # a dead or stuck rank cannot shut down cleanly; killing it below is enough
+                pass
         if self.owned:
             for actor in self.actors:
                 ray.kill(actor)

@@ -68,6 +68,9 @@ class TrainConfig:
     # prove that a stalled rank turns into a named timeout error rather than a hang.
     stall_rank: int | None = None
     stall_seconds: float = 0.0
+    # Test-only: this rank's process exits at the start of its first pipeline step, as a rank
+    # killed mid-step would, while its peers wait on it in transfers and collectives.
+    exit_rank: int | None = None
 
     def __post_init__(self):
         if self.stage_layout is not None and not isinstance(self.stage_layout, tuple):

@@ -18,3 +18,26 @@ def test_stalled_rank_fails_the_step_naming_rank_step_and_action(run_training, t
     message = str(failed.value)
     assert re.search(r"rank 1 waited \d+ s at step 0 on RECV_F stage 1 microbatch 0 \(from pipeline rank 0\)", message), message
     assert "train_step failed" in message
+
+
+def test_a_rank_that_dies_mid_step_fails_the_step_without_waiting_out_the_timeout(ray_session, tmp_path):
+    """Rank 3 of dp2 x pp2 exits inside its first step while rank 2 waits on it for a gradient
+    and ranks 0 and 1 will wait in the dp all-reduce: the driver names the dead rank (in a few
+    seconds, not the 120 s transfer timeout) and the elastic controller treats it as a
+    recoverable rank failure."""
+    from actors.rank import RankActor
+    from cluster.elastic import RANK_FAILURES
+    from cluster.train import train
+
+    config = small_config(tmp_path, ParallelLayout(dp=2, pp=2), schedule="1f1b", microbatches=2, steps=2,
+                          pipeline_timeout_s=120.0, exit_rank=3, run="dies")
+    fresh = [RankActor.options(num_cpus=0).remote() for _ in range(4)]
+    try:
+        with pytest.raises(StepFailed) as failed:
+            train(config, fresh)
+    finally:
+        for actor in fresh:
+            ray_session.kill(actor)
+    assert failed.value.dead_ranks == [3], str(failed.value)
+    assert "rank 3:" in str(failed.value) and "train_step failed" in str(failed.value)
+    assert isinstance(failed.value, RANK_FAILURES)
