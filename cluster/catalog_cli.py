@@ -54,14 +54,12 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from cluster.ckpt_cli import reading
+    from cluster.progress import byte_bar
     from cluster.verify import verify
 
-    with reading(args) as (_, [ref]), \
-            tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=not args.deep or args.quiet) as bar:
-        report = verify(ref.url, deep=args.deep, progress=bar.update)
+    with reading(args) as (_, [ref]), byte_bar(args, "verify", enabled=args.deep) as bar:  # a shallow check reads no data
+        report = verify(ref.url, deep=args.deep, progress=bar)
     checked = f", {_size(report.bytes_checked)} read back and checksummed" if report.deep else ""
     if report.ok:
         print(f"ok: {ref.url}: {report.files} files and {report.chunks} chunks present with their sizes{checked}")
@@ -98,6 +96,8 @@ def run_gc(args: argparse.Namespace) -> int:
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    from cluster import progress
+
     group = ckpt_subcommands(commands)
     ls = group.add_parser("ls", help="runs and their checkpoints: step, layout, size, status, parent",
                           description="List the whole checkpoints of a store (a crashed save never shows up here).")
@@ -110,7 +110,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     verify = group.add_parser("verify", help="check that a checkpoint's files exist with their sizes (--deep: checksums)")
     add_checkpoint_argument(verify)
     verify.add_argument("--deep", action="store_true", help="read every chunk back and compare its CRC32")
-    verify.add_argument("--quiet", action="store_true", help="no progress bar")
+    progress.add_arguments(verify)
     verify.set_defaults(run_command=run_verify)
 
     gc = group.add_parser("gc", help="keep the newest N checkpoints per run; remove the rest and leftovers",

@@ -97,12 +97,13 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_reshard(args: argparse.Namespace) -> int:
+    from cluster.progress import byte_bar
     from cluster.reshard_job import reshard_checkpoint
 
-    with reading(args) as (store, [ref]):
+    with reading(args) as (store, [ref]), byte_bar(args, "reshard") as bar:
         reshard_checkpoint(ref.url, _layout(args.to), store, args.run, workers=args.workers,
                            num_cpus=args.cpus_per_worker, local=args.local, schedule=args.schedule,
-                           stage_layout=_stage_layout(args.stage_layout))
+                           stage_layout=_stage_layout(args.stage_layout), log=bar.write, progress=bar)
     return 0
 
 
@@ -111,9 +112,10 @@ def run_reshard(args: argparse.Namespace) -> int:
 
 def run_digest(args: argparse.Namespace) -> int:
     from cluster.digest import checkpoint_digest, digest_checkpoint
+    from cluster.progress import byte_bar
 
-    with reading(args) as (_, [ref]):
-        digests = digest_checkpoint(ref.url, block_bytes=int(args.block_mib * 2**20))
+    with reading(args) as (_, [ref]), byte_bar(args, "digest") as bar:
+        digests = digest_checkpoint(ref.url, block_bytes=int(args.block_mib * 2**20), progress=bar)
     if args.json:
         print(json.dumps({"checkpoint": ref.url, "digest": checkpoint_digest(digests),
                           "tensors": [d.__dict__ | {"shape": list(d.shape)} for d in digests]}, indent=2))
@@ -142,18 +144,21 @@ def run_diff(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from cluster.hf_interop import export_hf
+    from cluster.progress import byte_bar
 
-    with reading(args) as (_, [ref]):
+    with reading(args) as (_, [ref]), byte_bar(args, "export") as bar:
         export_hf(ref.url, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_mib * 2**20),
-                  include_optimizer=not args.no_optimizer)
+                  include_optimizer=not args.no_optimizer, log=bar.write, progress=bar)
     return 0
 
 
 def run_import(args: argparse.Namespace) -> int:
     from cluster.hf_interop import import_hf
+    from cluster.progress import byte_bar
     from cluster.store import Store
 
-    import_hf(args.directory, Store(args.store), args.run, dtype=args.dtype)
+    with byte_bar(args, "import") as bar:
+        import_hf(args.directory, Store(args.store), args.run, dtype=args.dtype, log=bar.write, progress=bar)
     return 0
 
 
@@ -173,6 +178,8 @@ def run_plot_resume(args: argparse.Namespace) -> int:
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    from cluster import progress
+
     group = ckpt_subcommands(commands)
 
     show = group.add_parser("show", help="a checkpoint's metadata and size")
@@ -195,12 +202,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     reshard.add_argument("--workers", type=int, metavar="N", help="Ray actors playing the target ranks (default one per rank)")
     reshard.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="F", help="CPUs each actor reserves (default 1)")
     reshard.add_argument("--local", action="store_true", help="play every rank in this process instead of Ray actors")
+    progress.add_arguments(reshard)
     reshard.set_defaults(run_command=run_reshard)
 
     digest = group.add_parser("digest", help="per-tensor SHA-256 of the global tensors: equal whatever layout wrote them")
     add_checkpoint_argument(digest)
     digest.add_argument("--json", action="store_true")
     digest.add_argument("--block-mib", type=float, default=64, metavar="M", help="rows streamed per read (default 64 MiB)")
+    progress.add_arguments(digest)
     digest.set_defaults(run_command=run_digest)
 
     diff = group.add_parser("diff", help="compare two checkpoints tensor by tensor (exit 1 if they differ)")
@@ -217,6 +226,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--max-shard-mib", type=float, default=2048, metavar="M",
                         help="split into model-0000i-of-0000n.safetensors + index past M MiB (default 2048)")
     export.add_argument("--no-optimizer", action="store_true", help="leave out the optimizer moments (rayshard-optimizer/)")
+    progress.add_arguments(export)
     export.set_defaults(run_command=run_export)
 
     importer = group.add_parser("import", help="make a checkpoint (RUN@STEP) from a Hugging Face Llama directory")
@@ -224,6 +234,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     importer.add_argument("--run", required=True, metavar="NAME")
     importer.add_argument("--store", default="./runs", metavar="URL")
     importer.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="training dtype (default float32)")
+    progress.add_arguments(importer)
     importer.set_defaults(run_command=run_import)
 
     plot = group.add_parser("plot-resume", help="PNG of loss curves: a run on layout A, its resume on layout B, a reference")

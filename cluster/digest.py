@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.checkpointing import StoredCheckpoint
+from cluster.progress import advance, set_total
 from plans.chunks import STATE_KINDS, Chunk
 
 BLOCK_BYTES = 64 * 2**20
@@ -86,13 +87,17 @@ def _bytes(block: torch.Tensor) -> memoryview:
     return block.reshape(-1).view(torch.uint8).numpy().data
 
 
-def digest_checkpoint(url_or_stored: str | StoredCheckpoint, block_bytes: int = BLOCK_BYTES) -> list[TensorDigest]:
+def digest_checkpoint(url_or_stored: str | StoredCheckpoint, block_bytes: int = BLOCK_BYTES,
+                      progress=None) -> list[TensorDigest]:
+    """progress: a bar (cluster/progress.py) advanced by the bytes of each block hashed."""
     stored = url_or_stored if isinstance(url_or_stored, StoredCheckpoint) else StoredCheckpoint(url_or_stored)
+    set_total(progress, sum(c.byte_end - c.byte_start for c in stored.chunks))  # the chunks tile every tensor once
     digests = []
     for (name, kind), group in _tensors(stored.chunks).items():
         hasher = hashlib.sha256()
         for block in stream_tensor(stored, name, kind, block_bytes):
             hasher.update(_bytes(block))
+            advance(progress, block.numel() * block.element_size())
         first = group[0]
         digests.append(TensorDigest(name, kind, first.dtype, first.global_shape, "sha256:" + hasher.hexdigest()))
     return digests

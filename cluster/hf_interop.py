@@ -21,6 +21,7 @@ import torch
 
 from actors.checkpoint_io import LazyTensor, encode_manifest, write_shard
 from actors.checkpointing import StoredCheckpoint, raise_if_mismatched
+from cluster.progress import advance, set_total
 from cluster.transform_exec import run_group
 from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
 from plans.errors import CheckpointError
@@ -133,7 +134,7 @@ class GroupStream:
 
 
 def _write_safetensors_files(fs, directory: str, prefix: str, outputs: dict[str, Meta], stream: GroupStream,
-                             max_shard_bytes: int) -> list[str]:
+                             max_shard_bytes: int, progress=None) -> list[str]:
     """Write outputs in stream order into one file, or shards plus a Hugging Face index."""
     files: list[list[str]] = [[]]
     size = 0
@@ -155,6 +156,7 @@ def _write_safetensors_files(fs, directory: str, prefix: str, outputs: dict[str,
             for name in members:
                 tensor = stream.take(name).contiguous()
                 handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+                advance(progress, tensor.numel() * tensor.element_size())
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(Entry(n, m.dtype, m.shape).nbytes for n, m in outputs.items())},
                  # Paths relative to the index's own folder, as transformers expects.
@@ -172,24 +174,28 @@ class ExportResult:
 
 
 def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              include_optimizer: bool = True, log=print) -> ExportResult:
+              include_optimizer: bool = True, log=print, progress=None) -> ExportResult:
+    """progress: a bar (cluster/progress.py) advanced by the bytes of each tensor written."""
     started = time.perf_counter()
     stored = StoredCheckpoint(checkpoint_url)
     model = ModelConfig.from_dict(stored.metadata["model"])
-    fs, base = fsspec.core.url_to_fs(directory)
-    fs.makedirs(base, exist_ok=True)
-    written = []
     stored_kinds = {kind for _, kind in stored.index}
     kinds = [PARAM] + ([k for k in MOMENTS if k in stored_kinds] if include_optimizer else [])
+    plans = []
     for kind in kinds:
         metas = {name: Meta(chunks[0].global_shape, chunks[0].dtype)
                  for (name, k), chunks in stored.tensors().items() if k == kind}
         # Weights take the requested dtype; moments keep theirs (they are ours, not Hugging Face's).
-        mapping = llama_mapping(model, dtype if kind == PARAM else None)
-        plan = mapping.plan(metas)
-        stream = GroupStream(plan, lambda name, kind=kind: stored.read_region(name, kind, (0,) * len(metas[name].shape), metas[name].shape))
+        plans.append((kind, metas, llama_mapping(model, dtype if kind == PARAM else None).plan(metas)))
+    set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for *_, plan in plans for name, meta in plan.outputs.items()))
+    fs, base = fsspec.core.url_to_fs(directory)
+    fs.makedirs(base, exist_ok=True)
+    written = []
+    for kind, metas, plan in plans:
+        stream = GroupStream(plan, lambda name, kind=kind, metas=metas: stored.read_region(
+            name, kind, (0,) * len(metas[name].shape), metas[name].shape))
         prefix = WEIGHTS if kind == PARAM else f"{OPTIMIZER_DIR}/{kind}"
-        written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes)
+        written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
     out_dtype = dtype or next(iter(stored.chunks)).dtype
     fs.pipe_file(f"{base}/{CONFIG}", json.dumps(hf_config(model, out_dtype), indent=2).encode())
     fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
@@ -254,8 +260,9 @@ def _reader(fs, base: str, tensors: dict[str, StoredTensor]):
 
 
 def import_hf(directory: str, store, run: str, dtype: str = "float32", file_bytes: int = IMPORT_FILE_BYTES,
-              log=print) -> str:
-    """Write a rayshard checkpoint (run@step) from a Hugging Face Llama directory; commit it."""
+              log=print, progress=None) -> str:
+    """Write a rayshard checkpoint (run@step) from a Hugging Face Llama directory; commit it.
+    progress: a bar (cluster/progress.py) advanced by the bytes of each tensor handed to the writer."""
     fs, base = fsspec.core.url_to_fs(directory)
     config_path = f"{base}/{CONFIG}"
     if not fs.exists(config_path):
@@ -295,6 +302,8 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
         else:  # no moments exported: a fresh optimizer (AdamW with zero moments is exactly that)
             for name, shape in shapes.items():
                 pieces.append((name, kind, LazyTensor(getattr(torch, dtype), shape, lambda s=shape: torch.zeros(s, dtype=getattr(torch, dtype)))))
+    set_total(progress, sum(_nbytes(lazy.shape, ITEMSIZE[dtype]) for _, _, lazy in pieces))
+    pieces = [(name, kind, LazyTensor(lazy.dtype, lazy.shape, _counted(lazy, progress))) for name, kind, lazy in pieces]
     chunks = []
     target_fs, target_base = fsspec.core.url_to_fs(url)
     for number, members in enumerate(_split_by_bytes(pieces, file_bytes, ITEMSIZE[dtype])):
@@ -311,12 +320,25 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
     return committed
 
 
+def _nbytes(shape, itemsize: int) -> int:
+    count = itemsize
+    for extent in shape:
+        count *= extent
+    return count
+
+
+def _counted(lazy: LazyTensor, progress):
+    def load() -> torch.Tensor:
+        tensor = lazy.load()
+        advance(progress, tensor.numel() * tensor.element_size())
+        return tensor
+    return load
+
+
 def _split_by_bytes(pieces, limit: int, itemsize: int):
     group, size = [], 0
     for piece in pieces:
-        count = itemsize
-        for extent in piece[2].shape:
-            count *= extent
+        count = _nbytes(piece[2].shape, itemsize)
         if group and size + count > limit:
             yield group
             group, size = [], 0

@@ -18,6 +18,7 @@ import torch
 
 from actors.checkpoint_io import LazyTensor, encode_manifest, write_shard
 from actors.checkpointing import StoredCheckpoint, read_manifest
+from cluster.progress import advance, set_total
 from plans.chunks import Chunk
 from plans.errors import CheckpointError
 from plans.layout import ParallelLayout
@@ -90,26 +91,22 @@ def write_rank(source: StoredCheckpoint, pieces: list[PlannedPiece], target_url:
     return {"rows": [c.to_row() for c in chunks], **stats}
 
 
-def run_ranks(source_url: str, jobs: list[tuple[list[PlannedPiece], str, str]], storage_conf: dict | None = None) -> list[dict]:
-    """What one worker does: open the source once, then play each of its ranks in turn."""
-    torch.set_num_threads(1)
-    if storage_conf:  # reach the store with the driver's endpoint, retry and timeout policy
-        from cluster.object_store import apply_conf
+class ReshardWorker:
+    """Plays target ranks, one call per rank; opens the source once, on its first rank. A Ray
+    actor (one per worker) or, with local=True, a plain object in the driver."""
 
-        apply_conf(storage_conf)
-    source = StoredCheckpoint(source_url)
-    return [write_rank(source, pieces, target_url, file) for pieces, target_url, file in jobs]
+    def __init__(self, source_url: str, storage_conf: dict | None = None):
+        self.source_url, self.storage_conf, self.source = source_url, storage_conf, None
 
+    def rank(self, pieces: list[PlannedPiece], target_url: str, file: str) -> dict:
+        if self.source is None:
+            torch.set_num_threads(1)
+            if self.storage_conf:  # reach the store with the driver's endpoint, retry and timeout policy
+                from cluster.object_store import apply_conf
 
-def _remote_worker(num_cpus: float):
-    import ray
-
-    @ray.remote(num_cpus=num_cpus)
-    class ReshardWorker:
-        def run(self, source_url, jobs, storage_conf):
-            return run_ranks(source_url, jobs, storage_conf)
-
-    return ReshardWorker
+                apply_conf(self.storage_conf)
+            self.source = StoredCheckpoint(self.source_url)
+        return write_rank(self.source, pieces, target_url, file)
 
 
 def _describe(layout: dict | None) -> str:
@@ -121,9 +118,10 @@ def _describe(layout: dict | None) -> str:
 
 def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str, workers: int | None = None,
                        num_cpus: float = 1.0, local: bool = False, schedule: str | None = None,
-                       stage_layout: list[int] | None = None, log=print) -> ReshardResult:
+                       stage_layout: list[int] | None = None, log=print, progress=None) -> ReshardResult:
     """Write and commit `run`@step: the checkpoint at source_url laid out for `layout`.
-    local=True plays every rank in this process (same code, no Ray; for tests and small models)."""
+    local=True plays every rank in this process (same code, no Ray; for tests and small models).
+    progress: a bar (cluster/progress.py) advanced by each rank's planned bytes when it finishes."""
     started = time.perf_counter()
     chunks, metadata = read_manifest(source_url)
     step = int(metadata["step"])
@@ -132,23 +130,34 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
     attempt = store.new_attempt()
     jobs = [(pieces, target_url, f"{attempt}/rank-{rank:05d}.safetensors") for rank, pieces in enumerate(plans)]
     workers = max(1, min(workers or layout.world_size, layout.world_size))
-    shares = [jobs[w::workers] for w in range(workers)]
+    planned = [sum(piece.nbytes for piece in pieces) for pieces in plans]
     log(f"resharding {source_url} ({_describe(metadata.get('layout'))}) to {layout.describe()} "
         f"({layout.world_size} ranks on {workers} {'local worker' if local else 'Ray actors'}{'s' if workers > 1 and local else ''})")
+    set_total(progress, sum(planned))
+    results: list[dict] = [{}] * len(jobs)
     if local:
-        results = [result for share in shares for result in run_ranks(source_url, share)]
+        players = [ReshardWorker(source_url) for _ in range(workers)]
+        for rank, job in enumerate(jobs):
+            results[rank] = players[rank % workers].rank(*job)
+            advance(progress, planned[rank])
     else:
         import ray
 
         from cluster.rank_group import connect_ray
 
         connect_ray()
-        worker_class = _remote_worker(num_cpus)
-        actors = [worker_class.remote() for _ in shares]
+        actor_class = ray.remote(num_cpus=num_cpus)(ReshardWorker)
+        actors = [actor_class.remote(source_url, getattr(store, "storage_conf", None)) for _ in range(workers)]
         try:
-            results = [r for share_results in ray.get([a.run.remote(source_url, share, getattr(store, "storage_conf", None))
-                                                             for a, share in zip(actors, shares)])
-                       for r in share_results]
+            # Rank r goes to actor r % workers; an actor plays its ranks in order. One future per
+            # rank, so the driver sees (and the bar shows) each rank as it finishes.
+            pending = {actors[rank % workers].rank.remote(*job): rank for rank, job in enumerate(jobs)}
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for future in done:
+                    rank = pending.pop(future)
+                    results[rank] = ray.get(future)
+                    advance(progress, planned[rank])
         finally:
             for actor in actors:
                 ray.kill(actor)

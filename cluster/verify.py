@@ -9,13 +9,13 @@ at most `window_bytes`, so memory stays bounded whatever the checkpoint size.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import fsspec
 
 from actors.checkpoint_io import checksum
 from actors.checkpointing import read_manifest
+from cluster.progress import advance, set_total
 
 WINDOW_BYTES = 64 * 2**20
 
@@ -34,8 +34,8 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(url: str, deep: bool = False, progress: Callable[[int], None] | None = None,
-           window_bytes: int = WINDOW_BYTES) -> VerifyReport:
+def verify(url: str, deep: bool = False, progress=None, window_bytes: int = WINDOW_BYTES) -> VerifyReport:
+    """progress: a bar (cluster/progress.py) advanced by the bytes read back (deep only)."""
     chunks, _ = read_manifest(url)
     report = VerifyReport(url, chunks=len(chunks), deep=deep)
     fs, base = fsspec.core.url_to_fs(url)
@@ -54,24 +54,23 @@ def verify(url: str, deep: bool = False, progress: Callable[[int], None] | None 
         else:
             readable.append((file, members))
     if deep:
+        # Each file's header (the bytes before its first chunk) and every chunk are read back.
+        set_total(progress, sum(_ranges_bytes(_ranges(members)) for _, members in readable))
         for file, members in readable:
             _check_file(fs, f"{base}/{file}", file, members, report, progress, window_bytes)
     return report
 
 
 def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, progress, window_bytes: int) -> None:
-    members = sorted(members, key=lambda c: c.byte_start)
     expected_header = next((c.file_header for c in members if getattr(c, "file_header", "")), "")
-    ranges = ([(0, members[0].byte_start, None)] if expected_header else []) + \
-        [(c.byte_start, c.byte_end, c) for c in members]
+    ranges = _ranges(members)
     small = [r for r in ranges if r[1] - r[0] <= window_bytes]
     for batch in _windows(small, window_bytes):  # one concurrent ranged read per window
         blobs = fs.cat_ranges([path] * len(batch), [r[0] for r in batch], [r[1] for r in batch], on_error="return")
         for (start, end, chunk), blob in zip(batch, blobs):
             if not isinstance(blob, BaseException) and len(blob) == end - start:
                 report.bytes_checked += len(blob)
-                if progress:
-                    progress(len(blob))
+                advance(progress, len(blob))
                 blob = checksum(blob)
             _compare(file, start, end, chunk, blob, expected_header, report)
     for start, end, chunk in (r for r in ranges if r[1] - r[0] > window_bytes):
@@ -84,9 +83,20 @@ def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, p
                 break
             running = zlib.crc32(data, running)
             report.bytes_checked += len(data)
-            if progress:
-                progress(len(data))
+            advance(progress, len(data))
         _compare(file, start, end, chunk, outcome or f"crc32:{running:08x}", expected_header, report)
+
+
+def _ranges(members: list) -> list[tuple[int, int, object]]:
+    """(start, end, chunk) of what a deep check reads of one file: its header (chunk None) when
+    the manifest records one, then every chunk."""
+    members = sorted(members, key=lambda c: c.byte_start)
+    header = any(getattr(c, "file_header", "") for c in members)
+    return ([(0, members[0].byte_start, None)] if header else []) + [(c.byte_start, c.byte_end, c) for c in members]
+
+
+def _ranges_bytes(ranges: list) -> int:
+    return sum(end - start for start, end, _ in ranges)
 
 
 def _windows(ranges: list, window_bytes: int):

@@ -6,9 +6,11 @@ matrices (offline and through training actors) are marked slow:
 
     .venv/bin/python -m pytest -m slow tests/integration/test_reshard_roundtrip.py
 """
+import io
 import itertools
 
 import pytest
+from tqdm import tqdm
 
 from cluster.reshard_job import planned_writes, reshard_checkpoint
 from cluster.store import Store
@@ -72,9 +74,12 @@ def test_reshard_there_and_back_is_bit_exact(source, name, tmp_path):
 def test_reshard_on_ray_actors(source, ray_session):
     store, url, source_digests = source
     # num_cpus=0: the session's rank pool holds every logical CPU; the workers only do I/O here.
-    result = reshard_checkpoint(url, ParallelLayout(fsdp=3, tp=2), store, "ray-fsdp3-tp2", workers=2, num_cpus=0,
-                                log=lambda *_: None)
+    shown = io.StringIO()
+    with tqdm(desc="reshard", file=shown, unit="B") as bar:  # driven by the driver as each rank's future completes
+        result = reshard_checkpoint(url, ParallelLayout(fsdp=3, tp=2), store, "ray-fsdp3-tp2", workers=2, num_cpus=0,
+                                    log=lambda *_: None, progress=bar)
     assert result.workers == 2 and result.ranks == 6  # each actor plays three target ranks
+    assert bar.n == bar.total == result.bytes_written and "reshard: 100%" in shown.getvalue()
     # Every stored byte is read once (dp replicas do not re-read what another replica writes).
     assert result.bytes_read == result.bytes_written
     assert digests(result.url) == source_digests

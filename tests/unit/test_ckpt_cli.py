@@ -69,3 +69,20 @@ def test_plot_resume_draws_segments_per_layout(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "r: dp2 x tp2 (steps 1-3)" in printed and "r: tp2 (steps 4-6)" in printed and "0.00e+00" in printed
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_long_commands_draw_a_byte_progress_bar_on_stderr(store, tmp_path, capsys):
+    commands = {"export": ["export", "one", "--out", str(tmp_path / "hf")],
+                "import": ["import", str(tmp_path / "hf"), "--run", "bar-import"],
+                "reshard": ["reshard", "one", "--to", "tp=2", "--run", "bar-reshard", "--local"],
+                "digest": ["digest", "one"],
+                "verify": ["verify", "one", "--deep"]}
+    for desc, command in commands.items():
+        assert main(["ckpt", *command, "--store", store, "--progress"]) == 0
+        captured = capsys.readouterr()
+        assert f"{desc}: 100%|" in captured.err, (desc, captured.err)
+        assert "100%" not in captured.out  # the bar never mixes into the command's output
+    # Not a terminal (as here) without --progress, or with --quiet: no bar.
+    assert main(["ckpt", "digest", "one", "--store", store]) == 0
+    assert main(["ckpt", "digest", "one", "--store", store, "--quiet"]) == 0
+    assert "digest:" not in capsys.readouterr().err
