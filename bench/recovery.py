@@ -50,7 +50,8 @@ def one_recovery(store: Path) -> dict:
     while _latest(store) < 2:
         time.sleep(0.05)
     time.sleep(0.2)  # mid-step
-    victim = max(a.pid for a in list_actors(filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")], detail=True))
+    victim = max(a.pid for a in list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                                            filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")]))
     checkpoint_at_kill = _latest(store)
     killed = time.time()
     os.kill(victim, signal.SIGKILL)

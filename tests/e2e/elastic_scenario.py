@@ -1,18 +1,24 @@
 """Run elastic training on a multi-node local Ray cluster while injecting faults.
 
-    python tests/e2e/elastic_scenario.py STORE OUT.json
+    python tests/e2e/elastic_scenario.py OUT.json
 
 A ray.cluster_utils.Cluster with a head and three worker nodes (2 logical CPUs each, one rank
-per CPU) starts the run on 8 ranks. Once checkpoints exist, a fault injector SIGKILLs a rank
-actor's process, later removes a worker node, later adds one back. The controller must resume
-from LATEST each time on what remains (and grow at a checkpoint when the node returns).
-Writes the controller's history, the injected events and the run's metrics to OUT.json.
+per CPU) starts the run on 8 ranks. The store is S3: a moto server on 127.0.0.1 behind the
+fault-injecting proxy (tests/fault_proxy.py), both in this process. Once checkpoints exist, a
+fault injector SIGKILLs a rank actor's process mid-step, then SIGKILLs one mid-save (the proxy
+holds every rank's shard upload of step 6 and fires the kill while they are in flight), later
+removes a worker node, later adds one back. The controller must resume from LATEST each time on
+what remains (and grow at a checkpoint when the node returns); every resume is verified
+(`verify_resume`): the loaded state's digests must equal the checkpoint's.
+Writes the controller's history, the injected events, the run's metrics and the resume checks
+to OUT.json.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import uuid
 import sys
 import threading
 import time
@@ -25,22 +31,27 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
 from cluster.elastic import train_elastic  # noqa: E402
+from cluster.resume_check import resume_checks  # noqa: E402
+from cluster.store import Store  # noqa: E402
 from plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
 from plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
 from plans.model_spec import preset  # noqa: E402
 
-STEPS, EVERY = 14, 2
+STEPS, EVERY = 20, 2
+RUN = "elastic"
+# Every rank's shard upload of this step's first save is held by the proxy; the kill lands then.
+MID_SAVE_STEP = 6
 
 
 def scenario_config(store: str) -> TrainConfig:
     return TrainConfig(model=preset("tiny"), steps=STEPS, ckpt_every=EVERY, global_batch=8, seq_len=32, seed=7,
                        optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3),
-                       data=DataConfig(max_bytes=1_000_000), store=store, run="elastic", resume="auto")
+                       data=DataConfig(max_bytes=1_000_000), store=store, run=RUN, resume="auto",
+                       verify_resume=True)
 
 
 def latest_step(store: str) -> int:
-    path = Path(store) / "elastic" / "LATEST"
-    return int(path.read_text().strip().split("-")[1]) if path.exists() else 0
+    return Store(store).latest_step(RUN) or 0
 
 
 def wait_for_checkpoint(store: str, step: int, timeout: float = 300) -> None:
@@ -52,26 +63,74 @@ def wait_for_checkpoint(store: str, step: int, timeout: float = 300) -> None:
 
 
 def rank_actor_pids() -> list[int]:
-    actors = list_actors(filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")], detail=True)
+    # The address is explicit: another Ray instance on the machine must not be asked instead.
+    actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                         filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
     return sorted(a.pid for a in actors if a.pid)
 
 
-def inject_faults(cluster: Cluster, workers: list, store: str, events: list) -> None:
+def start_s3():
+    """moto on 127.0.0.1 behind the fault proxy, a fresh bucket, and the environment the Ray
+    nodes (started after this) pass on to every rank actor."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tests.fault_proxy import FaultProxy
+    from tests.s3_fixtures import TEST_STORAGE_ENV, _serialise_conditional_writes
+
+    _serialise_conditional_writes()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    proxy = FaultProxy(host, int(port)).start()
+    os.environ.update(TEST_STORAGE_ENV, AWS_ENDPOINT_URL=proxy.url)
+    bucket = f"elastic-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=proxy.url, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return server, proxy, f"s3://{bucket}/store"
+
+
+def kill_a_rank_mid_save(proxy, store: str, events: list):
+    """Arm the proxy: it delays every rank's shard upload of step MID_SAVE_STEP's first save and,
+    on the first of them, SIGKILLs a rank actor while all uploads are still in flight."""
+    fired = threading.Lock()
+
+    def kill(method, target):
+        if not fired.acquire(blocking=False):
+            return  # one kill; the other held uploads go on after their delay
+        pid = rank_actor_pids()[-1]
+        os.kill(pid, signal.SIGKILL)
+        events.append({"event": "kill_rank_mid_save", "pid": pid, "request": f"{method} {target}",
+                       "after_checkpoint": latest_step(store), "at": time.time()})
+
+    return proxy.add("delay", method="PUT", seconds=1.5, times=8, callback=kill,
+                     path=rf"/{RUN}/checkpoints/step-{MID_SAVE_STEP:08d}/attempt-[0-9a-f]+/rank-\d+\.safetensors")
+
+
+def inject_faults(cluster: Cluster, workers: list, proxy, store: str, events: list) -> None:
+    mid_save = kill_a_rank_mid_save(proxy, store, events)  # armed now, so it cannot miss the first save of step 6
     wait_for_checkpoint(store, 2)
     time.sleep(0.5)  # mid-step
     pid = rank_actor_pids()[-1]
     os.kill(pid, signal.SIGKILL)
     events.append({"event": "kill_rank", "pid": pid, "after_checkpoint": latest_step(store), "at": time.time()})
-    wait_for_checkpoint(store, 6)
+    deadline = time.time() + 300
+    while not mid_save.injected:
+        if time.time() > deadline:
+            raise TimeoutError(f"no save of step {MID_SAVE_STEP} within 300 s")
+        time.sleep(0.2)
+    wait_for_checkpoint(store, MID_SAVE_STEP)
     time.sleep(0.5)
     cluster.remove_node(workers.pop())
-    events.append({"event": "remove_node", "after_checkpoint": latest_step(store), "at": time.time()})
-    wait_for_checkpoint(store, 8)
+    removed_after = latest_step(store)
+    events.append({"event": "remove_node", "after_checkpoint": removed_after, "at": time.time()})
+    wait_for_checkpoint(store, removed_after + EVERY)  # the run goes on on fewer ranks first
     workers.append(cluster.add_node(num_cpus=2))
+    cluster.wait_for_nodes()
     events.append({"event": "add_node", "after_checkpoint": latest_step(store), "at": time.time()})
 
 
-def main(store: str, out: str) -> None:
+def main(out: str) -> None:
+    server, proxy, store = start_s3()  # before the cluster: its nodes inherit the S3 environment
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     workers = [cluster.add_node(num_cpus=2) for _ in range(3)]
     cluster.wait_for_nodes()
@@ -88,22 +147,26 @@ def main(store: str, out: str) -> None:
     # injected from the main thread.
     trainer = threading.Thread(target=run_training, daemon=True)
     trainer.start()
-    inject_faults(cluster, workers, store, events)
+    inject_faults(cluster, workers, proxy, store, events)
     trainer.join(timeout=600)
     controller, state = outcome["controller"], outcome["state"]
-    metrics = [json.loads(line) for line in (Path(store) / "elastic" / "metrics.jsonl").read_text().splitlines() if line]
+    metrics = [json.loads(line) for line in Store(store).read_text(f"{RUN}/metrics.jsonl").splitlines() if line]
     Path(out).write_text(json.dumps({
         "state": state.value,
         "history": [{"state": t.state.value, "detail": t.detail, "at": t.at_wall} for t in controller.history],
         "events": events,
         "metrics": metrics,
+        "resume_checks": resume_checks(Store(store), RUN),
+        "latest_step": latest_step(store),
     }, indent=1))
     ray.shutdown()
     try:
         cluster.shutdown()
     except AttributeError:  # Ray 2.60's Cluster.shutdown trips over a node removed earlier
         pass
+    proxy.stop()
+    server.stop()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

@@ -12,6 +12,8 @@ import pytest
 
 from plans.layout import ParallelLayout
 
+from tests.e2e.elastic_scenario import STEPS, scenario_config
+
 pytestmark = pytest.mark.slow  # a 3-node cluster with three injected faults: minutes on 2 cores
 
 SCENARIO = Path(__file__).with_name("elastic_scenario.py")
@@ -21,26 +23,43 @@ SCENARIO = Path(__file__).with_name("elastic_scenario.py")
 def scenario(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic")
     out = root / "out.json"
-    done = subprocess.run([sys.executable, str(SCENARIO), str(root / "store"), str(out)],
+    done = subprocess.run([sys.executable, str(SCENARIO), str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-def test_rank_death_node_loss_and_growth_each_resume_from_latest(scenario):
-    assert scenario["state"] == "finished"
+EVENTS = ["kill_rank", "kill_rank_mid_save", "remove_node", "add_node"]
+
+
+def test_rank_deaths_node_loss_and_growth_each_resume_from_latest(scenario):
+    assert scenario["state"] == "finished" and scenario["latest_step"] == STEPS
     states = [h["state"] for h in scenario["history"]]
-    assert states.count("restarting") == 2 and states.count("resizing") == 1
+    assert states.count("restarting") == 3 and states.count("resizing") == 1
     running = [h["detail"] for h in scenario["history"] if h["state"] == "running"]
-    # 8 ranks; same 8 after a rank dies; dp4 on the 6 left after a node goes; 8 again when it is back.
-    assert [d.split("running ")[1] for d in running] == ["dp8 on 8", "dp8 on 8", "dp4 on 4", "dp8 on 8"]
-    assert [e["event"] for e in scenario["events"]] == ["kill_rank", "remove_node", "add_node"]
+    # 8 ranks; the same 8 after each rank death; dp4 on the 6 left after a node goes; 8 again
+    # when it is back.
+    assert [d.split("running ")[1] for d in running] == ["dp8 on 8", "dp8 on 8", "dp8 on 8", "dp4 on 4", "dp8 on 8"]
+    assert [e["event"] for e in scenario["events"]] == EVENTS
+
+
+def test_a_rank_killed_mid_save_leaves_latest_on_the_previous_checkpoint(scenario):
+    mid_save = scenario["events"][1]
+    assert "/checkpoints/step-00000006/attempt-" in mid_save["request"]
+    assert mid_save["after_checkpoint"] == 4  # the dying save never became visible
+
+
+def test_every_resume_loaded_exactly_the_last_committed_checkpoint(scenario):
+    checks = scenario["resume_checks"]
+    # Two rank deaths, a node loss and a resize: four resumes, each verified tensor for tensor
+    # (digests of the state the ranks hold against the checkpoint's) on the layout it resumed onto.
+    resized_after = next(int(h["detail"].rsplit(" ", 1)[1]) for h in scenario["history"] if h["state"] == "resizing")
+    resumed_from = [e["after_checkpoint"] for e in scenario["events"][:3]] + [resized_after]
+    assert [(c["step"], ParallelLayout.parse(c["layout"]).describe()) for c in checks] == list(zip(resumed_from, ["dp8", "dp8", "dp4", "dp8"])), checks
+    assert all(c["equal"] and c["tensors"] > 0 for c in checks), checks
 
 
 def test_one_timeline_and_losses_continue_an_uninterrupted_run(scenario, run_training, tmp_path):
-    sys.path.insert(0, str(SCENARIO.parent))
-    from elastic_scenario import STEPS, scenario_config
-
     steps = [m["step"] for m in scenario["metrics"]]
     assert steps == list(range(1, STEPS + 1))  # work lost to a failure is redone once, not duplicated
     reference_config = scenario_config(str(tmp_path / "ref"))
@@ -52,7 +71,7 @@ def test_one_timeline_and_losses_continue_an_uninterrupted_run(scenario, run_tra
 
 
 def test_lost_work_is_at_most_the_steps_since_the_last_checkpoint(scenario):
-    for event in scenario["events"][:2]:
+    for event in scenario["events"][:3]:
         # The first step finished after the fault is the one right after LATEST at that moment.
         redone = [m for m in scenario["metrics"] if m["time"] > event["at"]]
         assert redone and redone[0]["step"] == event["after_checkpoint"] + 1, (event, redone[:2])
