@@ -51,7 +51,7 @@ def start_actors(world: int, setup_timeout_s: float = 600.0):
 
 # After a rank's process dies, its peers are stuck in collectives with it until their own
 # timeout (minutes); waiting the full grace for their errors would only delay recovery.
-DEAD_RANK_GRACE_S = 5.0
+DEAD_RANK_GRACE_S = 2.0
 
 
 class StepFailed(RuntimeError):

@@ -4,6 +4,7 @@ The head runs in its own session directory and process group and is torn down by
 group — never `ray stop`, which would also stop the test session's own Ray instance.
 """
 import os
+import re
 import shutil
 import signal
 import socket
@@ -109,8 +110,17 @@ def _losses(store: Path, run: str) -> dict[int, float]:
     return {json.loads(line)["step"]: json.loads(line)["loss"] for line in lines if line}
 
 
-TRAIN = ["python", "-m", "cluster", "train", "--steps", "10", "--ckpt-every", "2", "--global-batch", "8",
-         "--seq-len", "32", "--tp", "1", "--warmup-steps", "3", "--resume", "auto"]
+# Enough steps that a stop or kill (polled every 0.5 s) lands before the run could finish on its own.
+STEPS = 24
+TRAIN = ["python", "-m", "cluster", "train", "--steps", str(STEPS), "--ckpt-every", "2", "--global-batch", "8",
+         "--seq-len", "32", "--tp", "1", "--warmup-steps", "3", "--resume", "auto", "--verify-resume"]
+
+
+def _resume_checks(store: Path, run: str) -> list[dict]:
+    """What --verify-resume recorded: the resumed state's digests against the checkpoint's."""
+    import json
+
+    return [json.loads(line) for line in (store / run / "resume-checks.jsonl").read_text().splitlines() if line]
 
 
 @pytest.mark.slow
@@ -121,21 +131,24 @@ def test_stopped_job_resubmitted_on_fewer_ranks_continues_the_losses(ray_head, t
     submitted = _ray("job", "submit", "--address", address, "--no-wait", "--working-dir", ".", "--",
                      *TRAIN, "--dp", "8", *common, cwd=REPO, env=env, timeout=120)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-    job_id = next(word for line in submitted.stdout.splitlines() for word in line.split() if word.startswith("raysubmit_"))
-    _wait_for_checkpoint(store, "resub", 4)
-    stopped = _ray("job", "stop", "--address", address, "--no-wait", job_id, env=env, timeout=120)
+    # The CLI may colour its output (ANSI escapes around the id), so match the id's own characters.
+    job_id = re.search(r"raysubmit_[A-Za-z0-9]+", submitted.stdout).group(0)
+    _wait_for_checkpoint(store, "resub", 2)
+    # Without --no-wait, `ray job stop` returns once the job has exited.
+    stopped = _ray("job", "stop", "--address", address, job_id, env=env, timeout=300)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    deadline = time.time() + 300
-    while "STOPPED" not in _ray("job", "status", "--address", address, job_id, env=env, timeout=120).stdout:
-        assert time.time() < deadline, "the job did not stop within 300 s"
-        time.sleep(1)
     stopped_at = _latest(store, "resub")
-    assert stopped_at < 10, "the job finished before it could be stopped"
+    assert stopped_at < STEPS, "the job finished before it could be stopped"
+    status = _ray("job", "status", "--address", address, job_id, env=env, timeout=120)
+    assert "was stopped" in status.stdout + status.stderr, status.stdout + status.stderr
     resubmitted = _ray("job", "submit", "--address", address, "--working-dir", ".", "--",
                        *TRAIN, "--dp", "4", *common, cwd=REPO, env=env, timeout=480)
     output = resubmitted.stdout + resubmitted.stderr
     assert resubmitted.returncode == 0, output
-    assert f"resuming from" in output and f"step {stopped_at}," in output
+    assert f"resuming from" in output and f"(step {stopped_at}," in output, output
+    assert "resumed state verified" in output, output
+    [check] = _resume_checks(store, "resub")
+    assert check["equal"] and check["step"] == stopped_at and check["layout"].startswith("dp=4,")
     from cluster.cli import build_parser
     from cluster.train_cli import config_from_args
 
@@ -143,7 +156,7 @@ def test_stopped_job_resubmitted_on_fewer_ranks_continues_the_losses(ray_head, t
     reference_args = build_parser().parse_args([*TRAIN[3:], "--dp", "2", "--store", str(tmp_path / "ref"), "--run", "ref"])
     uninterrupted = run_training(config_from_args(reference_args))
     losses = _losses(store, "resub")
-    assert sorted(losses) == list(range(1, 11))
+    assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in losses.items():
         assert abs(loss - uninterrupted.losses[step]) <= 1e-5 * abs(uninterrupted.losses[step]), (step, loss)
 
@@ -152,6 +165,7 @@ def test_stopped_job_resubmitted_on_fewer_ranks_continues_the_losses(ray_head, t
 def test_a_new_driver_continues_after_the_old_one_is_killed(ray_head, tmp_path):
     _, env, gcs_address = ray_head
     store = tmp_path / "store"
+    steps = STEPS
     command = [sys.executable, "-m", "cluster", *TRAIN[3:], "--dp", "2", "--store", str(store), "--run", "phoenix"]
     driver_env = dict(env, RAY_ADDRESS=gcs_address)  # a driver joining the cluster, as on a head node
     first = subprocess.Popen(command, cwd=REPO, env=driver_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -162,7 +176,12 @@ def test_a_new_driver_continues_after_the_old_one_is_killed(ray_head, tmp_path):
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     killed_at = _latest(store, "phoenix")
+    assert killed_at < steps, "the first driver finished before it could be killed"
     second = subprocess.run(command, cwd=REPO, env=driver_env, capture_output=True, text=True, timeout=480)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"step {killed_at}," in second.stdout and _latest(store, "phoenix") == 10
-    assert sorted(_losses(store, "phoenix")) == list(range(1, 11))
+    assert f"resuming from" in second.stdout and f"(step {killed_at}," in second.stdout, second.stdout[-3000:]
+    assert _latest(store, "phoenix") == steps
+    assert "resumed state verified" in second.stdout, second.stdout[-3000:]
+    [check] = _resume_checks(store, "phoenix")
+    assert check["equal"] and check["step"] == killed_at
+    assert sorted(_losses(store, "phoenix")) == list(range(1, steps + 1))
