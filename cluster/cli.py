@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from plans.errors import RayshardError
@@ -29,6 +30,30 @@ def main(argv: list[str] | None = None) -> int:
     except RayshardError as error:
         print(f"rayshard: error: {error}", file=sys.stderr)
         return 2
+    except _storage_errors() as error:
+        if os.environ.get("RAYSHARD_DEBUG"):
+            raise
+        # s3fs turns S3 failures into OSError once its retries are spent; a user needs the object
+        # and the reason, not a botocore traceback (which never holds credentials either way).
+        print(f"rayshard: error: storage request failed: {type(error).__name__}: {_first_line(error)}. Fix: check "
+              "the store URL, its credentials and endpoint (AWS_ENDPOINT_URL) and the network, then run the command "
+              "again; nothing partial is visible (a checkpoint commits only with its manifest). "
+              "RAYSHARD_DEBUG=1 shows the traceback", file=sys.stderr)
+        return 3
+
+
+def _storage_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (OSError,)
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return errors
+    return errors + (BotoCoreError, ClientError)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 if __name__ == "__main__":
