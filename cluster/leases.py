@@ -82,16 +82,35 @@ def all_leases(store, run: str) -> dict[int, list[Lease]]:
 
 @contextlib.contextmanager
 def reading(store, ref, ttl_s: float = DEFAULT_TTL_S):
-    """Hold a lease on a committed checkpoint (a CheckpointRef with run and step) while reading
-    it. A ref given by URL (no run/step known) is read without a lease."""
-    if ref.run is None or ref.step is None:
+    """Hold a lease on a committed checkpoint while reading it. A ref given by URL is leased too
+    when the URL is a catalog checkpoint (`<store>/<run>/checkpoints/step-NNNNNNNN`): the lease
+    goes beside the checkpoint, in the store that holds it, whatever store the command named.
+    Any other directory (an import's output, a copy made by hand) has no catalog to lease in."""
+    home, run, step = _home(store, ref)
+    if home is None:
         yield None
         return
-    lease = acquire(store, ref.run, ref.step, ttl_s)
+    lease = acquire(home, run, step, ttl_s)
     try:
-        if ref.step not in store.committed_steps(ref.run):  # gc may have won the race before our lease
-            raise CheckpointError(f"{ref.run}@{ref.step} was removed (by `ckpt gc`?) before it could be read. "
-                                  f"Fix: resume from a checkpoint that exists: {store.committed_steps(ref.run) or 'none'}")
+        if step not in home.committed_steps(run):  # gc may have won the race before our lease
+            raise CheckpointError(f"{run}@{step} was removed (by `ckpt gc`?) before it could be read. "
+                                  f"Fix: resume from a checkpoint that exists: {home.committed_steps(run) or 'none'}")
         yield lease
     finally:
-        release(store, lease)
+        release(home, lease)
+
+
+def _home(store, ref):
+    """(the store holding ref's checkpoint, its run, its step), or Nones when it is in no catalog."""
+    if ref.run is not None and ref.step is not None:
+        return store, ref.run, ref.step
+    from cluster.store import STEP_DIR
+
+    parts = ref.url.rstrip("/").rsplit("/", 3)
+    if len(parts) != 4 or parts[2] != "checkpoints" or not STEP_DIR.match(parts[3]) or not parts[1]:
+        return None, None, None
+    home = store.at(parts[0])
+    step = int(STEP_DIR.match(parts[3]).group(1))
+    if step not in home.committed_steps(parts[1]):  # resolve() checked the manifest; this is its catalog
+        return None, None, None
+    return home, parts[1], step

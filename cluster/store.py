@@ -44,12 +44,25 @@ def step_dirname(step: int) -> str:
 
 class Store:
     def __init__(self, url: str, options: StorageOptions | None = None):
-        self.url = url.rstrip("/") or url
         # Object-store options apply process-wide (fsspec's config), so the driver's own reads and
         # the rank actors (which receive `storage_conf`) use one endpoint, retry and timeout policy.
         self.storage_conf = object_store.configure(options)
+        self._open(url)
+
+    def _open(self, url: str) -> None:
+        self.url = url.rstrip("/") or url
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self._protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+
+    def at(self, url: str) -> "Store":
+        """Another store under this one's storage options (endpoint, retries), without applying
+        them to the process again; this store itself when url names it."""
+        if (url.rstrip("/") or url) == self.url:
+            return self
+        other = object.__new__(Store)
+        other.storage_conf = self.storage_conf
+        other._open(url)
+        return other
 
     def _url(self, path: str) -> str:
         return path if self._protocol in ("file", "local") else f"{self._protocol}://{path}"

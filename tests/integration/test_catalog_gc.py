@@ -122,6 +122,24 @@ def test_gc_keeps_latest_leased_and_young_things(store, capsys):
     assert verify(store.resolve("r@5").url, deep=True).ok and verify(store.resolve("r").url, deep=True).ok
 
 
+def test_a_checkpoint_named_by_url_is_leased_in_its_own_store(store, tmp_path):
+    write_checkpoint(store, "r", 2)
+    write_checkpoint(store, "r", 3)
+    elsewhere = Store(str(tmp_path / "another-store"))  # the command's --store is not the checkpoint's
+    ref = elsewhere.resolve(store.checkpoint_url("r", 2))
+    assert (ref.run, ref.step) == (None, None)
+    with leases.reading(elsewhere, ref) as lease:
+        assert lease is not None and [held.path for held in leases.active(store, "r")[2]] == [lease.path]
+        report = collect(store, keep=1, grace_s=0)
+        assert store.committed_steps("r") == [2, 3] and any("reader lease" in why for _, why in report.kept)
+    assert not leases.active(store, "r").get(2)
+    # The same checkpoint copied outside any catalog is still readable, without a lease.
+    outside = tmp_path / "loose" / "step-00000002"
+    store.fs.get(f"{store.root}/r/checkpoints/step-00000002/", str(outside), recursive=True)
+    with leases.reading(elsewhere, elsewhere.resolve(str(outside))) as lease:
+        assert lease is None
+
+
 def test_gc_aborts_pending_multipart_uploads(s3_store):
     import boto3
 
