@@ -12,10 +12,10 @@ at most WINDOW_BYTES and copies each into place before fetching the next window.
 from __future__ import annotations
 
 import io
+import os
 import json
 import uuid
 import warnings
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -24,14 +24,17 @@ import pyarrow.parquet as pq
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from actors.checksums import RunningChecksum, checksum, matches, running_like
 from actors.object_writer import open_object_writer
 from plans.chunks import Chunk
 from plans.errors import CheckpointError
 from plans.reshard import HeaderCheck, ReadItem, Request, coalesce
 from plans.safetensors_layout import Entry, file_layout
 
-FORMAT_VERSION = "1.1"
-READABLE_MAJOR = "1"
+# 2.0: chunk and header checksums are CRC32C (1.x: CRC32); a 1.x reader refuses 2.0 by its major
+# version rather than report every chunk corrupt.
+FORMAT_VERSION = "2.0"
+READABLE_MAJORS = ("1", "2")
 METADATA_KEY = b"rayshard"
 STAGE_BYTES = 16 * 2**20
 WINDOW_BYTES = 64 * 2**20
@@ -53,10 +56,6 @@ MANIFEST_SCHEMA = pa.schema([
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def checksum(data, running: int = 0) -> str:
-    return f"crc32:{zlib.crc32(data, running):08x}"
 
 
 def chunk_key(name: str, kind: str, offsets: Sequence[int]) -> str:
@@ -107,17 +106,17 @@ def write_pieces(handle, pieces: Sequence[tuple[str, str, torch.Tensor, tuple, t
     header_checksum = checksum(header)
     chunks = []
     for (name, kind, tensor, shape, offsets), entry, (start, end) in zip(pieces, entries, ranges):
-        running, written = 0, 0
+        running, written = RunningChecksum(), 0
         if isinstance(tensor, LazyTensor):
             tensor = tensor.load()
         for block in _byte_blocks(tensor, stage_bytes):
             handle.write(block)
-            running = zlib.crc32(block, running)
+            running.update(block)
             written += len(block)
         if written != end - start:
             raise CheckpointError(f"{name} ({kind}): wrote {written} bytes but its header entry needs {end - start}")
         chunks.append(Chunk(name, kind, entry.dtype, tuple(shape), tuple(offsets), entry.shape, file, start, end,
-                            f"crc32:{running:08x}", header_checksum))
+                            running.text(), header_checksum))
     return chunks
 
 
@@ -158,9 +157,9 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], 
         raise CheckpointError(f"{where}: Parquet file has no rayshard metadata; it is not a rayshard manifest")
     metadata = json.loads(raw)
     version = str(metadata.get("format_version", "?"))
-    if version.split(".")[0] != READABLE_MAJOR:
+    if version.split(".")[0] not in READABLE_MAJORS:
         raise CheckpointError(f"{where}: format version {version} is not readable by this rayshard "
-                              f"(reads {READABLE_MAJOR}.x); upgrade rayshard to read it")
+                              f"(reads {', '.join(m + '.x' for m in READABLE_MAJORS)}); upgrade rayshard to read it")
     columns = table.to_pydict()
     count = table.num_rows
     rows = [{key: values[i] for key, values in columns.items()} for i in range(count)]
@@ -208,14 +207,24 @@ def _copy_item(item: ReadItem, data, destination: Destination, path: str) -> Non
 
 
 def _check_whole_chunk(item: ReadItem, data, path: str) -> None:
-    if item.whole_chunk and checksum(data) != item.chunk.checksum:
+    """data: the item's bytes, or a list of buffers holding them in order."""
+    if not item.whole_chunk:
+        return
+    if isinstance(data, list):
+        running = running_like(item.chunk.checksum, path)
+        for segment in data:
+            running.update(segment)
+        intact = running.text() == item.chunk.checksum
+    else:
+        intact = matches(item.chunk.checksum, data, path)
+    if not intact:
         raise CheckpointError(f"{path}: checksum mismatch for {item.chunk.name} ({item.chunk.kind}) at bytes "
                               f"[{item.byte_start}, {item.byte_end}); the file changed or is corrupt. "
                               "Fix: restore it from a copy, or resume from another checkpoint")
 
 
 def _check_header(part: HeaderCheck, data, path: str) -> None:
-    if checksum(data) != part.checksum:
+    if not matches(part.checksum, data, path):
         raise CheckpointError(f"{path}: its safetensors header differs from the one recorded in the manifest; "
                               "the file was replaced or rewritten after the checkpoint was committed. "
                               "Fix: restore the original file, or resume from another checkpoint")
@@ -262,27 +271,29 @@ def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_by
                     raise _short_read(path, request.byte_start, request.byte_end, _describe(request), error) from None
             handle = handles[path]
             for part in request.parts:
-                if isinstance(part, ReadItem) and part.nbytes > window_bytes and part.held_sizes:
+                # Straight into the destination when its bytes are one contiguous run or rows of
+                # one (a reshard that cuts across the stored split): no buffer, no second copy.
+                segments = None if isinstance(part, HeaderCheck) else _direct_segments(part, lookup(part))
+                if segments is None and isinstance(part, ReadItem) and part.nbytes > window_bytes and part.held_sizes:
                     total += _serve_large(fs, base, Request(part.file, part.byte_start, part.byte_end, (part,)), lookup, window_bytes)
                     continue
-                destination = None if isinstance(part, HeaderCheck) else _direct_view(part, lookup(part))
-                if destination is None:
+                if segments is None:
                     if len(scratch) < part.nbytes:
                         scratch = bytearray(part.nbytes)
-                    target = memoryview(scratch)[:part.nbytes]
+                    segments = [memoryview(scratch)[:part.nbytes]]
+                    staged = True
                 else:
-                    target = destination
-                handle.seek(part.byte_start)
-                got = handle.readinto(target)
+                    staged = False
+                got = _read_into(handle, part.byte_start, segments)
                 if got != part.nbytes:
                     raise _short_read(path, part.byte_start, part.byte_end, _describe(Request(part.file, 0, 0, (part,))),
                                       got or 0)
                 if isinstance(part, HeaderCheck):
-                    _check_header(part, target, path)
+                    _check_header(part, segments[0], path)
                 else:
-                    _check_whole_chunk(part, target, path)
-                    if destination is None:
-                        _copy_item(part, target, lookup(part), path)
+                    _check_whole_chunk(part, segments, path)
+                    if staged:
+                        _copy_item(part, segments[0], lookup(part), path)
                 total += part.nbytes
     finally:
         for handle in handles.values():
@@ -290,16 +301,50 @@ def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_by
     return total
 
 
-def _direct_view(item: ReadItem, destination: Destination) -> memoryview | None:
-    """The destination's bytes, when the item fills a contiguous slice of it exactly."""
+def _direct_segments(item: ReadItem, destination: Destination) -> list | None:
+    """The destination's bytes in file order, when the item fills its slice of the destination
+    exactly: one buffer when that slice is contiguous, else one per row of it (the slice of a
+    wider tensor: a chunk split along columns read into a tensor split along rows). None when the
+    bytes must be staged (only part of what is read is used, another dtype or device)."""
     tensor, target_offsets = destination
     if item.sizes != item.held_sizes or tensor.dtype != getattr(torch, item.chunk.dtype) or tensor.device.type != "cpu":
         return None
     place = tuple(slice(o - t, o - t + s) for o, t, s in zip(item.offsets, target_offsets, item.sizes))
     view = tensor[place] if place else tensor
-    if not view.is_contiguous():
+    if view.is_contiguous():
+        return [view.reshape(-1).view(torch.uint8).numpy().data]
+    if not _SCATTER_READS or view.dim() < 2 or view.stride(-1) != 1 or view.numel() == 0:
         return None
-    return view.reshape(-1).view(torch.uint8).numpy().data
+    try:
+        rows = view.view(-1, view.shape[-1])  # fails (rather than copies) when rows are not evenly spaced
+    except RuntimeError:
+        return None
+    if rows.shape[0] > _MAX_SEGMENTS:  # many short rows: one staged read and a strided copy is cheaper
+        return None
+    return list(rows.detach().numpy().view("uint8"))
+
+
+# os.preadv scatters one read into many buffers (at most IOV_MAX per call); where it is missing
+# (not POSIX), reads are staged and copied instead.
+_SCATTER_READS = hasattr(os, "preadv")
+_IOV_MAX = 1024
+_MAX_SEGMENTS = 64 * _IOV_MAX
+
+
+def _read_into(handle, start: int, segments: list) -> int:
+    """Read consecutive file bytes from `start` into the segments in order; bytes read."""
+    if len(segments) == 1:
+        handle.seek(start)
+        return handle.readinto(segments[0]) or 0
+    descriptor, got = handle.fileno(), 0
+    for first in range(0, len(segments), _IOV_MAX):
+        batch = segments[first:first + _IOV_MAX]
+        wanted = sum(segment.nbytes for segment in batch)
+        read = os.preadv(descriptor, batch, start + got)
+        got += read
+        if read != wanted:  # only at the end of a truncated file
+            break
+    return got
 
 
 def _describe(request: Request) -> str:
@@ -331,12 +376,12 @@ def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int) -> 
             continue
         row_bytes = part.nbytes // part.held_sizes[0]
         rows_per_block = max(1, window_bytes // row_bytes)
-        running = 0
+        running = running_like(part.chunk.checksum, path)
         for first in range(0, part.held_sizes[0], rows_per_block):
             rows = min(rows_per_block, part.held_sizes[0] - first)
             start = part.byte_start + first * row_bytes
             data = _cat(fs, path, start, start + rows * row_bytes, f"{part.chunk.name} ({part.chunk.kind})")
-            running = zlib.crc32(data, running)
+            running.update(data)
             held_off = (part.held_offsets[0] + first, *part.held_offsets[1:])
             held_size = (rows, *part.held_sizes[1:])
             inter = [(max(a, b), min(a + sa, b + sb)) for a, sa, b, sb in zip(held_off, held_size, part.offsets, part.sizes)]
@@ -345,7 +390,7 @@ def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int) -> 
                                  tuple(lo for lo, _ in inter), tuple(hi - lo for lo, hi in inter))
                 _copy_item(piece, data, lookup(part), path)
             total += len(data)
-        if part.whole_chunk and f"crc32:{running:08x}" != part.chunk.checksum:
+        if part.whole_chunk and running.text() != part.chunk.checksum:
             raise CheckpointError(f"{path}: checksum mismatch for {part.chunk.name} ({part.chunk.kind}) at bytes "
                                   f"[{part.byte_start}, {part.byte_end}); the file changed or is corrupt. "
                                   "Fix: restore it from a copy, or resume from another checkpoint")

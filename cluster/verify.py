@@ -8,12 +8,11 @@ at most `window_bytes`, so memory stays bounded whatever the checkpoint size.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
 import fsspec
 
-from actors.checkpoint_io import checksum
+from actors.checksums import running_like
 from actors.checkpointing import read_manifest
 from cluster.progress import advance, set_total
 
@@ -71,20 +70,20 @@ def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, p
             if not isinstance(blob, BaseException) and len(blob) == end - start:
                 report.bytes_checked += len(blob)
                 advance(progress, len(blob))
-                blob = checksum(blob)
+                blob = running_like(chunk.checksum if chunk is not None else expected_header, path).update(blob).text()
             _compare(file, start, end, chunk, blob, expected_header, report)
     for start, end, chunk in (r for r in ranges if r[1] - r[0] > window_bytes):
-        running, outcome = 0, None
+        running, outcome = running_like(chunk.checksum, path), None
         for offset in range(start, end, window_bytes):  # a big chunk in pieces, CRC carried along
             try:
                 data = fs.cat_file(path, start=offset, end=min(offset + window_bytes, end))
             except OSError as error:
                 outcome = error
                 break
-            running = zlib.crc32(data, running)
+            running.update(data)
             report.bytes_checked += len(data)
             advance(progress, len(data))
-        _compare(file, start, end, chunk, outcome or f"crc32:{running:08x}", expected_header, report)
+        _compare(file, start, end, chunk, outcome or running.text(), expected_header, report)
 
 
 def _ranges(members: list) -> list[tuple[int, int, object]]:

@@ -68,3 +68,41 @@ def test_shard_files_are_plain_safetensors_without_pickle(tmp_path):
     assert torch.equal(loaded["param/w@0,0"], weight)
     raw = (tmp_path / "attempt-x" / "rank-00000.safetensors").read_bytes()
     assert b"\x80\x04" not in raw[:64]  # no pickle protocol header
+
+
+def _with_checksums(chunks, data: bytes, algorithm: str):
+    """The same chunks as a writer using `algorithm` would have recorded them."""
+    import dataclasses
+
+    from actors.checksums import checksum
+
+    header = checksum(data[:min(c.byte_start for c in chunks)], algorithm)
+    return [dataclasses.replace(c, checksum=checksum(data[c.byte_start:c.byte_end], algorithm), file_header=header)
+            for c in chunks]
+
+
+def test_new_checkpoints_use_crc32c_and_format_1_crc32_ones_still_read_and_fail_on_change(tmp_path):
+    weight, chunks = _written(tmp_path)
+    assert all(c.checksum.startswith("crc32c:") and c.file_header.startswith("crc32c:") for c in chunks)
+    path = tmp_path / "attempt-x" / "rank-00000.safetensors"
+    old = _with_checksums(chunks, path.read_bytes(), "crc32")  # what format 1.1 wrote
+    assert old[0].checksum != chunks[0].checksum and old[0].checksum.startswith("crc32:")
+    fs = fsspec.filesystem("file")
+    target = torch.empty(5, 4)
+    fill_from_reads(fs, str(tmp_path), plan_reads([old[1]], (0, 0), (5, 4)), target, (0, 0))
+    assert torch.equal(target, weight * 2)
+    data = bytearray(path.read_bytes())
+    data[old[1].byte_start + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch for w \(exp_avg\)"):
+        fill_from_reads(fs, str(tmp_path), plan_reads([old[1]], (0, 0), (5, 4)), target, (0, 0))
+
+
+def test_a_checksum_algorithm_this_reader_does_not_know_is_named(tmp_path):
+    import dataclasses
+
+    _, chunks = _written(tmp_path)
+    unknown = dataclasses.replace(chunks[0], checksum="sha999:0011")
+    with pytest.raises(CheckpointError, match=r"uses 'sha999', which this rayshard cannot verify"):
+        fill_from_reads(fsspec.filesystem("file"), str(tmp_path), plan_reads([unknown], (0, 0), (5, 4)),
+                        torch.empty(5, 4), (0, 0))

@@ -7,7 +7,8 @@ import torch
 
 import actors.async_save as async_save
 from actors.checkpointing import read_manifest, state_tensors
-from actors.checkpoint_io import checksum, encode_manifest
+from actors.checkpoint_io import encode_manifest
+from actors.checksums import checksum
 from plans.chunks import Chunk
 
 
