@@ -128,9 +128,10 @@ def run_digest(args: argparse.Namespace) -> int:
 
 def run_diff(args: argparse.Namespace) -> int:
     from cluster.digest import diff_checkpoints
+    from cluster.progress import byte_bar
 
-    with reading(args, "a", "b") as (_, [a, b]):
-        differences = diff_checkpoints(a.url, b.url)
+    with reading(args, "a", "b") as (_, [a, b]), byte_bar(args, "diff") as bar:
+        differences = diff_checkpoints(a.url, b.url, progress=bar)
     unequal = [d for d in differences if d.status != "equal"]
     for difference in (differences if args.all else unequal):
         print(f"{difference.status:<18} {difference.kind:<10} {difference.name}  {difference.detail}".rstrip())
@@ -216,6 +217,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_checkpoint_argument(diff, "a", store=False)
     add_checkpoint_argument(diff, "b")
     diff.add_argument("--all", action="store_true", help="also list the equal tensors")
+    progress.add_arguments(diff)
     diff.set_defaults(run_command=run_diff)
 
     export = group.add_parser("export", help="write a Hugging Face directory (config.json + safetensors)")

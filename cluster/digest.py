@@ -89,9 +89,11 @@ def _bytes(block: torch.Tensor) -> memoryview:
 
 def digest_checkpoint(url_or_stored: str | StoredCheckpoint, block_bytes: int = BLOCK_BYTES,
                       progress=None) -> list[TensorDigest]:
-    """progress: a bar (cluster/progress.py) advanced by the bytes of each block hashed."""
+    """progress: a bar (cluster/progress.py) advanced by the bytes of each block hashed; its total
+    is set here unless the caller set one (a diff counts both checkpoints on one bar)."""
     stored = url_or_stored if isinstance(url_or_stored, StoredCheckpoint) else StoredCheckpoint(url_or_stored)
-    set_total(progress, sum(c.byte_end - c.byte_start for c in stored.chunks))  # the chunks tile every tensor once
+    if progress is not None and not progress.total:
+        set_total(progress, stored_bytes(stored))
     digests = []
     for (name, kind), group in _tensors(stored.chunks).items():
         hasher = hashlib.sha256()
@@ -101,6 +103,10 @@ def digest_checkpoint(url_or_stored: str | StoredCheckpoint, block_bytes: int = 
         first = group[0]
         digests.append(TensorDigest(name, kind, first.dtype, first.global_shape, "sha256:" + hasher.hexdigest()))
     return digests
+
+
+def stored_bytes(stored: StoredCheckpoint) -> int:
+    return sum(c.byte_end - c.byte_start for c in stored.chunks)  # the chunks tile every tensor once
 
 
 def checkpoint_digest(digests: list[TensorDigest]) -> str:
@@ -119,12 +125,14 @@ class TensorDifference:
     detail: str = ""
 
 
-def diff_checkpoints(url_a: str, url_b: str, block_bytes: int = BLOCK_BYTES) -> list[TensorDifference]:
+def diff_checkpoints(url_a: str, url_b: str, block_bytes: int = BLOCK_BYTES, progress=None) -> list[TensorDifference]:
     """Compare two checkpoints tensor by tensor; for tensors that differ, stream both and report
-    how many elements differ and the largest absolute difference."""
+    how many elements differ and the largest absolute difference. progress: a bar advanced by
+    the bytes hashed on both sides."""
     a_side, b_side = StoredCheckpoint(url_a), StoredCheckpoint(url_b)
-    digests_a = {(d.name, d.kind): d for d in digest_checkpoint(a_side, block_bytes)}
-    digests_b = {(d.name, d.kind): d for d in digest_checkpoint(b_side, block_bytes)}
+    set_total(progress, stored_bytes(a_side) + stored_bytes(b_side))
+    digests_a = {(d.name, d.kind): d for d in digest_checkpoint(a_side, block_bytes, progress)}
+    digests_b = {(d.name, d.kind): d for d in digest_checkpoint(b_side, block_bytes, progress)}
     result = []
     for key in sorted(set(digests_a) | set(digests_b)):
         name, kind = key

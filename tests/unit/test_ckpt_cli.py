@@ -76,7 +76,8 @@ def test_long_commands_draw_a_byte_progress_bar_on_stderr(store, tmp_path, capsy
                 "import": ["import", str(tmp_path / "hf"), "--run", "bar-import"],
                 "reshard": ["reshard", "one", "--to", "tp=2", "--run", "bar-reshard", "--local"],
                 "digest": ["digest", "one"],
-                "verify": ["verify", "one", "--deep"]}
+                "verify": ["verify", "one", "--deep"],
+                "diff": ["diff", "one", "bar-import"]}  # import(export(one)) holds one's state
     for desc, command in commands.items():
         assert main(["ckpt", *command, "--store", store, "--progress"]) == 0
         captured = capsys.readouterr()
