@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from actors.checkpoint_io import WINDOW_BYTES, decode_manifest, dtype_name, execute_requests, write_shard
 from actors import shards
+from actors.replica_broadcast import broadcast_pieces
 from actors.shards import local_region
 from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from plans.errors import CheckpointError
@@ -216,16 +217,9 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
                                       "checkpoint (its own error names the file); nothing was loaded")
     if failure is not None:
         raise failure
-    received = 0
     layout, coords = rank_layout(model)
-    for (_, _, tensor, _, _), reader in zip(shared, readers):
-        local = _local(tensor)
-        buffer = local if local.is_contiguous() else local.contiguous()
-        source = layout.rank_of(replace(coords, dp=reader))
-        dist.broadcast(buffer, src=source, group=tensor.device_mesh.get_group("dp"))
-        if buffer is not local:
-            local.copy_(buffer)
-        received += 0 if reader == coords.dp else local.numel() * local.element_size()
+    received = broadcast_pieces([(_local(tensor), tensor.device_mesh.get_group("dp")) for _, _, tensor, _, _ in shared],
+                                readers, coords.dp, lambda reader: layout.rank_of(replace(coords, dp=reader)), WINDOW_BYTES)
     _fill_local_copies(model, optimizer)
     return {"step": step, "metadata": metadata, "bytes_received": received, **stats}
 
