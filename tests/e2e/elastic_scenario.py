@@ -106,27 +106,50 @@ def kill_a_rank_mid_save(proxy, store: str, events: list):
                      path=rf"/{RUN}/checkpoints/step-{MID_SAVE_STEP:08d}/attempt-[0-9a-f]+/rank-\d+\.safetensors")
 
 
+def hold_uploads_until(proxy, step: int, released: threading.Event, limit_s: float = 120.0):
+    """Arm the proxy: every shard upload of step's saves waits until `released` is set (or the
+    limit passes). A fault injected before the release lands before that checkpoint can
+    commit, however fast the steps run, so LATEST at the fault is known without racing."""
+    def wait(method, target):
+        released.wait(limit_s)
+
+    return proxy.add("delay", method="PUT", seconds=0, times=8, callback=wait,
+                     path=rf"/{RUN}/checkpoints/step-{step:08d}/attempt-[0-9a-f]+/rank-\d+\.safetensors")
+
+
 def inject_faults(cluster: Cluster, workers: list, proxy, store: str, events: list) -> None:
-    mid_save = kill_a_rank_mid_save(proxy, store, events)  # armed now, so it cannot miss the first save of step 6
-    wait_for_checkpoint(store, 2)
-    time.sleep(0.5)  # mid-step
-    pid = rank_actor_pids()[-1]
-    os.kill(pid, signal.SIGKILL)
-    events.append({"event": "kill_rank", "pid": pid, "after_checkpoint": latest_step(store), "at": time.time()})
-    deadline = time.time() + 300
-    while not mid_save.injected:
-        if time.time() > deadline:
-            raise TimeoutError(f"no save of step {MID_SAVE_STEP} within 300 s")
-        time.sleep(0.2)
-    wait_for_checkpoint(store, MID_SAVE_STEP)
-    time.sleep(0.5)
-    cluster.remove_node(workers.pop())
-    removed_after = latest_step(store)
-    events.append({"event": "remove_node", "after_checkpoint": removed_after, "at": time.time()})
-    wait_for_checkpoint(store, removed_after + EVERY)  # the run goes on on fewer ranks first
-    workers.append(cluster.add_node(num_cpus=2))
-    cluster.wait_for_nodes()
-    events.append({"event": "add_node", "after_checkpoint": latest_step(store), "at": time.time()})
+    killed, removed, grown = threading.Event(), threading.Event(), threading.Event()
+    # Armed now, so none can miss its save: the kill lands before checkpoint 4, the mid-save
+    # kill in checkpoint 6's uploads, the node loss before checkpoint 8, and the growth before
+    # checkpoint 12 (after checkpoint 10 is trained on the smaller layout).
+    hold_uploads_until(proxy, 4, killed)
+    mid_save = kill_a_rank_mid_save(proxy, store, events)
+    hold_uploads_until(proxy, MID_SAVE_STEP + EVERY, removed)
+    hold_uploads_until(proxy, MID_SAVE_STEP + 3 * EVERY, grown)
+    try:
+        wait_for_checkpoint(store, 2)
+        pid = rank_actor_pids()[-1]  # steps 3-4 run (or step 4's save waits) while this looks
+        os.kill(pid, signal.SIGKILL)
+        events.append({"event": "kill_rank", "pid": pid, "after_checkpoint": latest_step(store), "at": time.time()})
+        killed.set()
+        deadline = time.time() + 300
+        while not mid_save.injected:
+            if time.time() > deadline:
+                raise TimeoutError(f"no save of step {MID_SAVE_STEP} within 300 s")
+            time.sleep(0.2)
+        wait_for_checkpoint(store, MID_SAVE_STEP)
+        cluster.remove_node(workers.pop())
+        removed_after = latest_step(store)
+        events.append({"event": "remove_node", "after_checkpoint": removed_after, "at": time.time()})
+        removed.set()
+        wait_for_checkpoint(store, removed_after + 2 * EVERY)  # the run goes on on fewer ranks first
+        workers.append(cluster.add_node(num_cpus=2))
+        cluster.wait_for_nodes()
+        events.append({"event": "add_node", "after_checkpoint": latest_step(store), "at": time.time()})
+        grown.set()
+    finally:  # never leave training waiting on a hold
+        for event in (killed, removed, grown):
+            event.set()
 
 
 def main(out: str) -> None:
