@@ -321,7 +321,8 @@ def _direct_segments(item: ReadItem, destination: Destination) -> list | None:
         return None
     if rows.shape[0] > _MAX_SEGMENTS:  # many short rows: one staged read and a strided copy is cheaper
         return None
-    return list(rows.detach().numpy().view("uint8"))
+    # As bytes before numpy: numpy has no bfloat16.
+    return list(rows.detach().view(torch.uint8).numpy())
 
 
 # os.preadv scatters one read into many buffers (at most IOV_MAX per call); where it is missing
