@@ -18,11 +18,11 @@ import os
 import statistics
 import sys
 import time
-import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.checkpoint_io import chunk_key, decode_manifest, encode_manifest  # noqa: E402
+from actors.checkpoint_io import FORMAT_VERSION, chunk_key, decode_manifest, encode_manifest  # noqa: E402
+from actors.checksums import checksum  # noqa: E402
 from plans.chunks import STATE_KINDS, Chunk  # noqa: E402
 from plans.layout import ParallelLayout  # noqa: E402
 from plans.model_spec import parameter_count, preset  # noqa: E402
@@ -42,10 +42,10 @@ def synthetic_manifest(model, layout, dtype: str = "float32") -> list[Chunk]:
             continue
         file = f"attempt-000000000000/rank-{rank:05d}.safetensors"
         entries = [Entry(chunk_key(p.region.name, p.kind, p.region.offsets), dtype, p.region.sizes) for p in pieces]
-        header, ranges = file_layout(entries, {"format": "rayshard", "version": "1.1", "nonce": f"{rank:032x}"})
-        header_checksum = f"crc32:{zlib.crc32(header):08x}"
+        header, ranges = file_layout(entries, {"format": "rayshard", "version": FORMAT_VERSION, "nonce": f"{rank:032x}"})
+        header_checksum = checksum(header)
         for piece, entry, (start, end) in zip(pieces, entries, ranges):
-            fake = f"crc32:{zlib.crc32(entry.key.encode() + file.encode()):08x}"
+            fake = checksum(entry.key.encode() + file.encode())  # the real format's width, of stand-in bytes
             chunks.append(Chunk(piece.region.name, piece.kind, dtype, piece.region.global_shape, piece.region.offsets,
                                 piece.region.sizes, file, start, end, fake, header_checksum))
     return chunks
