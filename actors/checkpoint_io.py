@@ -328,23 +328,34 @@ def _direct_segments(item: ReadItem, destination: Destination) -> list | None:
 # os.preadv scatters one read into many buffers (at most IOV_MAX per call); where it is missing
 # (not POSIX), reads are staged and copied instead.
 _SCATTER_READS = hasattr(os, "preadv")
-_IOV_MAX = 1024
-_MAX_SEGMENTS = 64 * _IOV_MAX
+try:
+    _IOV_MAX = max(1, os.sysconf("SC_IOV_MAX"))
+except (AttributeError, ValueError, OSError):
+    _IOV_MAX = 1024
+_MAX_SEGMENTS = 64 * 1024
 
 
 def _read_into(handle, start: int, segments: list) -> int:
-    """Read consecutive file bytes from `start` into the segments in order; bytes read."""
+    """Read consecutive file bytes from `start` into the segments in order; bytes read (fewer
+    only at the end of the file)."""
     if len(segments) == 1:
         handle.seek(start)
         return handle.readinto(segments[0]) or 0
-    descriptor, got = handle.fileno(), 0
-    for first in range(0, len(segments), _IOV_MAX):
-        batch = segments[first:first + _IOV_MAX]
-        wanted = sum(segment.nbytes for segment in batch)
-        read = os.preadv(descriptor, batch, start + got)
-        got += read
-        if read != wanted:  # only at the end of a truncated file
+    # A call may return short of the end of the file (Linux moves at most ~2 GiB a call; FUSE
+    # mounts may return less), so go on from where it stopped until a call reads nothing.
+    descriptor, got, pending, first = handle.fileno(), 0, [memoryview(s).cast("B") for s in segments], 0
+    while first < len(pending):
+        read = os.preadv(descriptor, pending[first:first + _IOV_MAX], start + got)
+        if read == 0:
             break
+        got += read
+        while read and first < len(pending):
+            if read >= pending[first].nbytes:
+                read -= pending[first].nbytes
+                first += 1
+            else:
+                pending[first] = pending[first][read:]
+                read = 0
     return got
 
 

@@ -21,13 +21,15 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     """(global offsets, local sizes) of this rank's piece."""
     if not isinstance(tensor, DTensor):
         return (0,) * tensor.dim(), tuple(tensor.shape)
-    depends_on = (tuple(tensor.shape), tuple(tensor.placements), id(tensor.device_mesh))
+    mesh, depends_on = tensor.device_mesh, (tuple(tensor.shape), tuple(tensor.placements))
     remembered = getattr(tensor, _REGION, None)
-    if remembered is not None and remembered[0] == depends_on:
-        return remembered[1]
-    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    # The mesh is compared by identity, not id(): a copied or unpickled tensor carries the
+    # attribute, and an id can be reused once its object is gone.
+    if remembered is not None and remembered[0] is mesh and remembered[1] == depends_on:
+        return remembered[2]
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
     region = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
-    setattr(tensor, _REGION, (depends_on, region))
+    setattr(tensor, _REGION, (mesh, depends_on, region))
     return region
 
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import sys
 
 from plans.errors import RayshardError
@@ -30,16 +32,34 @@ def main(argv: list[str] | None = None) -> int:
     except RayshardError as error:
         print(f"rayshard: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `rayshard ... | head`: the reader left; not an error of ours
+        # Python would complain again flushing stdout at exit (as its docs advise, point it at devnull).
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except _storage_errors() as error:
-        if os.environ.get("RAYSHARD_DEBUG"):
-            raise
+        if os.environ.get("RAYSHARD_DEBUG") or _from_ray(error):
+            raise  # Ray's errors (a failed task, a timeout) carry their own cause and traceback
         # s3fs turns S3 failures into OSError once its retries are spent; a user needs the object
         # and the reason, not a botocore traceback (which never holds credentials either way).
-        print(f"rayshard: error: storage request failed: {type(error).__name__}: {_first_line(error)}. Fix: check "
-              "the store URL, its credentials and endpoint (AWS_ENDPOINT_URL) and the network, then run the command "
-              "again; nothing partial is visible (a checkpoint commits only with its manifest). "
+        print(f"rayshard: error: storage request failed: {type(error).__name__}: {_without_userinfo(_first_line(error))}. "
+              "Fix: check the store URL, its credentials and endpoint (AWS_ENDPOINT_URL) and the network, then run "
+              "the command again; nothing partial is visible (a checkpoint commits only with its manifest). "
               "RAYSHARD_DEBUG=1 shows the traceback", file=sys.stderr)
         return 3
+
+
+def _from_ray(error: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayError
+    except ImportError:
+        return False
+    return isinstance(error, RayError)
+
+
+def _without_userinfo(text: str) -> str:
+    """An endpoint written as scheme://user:secret@host must not print its secret."""
+    return re.sub(r"(://)[^@\s\"'<>]+@", r"\1***@", text)  # '/' too: secrets hold it unescaped
 
 
 def _storage_errors() -> tuple[type[BaseException], ...]:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -86,11 +87,21 @@ def reading(store, ref, ttl_s: float = DEFAULT_TTL_S):
     when the URL is a catalog checkpoint (`<store>/<run>/checkpoints/step-NNNNNNNN`): the lease
     goes beside the checkpoint, in the store that holds it, whatever store the command named.
     Any other directory (an import's output, a copy made by hand) has no catalog to lease in."""
-    home, run, step = _home(store, ref)
-    if home is None:
+    by_url = ref.run is None or ref.step is None
+    try:
+        home, run, step = _home(store, ref)
+        lease = acquire(home, run, step, ttl_s) if home is not None else None
+    except (PermissionError, OSError) as error:
+        if not by_url:
+            raise
+        # Reading a checkpoint by URL needs only read access; a lease is a courtesy to gc there.
+        print(f"rayshard: warning: reading {ref.url} without a reader lease ({type(error).__name__}: "
+              f"{str(error).splitlines()[0] if str(error) else 'no detail'}): `ckpt gc` on its store could remove it "
+              "meanwhile", file=sys.stderr)
+        home, lease = None, None
+    if lease is None:
         yield None
         return
-    lease = acquire(home, run, step, ttl_s)
     try:
         if step not in home.committed_steps(run):  # gc may have won the race before our lease
             raise CheckpointError(f"{run}@{step} was removed (by `ckpt gc`?) before it could be read. "
@@ -109,7 +120,7 @@ def _home(store, ref):
     parts = ref.url.rstrip("/").rsplit("/", 3)
     if len(parts) != 4 or parts[2] != "checkpoints" or not STEP_DIR.match(parts[3]) or not parts[1]:
         return None, None, None
-    home = store.at(parts[0])
+    home = store.at(parts[0] or "/")  # a checkpoint at /<run>/checkpoints/... has the root as its store
     step = int(STEP_DIR.match(parts[3]).group(1))
     if step not in home.committed_steps(parts[1]):  # resolve() checked the manifest; this is its catalog
         return None, None, None

@@ -73,7 +73,7 @@ def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, p
                 blob = running_like(chunk.checksum if chunk is not None else expected_header, path).update(blob).text()
             _compare(file, start, end, chunk, blob, expected_header, report)
     for start, end, chunk in (r for r in ranges if r[1] - r[0] > window_bytes):
-        running, outcome = running_like(chunk.checksum, path), None
+        running, outcome = running_like(chunk.checksum if chunk is not None else expected_header, path), None
         for offset in range(start, end, window_bytes):  # a big chunk in pieces, CRC carried along
             try:
                 data = fs.cat_file(path, start=offset, end=min(offset + window_bytes, end))

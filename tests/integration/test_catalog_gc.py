@@ -140,6 +140,20 @@ def test_a_checkpoint_named_by_url_is_leased_in_its_own_store(store, tmp_path):
         assert lease is None
 
 
+def test_read_only_credentials_read_a_checkpoint_by_url_without_a_lease(store, monkeypatch, capsys):
+    write_checkpoint(store, "r", 2)
+
+    def denied(*args, **kwargs):
+        raise PermissionError("Access Denied")
+
+    monkeypatch.setattr(leases, "acquire", denied)  # what s3fs raises for a PutObject the policy refuses
+    with leases.reading(store, store.resolve(store.checkpoint_url("r", 2))) as lease:
+        assert lease is None
+    assert "without a reader lease (PermissionError: Access Denied)" in capsys.readouterr().err
+    with pytest.raises(PermissionError), leases.reading(store, store.resolve("r@2")):  # a catalog read still needs it
+        pass
+
+
 def test_gc_aborts_pending_multipart_uploads(s3_store):
     import boto3
 

@@ -110,10 +110,23 @@ def test_a_checksum_algorithm_this_reader_does_not_know_is_named(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 @pytest.mark.parametrize("shape", [(7, 10), (5, 4, 6)])
-def test_column_chunks_scatter_straight_into_rows_of_a_wider_target(tmp_path, dtype, shape):
+@pytest.mark.parametrize("short_reads", [False, True])
+def test_column_chunks_scatter_straight_into_rows_of_a_wider_target(tmp_path, monkeypatch, dtype, shape, short_reads):
     """Chunks split along the last dim read into a target split along the first: each row lands
-    in place (os.preadv), bit for bit, checksums verified; truncation and changes still fail."""
+    in place (os.preadv), bit for bit, checksums verified; truncation and changes still fail.
+    short_reads: the system returns at most 7 bytes a call (as FUSE mounts and >2 GiB reads do)."""
+    import os
+
+    from actors import checkpoint_io
     from actors.checkpoint_io import _direct_segments
+
+    if short_reads:
+        def preadv_seven_bytes(descriptor, buffers, offset):
+            data = os.pread(descriptor, min(7, buffers[0].nbytes), offset)
+            buffers[0][:len(data)] = data
+            return len(data)
+
+        monkeypatch.setattr(checkpoint_io.os, "preadv", preadv_seven_bytes)
 
     whole = (torch.arange(torch.Size(shape).numel()) * 7 % 23 - 11).reshape(shape).to(dtype)
     cut = shape[-1] // 2 + 1  # uneven halves

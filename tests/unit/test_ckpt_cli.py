@@ -87,3 +87,37 @@ def test_long_commands_draw_a_byte_progress_bar_on_stderr(store, tmp_path, capsy
     assert main(["ckpt", "digest", "one", "--store", store]) == 0
     assert main(["ckpt", "digest", "one", "--store", store, "--quiet"]) == 0
     assert "digest:" not in capsys.readouterr().err
+
+
+def test_cli_failure_classes(monkeypatch, capsys):
+    """Storage failures get one line (secrets in endpoint URLs masked); Ray's own errors and a
+    closed pipe are not dressed up as storage failures."""
+    import cluster.cli as cli
+    from ray.exceptions import GetTimeoutError
+
+    def command_raising(error):
+        monkeypatch.setattr(cli, "build_parser", lambda: _ParserRunning(error))
+
+    command_raising(OSError('Could not connect to the endpoint URL: "http://key:se/cret@127.0.0.1:9/b"'))
+    assert cli.main([]) == 3
+    err = capsys.readouterr().err
+    assert "rayshard: error: storage request failed: OSError" in err and "se/cret" not in err and "http://***@127.0.0.1" in err
+    command_raising(GetTimeoutError("Get timed out: some object(s) not ready."))
+    with pytest.raises(GetTimeoutError):  # a TimeoutError (so an OSError) too, but Ray's to explain
+        cli.main([])
+    monkeypatch.setattr(cli.os, "dup2", lambda *args: None)  # keep pytest's stdout
+    command_raising(BrokenPipeError(32, "Broken pipe"))
+    assert cli.main([]) == 141 and "storage" not in capsys.readouterr().err
+
+
+class _ParserRunning:
+    def __init__(self, error):
+        self.error = error
+
+    def parse_args(self, argv):
+        import argparse
+
+        def run(_):
+            raise self.error
+
+        return argparse.Namespace(run_command=run)
