@@ -206,25 +206,16 @@ def _copy_item(item: ReadItem, data, destination: Destination, path: str) -> Non
     tensor[place].copy_(held[source])
 
 
-def _check_whole_chunk(item: ReadItem, data, path: str) -> None:
-    """data: the item's bytes, or a list of buffers holding them in order."""
-    if not item.whole_chunk:
-        return
-    if isinstance(data, list):
-        running = running_like(item.chunk.checksum, path)
-        for segment in data:
-            running.update(segment)
-        intact = running.text() == item.chunk.checksum
-    else:
-        intact = matches(item.chunk.checksum, data, path)
-    if not intact:
+def _check_whole_chunk(item: ReadItem, buffers, path: str) -> None:
+    """buffers: the item's bytes, in order, in one buffer or several."""
+    if item.whole_chunk and not matches(item.chunk.checksum, buffers, path):
         raise CheckpointError(f"{path}: checksum mismatch for {item.chunk.name} ({item.chunk.kind}) at bytes "
                               f"[{item.byte_start}, {item.byte_end}); the file changed or is corrupt. "
                               "Fix: restore it from a copy, or resume from another checkpoint")
 
 
 def _check_header(part: HeaderCheck, data, path: str) -> None:
-    if not matches(part.checksum, data, path):
+    if not matches(part.checksum, [data], path):
         raise CheckpointError(f"{path}: its safetensors header differs from the one recorded in the manifest; "
                               "the file was replaced or rewritten after the checkpoint was committed. "
                               "Fix: restore the original file, or resume from another checkpoint")
@@ -277,13 +268,11 @@ def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_by
                 if segments is None and isinstance(part, ReadItem) and part.nbytes > window_bytes and part.held_sizes:
                     total += _serve_large(fs, base, Request(part.file, part.byte_start, part.byte_end, (part,)), lookup, window_bytes)
                     continue
-                if segments is None:
+                staged = segments is None
+                if staged:
                     if len(scratch) < part.nbytes:
                         scratch = bytearray(part.nbytes)
                     segments = [memoryview(scratch)[:part.nbytes]]
-                    staged = True
-                else:
-                    staged = False
                 got = _read_into(handle, part.byte_start, segments)
                 if got != part.nbytes:
                     raise _short_read(path, part.byte_start, part.byte_end, _describe(Request(part.file, 0, 0, (part,))),
@@ -371,7 +360,7 @@ def _serve(request: Request, blob, path: str, lookup) -> None:
         if isinstance(part, HeaderCheck):
             _check_header(part, data, path)
             continue
-        _check_whole_chunk(part, data, path)
+        _check_whole_chunk(part, [data], path)
         _copy_item(part, data, lookup(part), path)
 
 

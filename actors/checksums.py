@@ -58,5 +58,9 @@ def running_like(recorded: str, where: str = "manifest") -> RunningChecksum:
     return RunningChecksum(algorithm_of(recorded, where))
 
 
-def matches(recorded: str, data, where: str = "manifest") -> bool:
-    return running_like(recorded, where).update(data).text() == recorded
+def matches(recorded: str, buffers, where: str = "manifest") -> bool:
+    """Whether bytes given as consecutive buffers (one, or a row per buffer) have the recorded checksum."""
+    running = running_like(recorded, where)
+    for buffer in buffers:
+        running.update(buffer)
+    return running.text() == recorded

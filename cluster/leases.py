@@ -91,7 +91,7 @@ def reading(store, ref, ttl_s: float = DEFAULT_TTL_S):
     try:
         home, run, step = _home(store, ref)
         lease = acquire(home, run, step, ttl_s) if home is not None else None
-    except (PermissionError, OSError) as error:
+    except OSError as error:  # PermissionError among them: read-only credentials
         if not by_url:
             raise
         # Reading a checkpoint by URL needs only read access; a lease is a courtesy to gc there.
@@ -120,8 +120,6 @@ def _home(store, ref):
     parts = ref.url.rstrip("/").rsplit("/", 3)
     if len(parts) != 4 or parts[2] != "checkpoints" or not STEP_DIR.match(parts[3]) or not parts[1]:
         return None, None, None
-    home = store.at(parts[0] or "/")  # a checkpoint at /<run>/checkpoints/... has the root as its store
-    step = int(STEP_DIR.match(parts[3]).group(1))
-    if step not in home.committed_steps(parts[1]):  # resolve() checked the manifest; this is its catalog
-        return None, None, None
-    return home, parts[1], step
+    # resolve() found the manifest, so the step is committed in that catalog; `reading` checks
+    # again once the lease is taken. At the file-system root the store is "/".
+    return store.at(parts[0] or "/"), parts[1], int(STEP_DIR.match(parts[3]).group(1))

@@ -70,10 +70,10 @@ def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, p
             if not isinstance(blob, BaseException) and len(blob) == end - start:
                 report.bytes_checked += len(blob)
                 advance(progress, len(blob))
-                blob = running_like(chunk.checksum if chunk is not None else expected_header, path).update(blob).text()
+                blob = running_like(_recorded(chunk, expected_header), path).update(blob).text()
             _compare(file, start, end, chunk, blob, expected_header, report)
     for start, end, chunk in (r for r in ranges if r[1] - r[0] > window_bytes):
-        running, outcome = running_like(chunk.checksum if chunk is not None else expected_header, path), None
+        running, outcome = running_like(_recorded(chunk, expected_header), path), None
         for offset in range(start, end, window_bytes):  # a big chunk in pieces, CRC carried along
             try:
                 data = fs.cat_file(path, start=offset, end=min(offset + window_bytes, end))
@@ -84,6 +84,11 @@ def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, p
             report.bytes_checked += len(data)
             advance(progress, len(data))
         _compare(file, start, end, chunk, outcome or running.text(), expected_header, report)
+
+
+def _recorded(chunk, expected_header: str) -> str:
+    """The checksum a range is held to: its chunk's, or the file header's (chunk None)."""
+    return chunk.checksum if chunk is not None else expected_header
 
 
 def _ranges(members: list) -> list[tuple[int, int, object]]:
@@ -117,7 +122,6 @@ def _compare(file: str, start: int, end: int, chunk, actual, expected_header: st
         report.problems.append(f"{file}: could not read bytes [{start}, {end}) of {what}: {actual}")
     elif not isinstance(actual, str):
         report.problems.append(f"{file}: bytes [{start}, {end}) of {what}: got only {len(actual)} bytes")
-    elif actual != (chunk.checksum if chunk is not None else expected_header):
-        expected = chunk.checksum if chunk is not None else expected_header
+    elif actual != _recorded(chunk, expected_header):
         report.problems.append(f"{file}: checksum mismatch in {what} at bytes [{start}, {end}): "
-                               f"manifest {expected}, file {actual}")
+                               f"manifest {_recorded(chunk, expected_header)}, file {actual}")
