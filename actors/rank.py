@@ -33,7 +33,10 @@ class RankActor:
         from actors.trainer import Trainer  # heavy imports happen in the actor, not at module load
 
         self.shutdown()  # a reused actor leaves its previous group first
-        self.trainer = Trainer(config, rank, init_method, plan)
+        # The GPU Ray assigned to this actor, if any (Ray narrows CUDA_VISIBLE_DEVICES to it); a
+        # rank placed on a CPU share stays on the CPU even where the machine has GPUs.
+        device = "cuda" if ray.get_gpu_ids() else "cpu"
+        self.trainer = Trainer(config, rank, init_method, plan, device=device)
         return {"rank": rank, "pid": os.getpid(), "device": str(self.trainer.device),
                 "data_fingerprint": self.trainer.data_fingerprint()}
 

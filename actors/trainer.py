@@ -71,16 +71,19 @@ def param_groups_by_mesh(parameters) -> list[dict]:
 
 
 class Trainer:
-    """plan: the pipeline plan the driver built (pp > 1); rebuilt here from the config if None."""
+    """plan: the pipeline plan the driver built (pp > 1); rebuilt here from the config if None.
+    device: "cuda" (this process's current GPU, NCCL) or "cpu" (gloo). The caller decides: a rank
+    on a GPU machine that was given no GPU (a CPU share, a CPU benchmark) must not take one."""
 
-    def __init__(self, config: TrainConfig, rank: int, init_method: str, plan: PipelinePlan | None = None):
+    def __init__(self, config: TrainConfig, rank: int, init_method: str, plan: PipelinePlan | None = None,
+                 device: str = "cpu"):
         torch.set_num_threads(1)
         self.config = config.validate()
         self.rank = rank
         self.layout = config.layout
         self.coords = self.layout.coords_of(rank)
         self.coord_map = {"dp": self.coords.dp, "fsdp": self.coords.fsdp, "tp": self.coords.tp}
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         forget_previous_meshes()
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.layout.world_size,

@@ -81,7 +81,7 @@ def main() -> None:
                          data=DataConfig(max_bytes=2_000_000)).validate()
     import ray
 
-    ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(num_gpus=0, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     ray_medians, mp_medians = [], []
     for repeat in range(args.repeats):
         ray_medians.append(statistics.median(step_times_ray(config)))

@@ -117,7 +117,7 @@ def run(args) -> None:
                          seq_len=args.seq_len, data=DataConfig(max_bytes=2_000_000), store=f"s3://{BUCKET}/store",
                          run="bench").validate()
     world = config.layout.world_size
-    ray.init(address="local", num_cpus=world, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=world, num_gpus=0, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     store = Store(config.store)
     group = RankGroup(config)
     group.call("configure_storage", store.storage_conf)

@@ -143,7 +143,7 @@ def inject_faults(cluster: Cluster, workers: list, proxy, store: str, events: li
         events.append({"event": "remove_node", "after_checkpoint": removed_after, "at": time.time()})
         removed.set()
         wait_for_checkpoint(store, removed_after + 2 * EVERY)  # the run goes on on fewer ranks first
-        workers.append(cluster.add_node(num_cpus=2))
+        workers.append(cluster.add_node(num_cpus=2, num_gpus=0))
         cluster.wait_for_nodes()
         events.append({"event": "add_node", "after_checkpoint": latest_step(store), "at": time.time()})
         grown.set()
@@ -154,8 +154,8 @@ def inject_faults(cluster: Cluster, workers: list, proxy, store: str, events: li
 
 def main(out: str) -> None:
     server, proxy, store = start_s3()  # before the cluster: its nodes inherit the S3 environment
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    workers = [cluster.add_node(num_cpus=2) for _ in range(3)]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(3)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     events: list[dict] = []

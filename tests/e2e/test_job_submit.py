@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import socket
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -30,8 +31,14 @@ def ray_head():
     # Ray's socket paths must stay under 107 bytes, so its session dir gets a short name.
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")
     bin_dir = os.path.dirname(sys.executable)
+    # `ray start` never creates a token (only a local ray.init does), so on a fresh machine with no
+    # ~/.ray/auth_token it refuses to start; the cluster gets its own, as a real deployment would.
+    token_path = os.path.join(temp_dir, "auth_token")
+    with open(token_path, "w") as handle:
+        handle.write(secrets.token_hex(32))
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RAY_AUTH_MODE="token",
-               RAY_USAGE_STATS_ENABLED="0")
+               RAY_AUTH_TOKEN_PATH=token_path, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_ADDRESS", None)
     gcs_port, dashboard_port = _free_port(), _free_port()
     # Every agent gets a free port: the defaults (52365, ...) collide with any other Ray on the
