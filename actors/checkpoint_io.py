@@ -6,17 +6,18 @@ No pickle anywhere: tensors go through safetensors, metadata through Parquet and
 Memory: a save computes the whole safetensors header from shapes first, then streams each piece
 in row blocks of at most STAGE_BYTES (a device tensor is copied to CPU one block at a time; a CPU
 tensor is written straight from its own memory), so the extra memory of a save is one block plus
-the file system's write buffer, whatever the shard size. A load fetches requests in windows of
-at most WINDOW_BYTES and copies each into place before fetching the next window.
+the file system's write buffer, whatever the shard size. A load holds at most WINDOW_BYTES of
+fetched bytes that are not yet in place.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import json
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -26,6 +27,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from actors.checksums import RunningChecksum, checksum, matches, running_like
 from actors.object_writer import open_object_writer
+from actors.ranged_fetch import fetch_ranges
 from plans.chunks import Chunk
 from plans.errors import CheckpointError
 from plans.reshard import HeaderCheck, ReadItem, Request, coalesce
@@ -172,18 +174,6 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], 
 Destination = tuple[torch.Tensor, tuple[int, ...]]
 
 
-def _windows(requests: Sequence[Request], window_bytes: int) -> Iterable[list[Request]]:
-    batch, size = [], 0
-    for request in requests:
-        if batch and size + request.nbytes > window_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append(request)
-        size += request.nbytes
-    if batch:
-        yield batch
-
-
 def _short_read(path: str, start: int, end: int, what: str, got) -> CheckpointError:
     detail = ("an error: " + str(got) if isinstance(got, BaseException) else
               f"{got} bytes" if isinstance(got, int) else f"{len(got)} bytes")
@@ -222,33 +212,35 @@ def _check_header(part: HeaderCheck, data, path: str) -> None:
 
 
 def execute_requests(fs, base: str, requests: Sequence[Request], destinations: dict[ReadItem, Destination] | Callable,
-                     window_bytes: int = WINDOW_BYTES) -> int:
+                     window_bytes: int = WINDOW_BYTES, served: Callable[[ReadItem], None] | None = None) -> int:
     """Fetch requests, verify, and copy every item into its destination. `destinations` maps an
     item to (tensor, global offsets of that tensor), or is a function doing so. Returns bytes read.
+    served(item), if given, is called once each item is verified and in place.
 
     Local files are read item by item straight into the destination when its slice is contiguous
     (a same-layout load copies nothing twice and needs no buffer), else through one reused buffer.
-    Object stores get each window's requests in one batched call (fetched concurrently)."""
+    Object stores stream: GETs run concurrently with at most `window_bytes` fetched and not yet
+    placed, and each is placed as it arrives (`actors/ranged_fetch.py`)."""
     lookup = destinations if callable(destinations) else destinations.__getitem__
+    served = served or (lambda item: None)
     if isinstance(fs, LocalFileSystem):
-        return _execute_local(fs, base, requests, lookup, window_bytes)
+        return _execute_local(fs, base, requests, lookup, window_bytes, served)
     total = 0
     small = [r for r in requests if r.nbytes <= window_bytes]
-    for batch in _windows(small, window_bytes):
-        paths = [f"{base}/{r.file}" for r in batch]
-        blobs = fs.cat_ranges(paths, [r.byte_start for r in batch], [r.byte_end for r in batch], on_error="return")
-        for request, blob, path in zip(batch, blobs, paths):
+    with contextlib.closing(fetch_ranges(fs, base, small, window_bytes)) as arrivals:
+        for request, blob in arrivals:
+            path = f"{base}/{request.file}"
             if isinstance(blob, BaseException) or len(blob) != request.nbytes:
                 raise _short_read(path, request.byte_start, request.byte_end, _describe(request), blob)
-            _serve(request, blob, path, lookup)
+            _serve(request, blob, path, lookup, served)
             total += request.nbytes
     for request in requests:
         if request.nbytes > window_bytes:
-            total += _serve_large(fs, base, request, lookup, window_bytes)
+            total += _serve_large(fs, base, request, lookup, window_bytes, served)
     return total
 
 
-def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_bytes: int) -> int:
+def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_bytes: int, served) -> int:
     total = 0
     scratch = bytearray()
     handles: dict[str, object] = {}
@@ -266,7 +258,8 @@ def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_by
                 # one (a reshard that cuts across the stored split): no buffer, no second copy.
                 segments = None if isinstance(part, HeaderCheck) else _direct_segments(part, lookup(part))
                 if segments is None and isinstance(part, ReadItem) and part.nbytes > window_bytes and part.held_sizes:
-                    total += _serve_large(fs, base, Request(part.file, part.byte_start, part.byte_end, (part,)), lookup, window_bytes)
+                    total += _serve_large(fs, base, Request(part.file, part.byte_start, part.byte_end, (part,)), lookup,
+                                          window_bytes, served)
                     continue
                 staged = segments is None
                 if staged:
@@ -283,6 +276,7 @@ def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_by
                     _check_whole_chunk(part, segments, path)
                     if staged:
                         _copy_item(part, segments[0], lookup(part), path)
+                    served(part)
                 total += part.nbytes
     finally:
         for handle in handles.values():
@@ -353,7 +347,7 @@ def _describe(request: Request) -> str:
     return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "the safetensors header"
 
 
-def _serve(request: Request, blob, path: str, lookup) -> None:
+def _serve(request: Request, blob, path: str, lookup, served) -> None:
     view = memoryview(blob)
     for part in request.parts:
         data = view[part.byte_start - request.byte_start: part.byte_end - request.byte_start]
@@ -362,9 +356,10 @@ def _serve(request: Request, blob, path: str, lookup) -> None:
             continue
         _check_whole_chunk(part, [data], path)
         _copy_item(part, data, lookup(part), path)
+        served(part)
 
 
-def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int) -> int:
+def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int, served) -> int:
     """A request bigger than the window: read each part on its own, and a whole-rows item bigger
     than the window in row blocks, verifying its checksum incrementally."""
     path = f"{base}/{request.file}"
@@ -372,7 +367,7 @@ def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int) -> 
     for part in request.parts:
         if isinstance(part, HeaderCheck) or part.nbytes <= window_bytes or len(part.held_sizes) == 0:
             data = _cat(fs, path, part.byte_start, part.byte_end, _describe(Request(part.file, 0, 0, (part,))))
-            _serve(Request(request.file, part.byte_start, part.byte_end, (part,)), data, path, lookup)
+            _serve(Request(request.file, part.byte_start, part.byte_end, (part,)), data, path, lookup, served)
             total += part.nbytes
             continue
         row_bytes = part.nbytes // part.held_sizes[0]
@@ -395,6 +390,7 @@ def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int) -> 
             raise CheckpointError(f"{path}: checksum mismatch for {part.chunk.name} ({part.chunk.kind}) at bytes "
                                   f"[{part.byte_start}, {part.byte_end}); the file changed or is corrupt. "
                                   "Fix: restore it from a copy, or resume from another checkpoint")
+        served(part)
     return total
 
 

@@ -11,6 +11,10 @@ rule, which always picks coordinate 0): each replica group splits its pieces by 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 
 import fsspec
@@ -21,18 +25,21 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from actors.checkpoint_io import WINDOW_BYTES, decode_manifest, dtype_name, execute_requests, write_shard
 from actors import shards
-from actors.replica_broadcast import broadcast_pieces
+from actors.replica_broadcast import broadcast_pieces, buckets
 from actors.shards import local_region
 from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from plans.errors import CheckpointError
 from plans.layout import ParallelLayout, RankCoords
 from plans.object_keys import check_object_keys
-from plans.reshard import Target, header_checks, index_chunks, plan_rank
-from plans.save_plan import assign_writers, file_position, group_salt
+from plans.reshard import ReadItem, Target, header_checks, index_chunks, plan_rank
+from plans.save_plan import assign_readers, assign_writers, file_position, group_salt
 from plans.target_regions import EMBEDDING, replica_members
 
 MANIFEST = "manifest.parquet"
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
+# Replicas hand over read-once pieces in buckets this big: small enough that the first one goes
+# out early in a read, large enough that a load is a few dozen collectives, not hundreds.
+BROADCAST_BUCKET_BYTES = 16 * 2**20
 DATA_DIMS = ("dp", "fsdp", "tp")
 
 
@@ -128,18 +135,24 @@ def save_rank_shard(model, optimizer, coords: dict[str, int], checkpoint_url: st
     return [chunk.to_row() for chunk in write_shard(fs, base, file, pieces)]
 
 
-def read_manifest(checkpoint_url: str) -> tuple[list[Chunk], dict]:
-    """The chunks and metadata of a committed checkpoint. Every path that opens a checkpoint for
-    reading (loads, resume, offline reshard, digest, diff, export, verify, gc) comes through here,
-    so this is where a manifest naming objects outside its own directory (`..`, absolute paths,
-    other buckets) is refused, before any shard byte is fetched."""
+def manifest_bytes(checkpoint_url: str) -> bytes:
+    """The committed manifest's bytes, as stored (a driver fetches them once and hands them to
+    every rank of a load, instead of every rank fetching them)."""
     fs, base = fsspec.core.url_to_fs(checkpoint_url)
-    where = f"{checkpoint_url}/{MANIFEST}"
     try:
-        data = fs.cat_file(f"{base}/{MANIFEST}")
+        return fs.cat_file(f"{base}/{MANIFEST}")
     except FileNotFoundError:
-        raise CheckpointError(f"{where} does not exist: not a committed checkpoint") from None
-    chunks, metadata = decode_manifest(data, where)
+        raise CheckpointError(f"{checkpoint_url}/{MANIFEST} does not exist: not a committed checkpoint") from None
+
+
+def read_manifest(checkpoint_url: str, data: bytes | None = None) -> tuple[list[Chunk], dict]:
+    """The chunks and metadata of a committed checkpoint (data: its manifest's bytes, if already
+    fetched). Every path that opens a checkpoint for reading (loads, resume, offline reshard,
+    digest, diff, export, verify, gc) comes through here, so this is where a manifest naming
+    objects outside its own directory (`..`, absolute paths, other buckets) is refused, before
+    any shard byte is fetched."""
+    where = f"{checkpoint_url}/{MANIFEST}"
+    chunks, metadata = decode_manifest(manifest_bytes(checkpoint_url) if data is None else data, where)
     check_object_keys((chunk.file for chunk in chunks), checkpoint_url)
     return chunks, metadata
 
@@ -164,13 +177,23 @@ class StoredCheckpoint:
         return {key: index.chunks for key, index in self.index.items()}
 
     def plan(self, targets, window_bytes: int = WINDOW_BYTES):
+        # Requests up to the whole window: fewer, larger GETs measured faster on the S3 server we
+        # test against, which reads a whole object for every ranged GET (docs/decisions.md 35).
         return plan_rank(self.index, list(targets), headers=self.headers, max_request_bytes=window_bytes)
 
-    def read(self, destinations: dict[Target, tuple[torch.Tensor, tuple]], window_bytes: int = WINDOW_BYTES) -> dict:
-        """Plan and execute the reads that fill every target (name, kind, region) into its tensor."""
+    def read(self, destinations: dict[Target, tuple[torch.Tensor, tuple]], window_bytes: int = WINDOW_BYTES,
+             groups: dict[Target, int] | None = None, group_done: Callable[[int], None] | None = None) -> dict:
+        """Plan and execute the reads that fill every target (name, kind, region) into its tensor.
+
+        groups: target -> group number; the groups' reads go first, lowest number first, and
+        group_done(number) is called as soon as every target of that group is verified and in
+        place (a read-once load hands a group to its replicas while it reads the next)."""
         plan = self.plan(destinations, window_bytes)
         by_item = {item: destinations[target] for target, items in plan.items.items() for item in items}
-        bytes_read = execute_requests(self.fs, self.base, plan.requests, by_item, window_bytes)
+        requests, served = plan.requests, None
+        if groups:
+            requests, served = _group_order(plan, groups, group_done)
+        bytes_read = execute_requests(self.fs, self.base, requests, by_item, window_bytes, served)
         return {"bytes_read": bytes_read, "bytes_needed": plan.bytes_needed, "requests": len(plan.requests),
                 "files": plan.files}
 
@@ -183,13 +206,17 @@ class StoredCheckpoint:
 
 
 @torch.no_grad()
-def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: set[str]) -> dict:
+def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: set[str],
+                    manifest: bytes | None = None) -> dict:
     """Fill this rank's params and AdamW state from a checkpoint written by any layout.
 
     all_parameter_names: every parameter of the whole model (not only this rank's stage), so a
     key is 'unexpected' only if no rank of the model could own it.
+    manifest: the manifest's bytes when the caller fetched them already (else read here).
     """
-    chunks, metadata = read_manifest(checkpoint_url)
+    started = time.perf_counter()
+    chunks, metadata = read_manifest(checkpoint_url, manifest)
+    seconds = {"manifest": time.perf_counter() - started}
     stored: dict[tuple[str, str], Chunk] = {}
     for chunk in chunks:
         stored.setdefault((chunk.name, chunk.kind), chunk)
@@ -203,25 +230,83 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
                    else torch.empty_like(param) for kind in MOMENTS}
         optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
     destinations, shared, readers = load_destinations(model, optimizer, read_once_for(checkpoint_url))
-    failure, stats = None, {}
-    try:
-        stats = StoredCheckpoint(checkpoint_url, chunks, metadata).read(destinations)
-    except CheckpointError as error:  # tell the replicas before anyone waits on a broadcast
-        failure = error
+    stored = StoredCheckpoint(checkpoint_url, chunks, metadata)
     if shared:
+        layout, coords = rank_layout(model)
+        stats, received, failure = _read_and_hand_over(stored, destinations, shared, readers, layout, coords, seconds)
         group = shared[0][2].device_mesh.get_group("dp")
         failed = torch.tensor([int(failure is not None)], device=_local(shared[0][2]).device)
         dist.all_reduce(failed, group=group)
         if failure is None and failed.item():
             failure = CheckpointError(f"{checkpoint_url}: a dp replica of this rank could not read its share of the "
                                       "checkpoint (its own error names the file); nothing was loaded")
-    if failure is not None:
-        raise failure
-    layout, coords = rank_layout(model)
-    received = broadcast_pieces([(_local(tensor), tensor.device_mesh.get_group("dp")) for _, _, tensor, _, _ in shared],
-                                readers, coords.dp, lambda reader: layout.rank_of(replace(coords, dp=reader)), WINDOW_BYTES)
+        if failure is not None:
+            raise failure
+    else:
+        started, received = time.perf_counter(), 0
+        stats = stored.read(destinations)
+        seconds["read"] = time.perf_counter() - started
     _fill_local_copies(model, optimizer)
-    return {"step": step, "metadata": metadata, "bytes_received": received, **stats}
+    return {"step": step, "metadata": metadata, "bytes_received": received, "seconds": seconds, **stats}
+
+
+def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: list, readers: list[int],
+                        layout: ParallelLayout, coords: RankCoords, seconds: dict) -> tuple[dict, int, BaseException | None]:
+    """Read this rank's targets in a background thread, its share of the replicated pieces first,
+    bucket by bucket, while this thread broadcasts each bucket to the dp replicas as soon as it is
+    in place (and receives theirs). Returns (read stats, bytes received, this rank's read error).
+
+    A reader whose read fails still takes part in every broadcast (sending what it has), so no
+    replica waits on it; the caller then tells all of them that the load failed."""
+    pieces = [(_local(tensor), tensor.device_mesh.get_group("dp")) for _, _, tensor, _, _ in shared]
+    cut = buckets(pieces, readers, BROADCAST_BUCKET_BYTES)
+    position_of = {Target(*shared[index][:2], shared[index][3], shared[index][4]): position
+                   for position, bucket in enumerate(cut) if bucket.reader == coords.dp for index in bucket.members}
+    in_place = [threading.Event() for _ in cut]
+    outcome: dict = {}
+    started = time.perf_counter()
+
+    def read_all() -> None:
+        try:
+            outcome["stats"] = stored.read(destinations, groups=position_of, group_done=lambda p: in_place[p].set())
+        except BaseException as error:  # reported after the hand-over, which must not wait on it
+            outcome["error"] = error
+        finally:
+            seconds["read"] = time.perf_counter() - started
+            for event in in_place:
+                event.set()
+
+    reader = threading.Thread(target=read_all, name="checkpoint-read", daemon=True)
+    reader.start()
+    received = broadcast_pieces(pieces, readers, coords.dp, lambda dp: layout.rank_of(replace(coords, dp=dp)),
+                                BROADCAST_BUCKET_BYTES, ready=lambda position: in_place[position].wait())
+    reader.join()
+    seconds["broadcast_after_read"] = time.perf_counter() - started - seconds["read"]
+    return outcome.get("stats", {}), received, outcome.get("error")
+
+
+def _group_order(plan, groups: dict[Target, int], group_done: Callable[[int], None]):
+    """The plan's requests with the groups' first (lowest group first), and the per-item
+    callback that reports each group once all of its targets are in place."""
+    target_of = {item: target for target, items in plan.items.items() for item in items}
+    items_left = {target: len(items) for target, items in plan.items.items()}
+    targets_left = Counter(groups[target] for target in plan.items if target in groups)
+    after_groups = max(groups.values(), default=0) + 1
+
+    def order(request) -> int:
+        return min((groups.get(target_of[part], after_groups) for part in request.parts if isinstance(part, ReadItem)),
+                   default=-1)  # header-only requests first: they are small
+
+    def served(item) -> None:
+        target = target_of[item]
+        items_left[target] -= 1
+        if items_left[target] == 0 and target in groups:
+            group = groups[target]
+            targets_left[group] -= 1
+            if targets_left[group] == 0:
+                group_done(group)
+
+    return sorted(plan.requests, key=order), served
 
 
 def read_once_for(checkpoint_url: str) -> bool:
@@ -267,8 +352,8 @@ def load_destinations(model, optimizer, read_once: bool = True):
             shared.append((name, kind, tensor, offsets, sizes))
         else:
             destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
-    salt = "read|" + group_salt(("dp",), coords)
-    readers = assign_writers([_local(t).numel() * _local(t).element_size() for _, _, t, _, _ in shared], layout.dp, salt)
+    readers = assign_readers([replicated_dims(t, layout) for _, _, t, _, _ in shared],
+                             [_local(t).numel() * _local(t).element_size() for _, _, t, _, _ in shared], layout, coords)
     for (name, kind, tensor, offsets, sizes), reader in zip(shared, readers):
         if reader == coords.dp:
             destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)

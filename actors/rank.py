@@ -47,8 +47,10 @@ class RankActor:
 
         fsspec.config.conf.update(conf)
 
-    def load(self, checkpoint_url: str) -> dict:
-        return self.trainer.load(checkpoint_url)
+    def load(self, checkpoint_url: str, manifest: bytes | None = None) -> dict:
+        """manifest: its bytes as the driver read them (passed by object reference, so a node
+        fetches them once), sparing storage one manifest GET per rank."""
+        return self.trainer.load(checkpoint_url, manifest)
 
     def train_step(self) -> dict:
         return self.trainer.train_step()

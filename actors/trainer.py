@@ -295,11 +295,12 @@ class Trainer:
     def save_shard(self, checkpoint_url: str, file: str) -> list[dict]:
         return save_rank_shard(self.model, self.optimizer, self.coord_map, checkpoint_url, file)
 
-    def load(self, checkpoint_url: str) -> dict:
-        result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(parameter_shapes(self.config.model)))
+    def load(self, checkpoint_url: str, manifest: bytes | None = None) -> dict:
+        result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(parameter_shapes(self.config.model)),
+                                 manifest)
         self._mark_tied_state()
         self.step = result["step"]
-        return {"step": result["step"], "bytes_read": result["bytes_read"]}
+        return {"step": result["step"], "bytes_read": result["bytes_read"], "seconds": result["seconds"]}
 
     def data_fingerprint(self) -> str:
         return corpus_fingerprint(self.corpus)

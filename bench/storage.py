@@ -31,6 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BUCKET = "bench"
+LOAD_PHASES = ("manifest", "read", "broadcast_after_read")
 
 
 def start_s3_server() -> tuple[subprocess.Popen, str]:
@@ -132,7 +133,7 @@ def run(args) -> None:
             url = save_checkpoint(group, store, config, step, None, fingerprint)
             times["save"].append(time.perf_counter() - started)
 
-            from actors.checkpointing import read_manifest
+            from actors.checkpointing import manifest_bytes, read_manifest
 
             chunks, _ = read_manifest(url)
             files = sorted({c.file for c in chunks})
@@ -141,7 +142,11 @@ def run(args) -> None:
             sizes = ray.get([a.__ray_call__.remote(_raw_prepare, s) for a, s in zip(group.actors, sources)])
             total_bytes = sum(sizes)
             times["put"].append(_timed(lambda: ray.get([a.__ray_call__.remote(_raw_put, u) for a, u in zip(group.actors, raw)])))
-            times["load"].append(_timed(lambda: group.call("load", url)))
+            started = time.perf_counter()  # as `rayshard train --resume` loads: the driver reads the manifest once
+            phases = [rank["seconds"] for rank in group.call("load", url, ray.put(manifest_bytes(url)))]
+            times["load"].append(time.perf_counter() - started)
+            for phase in LOAD_PHASES:  # the slowest rank's
+                times.setdefault(f"load/{phase}", []).append(max(rank.get(phase, 0.0) for rank in phases))
             times["get"].append(_timed(lambda: ray.get([a.__ray_call__.remote(_raw_get, u) for a, u in zip(group.actors, raw)])))
 
             committed = []
@@ -177,6 +182,9 @@ def run(args) -> None:
         print(f"  {name:5s} rayshard {median[name]:6.2f} s ({mib / median[name]:6.1f} MiB/s)   "
               f"raw s3fs {anchor} {median[anchor]:6.2f} s ({mib / median[anchor]:6.1f} MiB/s)   "
               f"ratio {median[anchor] / median[name]:.3f}   (goal >= 0.9)")
+    print("  load phases, slowest rank, medians: " + ", ".join(
+        f"{phase} {median[f'load/{phase}'] * 1e3:.0f} ms" for phase in LOAD_PHASES)
+          + " (the hand-over to dp replicas runs beside the read; what is left of it after the read)")
     print(f"  async save: training blocked {median['async'] * 1e3:.0f} ms vs sync save {median['save'] * 1e3:.0f} ms   "
           f"ratio {median['async'] / median['save']:.3f}   (goal <= 0.05)")
     print(f"  while an async save uploads, a training step takes {median['step_during']:.2f} s "

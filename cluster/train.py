@@ -10,14 +10,16 @@ import time
 from typing import Callable
 from dataclasses import dataclass, field
 
+import ray
+
 from actors.checkpoint_io import encode_manifest
 from cluster.pipeline_timings import PipelineTimings
-from actors.checkpointing import read_manifest
+from actors.checkpointing import manifest_bytes, read_manifest
 from cluster import leases
 from cluster.async_save import AsyncCheckpointer
 from cluster.rank_group import RankGroup, connect_ray
 from cluster.resume_check import verify_resumed_state
-from cluster.store import CheckpointRef, Store
+from cluster.store import Store
 from plans.chunks import Chunk
 from plans.config import TrainConfig
 from plans.errors import ConfigError
@@ -60,8 +62,10 @@ def train(config: TrainConfig, actors: list | None = None,
         raise ConfigError("run", config.run,
                           f"already has checkpoints in {config.store} (steps {store.committed_steps(config.run)})",
                           "pass --resume latest (or auto) to continue it, or choose a new --run name")
+    manifest = None
     if resume is not None:
-        metadata = _read_metadata(resume)
+        manifest = manifest_bytes(resume.url)  # read once here; the ranks get these bytes
+        metadata = read_manifest(resume.url, manifest)[1]
         start_step, parent = int(metadata["step"]), resume.url
         _log(f"resuming from {resume.url} (step {start_step}, written by layout {metadata['layout']})")
         _warn_if_schedule_changed(metadata, config)
@@ -93,7 +97,7 @@ def train(config: TrainConfig, actors: list | None = None,
     try:
         if resume is not None:
             with leases.reading(store, resume):  # `ckpt gc` keeps the checkpoint while ranks read it
-                loaded = group.call("load", resume.url)
+                loaded = group.call("load", resume.url, ray.put(manifest))
             _log(f"loaded step {start_step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over "
                  f"{len(loaded)} ranks")
             if config.verify_resume:
@@ -166,10 +170,6 @@ def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data
         "parent": parent,
         "created_unix": time.time(),
     }
-
-
-def _read_metadata(ref: CheckpointRef) -> dict:
-    return read_manifest(ref.url)[1]
 
 
 def _lr_schedule(config: TrainConfig) -> dict:

@@ -3,17 +3,21 @@ long enough; with deep=True every chunk's bytes and every file's header are read
 CRC32 compared with the manifest — the check that catches a truncated or replaced shard that
 still has the right name.
 
-Deep reads go through the same fsspec ranged reads as a load (concurrent on S3), in windows of
-at most `window_bytes`, so memory stays bounded whatever the checkpoint size.
+Deep reads go through the same streamed ranged reads as a load (`actors/ranged_fetch.py`:
+concurrent on S3, at most `window_bytes` fetched and not yet checked), so memory stays bounded
+whatever the checkpoint size.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import fsspec
 
 from actors.checksums import running_like
 from actors.checkpointing import read_manifest
+from actors.ranged_fetch import fetch_ranges
+from plans.reshard import Request
 from cluster.progress import advance, set_total
 
 WINDOW_BYTES = 64 * 2**20
@@ -63,10 +67,11 @@ def verify(url: str, deep: bool = False, progress=None, window_bytes: int = WIND
 def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, progress, window_bytes: int) -> None:
     expected_header = next((c.file_header for c in members if getattr(c, "file_header", "")), "")
     ranges = _ranges(members)
-    small = [r for r in ranges if r[1] - r[0] <= window_bytes]
-    for batch in _windows(small, window_bytes):  # one concurrent ranged read per window
-        blobs = fs.cat_ranges([path] * len(batch), [r[0] for r in batch], [r[1] for r in batch], on_error="return")
-        for (start, end, chunk), blob in zip(batch, blobs):
+    base, name = path.rsplit("/", 1)
+    small = {Request(name, start, end, ()): chunk for start, end, chunk in ranges if end - start <= window_bytes}
+    with contextlib.closing(fetch_ranges(fs, base, list(small), window_bytes)) as arrivals:  # concurrent, streamed
+        for request, blob in arrivals:
+            chunk, start, end = small[request], request.byte_start, request.byte_end
             if not isinstance(blob, BaseException) and len(blob) == end - start:
                 report.bytes_checked += len(blob)
                 advance(progress, len(blob))
@@ -101,18 +106,6 @@ def _ranges(members: list) -> list[tuple[int, int, object]]:
 
 def _ranges_bytes(ranges: list) -> int:
     return sum(end - start for start, end, _ in ranges)
-
-
-def _windows(ranges: list, window_bytes: int):
-    batch, size = [], 0
-    for item in ranges:
-        if batch and size + item[1] - item[0] > window_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append(item)
-        size += item[1] - item[0]
-    if batch:
-        yield batch
 
 
 def _compare(file: str, start: int, end: int, chunk, actual, expected_header: str, report: VerifyReport) -> None:

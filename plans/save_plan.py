@@ -58,15 +58,33 @@ def _assign(piece_bytes: tuple[int, ...], group_size: int, rotation: int) -> tup
     return tuple(writers)
 
 
+def assign_readers(replicated_over: Sequence[tuple[str, ...]], piece_bytes: Sequence[int], layout: ParallelLayout,
+                   coords: RankCoords) -> list[int]:
+    """On a read-once load, the dp coordinate that reads each dp-replicated piece, for pieces
+    listed in the same order on every replica. Each copy group (the piece's copy dims) is split
+    by bytes with the writers' own rule and salt, so on a resume onto the layout that saved, every
+    replica reads back exactly the pieces it wrote: its own file, front to back, which on an
+    object store is one sequential GET per file instead of ranges scattered over its peers'."""
+    readers = [0] * len(piece_bytes)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for index, dims in enumerate(replicated_over):
+        groups.setdefault(tuple(dims), []).append(index)
+    for dims, members in groups.items():
+        split = assign_writers([piece_bytes[i] for i in members], layout.dp, group_salt(dims, coords))
+        for index, member in zip(members, split):
+            readers[index] = member
+    return readers
+
+
 def read_once_readers(regions: Sequence[Region], piece_bytes: Sequence[int], layout: ParallelLayout,
                       coords: RankCoords) -> list[int | None]:
     """On load, the global rank that reads each piece from storage for its dp replica group
     (None: not shared across dp, this rank reads it). Pieces listed in the same order on every
-    replica; the split is by bytes, like the writers'."""
+    replica; the split is `assign_readers`'."""
     shared = [i for i, region in enumerate(regions) if layout.dp > 1 and "dp" in region.replicated_over]
     readers: list[int | None] = [None] * len(regions)
-    salt = "read|" + group_salt(("dp",), coords)
-    for index, member in zip(shared, assign_writers([piece_bytes[i] for i in shared], layout.dp, salt)):
+    split = assign_readers([regions[i].replicated_over for i in shared], [piece_bytes[i] for i in shared], layout, coords)
+    for index, member in zip(shared, split):
         readers[index] = layout.rank_of(RankCoords(coords.pp, member, coords.fsdp, coords.tp))
     return readers
 

@@ -8,6 +8,7 @@ matrices (offline and through training actors) are marked slow:
 """
 import io
 import itertools
+from dataclasses import replace
 
 import pytest
 from tqdm import tqdm
@@ -99,8 +100,6 @@ def test_on_an_object_store_dp_replicas_read_each_piece_once(rank_pool, s3_store
     """Through S3 (moto): a dp2 x tp2 load reads the checkpoint once in all (each replica its
     share, then a broadcast), and the state it holds is bit for bit the one saved."""
     config = _training_config(tmp_path, SOURCE, "s3-src")
-    from dataclasses import replace
-
     from cluster.train import train
 
     url = train(replace(config, store=s3_store, steps=1), rank_pool).checkpoints[-1]
@@ -109,6 +108,39 @@ def test_on_an_object_store_dp_replicas_read_each_piece_once(rank_pool, s3_store
     chunks, _ = read_manifest(url)
     assert sum(r["bytes_read"] for r in loaded) <= 1.01 * sum(c.byte_end - c.byte_start for c in chunks)
     assert chunk_fingerprint(again) == chunk_fingerprint(url)
+
+
+def test_a_replica_that_cannot_read_its_share_fails_the_load_for_its_whole_dp_group(rank_pool, s3_store, tmp_path):
+    """Read-once on S3 with one chunk corrupted: the replica that reads it names the tensor and the
+    file, its dp peer (which would have received that piece) is told the load failed, and nobody
+    waits on a broadcast that never comes (every rank answers)."""
+    import fsspec
+
+    from cluster.rank_group import RankGroup, StepFailed
+    from cluster.train import train
+
+    config = _training_config(tmp_path, SOURCE, "s3-corrupt-src")
+    url = train(replace(config, store=s3_store, steps=1), rank_pool).checkpoints[-1]
+    chunks, _ = read_manifest(url)
+    victim = max((c for c in chunks if c.file.endswith("rank-00000.safetensors")), key=lambda c: c.byte_end - c.byte_start)
+    fs, base = fsspec.core.url_to_fs(url)
+    data = bytearray(fs.cat_file(f"{base}/{victim.file}"))
+    data[(victim.byte_start + victim.byte_end) // 2] ^= 0xFF
+    fs.pipe_file(f"{base}/{victim.file}", bytes(data))
+
+    group = RankGroup(replace(config, store=s3_store, run="s3-corrupt-load"), rank_pool)
+    try:
+        group.call("configure_storage", Store(s3_store).storage_conf)
+        with pytest.raises(StepFailed) as failed:
+            group.call_reporting_failures("load", url)
+    finally:
+        group.shutdown()
+    errors = failed.value.failures
+    assert failed.value.silent == []
+    named = [rank for rank, message in errors.items() if "checksum mismatch" in message]
+    assert len(named) == 1 and victim.name in errors[named[0]] and victim.file in errors[named[0]]
+    peers = [rank for rank in range(4) if rank != named[0] and rank % 2 == named[0] % 2]  # same tp, other dp
+    assert all("a dp replica of this rank could not read" in errors[rank] for rank in peers)
 
 
 _resharded: dict = {}

@@ -58,11 +58,13 @@ def test_every_piece_arrives_bit_for_bit_across_several_buckets():
         assert outcome[rank] == (True, expected)
 
 
-def test_buckets_split_by_reader_dtype_and_size():
+def test_buckets_split_by_reader_dtype_and_size_and_readers_take_turns():
     group = object()
-    tensors = [torch.zeros(8), torch.zeros(8), torch.zeros(8, dtype=torch.float64), torch.zeros(30), torch.zeros(4)]
-    cut = buckets([(t, group) for t in tensors], [0, 0, 0, 0, 1], bucket_bytes=64)
-    # Two float32 pieces of 32 bytes share a bucket; float64 starts another; 120 bytes exceed
-    # the limit alone (a piece is never split); the other reader starts another.
-    assert [(b.reader, b.dtype, b.numel) for b in cut] == [(0, torch.float32, 16), (0, torch.float64, 8),
-                                                             (0, torch.float32, 30), (1, torch.float32, 4)]
+    tensors = [torch.zeros(8), torch.zeros(8), torch.zeros(8, dtype=torch.float64), torch.zeros(30), torch.zeros(4),
+               torch.zeros(3)]
+    cut = buckets([(t, group) for t in tensors], [0, 0, 0, 0, 1, 1], bucket_bytes=64)
+    # Reader 0: two float32 pieces of 32 bytes share a bucket; float64 starts another; 120 bytes
+    # exceed the limit alone (a piece is never split). Reader 1's pieces share one bucket, which
+    # goes out second: the readers take turns, so both start handing over early.
+    assert [(b.reader, b.dtype, b.members) for b in cut] == [
+        (0, torch.float32, [0, 1]), (1, torch.float32, [4, 5]), (0, torch.float64, [2]), (0, torch.float32, [3])]

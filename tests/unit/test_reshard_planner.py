@@ -148,3 +148,27 @@ def test_a_same_layout_load_is_one_request_per_file_of_whole_chunks():
         assert len(rank_plan.requests) == rank_plan.files  # header + chunks of a file: one coalesced read
     assert plan.bytes_needed == sum(c.byte_end - c.byte_start for c in chunks) + \
         sum(c.byte_end - c.byte_start for c in chunks if c.name.endswith("norm.weight"))  # norms: both tp ranks
+
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(dp=2, tp=2), ParallelLayout(dp=3, fsdp=2), ParallelLayout(dp=2, pp=2),
+                                    ParallelLayout(dp=4)], ids=str)
+def test_a_same_layout_read_once_load_reads_back_what_each_replica_wrote(layout):
+    """Replicas split the reading of dp-copied pieces as they split the writing, so resuming on
+    the layout that saved reads each rank's own file (one sequential read per file on S3)."""
+    from plans.save_plan import read_once_readers
+    from plans.target_regions import rank_regions
+
+    model = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48).validate()
+    kinds = ("param", "exp_avg", "exp_avg_sq")
+    writer = {(p.region.name, p.kind, p.region.offsets): rank
+              for rank, pieces in enumerate(predicted_writes(model, layout, kinds=kinds)) for p in pieces}
+    checked = 0
+    for rank in range(layout.world_size):
+        pieces = [(region, kind) for region in rank_regions(model, layout, rank) if region.numel for kind in kinds]
+        readers = read_once_readers([r for r, _ in pieces], [r.numel * 4 for r, _ in pieces], layout, layout.coords_of(rank))
+        for (region, kind), reader in zip(pieces, readers):
+            if region.replicated_over == ("dp",):
+                assert reader == writer[(region.name, kind, region.offsets)], (region.name, kind, rank)
+                checked += 1
+    assert checked
