@@ -325,13 +325,21 @@ def _read_into(handle, start: int, segments: list) -> int:
         handle.seek(start)
         return handle.readinto(segments[0]) or 0
     # A call may return short of the end of the file (Linux moves at most ~2 GiB a call; FUSE
-    # mounts may return less), so go on from where it stopped until a call reads nothing.
-    descriptor, got, pending, first = handle.fileno(), 0, [memoryview(s).cast("B") for s in segments], 0
+    # mounts may return less), so go on from where it stopped until a call reads nothing. The
+    # segments are 1-D byte buffers (len is bytes); only after a short call are they walked one
+    # by one, which costs a Python step per row.
+    descriptor, got, pending, first = handle.fileno(), 0, segments, 0
     while first < len(pending):
-        read = os.preadv(descriptor, pending[first:first + _IOV_MAX], start + got)
+        batch = pending[first:first + _IOV_MAX]
+        read = os.preadv(descriptor, batch, start + got)
         if read == 0:
             break
         got += read
+        if read == sum(map(len, batch)):
+            first += len(batch)
+            continue
+        if pending is segments:
+            pending, first = [memoryview(s).cast("B") for s in segments[first:]], 0
         while read and first < len(pending):
             if read >= pending[first].nbytes:
                 read -= pending[first].nbytes

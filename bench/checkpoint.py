@@ -7,7 +7,7 @@ then, repeatedly and in rotating order:
   same model and optimizer state dict), raw (each rank writes the bytes rayshard's save writes as
   one plain file);
 - load on the same layout: rayshard (`load_rank_shard`), DCP (`dcp.load` + `set_state_dict`),
-  raw (plain reads of exactly the byte ranges rayshard's load reads).
+  raw (plain reads of exactly the byte ranges rayshard's load reads, into one reused buffer).
 Then four fresh ranks on layout B (fsdp4) load what A saved: rayshard, DCP, and raw reads of
 exactly the byte ranges rayshard's plan reads. An operation's time is the slowest rank's; the
 figure is the median over repeats. No fsync anywhere (DCP's sync_files=False), so all three
@@ -134,11 +134,20 @@ def _raw_save(trainer, path: str):
             handle.write(block)
 
 
-def _raw_ranges(ranges: list[tuple[str, int, int]]):
+def _read_buffer(ranges: list[tuple[str, int, int]]) -> memoryview:
+    """One buffer for the largest range, its pages touched before any timing (as rayshard's
+    destination tensors are)."""
+    return memoryview(bytearray(b"\1") * max((end - start for _, start, end in ranges), default=0))
+
+
+def _raw_ranges(ranges: list[tuple[str, int, int]], buffer: memoryview):
+    """Storage bandwidth: the same ranges read into one reused buffer. (Fresh `bytes` per range
+    would charge the anchor page faults for every range above malloc's mmap threshold and not for
+    smaller ones, so the same-layout and resharded anchors would not measure the same thing.)"""
     for path, start, end in ranges:
-        with open(path, "rb") as handle:
+        with open(path, "rb", buffering=0) as handle:
             handle.seek(start)
-            handle.read(end - start)
+            handle.readinto(buffer[:end - start])
 
 
 def _our_load(trainer, url: str) -> dict:
@@ -178,10 +187,11 @@ def _phase_a(rank, config, port, root, repeats, queue):
             results[f"save/{method}"].append(seconds)
             memory[f"save/{method}"].append(extra)
         ranges = _planned_ranges(trainer, f"{root}/rayshard-{repeat}")
+        buffer = _read_buffer(ranges)
         for method in order:
             where = f"{root}/{method}-{repeat}"
             load = {"rayshard": lambda: _our_load(trainer, where), "dcp": lambda: _dcp_load(trainer, where),
-                    "raw": lambda: _raw_ranges(ranges)}[method]
+                    "raw": lambda: _raw_ranges(ranges, buffer)}[method]
             seconds, extra = _timed(load)
             results[f"load/{method}"].append(seconds)
             memory[f"load/{method}"].append(extra)
@@ -200,10 +210,11 @@ def _phase_b(rank, config, port, root, repeats, queue):
     _our_load(trainer, f"{root}/rayshard-0")  # untimed: creates the AdamW state every method then fills
     for repeat in range(repeats):
         ranges = _planned_ranges(trainer, f"{root}/rayshard-{repeat}")
+        buffer = _read_buffer(ranges)
         for method in ["rayshard", "dcp", "raw"][repeat % 3:] + ["rayshard", "dcp", "raw"][:repeat % 3]:
             load = {"rayshard": lambda: stats.update(_our_load(trainer, f"{root}/rayshard-{repeat}")),
                     "dcp": lambda: _dcp_load(trainer, f"{root}/dcp-{repeat}"),
-                    "raw": lambda: _raw_ranges(ranges)}[method]
+                    "raw": lambda: _raw_ranges(ranges, buffer)}[method]
             seconds, extra = _timed(load)
             results[f"reshard/{method}"].append(seconds)
             memory[f"reshard/{method}"].append(extra)

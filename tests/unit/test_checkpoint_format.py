@@ -121,9 +121,10 @@ def test_column_chunks_scatter_straight_into_rows_of_a_wider_target(tmp_path, mo
     from actors.checkpoint_io import _direct_segments
 
     if short_reads:
-        def preadv_seven_bytes(descriptor, buffers, offset):
-            data = os.pread(descriptor, min(7, buffers[0].nbytes), offset)
-            buffers[0][:len(data)] = data
+        def preadv_seven_bytes(descriptor, buffers, offset):  # any writable buffers, as os.preadv takes
+            first = memoryview(buffers[0]).cast("B")
+            data = os.pread(descriptor, min(7, first.nbytes), offset)
+            first[:len(data)] = data
             return len(data)
 
         monkeypatch.setattr(checkpoint_io.os, "preadv", preadv_seven_bytes)
