@@ -235,10 +235,10 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     started = time.perf_counter()
     chunks, metadata = read_manifest(checkpoint_url, manifest)
     seconds = {"manifest": time.perf_counter() - started}
-    stored: dict[tuple[str, str], Chunk] = {}
+    first_chunk: dict[tuple[str, str], Chunk] = {}
     for chunk in chunks:
-        stored.setdefault((chunk.name, chunk.kind), chunk)
-    check_matches(model, stored, all_parameter_names, checkpoint_url)
+        first_chunk.setdefault((chunk.name, chunk.kind), chunk)
+    check_matches(model, first_chunk, all_parameter_names, checkpoint_url)
     step = int(metadata["step"])
     for param in model.parameters():  # AdamW state must exist before it can be filled
         state = optimizer.state.get(param, {})

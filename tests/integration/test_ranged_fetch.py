@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import fsspec
 
@@ -71,10 +72,24 @@ def test_a_failed_get_arrives_as_a_value(s3_store):
 def test_a_consumer_that_stops_early_stops_the_fetching(s3_store):
     store = Store(s3_store)
     data = _objects(store, {"c": 4 * MiB})
-    requests = _requests(data, 16)
-    arrivals = fetch_ranges(store.fs, f"{store.root}/ranges", requests, MiB, max_in_flight=2)
-    next(arrivals)
-    arrivals.close()  # returns once the GETs in flight are handed off; nothing waits on budget
+    requests = _requests(data, 16)  # 256 KiB each; the 1 MiB budget admits 4 before one is consumed
+    started = []
+    original = store.fs._cat_file
+
+    async def counting(path, start=None, end=None, **kwargs):
+        started.append(start)
+        return await original(path, start=start, end=end, **kwargs)
+
+    store.fs._cat_file = counting
+    try:
+        arrivals = fetch_ranges(store.fs, f"{store.root}/ranges", requests, MiB, max_in_flight=2)
+        request, blob = next(arrivals)
+        assert blob == data["c"][request.byte_start:request.byte_end]
+        arrivals.close()  # returns at once: nothing waits on budget the consumer will never give back
+        time.sleep(0.5)  # any GET the producer would still start has been started by now
+    finally:
+        del store.fs._cat_file
+    assert 1 <= len(started) <= 5 < len(requests)
 
 
 def test_filesystems_without_an_async_api_are_read_in_windows(tmp_path):
