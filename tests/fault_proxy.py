@@ -8,6 +8,8 @@ matched against the rules in order; a matching rule with injections left decides
     reset        the connection is reset before the request reaches the server
     reset_after  the server handles the request, then the connection is reset: the reply is
                  lost, so a retried conditional PUT meets its own earlier write
+    cut_body     the reply's headers and the first half of its body are sent (with the whole
+                 body's Content-Length), then the connection is reset: a download breaks midway
     delay        wait `seconds`, then forward
     stall        accept the request and never answer (until `seconds` pass)
 
@@ -28,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-FAULTS = ("slowdown", "error500", "reset", "reset_after", "delay", "stall")
+FAULTS = ("slowdown", "error500", "reset", "reset_after", "cut_body", "delay", "stall")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "te", "upgrade"}
 
 
@@ -159,6 +161,10 @@ def _handler_for(proxy: FaultProxy):
             if self.command != "HEAD":
                 self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
+            if fault == "cut_body":
+                self.wfile.write(payload[:len(payload) // 2])
+                self.wfile.flush()
+                return self._reset()
             if self.command != "HEAD":
                 self.wfile.write(payload)
 

@@ -92,6 +92,18 @@ def test_a_consumer_that_stops_early_stops_the_fetching(s3_store):
     assert 1 <= len(started) <= 5 < len(requests)
 
 
+def test_a_body_cut_off_midway_is_fetched_again_bit_exact(s3_store, fault_proxy):
+    """The connection drops after half of a GET's body has arrived: the GET is retried and the
+    range arrives whole and intact, never half of it."""
+    store = Store(s3_store)
+    data = _objects(store, {"f": 6 * MiB + 5})
+    requests = _requests(data, 2)
+    rule = fault_proxy.add("cut_body", method="GET", path="/ranges/f", times=1)
+    got = dict(fetch_ranges(store.fs, f"{store.root}/ranges", requests, 8 * MiB))
+    assert rule.injected == 1
+    assert all(got[r] == data["f"][r.byte_start:r.byte_end] for r in requests)
+
+
 def test_filesystems_without_an_async_api_are_read_in_windows(tmp_path):
     fs = fsspec.filesystem("memory")
     blob = os.urandom(100_000)
