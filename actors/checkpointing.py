@@ -17,7 +17,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 
 import fsspec
 import torch
@@ -34,7 +33,7 @@ from plans.errors import CheckpointError
 from plans.layout import ParallelLayout, RankCoords
 from plans.object_keys import check_object_keys
 from plans.reshard import ReadItem, Target, header_checks, index_chunks, plan_rank
-from plans.save_plan import assign_readers, assign_writers, file_position, group_salt
+from plans.save_plan import assign_readers, assign_writers, file_position, group_salt, handover_dims
 from plans.target_regions import EMBEDDING, replica_members
 
 MANIFEST = "manifest.parquet"
@@ -247,16 +246,19 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
         moments = {kind: state[kind] if kind in state and state[kind].shape == param.shape and state[kind].dtype == param.dtype
                    else torch.empty_like(param) for kind in MOMENTS}
         optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
-    destinations, shared, readers = load_destinations(model, optimizer, read_once_for(checkpoint_url))
+    read_once = read_once_for(checkpoint_url)
+    destinations, shared, readers = load_destinations(model, optimizer, read_once)
     stored = StoredCheckpoint(checkpoint_url, chunks, metadata)
-    if shared:
-        layout, coords = rank_layout(model)
+    layout, coords = rank_layout(model)
+    if read_once and layout.dp > 1:  # the same on every rank: all of them take part in the hand-over
         stats, received, failure = _read_and_hand_over(stored, destinations, shared, readers, layout, coords, seconds)
-        group = shared[0][2].device_mesh.get_group("dp")
-        failed = torch.tensor([int(failure is not None)], device=_local(shared[0][2]).device)
-        dist.all_reduce(failed, group=group)
+        # Every rank learns whether any failed: a replica group may span dp and tp, and a rank
+        # whose pieces came from a failed reader holds garbage.
+        device = next((_local(t).device for _, _, t in state_tensors(model, optimizer)), torch.device("cpu"))
+        failed = torch.tensor([int(failure is not None)], device=device)
+        dist.all_reduce(failed)
         if failure is None and failed.item():
-            failure = CheckpointError(f"{checkpoint_url}: a dp replica of this rank could not read its share of the "
+            failure = CheckpointError(f"{checkpoint_url}: a replica of this rank could not read its share of the "
                                       "checkpoint (its own error names the file); nothing was loaded")
         if failure is not None:
             raise failure
@@ -271,15 +273,19 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
 def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: list, readers: list[int],
                         layout: ParallelLayout, coords: RankCoords, seconds: dict) -> tuple[dict, int, BaseException | None]:
     """Read this rank's targets in a background thread, its share of the replicated pieces first,
-    bucket by bucket, while this thread broadcasts each bucket to the dp replicas as soon as it is
-    in place (and receives theirs). Returns (read stats, bytes received, this rank's read error).
+    bucket by bucket, while this thread broadcasts each bucket to its replica group as soon as it
+    is in place (and receives the others'). Returns (read stats, bytes received, this rank's read
+    error).
 
     A reader whose read fails still takes part in every broadcast (sending what it has), so no
     replica waits on it; the caller then tells all of them that the load failed."""
-    pieces = [(_local(tensor), tensor.device_mesh.get_group("dp")) for _, _, tensor, _, _ in shared]
-    cut = buckets(pieces, readers, BROADCAST_BUCKET_BYTES)
+    groups = handover_groups(layout)
+    pieces = [(_local(tensor), groups[dims]) for _, _, tensor, _, _, dims in shared]
+    phases = [HANDOVER_KINDS.index(dims) for *_, dims in shared]  # the same order on every rank
+    my_rank = layout.rank_of(coords)
+    cut = buckets(pieces, readers, BROADCAST_BUCKET_BYTES, phases)
     position_of = {Target(*shared[index][:2], shared[index][3], shared[index][4]): position
-                   for position, bucket in enumerate(cut) if bucket.reader == coords.dp for index in bucket.members}
+                   for position, bucket in enumerate(cut) if bucket.reader == my_rank for index in bucket.members}
     in_place = [threading.Event() for _ in cut]
     outcome: dict = {}
     started = time.perf_counter()
@@ -296,11 +302,38 @@ def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: li
 
     reader = threading.Thread(target=read_all, name="checkpoint-read", daemon=True)
     reader.start()
-    received = broadcast_pieces(pieces, readers, coords.dp, lambda dp: layout.rank_of(replace(coords, dp=dp)),
-                                BROADCAST_BUCKET_BYTES, ready=lambda position: in_place[position].wait())
+    received = broadcast_pieces(pieces, readers, my_rank, BROADCAST_BUCKET_BYTES,
+                                ready=lambda position: in_place[position].wait(), phases=phases)
     reader.join()
     seconds["broadcast_after_read"] = time.perf_counter() - started - seconds["read"]
     return outcome.get("stats", {}), received, outcome.get("error")
+
+
+# Every kind of replica group a read-once load hands pieces over in (`handover_dims`), in the
+# order every rank broadcasts them.
+HANDOVER_KINDS = (("dp",), ("dp", "fsdp"), ("dp", "tp"), ("dp", "fsdp", "tp"))
+# (the default process group, layout) -> {hand-over dims: this rank's group}. Holding the default
+# group keeps its identity from being reused by a later one (an elastic restart makes a new one).
+_HANDOVER_GROUPS: dict[tuple, dict[tuple[str, ...], object]] = {}
+
+
+def handover_groups(layout: ParallelLayout) -> dict[tuple[str, ...], object]:
+    """This rank's process group for each kind of replica group. Made once per process group,
+    from the layout alone, so every rank makes the same groups in the same order (creating a
+    group is a collective); a kind whose groups equal an earlier kind's (fsdp=1) reuses them."""
+    key = (dist.group.WORLD, layout)
+    if key not in _HANDOVER_GROUPS:
+        made, by_members = {}, {}
+        for dims in HANDOVER_KINDS:
+            members: dict[str, list[int]] = {}
+            for rank in range(layout.world_size):
+                members.setdefault(group_salt(dims, layout.coords_of(rank)), []).append(rank)
+            enumeration = tuple(sorted(map(tuple, members.values())))
+            if enumeration not in by_members:
+                by_members[enumeration], _ = dist.new_subgroups_by_enumeration([list(m) for m in enumeration])
+            made[dims] = by_members[enumeration]
+        _HANDOVER_GROUPS[key] = made
+    return _HANDOVER_GROUPS[key]
 
 
 def _group_order(plan, groups: dict[Target, int], group_done: Callable[[int], None]):
@@ -355,25 +388,29 @@ def _fill_local_copies(model, optimizer) -> None:
 
 def load_destinations(model, optimizer, read_once: bool = True):
     """(what this rank reads: target -> (local tensor, its global offsets), the pieces shared with
-    dp replicas, and the dp coordinate that reads each shared piece).
+    replicas as (name, kind, tensor, offsets, sizes, hand-over dims), and the global rank that
+    reads each shared piece).
 
-    read_once: each dp replica reads its share of the replicated pieces (split by bytes, as on
-    save) and broadcasts it, so storage serves the checkpoint once, not dp times."""
+    read_once: each replica group (`handover_dims`: dp, and tp or fsdp where a piece is copied
+    there too) reads its pieces once, split by bytes as on save, and broadcasts them, so storage
+    serves the checkpoint once, not once per replica."""
     layout, coords = rank_layout(model)
     destinations, shared = {}, []
     for name, kind, tensor in state_tensors(model, optimizer):
         offsets, sizes = local_region(tensor)
         if Target(name, kind, offsets, sizes) in destinations or any(
-                (n, k, o) == (name, kind, offsets) for n, k, _, o, _ in shared):
+                (n, k, o) == (name, kind, offsets) for n, k, _, o, _, _ in shared):
             continue  # a second copy on this rank (a tied embedding's, V placement): filled after the read
-        if read_once and layout.dp > 1 and isinstance(tensor, DTensor) and "dp" in replicated_dims(tensor, layout) and all(sizes):
-            shared.append((name, kind, tensor, offsets, sizes))
+        dims = handover_dims(replicated_dims(tensor, layout))
+        if read_once and layout.dp > 1 and isinstance(tensor, DTensor) and dims and all(sizes):
+            shared.append((name, kind, tensor, offsets, sizes, dims))
         else:
             destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
-    readers = assign_readers([replicated_dims(t, layout) for _, _, t, _, _ in shared],
-                             [_local(t).numel() * _local(t).element_size() for _, _, t, _, _ in shared], layout, coords)
-    for (name, kind, tensor, offsets, sizes), reader in zip(shared, readers):
-        if reader == coords.dp:
+    readers = assign_readers([dims for *_, dims in shared],
+                             [_local(t).numel() * _local(t).element_size() for _, _, t, _, _, _ in shared], layout, coords)
+    my_rank = layout.rank_of(coords)
+    for (name, kind, tensor, offsets, sizes, _), reader in zip(shared, readers):
+        if reader == my_rank:
             destinations[Target(name, kind, offsets, sizes)] = (_local(tensor), offsets)
     return destinations, shared, readers
 

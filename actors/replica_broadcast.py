@@ -1,14 +1,20 @@
-"""Handing the pieces one dp replica read to the others, in buckets, while it is still reading.
+"""Handing the pieces one replica read to the others, in buckets, while it is still reading.
 
-With read-once loads (object stores) each replicated piece is read by one dp replica and
-broadcast to the rest. Pieces are packed into flat buckets of at most `bucket_bytes` (one
-collective per bucket, not one per tensor): each reader's pieces, in its walk order, cut where
-the dtype, device or group changes or the bucket is full; then the readers' buckets are taken in
-turns (reader 0's first, reader 1's first, reader 0's second, ...). The readers fetch their
+With read-once loads (object stores) each replicated piece is read by one member of its replica
+group (dp replicas; dp and tp for a norm weight copied on every rank) and broadcast to the rest.
+Pieces are packed into flat buckets of at most `bucket_bytes` (one collective per bucket, not one
+per tensor): each reader's pieces, in its walk order, cut where the dtype, device or group
+changes or the bucket is full; then the readers' buckets are taken in turns (the lowest rank's
+first, the next one's first, ..., the lowest rank's second, ...). The readers fetch their
 buckets in that order, so the first collective can start as soon as the first bucket is read
-and the hand-over runs beside the rest of the reading instead of after it. Every replica walks
-the same pieces in the same order (they hold the same regions), so all of them cut the same
-buckets without talking.
+and the hand-over runs beside the rest of the reading instead of after it. Every member of a
+group walks the group's pieces in the same order (they hold the same regions), so all of them
+cut the same buckets without talking.
+
+Pieces come in phases, one per kind of replica group (dp only; dp and tp; ...), and every rank
+broadcasts phase by phase. Within a phase a rank is in one group and its members walk the same
+buckets; two ranks that share groups of two kinds could otherwise take them in opposite orders
+and wait on each other forever.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import torch.distributed as dist
 
 @dataclass
 class Bucket:
-    reader: int  # dp coordinate of the replica that read these pieces
+    reader: int  # global rank of the replica that read these pieces
     dtype: torch.dtype
     device: torch.device
     group: object  # the dp process group the pieces' mesh uses
@@ -29,39 +35,47 @@ class Bucket:
     numel: int = 0
 
 
-def buckets(pieces: Sequence[tuple[torch.Tensor, object]], readers: Sequence[int], bucket_bytes: int) -> list[Bucket]:
-    """pieces: (local tensor, its dp group) in the order every replica walks them. Returns the
-    buckets in broadcast order: each reader's own cut, the readers taking turns."""
-    by_reader: dict[int, list[Bucket]] = {}
-    for index, ((tensor, group), reader) in enumerate(zip(pieces, readers)):
-        own = by_reader.setdefault(reader, [])
-        last = own[-1] if own else None
-        same_kind = (last is not None and (last.dtype, last.device) == (tensor.dtype, tensor.device)
-                     and (last.group is group or _ranks(last.group) == _ranks(group)))
-        if not same_kind or (last.numel + tensor.numel()) * tensor.element_size() > bucket_bytes:
-            last = Bucket(reader, tensor.dtype, tensor.device, group)
-            own.append(last)
-        last.members.append(index)
-        last.numel += tensor.numel()
-    turns = [by_reader[reader] for reader in sorted(by_reader)]
-    return [own[turn] for turn in range(max(map(len, turns), default=0)) for own in turns if turn < len(own)]
+def buckets(pieces: Sequence[tuple[torch.Tensor, object]], readers: Sequence[int], bucket_bytes: int,
+            phases: Sequence[int] | None = None) -> list[Bucket]:
+    """pieces: (local tensor, the process group of its replica group) in the order every member
+    walks them; readers: the global rank that read each; phases: each piece's phase (default: one
+    phase). Returns the buckets in broadcast order: phase by phase, each reader's own cut, the
+    readers taking turns."""
+    phases = phases if phases is not None else [0] * len(pieces)
+    cut: list[Bucket] = []
+    for phase in sorted(set(phases)):
+        by_reader: dict[int, list[Bucket]] = {}
+        for index, ((tensor, group), reader) in enumerate(zip(pieces, readers)):
+            if phases[index] != phase:
+                continue
+            own = by_reader.setdefault(reader, [])
+            last = own[-1] if own else None
+            same_kind = (last is not None and (last.dtype, last.device) == (tensor.dtype, tensor.device)
+                         and (last.group is group or _ranks(last.group) == _ranks(group)))
+            if not same_kind or (last.numel + tensor.numel()) * tensor.element_size() > bucket_bytes:
+                last = Bucket(reader, tensor.dtype, tensor.device, group)
+                own.append(last)
+            last.members.append(index)
+            last.numel += tensor.numel()
+        turns = [by_reader[reader] for reader in sorted(by_reader)]
+        cut += [own[turn] for turn in range(max(map(len, turns), default=0)) for own in turns if turn < len(own)]
+    return cut
 
 
-def broadcast_pieces(pieces: Sequence[tuple[torch.Tensor, object]], readers: Sequence[int], my_reader: int,
-                     source_rank: Callable[[int], int], bucket_bytes: int,
-                     ready: Callable[[int], None] = lambda bucket: None) -> int:
-    """Fill every piece this replica did not read from the replica that did; bytes received.
-    source_rank(reader): the global rank of that dp replica in this rank's other coordinates.
-    ready(i): returns once this replica's reads for the i-th bucket of `buckets(...)` are in place."""
+def broadcast_pieces(pieces: Sequence[tuple[torch.Tensor, object]], readers: Sequence[int], my_rank: int,
+                     bucket_bytes: int, ready: Callable[[int], None] = lambda bucket: None,
+                     phases: Sequence[int] | None = None) -> int:
+    """Fill every piece this rank did not read from the member that did; bytes received.
+    ready(i): returns once this rank's reads for the i-th bucket of `buckets(...)` are in place."""
     received = 0
-    for position, bucket in enumerate(buckets(pieces, readers, bucket_bytes)):
+    for position, bucket in enumerate(buckets(pieces, readers, bucket_bytes, phases)):
         tensors = [pieces[index][0] for index in bucket.members]
         flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-        mine = bucket.reader == my_reader
+        mine = bucket.reader == my_rank
         if mine:
             ready(position)
             torch.cat([tensor.reshape(-1) for tensor in tensors], out=flat)
-        dist.broadcast(flat, src=source_rank(bucket.reader), group=bucket.group)
+        dist.broadcast(flat, src=bucket.reader, group=bucket.group)
         if mine:
             continue
         offset = 0

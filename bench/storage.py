@@ -184,7 +184,7 @@ def run(args) -> None:
               f"ratio {median[anchor] / median[name]:.3f}   (goal >= 0.9)")
     print("  load phases, slowest rank, medians: " + ", ".join(
         f"{phase} {median[f'load/{phase}'] * 1e3:.0f} ms" for phase in LOAD_PHASES)
-          + " (the hand-over to dp replicas runs beside the read; what is left of it after the read)")
+          + " (the hand-over to replicas runs beside the read; what is left of it after the read)")
     print(f"  async save: training blocked {median['async'] * 1e3:.0f} ms vs sync save {median['save'] * 1e3:.0f} ms   "
           f"ratio {median['async'] / median['save']:.3f}   (goal <= 0.05)")
     print(f"  while an async save uploads, a training step takes {median['step_during']:.2f} s "

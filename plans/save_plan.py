@@ -21,7 +21,7 @@ from plans.layout import ParallelLayout, RankCoords
 from plans.model_spec import ModelConfig
 from plans.partition import StagePartition
 from plans.safetensors_layout import ITEMSIZE
-from plans.target_regions import Region, rank_regions, replica_members
+from plans.target_regions import Region, rank_regions, replica_members, replica_rank
 
 
 def group_salt(replicated_over: Sequence[str], coords: RankCoords) -> str:
@@ -58,34 +58,44 @@ def _assign(piece_bytes: tuple[int, ...], group_size: int, rotation: int) -> tup
     return tuple(writers)
 
 
-def assign_readers(replicated_over: Sequence[tuple[str, ...]], piece_bytes: Sequence[int], layout: ParallelLayout,
+def handover_dims(replicated_over: Sequence[str]) -> tuple[str, ...]:
+    """The dims a read-once load hands a piece over along: all of its copy dims within its
+    pipeline stage, when dp is among them (else the piece is not handed over, every holder
+    reads it). A norm weight copied on every dp and tp rank is read by one of them and
+    broadcast to all, not read once per tp rank."""
+    return tuple(dim for dim in replicated_over if dim != "pp") if "dp" in replicated_over else ()
+
+
+def assign_readers(handed_over: Sequence[tuple[str, ...]], piece_bytes: Sequence[int], layout: ParallelLayout,
                    coords: RankCoords) -> list[int]:
-    """On a read-once load, the dp coordinate that reads each dp-replicated piece, for pieces
-    listed in the same order on every replica. Each copy group (the piece's copy dims) is split
-    by bytes with the writers' own rule and salt, so on a resume onto the layout that saved, every
-    replica reads back exactly the pieces it wrote: its own file, front to back, which on an
+    """On a read-once load, the global rank that reads each handed-over piece (`handover_dims`),
+    for pieces listed in the same order on every member of their replica group. Each group is
+    split by bytes with the writers' own rule and salt, so on a resume onto the layout that saved,
+    every rank reads back exactly the pieces it wrote: its own file, front to back, which on an
     object store is one sequential GET per file instead of ranges scattered over its peers'."""
     readers = [0] * len(piece_bytes)
     groups: dict[tuple[str, ...], list[int]] = {}
-    for index, dims in enumerate(replicated_over):
+    for index, dims in enumerate(handed_over):
         groups.setdefault(tuple(dims), []).append(index)
     for dims, members in groups.items():
-        split = assign_writers([piece_bytes[i] for i in members], layout.dp, group_salt(dims, coords))
+        _, size = replica_members(layout, coords, dims)
+        split = assign_writers([piece_bytes[i] for i in members], size, group_salt(dims, coords))
         for index, member in zip(members, split):
-            readers[index] = member
+            readers[index] = replica_rank(layout, coords, dims, member)
     return readers
 
 
 def read_once_readers(regions: Sequence[Region], piece_bytes: Sequence[int], layout: ParallelLayout,
                       coords: RankCoords) -> list[int | None]:
-    """On load, the global rank that reads each piece from storage for its dp replica group
-    (None: not shared across dp, this rank reads it). Pieces listed in the same order on every
-    replica; the split is `assign_readers`'."""
-    shared = [i for i, region in enumerate(regions) if layout.dp > 1 and "dp" in region.replicated_over]
+    """On load, the global rank that reads each piece from storage for its replica group (None:
+    not handed over, this rank reads it). Pieces listed in the same order on every replica; the
+    split is `assign_readers`'."""
+    dims = [handover_dims(region.replicated_over) if layout.dp > 1 else () for region in regions]
+    shared = [i for i, handed in enumerate(dims) if handed]
     readers: list[int | None] = [None] * len(regions)
-    split = assign_readers([regions[i].replicated_over for i in shared], [piece_bytes[i] for i in shared], layout, coords)
-    for index, member in zip(shared, split):
-        readers[index] = layout.rank_of(RankCoords(coords.pp, member, coords.fsdp, coords.tp))
+    split = assign_readers([dims[i] for i in shared], [piece_bytes[i] for i in shared], layout, coords)
+    for index, reader in zip(shared, split):
+        readers[index] = reader
     return readers
 
 

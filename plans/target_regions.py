@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from plans.layout import ParallelLayout, RankCoords
@@ -172,16 +172,26 @@ def replica_members(layout: ParallelLayout, coords: RankCoords, replicated_over:
     return index, size
 
 
+def replica_rank(layout: ParallelLayout, coords: RankCoords, replicated_over: Sequence[str], member: int) -> int:
+    """The global rank of member `member` (as `replica_members` numbers them) of this rank's
+    replica group for a piece copied along `replicated_over`."""
+    place = {}
+    for dim in reversed([d for d in ("pp", "dp", "fsdp", "tp") if d in replicated_over]):
+        extent = getattr(layout, dim)
+        member, place[dim] = divmod(member, extent)
+    return layout.rank_of(replace(coords, **place))
+
+
 def layout_targets(model: ModelConfig, layout: ParallelLayout, kinds: Sequence[str],
                    partition: StagePartition | None = None, read_once: bool = True,
                    itemsize: int = 4) -> list[list[Target]]:
     """For every rank of the layout, the (name, kind, region) pieces it must fill on load.
 
-    read_once: dp replicas hold identical pieces, so each replica group reads each piece once
-    (readers balanced by bytes, as writers are on save) and the reader broadcasts it; without it,
-    every replica reads everything and storage serves dp times the checkpoint."""
+    read_once: replicas (across dp, and across tp too for pieces copied there) hold identical
+    pieces, so each replica group reads each piece once (readers balanced by bytes, as writers
+    are on save) and the reader broadcasts it; without it, every replica reads everything and
+    storage serves the checkpoint dp times or more."""
     from plans.save_plan import read_once_readers  # save_plan builds on this module
-
 
     targets = []
     for rank in range(layout.world_size):

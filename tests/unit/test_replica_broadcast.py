@@ -38,7 +38,7 @@ def _run(rank: int, port: int, results) -> None:
     try:
         group = dist.new_group([0, 1])
         truth, held = _pieces(rank)
-        received = broadcast_pieces([(t, group) for t in held], READERS, rank, lambda reader: reader, bucket_bytes=96)
+        received = broadcast_pieces([(t, group) for t in held], READERS, rank, bucket_bytes=96)
         results[rank] = (all(torch.equal(a, b) for a, b in zip(truth, held)), received)
     finally:
         dist.destroy_process_group()
@@ -68,3 +68,15 @@ def test_buckets_split_by_reader_dtype_and_size_and_readers_take_turns():
     # goes out second: the readers take turns, so both start handing over early.
     assert [(b.reader, b.dtype, b.members) for b in cut] == [
         (0, torch.float32, [0, 1]), (1, torch.float32, [4, 5]), (0, torch.float64, [2]), (0, torch.float32, [3])]
+
+
+def test_phases_go_one_after_another_whatever_the_piece_order():
+    """Pieces of a later phase (a dp x tp replica group) never go out before an earlier phase's
+    (the dp group), even when they come first in the walk: ranks that share groups of both kinds
+    must take them in the same order."""
+    dp_group, dp_tp_group = object(), object()
+    tensors = [torch.zeros(4) for _ in range(5)]
+    pieces = [(tensors[0], dp_tp_group), (tensors[1], dp_group), (tensors[2], dp_tp_group), (tensors[3], dp_group),
+              (tensors[4], dp_tp_group)]
+    cut = buckets(pieces, [3, 0, 1, 2, 3], bucket_bytes=1024, phases=[1, 0, 1, 0, 1])
+    assert [(b.reader, b.members) for b in cut] == [(0, [1]), (2, [3]), (1, [2]), (3, [0, 4])]
