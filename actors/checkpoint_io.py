@@ -151,7 +151,7 @@ def encode_manifest(chunks: list[Chunk], metadata: dict) -> bytes:
 
 def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], dict]:
     try:
-        table = pq.read_table(io.BytesIO(data))
+        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)  # small: threads only cost
     except Exception as error:  # pyarrow raises several types for damaged files
         raise CheckpointError(f"{where}: not a readable Parquet manifest ({error})") from error
     raw = (table.schema.metadata or {}).get(METADATA_KEY)
@@ -163,9 +163,13 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], 
         raise CheckpointError(f"{where}: format version {version} is not readable by this rayshard "
                               f"(reads {', '.join(m + '.x' for m in READABLE_MAJORS)}); upgrade rayshard to read it")
     columns = table.to_pydict()
-    count = table.num_rows
-    rows = [{key: values[i] for key, values in columns.items()} for i in range(count)]
-    return [Chunk.from_row(row) for row in rows], metadata
+    headers = columns.get("file_header") or [""] * table.num_rows  # absent in format 1.0
+    # Column-wise into Chunks (a dict per row cost a small load ~3 ms for ~1300 rows).
+    return [Chunk(name, kind, dtype, tuple(shape), tuple(offsets), tuple(sizes), file, start, end, checksum, header or "")
+            for name, kind, dtype, shape, offsets, sizes, file, start, end, checksum, header in zip(
+                columns["name"], columns["kind"], columns["dtype"], columns["global_shape"], columns["offsets"],
+                columns["sizes"], columns["file"], columns["byte_start"], columns["byte_end"], columns["checksum"],
+                headers)], metadata
 
 
 # ---- reading ------------------------------------------------------------------------------------
