@@ -162,8 +162,13 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], 
     if version.split(".")[0] not in READABLE_MAJORS:
         raise CheckpointError(f"{where}: format version {version} is not readable by this rayshard "
                               f"(reads {', '.join(m + '.x' for m in READABLE_MAJORS)}); upgrade rayshard to read it")
+    required = [name for name in MANIFEST_SCHEMA.names if name != "file_header"]  # absent in format 1.0
+    damaged = [name for name in required if name not in table.column_names or table.column(name).null_count]
+    if damaged:
+        raise CheckpointError(f"{where}: the manifest's column(s) {', '.join(damaged)} are missing or hold nulls; "
+                              "it is damaged. Fix: resume from another checkpoint")
     columns = table.to_pydict()
-    headers = columns.get("file_header") or [""] * table.num_rows  # absent in format 1.0
+    headers = columns.get("file_header") or [""] * table.num_rows
     # Column-wise into Chunks (a dict per row cost a small load ~3 ms for ~1300 rows).
     return [Chunk(name, kind, dtype, tuple(shape), tuple(offsets), tuple(sizes), file, start, end, checksum, header or "")
             for name, kind, dtype, shape, offsets, sizes, file, start, end, checksum, header in zip(

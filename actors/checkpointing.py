@@ -233,9 +233,41 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     key is 'unexpected' only if no rank of the model could own it.
     manifest: the manifest's bytes when the caller fetched them already (else read here).
     """
+    layout, coords = rank_layout(model)
+    # Decided from the URL and the layout alone, so the same on every rank: all of them then take
+    # part in the hand-over and in both agreements below, whatever fails where.
+    hands_over = read_once_for(checkpoint_url) and layout.dp > 1
+    device = next((_local(t).device for _, _, t in state_tensors(model, optimizer)), torch.device("cpu"))
+    seconds: dict = {}
+    try:
+        step, metadata, stored, destinations, shared, readers = _prepare_load(
+            model, optimizer, checkpoint_url, all_parameter_names, manifest, hands_over, seconds)
+    except Exception as error:
+        if not hands_over:
+            raise
+        _raise_if_any_rank_failed(error, device, checkpoint_url, "before reading")  # raises `error` here
+    if hands_over:
+        # A rank of another stage may have failed before reading (its stage's keys do not match,
+        # its manifest could not be fetched): nobody starts broadcasts it will never join.
+        _raise_if_any_rank_failed(None, device, checkpoint_url, "before reading")
+        stats, received, failure = _read_and_hand_over(stored, destinations, shared, readers, layout, coords, seconds)
+        # A replica group may span dp and tp, and a rank whose pieces came from a failed reader
+        # holds garbage: every rank learns whether any read failed.
+        _raise_if_any_rank_failed(failure, device, checkpoint_url, "reading its share of the checkpoint")
+    else:
+        started, received = time.perf_counter(), 0
+        stats = stored.read(destinations)
+        seconds["read"] = time.perf_counter() - started
+    _fill_local_copies(model, optimizer)
+    return {"step": step, "metadata": metadata, "bytes_received": received, "seconds": seconds, **stats}
+
+
+def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: set[str], manifest: bytes | None,
+                  hands_over: bool, seconds: dict):
+    """The manifest, the model check, AdamW state ready to be filled, and what this rank reads."""
     started = time.perf_counter()
     chunks, metadata = read_manifest(checkpoint_url, manifest)
-    seconds = {"manifest": time.perf_counter() - started}
+    seconds["manifest"] = time.perf_counter() - started
     first_chunk: dict[tuple[str, str], Chunk] = {}
     for chunk in chunks:
         first_chunk.setdefault((chunk.name, chunk.kind), chunk)
@@ -248,28 +280,21 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
         moments = {kind: state[kind] if kind in state and state[kind].shape == param.shape and state[kind].dtype == param.dtype
                    else torch.empty_like(param) for kind in MOMENTS}
         optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
-    read_once = read_once_for(checkpoint_url)
-    destinations, shared, readers = load_destinations(model, optimizer, read_once)
-    stored = StoredCheckpoint(checkpoint_url, chunks, metadata)
-    layout, coords = rank_layout(model)
-    if read_once and layout.dp > 1:  # the same on every rank: all of them take part in the hand-over
-        stats, received, failure = _read_and_hand_over(stored, destinations, shared, readers, layout, coords, seconds)
-        # Every rank learns whether any failed: a replica group may span dp and tp, and a rank
-        # whose pieces came from a failed reader holds garbage.
-        device = next((_local(t).device for _, _, t in state_tensors(model, optimizer)), torch.device("cpu"))
-        failed = torch.tensor([int(failure is not None)], device=device)
-        dist.all_reduce(failed)
-        if failure is None and failed.item():
-            failure = CheckpointError(f"{checkpoint_url}: a replica of this rank could not read its share of the "
-                                      "checkpoint (its own error names the file); nothing was loaded")
-        if failure is not None:
-            raise failure
-    else:
-        started, received = time.perf_counter(), 0
-        stats = stored.read(destinations)
-        seconds["read"] = time.perf_counter() - started
-    _fill_local_copies(model, optimizer)
-    return {"step": step, "metadata": metadata, "bytes_received": received, "seconds": seconds, **stats}
+    destinations, shared, readers = load_destinations(model, optimizer, hands_over)
+    return step, metadata, StoredCheckpoint(checkpoint_url, chunks, metadata), destinations, shared, readers
+
+
+def _raise_if_any_rank_failed(failure: BaseException | None, device: torch.device, checkpoint_url: str,
+                              when: str) -> None:
+    """One all-reduce over every rank: raise this rank's own error, or, if only another rank
+    failed, say so (that rank's error names the cause)."""
+    failed = torch.tensor([int(failure is not None)], device=device)
+    dist.all_reduce(failed)
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise CheckpointError(f"{checkpoint_url}: a replica of this rank could not load ({when}; its own error names "
+                              "the cause); the load failed and this rank's state is incomplete")
 
 
 def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: list, readers: list[int],
@@ -336,6 +361,11 @@ def handover_groups(layout: ParallelLayout) -> dict[tuple[str, ...], object]:
             made[dims] = by_members[enumeration]
         _HANDOVER_GROUPS[key] = made
     return _HANDOVER_GROUPS[key]
+
+
+def forget_handover_groups() -> None:
+    """Before a reused process joins a new process group: drop the old one's groups."""
+    _HANDOVER_GROUPS.clear()
 
 
 def _group_order(plan, groups: dict[Target, int], group_done: Callable[[int], None]):

@@ -30,7 +30,7 @@ class Bucket:
     reader: int  # global rank of the replica that read these pieces
     dtype: torch.dtype
     device: torch.device
-    group: object  # the dp process group the pieces' mesh uses
+    group: object  # the process group of the pieces' replica group
     members: list[int] = field(default_factory=list)  # indexes into the pieces, in packing order
     numel: int = 0
 

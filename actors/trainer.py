@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from actors.checkpointing import load_rank_shard, save_rank_shard
+from actors.checkpointing import forget_handover_groups, load_rank_shard, save_rank_shard
 from actors.data import corpus_fingerprint, load_corpus, rank_batch
 from actors.init_weights import initialize_parameters
 from actors.model import build_on_meta
@@ -47,6 +47,7 @@ def forget_previous_meshes() -> None:
 
     _clear_sharding_prop_cache()
     clear_redistribute_planner_cache()
+    forget_handover_groups()
 
 
 def _place_grad_like_param(param: torch.nn.Parameter) -> None:

@@ -141,7 +141,34 @@ def test_a_replica_that_cannot_read_its_share_fails_the_load_on_every_rank(rank_
     named = [rank for rank, message in errors.items() if "checksum mismatch" in message]
     assert len(named) == 1 and victim.name in errors[named[0]] and victim.file in errors[named[0]]
     others = [rank for rank in range(4) if rank != named[0]]
-    assert all("a replica of this rank could not read" in errors[rank] for rank in others), errors
+    assert all("a replica of this rank could not load" in errors[rank] for rank in others), errors
+
+
+def test_a_stage_whose_model_does_not_match_fails_the_load_on_every_rank(rank_pool, s3_store, tmp_path):
+    """Read-once on S3 into dp2 x pp2 with two more layers than the checkpoint holds: only the last
+    stage's keys are missing, so only its ranks can tell before reading. They name the missing
+    keys; the first stage's ranks are told the load failed instead of starting broadcasts or
+    waiting in a collective the others never join (every rank answers)."""
+    from cluster.rank_group import RankGroup, StepFailed
+    from cluster.train import train
+
+    config = _training_config(tmp_path, SOURCE, "s3-short-src")
+    url = train(replace(config, store=s3_store, steps=1), rank_pool).checkpoints[-1]
+    deeper = replace(config.model, n_layers=config.model.n_layers + 2)
+    target = replace(_training_config(tmp_path, ParallelLayout(dp=2, pp=2), "s3-deeper"), model=deeper, store=s3_store)
+    group = RankGroup(target.validate(), rank_pool)
+    try:
+        group.call("configure_storage", Store(s3_store).storage_conf)
+        with pytest.raises(StepFailed) as failed:
+            group.call_reporting_failures("load", url)
+    finally:
+        group.shutdown()
+    errors = failed.value.failures
+    assert failed.value.silent == []
+    last_stage = [rank for rank in range(4) if ParallelLayout(dp=2, pp=2).coords_of(rank).pp == 1]
+    assert all("missing" in errors[rank] and f"layers.{deeper.n_layers - 1}." in errors[rank] for rank in last_stage), errors
+    assert all("a replica of this rank could not load (before reading" in errors[rank]
+               for rank in range(4) if rank not in last_stage), errors
 
 
 _resharded: dict = {}
