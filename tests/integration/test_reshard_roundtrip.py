@@ -110,6 +110,21 @@ def test_on_an_object_store_dp_replicas_read_each_piece_once(rank_pool, s3_store
     assert chunk_fingerprint(again) == chunk_fingerprint(url)
 
 
+def _failed_load(config, url, rank_pool) -> dict[int, str]:
+    """Load `url` into fresh ranks of `config`, expecting failure; every rank's error (none silent)."""
+    from cluster.rank_group import RankGroup, StepFailed
+
+    group = RankGroup(config, rank_pool)
+    try:
+        group.call("configure_storage", Store(config.store).storage_conf)
+        with pytest.raises(StepFailed) as failed:
+            group.call_reporting_failures("load", url)
+    finally:
+        group.shutdown()
+    assert failed.value.silent == []
+    return failed.value.failures
+
+
 def test_a_replica_that_cannot_read_its_share_fails_the_load_on_every_rank(rank_pool, s3_store, tmp_path):
     """Read-once on S3 with one chunk corrupted: the replica that reads it names the tensor and the
     file, every other rank (its dp peer would have received that piece; replica groups of norm
@@ -117,7 +132,6 @@ def test_a_replica_that_cannot_read_its_share_fails_the_load_on_every_rank(rank_
     comes (every rank answers)."""
     import fsspec
 
-    from cluster.rank_group import RankGroup, StepFailed
     from cluster.train import train
 
     config = _training_config(tmp_path, SOURCE, "s3-corrupt-src")
@@ -129,15 +143,7 @@ def test_a_replica_that_cannot_read_its_share_fails_the_load_on_every_rank(rank_
     data[(victim.byte_start + victim.byte_end) // 2] ^= 0xFF
     fs.pipe_file(f"{base}/{victim.file}", bytes(data))
 
-    group = RankGroup(replace(config, store=s3_store, run="s3-corrupt-load"), rank_pool)
-    try:
-        group.call("configure_storage", Store(s3_store).storage_conf)
-        with pytest.raises(StepFailed) as failed:
-            group.call_reporting_failures("load", url)
-    finally:
-        group.shutdown()
-    errors = failed.value.failures
-    assert failed.value.silent == []
+    errors = _failed_load(replace(config, store=s3_store, run="s3-corrupt-load"), url, rank_pool)
     named = [rank for rank, message in errors.items() if "checksum mismatch" in message]
     assert len(named) == 1 and victim.name in errors[named[0]] and victim.file in errors[named[0]]
     others = [rank for rank in range(4) if rank != named[0]]
@@ -149,22 +155,13 @@ def test_a_stage_whose_model_does_not_match_fails_the_load_on_every_rank(rank_po
     stage's keys are missing, so only its ranks can tell before reading. They name the missing
     keys; the first stage's ranks are told the load failed instead of starting broadcasts or
     waiting in a collective the others never join (every rank answers)."""
-    from cluster.rank_group import RankGroup, StepFailed
     from cluster.train import train
 
     config = _training_config(tmp_path, SOURCE, "s3-short-src")
     url = train(replace(config, store=s3_store, steps=1), rank_pool).checkpoints[-1]
     deeper = replace(config.model, n_layers=config.model.n_layers + 2)
     target = replace(_training_config(tmp_path, ParallelLayout(dp=2, pp=2), "s3-deeper"), model=deeper, store=s3_store)
-    group = RankGroup(target.validate(), rank_pool)
-    try:
-        group.call("configure_storage", Store(s3_store).storage_conf)
-        with pytest.raises(StepFailed) as failed:
-            group.call_reporting_failures("load", url)
-    finally:
-        group.shutdown()
-    errors = failed.value.failures
-    assert failed.value.silent == []
+    errors = _failed_load(target.validate(), url, rank_pool)
     last_stage = [rank for rank in range(4) if ParallelLayout(dp=2, pp=2).coords_of(rank).pp == 1]
     assert all("missing" in errors[rank] and f"layers.{deeper.n_layers - 1}." in errors[rank] for rank in last_stage), errors
     assert all("a replica of this rank could not load (before reading" in errors[rank]
