@@ -329,8 +329,7 @@ def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: li
 
     reader = threading.Thread(target=read_all, name="checkpoint-read", daemon=True)
     reader.start()
-    received = broadcast_pieces(pieces, readers, my_rank, BROADCAST_BUCKET_BYTES,
-                                ready=lambda position: in_place[position].wait(), phases=phases)
+    received = broadcast_pieces(pieces, cut, my_rank, ready=lambda position: in_place[position].wait())
     reader.join()
     seconds["broadcast_after_read"] = time.perf_counter() - started - seconds["read"]
     return outcome.get("stats", {}), received, outcome.get("error")

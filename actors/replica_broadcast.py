@@ -62,13 +62,12 @@ def buckets(pieces: Sequence[tuple[torch.Tensor, object]], readers: Sequence[int
     return cut
 
 
-def broadcast_pieces(pieces: Sequence[tuple[torch.Tensor, object]], readers: Sequence[int], my_rank: int,
-                     bucket_bytes: int, ready: Callable[[int], None] = lambda bucket: None,
-                     phases: Sequence[int] | None = None) -> int:
+def broadcast_pieces(pieces: Sequence[tuple[torch.Tensor, object]], cut: Sequence[Bucket], my_rank: int,
+                     ready: Callable[[int], None] = lambda bucket: None) -> int:
     """Fill every piece this rank did not read from the member that did; bytes received.
-    ready(i): returns once this rank's reads for the i-th bucket of `buckets(...)` are in place."""
+    cut: `buckets(pieces, ...)`; ready(i): returns once this rank's reads for cut[i] are in place."""
     received = 0
-    for position, bucket in enumerate(buckets(pieces, readers, bucket_bytes, phases)):
+    for position, bucket in enumerate(cut):
         tensors = [pieces[index][0] for index in bucket.members]
         flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
         mine = bucket.reader == my_rank

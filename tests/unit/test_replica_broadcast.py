@@ -38,7 +38,8 @@ def _run(rank: int, port: int, results) -> None:
     try:
         group = dist.new_group([0, 1])
         truth, held = _pieces(rank)
-        received = broadcast_pieces([(t, group) for t in held], READERS, rank, bucket_bytes=96)
+        pieces = [(t, group) for t in held]
+        received = broadcast_pieces(pieces, buckets(pieces, READERS, bucket_bytes=96), rank)
         results[rank] = (all(torch.equal(a, b) for a, b in zip(truth, held)), received)
     finally:
         dist.destroy_process_group()
