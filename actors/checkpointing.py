@@ -165,10 +165,12 @@ class StoredCheckpoint:
     planned reads. The one read path shared by training loads, the offline reshard, the digest
     and the exporters."""
 
-    def __init__(self, url: str, chunks: list[Chunk] | None = None, metadata: dict | None = None):
+    def __init__(self, url: str, chunks: list[Chunk] | None = None, metadata: dict | None = None,
+                 keys_checked: bool = False):
+        """keys_checked: the chunks came from `read_manifest` (which checks their object keys)."""
         if chunks is None:
             chunks, metadata = read_manifest(url)
-        else:  # chunks decoded elsewhere get the same check as read_manifest's
+        elif not keys_checked:  # chunks decoded elsewhere get the same check as read_manifest's
             check_object_keys((chunk.file for chunk in chunks), url)
         self.url, self.chunks, self.metadata = url, chunks, metadata or {}
         self.index = index_chunks(chunks)
@@ -279,9 +281,12 @@ def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: se
         # new ones need no zero fill.
         moments = {kind: state[kind] if kind in state and state[kind].shape == param.shape and state[kind].dtype == param.dtype
                    else torch.empty_like(param) for kind in MOMENTS}
-        optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
+        counter = state.get("step")
+        counter = counter.fill_(step) if isinstance(counter, torch.Tensor) and counter.dim() == 0 else torch.tensor(float(step))
+        optimizer.state[param] = {"step": counter, **moments}
     destinations, shared, readers = load_destinations(model, optimizer, hands_over)
-    return step, metadata, StoredCheckpoint(checkpoint_url, chunks, metadata), destinations, shared, readers
+    stored = StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True)
+    return step, metadata, stored, destinations, shared, readers
 
 
 def _raise_if_any_rank_failed(failure: BaseException | None, device: torch.device, checkpoint_url: str,
@@ -450,8 +455,10 @@ def load_destinations(model, optimizer, read_once: bool = True):
 def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str) -> None:
     """One error listing every missing key, unexpected key and shape or dtype mismatch."""
     kinds = (PARAM, *MOMENTS)
-    expected = {(name, kind): (tuple(param.shape), dtype_name(param.dtype))
-                for name, param in model.named_parameters() for kind in kinds}
+    expected = {}
+    for name, param in model.named_parameters():
+        described = (tuple(param.shape), dtype_name(param.dtype))  # once: DTensor's properties are not free
+        expected.update({(name, kind): described for kind in kinds})
     possible = {(name, kind) for name in all_parameter_names for kind in kinds}
     found = {key: (chunk.global_shape, chunk.dtype) for key, chunk in stored.items()}
     raise_if_mismatched(expected, found, possible, where)
