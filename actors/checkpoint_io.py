@@ -256,16 +256,15 @@ def execute_requests(fs, base: str, requests: Sequence[Request], destinations: d
 
 
 def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_bytes: int, served) -> int:
-    """Each request is read in runs of back-to-back parts, one `os.preadv` per run, straight into
-    the destinations' bytes (one buffer per part whose slice of its destination is contiguous, one
+    """Each request is read in runs of back-to-back parts with `os.preadv` (one call per run, or
+    per CHECK_BLOCK_BYTES of checksummed bytes), straight into the destinations' bytes (one buffer per part whose slice of its destination is contiguous, one
     per row of it when the slice is a column range of a wider tensor); parts that cannot land in
     place (another dtype or device, only some of what is read used) and header checks are staged
     in one reused scratch buffer. Then each part is checked and placed in file order.
 
     A syscall and a few Python steps per run rather than per part: on the small preset a
-    same-layout load is ~150 parts in ~3 runs per rank."""
+    same-layout load is ~150 parts in ~6 runs per rank."""
     total = 0
-    views = _DestinationBytes()
     scratch = bytearray()
     handles: dict[str, object] = {}
     try:
@@ -279,7 +278,7 @@ def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_by
             run: list[tuple] = []  # (part, its segments or None when staged)
             staged_bytes = 0
             for part in request.parts:
-                segments = None if isinstance(part, HeaderCheck) else _direct_segments(part, lookup(part), views)
+                segments = None if isinstance(part, HeaderCheck) else _direct_segments(part, lookup(part))
                 if segments is None and isinstance(part, ReadItem) and part.nbytes > window_bytes and part.held_sizes:
                     total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, served)
                     run, staged_bytes = [], 0
@@ -374,21 +373,12 @@ def _read_checking(handle, start: int, placed: list[tuple]) -> int:
     return position - start
 
 
-class _DestinationBytes:
-    """Each destination tensor's bytes as one flat writable memoryview, made once per load (a
-    torch view and a numpy conversion cost more than the read of a small part)."""
-
-    def __init__(self):
-        self._views: dict[int, tuple[torch.Tensor, memoryview]] = {}
-
-    def of(self, tensor: torch.Tensor) -> memoryview:
-        held = self._views.get(id(tensor))
-        if held is None:  # the tensor is kept with its view, so its id is not reused meanwhile
-            held = self._views[id(tensor)] = (tensor, memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()))
-        return held[1]
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as one flat writable buffer (as bytes: numpy has no bfloat16)."""
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def _direct_segments(item: ReadItem, destination: Destination, views: _DestinationBytes | None = None) -> list | None:
+def _direct_segments(item: ReadItem, destination: Destination) -> list | None:
     """The destination's bytes in file order, when the item fills its slice of the destination
     exactly: one buffer when that slice is contiguous, else one per contiguous run of it (a row of
     the slice of a wider tensor: a chunk split along columns read into a tensor split along rows).
@@ -410,13 +400,13 @@ def _direct_segments(item: ReadItem, destination: Destination, views: _Destinati
     itemsize = tensor.element_size()
     first = sum((o - t) * stride for o, t, stride in zip(item.offsets, target_offsets, strides)) * itemsize
     if inner <= 1:  # one contiguous run
-        return [(views or _DestinationBytes()).of(tensor)[first:first + item.nbytes]]
+        return [_tensor_bytes(tensor)[first:first + item.nbytes]]
     outer = sizes[:inner - 1]
     count = math.prod(outer)
     if not _SCATTER_READS or count > _MAX_SEGMENTS:  # many short runs: one staged read and a strided copy is cheaper
         return None
     block = sizes[inner - 1] * strides[inner - 1] * itemsize
-    whole = (views or _DestinationBytes()).of(tensor)
+    whole = _tensor_bytes(tensor)
     if len(outer) == 1:
         step = strides[0] * itemsize
         return [whole[at:at + block] for at in range(first, first + count * step, step)]

@@ -281,9 +281,7 @@ def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: se
         # new ones need no zero fill.
         moments = {kind: state[kind] if kind in state and state[kind].shape == param.shape and state[kind].dtype == param.dtype
                    else torch.empty_like(param) for kind in MOMENTS}
-        counter = state.get("step")
-        counter = counter.fill_(step) if isinstance(counter, torch.Tensor) and counter.dim() == 0 else torch.tensor(float(step))
-        optimizer.state[param] = {"step": counter, **moments}
+        optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
     destinations, shared, readers = load_destinations(model, optimizer, hands_over)
     stored = StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True)
     return step, metadata, stored, destinations, shared, readers
