@@ -36,8 +36,9 @@ from plans.reshard import HeaderCheck, ReadItem, Request, coalesce
 from plans.safetensors_layout import SAFETENSORS_DTYPES, Entry, file_layout
 
 # 2.0: chunk and header checksums are CRC32C (1.x: CRC32); a 1.x reader refuses 2.0 by its major
-# version rather than report every chunk corrupt.
-FORMAT_VERSION = "2.0"
+# version rather than report every chunk corrupt. 2.1: CRC32 again, computed by ISA-L (any reader
+# that knows CRC32 verifies it, so a minor version; actors/checksums.py).
+FORMAT_VERSION = "2.1"
 READABLE_MAJORS = ("1", "2")
 METADATA_KEY = b"rayshard"
 STAGE_BYTES = 16 * 2**20

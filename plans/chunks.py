@@ -29,7 +29,7 @@ class Chunk:
     file: str  # relative to the checkpoint directory
     byte_start: int
     byte_end: int
-    checksum: str  # "crc32c:xxxxxxxx" of bytes [byte_start, byte_end) ("crc32:" in format 1.x)
+    checksum: str  # "crc32:xxxxxxxx" of bytes [byte_start, byte_end) ("crc32c:" in format 2.0)
     # The same checksum of the file's safetensors header (bytes before its first chunk), which holds a
     # nonce unique to the write: a reader detects a replaced or rewritten file even when it reads
     # only part of a chunk. Empty in format 1.0 manifests.

@@ -81,12 +81,12 @@ def _with_checksums(chunks, data: bytes, algorithm: str):
             for c in chunks]
 
 
-def test_new_checkpoints_use_crc32c_and_format_1_crc32_ones_still_read_and_fail_on_change(tmp_path):
+def test_new_checkpoints_use_crc32_and_format_2_0_crc32c_ones_still_read_and_fail_on_change(tmp_path):
     weight, chunks = _written(tmp_path)
-    assert all(c.checksum.startswith("crc32c:") and c.file_header.startswith("crc32c:") for c in chunks)
+    assert all(c.checksum.startswith("crc32:") and c.file_header.startswith("crc32:") for c in chunks)
     path = tmp_path / "attempt-x" / "rank-00000.safetensors"
-    old = _with_checksums(chunks, path.read_bytes(), "crc32")  # what format 1.1 wrote
-    assert old[0].checksum != chunks[0].checksum and old[0].checksum.startswith("crc32:")
+    old = _with_checksums(chunks, path.read_bytes(), "crc32c")  # what format 2.0 wrote
+    assert old[0].checksum != chunks[0].checksum and old[0].checksum.startswith("crc32c:")
     fs = fsspec.filesystem("file")
     target = torch.empty(5, 4)
     fill_from_reads(fs, str(tmp_path), plan_reads([old[1]], (0, 0), (5, 4)), target, (0, 0))
@@ -94,8 +94,28 @@ def test_new_checkpoints_use_crc32c_and_format_1_crc32_ones_still_read_and_fail_
     data = bytearray(path.read_bytes())
     data[old[1].byte_start + 3] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"checksum mismatch for w \(exp_avg\)"):
-        fill_from_reads(fs, str(tmp_path), plan_reads([old[1]], (0, 0), (5, 4)), target, (0, 0))
+    for recorded in (old[1], chunks[1]):  # 2.0's CRC32C and 2.1's CRC32 both catch it
+        with pytest.raises(CheckpointError, match=r"checksum mismatch for w \(exp_avg\)"):
+            fill_from_reads(fs, str(tmp_path), plan_reads([recorded], (0, 0), (5, 4)), target, (0, 0))
+
+
+def test_written_crc32_values_are_zlibs_so_any_crc32_reader_verifies_them():
+    """Format 1.x readers (and anything else that knows CRC32) check 2.1 checkpoints with zlib:
+    ISA-L must give the same values, from any starting value and across block boundaries, on
+    unaligned buffers and on a tensor's own bytes."""
+    import zlib
+
+    from actors.checksums import RunningChecksum, checksum
+
+    data = bytes((i * 131 + i // 7) % 251 for i in range(3 * 2**20 + 13))
+    assert checksum(data) == f"crc32:{zlib.crc32(data):08x}"
+    running = RunningChecksum()
+    for start in range(0, len(data), 65_537):  # odd block sizes: the running value carries across
+        running.update(memoryview(data)[start:start + 65_537])
+    assert running.text() == f"crc32:{zlib.crc32(data):08x}"
+    assert checksum(memoryview(data)[3:1003]) == f"crc32:{zlib.crc32(data[3:1003]):08x}"
+    tensor = torch.arange(1000, dtype=torch.float32) * 0.37 - 11
+    assert checksum(memoryview(tensor.numpy()).cast("B")) == f"crc32:{zlib.crc32(tensor.numpy().tobytes()):08x}"
 
 
 def test_a_checksum_algorithm_this_reader_does_not_know_is_named(tmp_path):
