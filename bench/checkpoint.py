@@ -7,11 +7,12 @@ then, repeatedly and in rotating order:
   same model and optimizer state dict), raw (each rank writes the bytes rayshard's save writes as
   one plain file);
 - load on the same layout: rayshard (`load_rank_shard`), DCP (`dcp.load` + `set_state_dict`),
-  raw (plain reads of exactly the byte ranges rayshard's load reads, into one reused buffer).
-Then four fresh ranks on layout B (fsdp4) load what A saved: rayshard, DCP, and raw reads of
+  raw (plain reads of exactly the byte ranges rayshard's load reads, each into its own place in one
+  pre-touched buffer), checked (the raw reads plus the checksum of each chunk rayshard verifies).
+Then four fresh ranks on layout B (fsdp4) load what A saved: rayshard, DCP, raw and checked reads of
 exactly the byte ranges rayshard's plan reads. An operation's time is the slowest rank's; the
-figure is the median over repeats. No fsync anywhere (DCP's sync_files=False), so all three
-measure the same page-cache path. Peak RSS above the rank's baseline during each operation is
+figure is the median over repeats. No fsync anywhere (DCP's sync_files=False), so every method
+measures the same page-cache path. Peak RSS above the rank's baseline during each operation is
 sampled every 2 ms.
 
     .venv/bin/python bench/checkpoint.py [--model small] [--repeats 5] [--root /tmp/rayshard-bench-ckpt]
@@ -39,6 +40,7 @@ from plans.model_spec import preset  # noqa: E402
 LAYOUT_A = ParallelLayout(dp=2, tp=2)
 LAYOUT_B = ParallelLayout(fsdp=4)
 MiB = 2**20
+LOAD_METHODS = ("rayshard", "dcp", "raw", "checked")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -134,20 +136,24 @@ def _raw_save(trainer, path: str):
             handle.write(block)
 
 
-def _read_buffer(ranges: list[tuple[str, int, int]]) -> memoryview:
-    """One buffer for the largest range, its pages touched before any timing (as rayshard's
-    destination tensors are)."""
-    return memoryview(bytearray(b"\1") * max((end - start for _, start, end in ranges), default=0))
+def _read_buffer(ranges) -> memoryview:
+    """One buffer holding every range at its own place, its pages touched before any timing (as
+    rayshard's destination tensors are)."""
+    return memoryview(bytearray(b"\1") * sum(end - start for _, start, end, _ in ranges))
 
 
-def _raw_ranges(ranges: list[tuple[str, int, int]], buffer: memoryview):
-    """Storage bandwidth: the same ranges read into one reused buffer. (Fresh `bytes` per range
-    would charge the anchor page faults for every range above malloc's mmap threshold and not for
-    smaller ones, so the same-layout and resharded anchors would not measure the same thing.)"""
-    for path, start, end in ranges:
+def _raw_ranges(ranges, buffer: memoryview):
+    """Storage bandwidth: the same ranges read into distinct memory, as any load must place them.
+    Not into fresh `bytes` per range: that charged the anchor page faults above malloc's mmap
+    threshold only (docs/decisions.md 38). Not into one reused buffer either: the resharded
+    load's ranges are at most 1.5 MiB, so a reused buffer stayed in L2 and the anchor never wrote
+    its bytes to memory (its CPU was 9 ms a rank against 12 ms placed; decisions 44)."""
+    at = 0
+    for path, start, end, _ in ranges:
         with open(path, "rb", buffering=0) as handle:
             handle.seek(start)
-            handle.readinto(buffer[:end - start])
+            handle.readinto(buffer[at:at + end - start])
+        at += end - start
 
 
 def _our_load(trainer, url: str) -> dict:
@@ -157,13 +163,45 @@ def _our_load(trainer, url: str) -> dict:
     return load_rank_shard(trainer.model, trainer.optimizer, url, set(parameter_shapes(trainer.config.model)))
 
 
-def _planned_ranges(trainer, url: str) -> list[tuple[str, int, int]]:
-    """The byte ranges rayshard's load on this rank reads (for the raw-read anchor)."""
+def _planned_ranges(trainer, url: str) -> list[tuple[str, int, int, list[tuple[int, int]]]]:
+    """The byte ranges rayshard's load on this rank reads (for the raw-read anchors), each with the
+    spans inside it that the load verifies (the chunks it reads whole)."""
     from actors.checkpointing import StoredCheckpoint, load_destinations, read_once_for
+    from plans.reshard import ReadItem
 
     stored = StoredCheckpoint(url)
     destinations, _, _ = load_destinations(trainer.model, trainer.optimizer, read_once_for(url))
-    return [(f"{stored.base}/{r.file}", r.byte_start, r.byte_end) for r in stored.plan(destinations).requests]
+    return [(f"{stored.base}/{r.file}", r.byte_start, r.byte_end,
+             [(p.byte_start, p.byte_end) for p in r.parts if isinstance(p, ReadItem) and p.whole_chunk])
+            for r in stored.plan(destinations).requests]
+
+
+def _checked_raw_ranges(ranges, buffer: memoryview):
+    """The raw anchor plus the verification rayshard's load does and nothing else: the same reads
+    into the same places, cut in the load's check blocks, each block of a whole chunk run through
+    the checksum right after it lands. No manifest, no plan, no placement: what a load costs when
+    it checks what it reads (the figure rayshard's overhead is measured against)."""
+    from actors.checkpoint_io import CHECK_BLOCK_BYTES
+    from actors.checksums import RunningChecksum
+
+    at = 0
+    for path, start, end, spans in ranges:
+        with open(path, "rb", buffering=0) as handle:
+            for block in range(start, end, CHECK_BLOCK_BYTES):
+                stop = min(end, block + CHECK_BLOCK_BYTES)
+                view = buffer[at + block - start:at + stop - start]
+                handle.seek(block)
+                handle.readinto(view)
+                for first, last in spans:
+                    if first < stop and last > block:
+                        RunningChecksum().update(view[max(first, block) - block:min(last, stop) - block])
+        at += end - start
+
+
+def _rotated(methods, repeat: int):
+    """No method always runs first (warm caches)."""
+    shift = repeat % len(methods)
+    return [*methods[shift:], *methods[:shift]]
 
 
 def _phase_a(rank, config, port, root, repeats, queue):
@@ -171,12 +209,10 @@ def _phase_a(rank, config, port, root, repeats, queue):
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
     trainer.train_step()
-    results = {key: [] for key in ("save/rayshard", "save/dcp", "save/raw", "load/rayshard", "load/dcp", "load/raw")}
+    results = {key: [] for key in ("save/rayshard", "save/dcp", "save/raw", *(f"load/{m}" for m in LOAD_METHODS))}
     memory = {key: [] for key in results}
-    methods = ["rayshard", "dcp", "raw"]
     for repeat in range(repeats):
-        order = methods[repeat % 3:] + methods[:repeat % 3]  # no method always runs first (warm caches)
-        for method in order:
+        for method in _rotated(("rayshard", "dcp", "raw"), repeat):
             where = f"{root}/{method}-{repeat}"
             raw_file = f"{where}/rank-{rank:05d}.raw"
             if method == "raw":
@@ -188,10 +224,10 @@ def _phase_a(rank, config, port, root, repeats, queue):
             memory[f"save/{method}"].append(extra)
         ranges = _planned_ranges(trainer, f"{root}/rayshard-{repeat}")
         buffer = _read_buffer(ranges)
-        for method in order:
+        for method in _rotated(LOAD_METHODS, repeat):
             where = f"{root}/{method}-{repeat}"
             load = {"rayshard": lambda: _our_load(trainer, where), "dcp": lambda: _dcp_load(trainer, where),
-                    "raw": lambda: _raw_ranges(ranges, buffer)}[method]
+                    "raw": lambda: _raw_ranges(ranges, buffer), "checked": lambda: _checked_raw_ranges(ranges, buffer)}[method]
             seconds, extra = _timed(load)
             results[f"load/{method}"].append(seconds)
             memory[f"load/{method}"].append(extra)
@@ -204,17 +240,17 @@ def _phase_b(rank, config, port, root, repeats, queue):
     from actors.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
-    results = {key: [] for key in ("reshard/rayshard", "reshard/dcp", "reshard/raw")}
+    results = {f"reshard/{method}": [] for method in LOAD_METHODS}
     memory = {key: [] for key in results}
     stats = {}
     _our_load(trainer, f"{root}/rayshard-0")  # untimed: creates the AdamW state every method then fills
     for repeat in range(repeats):
         ranges = _planned_ranges(trainer, f"{root}/rayshard-{repeat}")
         buffer = _read_buffer(ranges)
-        for method in ["rayshard", "dcp", "raw"][repeat % 3:] + ["rayshard", "dcp", "raw"][:repeat % 3]:
+        for method in _rotated(LOAD_METHODS, repeat):
             load = {"rayshard": lambda: stats.update(_our_load(trainer, f"{root}/rayshard-{repeat}")),
                     "dcp": lambda: _dcp_load(trainer, f"{root}/dcp-{repeat}"),
-                    "raw": lambda: _raw_ranges(ranges, buffer)}[method]
+                    "raw": lambda: _raw_ranges(ranges, buffer), "checked": lambda: _checked_raw_ranges(ranges, buffer)}[method]
             seconds, extra = _timed(load)
             results[f"reshard/{method}"].append(seconds)
             memory[f"reshard/{method}"].append(extra)
@@ -259,11 +295,16 @@ def main() -> None:
     total_bytes = sum(item[3] for item in phase_a)
     print(f"model {args.model}, {LAYOUT_A.world_size} ranks (gloo, CPU), local store {args.root}, {args.repeats} repeats; "
           f"state {total_bytes / MiB:.1f} MiB written once (params + AdamW moments), no fsync")
-    print(f"{'operation':<34}{'rayshard':>10}{'DCP':>10}{'raw':>10}{'DCP/ours':>10}{'raw/ours':>10}")
+    print(f"{'operation':<34}{'rayshard':>10}{'DCP':>10}{'raw':>10}{'checked':>10}{'DCP/ours':>10}{'raw/ours':>10}"
+          f"{'chk/ours':>10}")
     for title, key in (("save, dp2 x tp2", "save"), ("load, same layout", "load"), ("load, resharded to fsdp4", "reshard")):
         ours, dcp, raw = (medians[f"{key}/{m}"] for m in ("rayshard", "dcp", "raw"))
-        print(f"{title:<34}{ours:>9.3f}s{dcp:>9.3f}s{raw:>9.3f}s{dcp / ours:>10.2f}{raw / ours:>10.2f}")
-    print("  (DCP/ours > 1: rayshard faster than DCP; raw/ours is the fraction of raw bandwidth reached, goal >= 0.8)")
+        checked = medians.get(f"{key}/checked")
+        cells = (f"{checked:>9.3f}s", f"{checked / ours:>10.2f}") if checked else (f"{'':>10}", f"{'':>10}")
+        print(f"{title:<34}{ours:>9.3f}s{dcp:>9.3f}s{raw:>9.3f}s{cells[0]}{dcp / ours:>10.2f}{raw / ours:>10.2f}{cells[1]}")
+    print("  (DCP/ours > 1: rayshard faster than DCP; raw/ours is the fraction of raw bandwidth reached, goal >= 0.8;\n"
+          "   checked: the raw reads plus the checksum of every chunk rayshard verifies, no planning or placement, so\n"
+          "   raw/checked is what verification alone costs and chk/ours what is left to rayshard's own work)")
     read = sum(item[3]["bytes_read"] for item in phase_b)
     needed = sum(item[3]["bytes_needed"] for item in phase_b)
     print(f"resharded load: rayshard read {read / MiB:.2f} MiB for {needed / MiB:.2f} MiB needed ({read / max(1, needed):.4f}x; "
