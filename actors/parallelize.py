@@ -103,6 +103,18 @@ def reduce_gradients_now(stage: nn.Module) -> None:
     state._root_post_backward_final_callback()
 
 
+def squares_sum(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of every element, in float64.
+
+    Why float64: the float32 sum of the same squares depends on how a layout cuts the pieces and
+    groups them on ranks (dp2 x tp2 and tp2 holding bit-equal gradients gave norms one ulp
+    apart), and the clip scales every gradient by the norm: one ulp a few dozen steps in set the
+    two layouts on paths 2e-5 apart by step 150 (docs/decisions.md 46). Summed in float64 and
+    rounded to float32 once, the norm depends on the gradient values alone (a layout's float64
+    rounding would have to straddle a float32 boundary: odds ~1e-9 a step)."""
+    return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int], timeout: timedelta | None = None) -> torch.Tensor:
     """Global gradient L2 norm over all ranks, then scale gradients in place.
@@ -117,17 +129,17 @@ def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int], timeout:
     with_grads = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in with_grads]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    squared = torch.zeros((), dtype=torch.float32, device=local[0].device if local else None)
+    squared = torch.zeros((), dtype=torch.float64, device=local[0].device if local else None)
     # Replication follows the gradient (DTensor may replicate a sharded parameter's gradient);
     # the pipeline-copy mark (tied embeddings) is on the parameter.
     owned = [piece for param, grad, piece in zip(with_grads, grads, local)
              if not getattr(param, PIPELINE_COPY, False) and is_primary_replica(grad, coords) and piece.numel()]
     if owned:
-        squared = torch.stack([norm.float() for norm in torch._foreach_norm(owned)]).square().sum()
+        squared = squares_sum(owned)
     if dist.is_initialized():
         work = dist.all_reduce(squared, async_op=True)
         work.wait(timeout) if timeout is not None else work.wait()
-    total = squared.sqrt()
+    total = squared.sqrt().float()  # rounded once, from float64: the same on every layout
     if max_norm > 0 and local:
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(local, scale)
