@@ -17,6 +17,7 @@ import itertools
 import math
 import os
 import json
+import re
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from actors.checksums import RunningChecksum, checksum, matches, running_like
+from actors.partial_reads import partial_read
 from actors.object_writer import open_object_writer
 from actors.ranged_fetch import fetch_ranges
 from plans.chunks import Chunk
@@ -164,7 +166,10 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], 
     if raw is None:
         raise CheckpointError(f"{where}: Parquet file has no rayshard metadata; it is not a rayshard manifest")
     metadata = json.loads(raw)
-    version = str(metadata.get("format_version", "?"))
+    version = str(metadata.get("format_version", ""))
+    if not re.fullmatch(r"\d+\.\d+", version):
+        raise CheckpointError(f"{where}: its format_version {version!r} is not MAJOR.MINOR: the manifest is damaged or "
+                              "was not written by rayshard. Fix: resume from another checkpoint")
     if version.split(".")[0] not in READABLE_MAJORS:
         raise CheckpointError(f"{where}: format version {version} is not readable by this rayshard "
                               f"(reads {', '.join(m + '.x' for m in READABLE_MAJORS)}); upgrade rayshard to read it")
@@ -211,12 +216,6 @@ def _copy_item(item: ReadItem, data, destination: Destination, path: str) -> Non
     tensor[place].copy_(held[source])
 
 
-def _check_whole_chunk(item: ReadItem, buffers, path: str) -> None:
-    """buffers: the item's bytes, in order, in one buffer or several."""
-    if item.whole_chunk and not matches(item.chunk.checksum, buffers, path):
-        raise _checksum_mismatch(item, path)
-
-
 def _checksum_mismatch(item: ReadItem, path: str) -> CheckpointError:
     return CheckpointError(f"{path}: checksum mismatch for {item.chunk.name} ({item.chunk.kind}) at bytes "
                            f"[{item.byte_start}, {item.byte_end}); the file changed or is corrupt. "
@@ -230,20 +229,46 @@ def _check_header(part: HeaderCheck, data, path: str) -> None:
                               "Fix: restore the original file, or resume from another checkpoint")
 
 
+class _Report:
+    """Where a read reports each item: `served(item)` once it is verified and in place, and, when
+    `partial` is a list, a PartialRead with the checksum of every item that holds only part of
+    its chunk (`actors/partial_reads.py`: such parts are verified together, by whoever sees them
+    all)."""
+
+    __slots__ = ("served", "partial")
+
+    def __init__(self, served: Callable[[ReadItem], None] | None, partial: list | None):
+        self.served, self.partial = served or (lambda item: None), partial
+
+    def running_for(self, part, path: str) -> RunningChecksum | None:
+        """A checksum to feed the part's bytes to, or None when nobody needs one."""
+        if isinstance(part, ReadItem) and (part.whole_chunk or self.partial is not None):
+            return running_like(part.chunk.checksum, path)
+        return None
+
+    def done(self, part: ReadItem, running: RunningChecksum | None) -> None:
+        if running is not None and self.partial is not None and not part.whole_chunk:
+            self.partial.append(partial_read(part, running.value))
+        self.served(part)
+
+
 def execute_requests(fs, base: str, requests: Sequence[Request], destinations: dict[ReadItem, Destination] | Callable,
-                     window_bytes: int = WINDOW_BYTES, served: Callable[[ReadItem], None] | None = None) -> int:
+                     window_bytes: int = WINDOW_BYTES, served: Callable[[ReadItem], None] | None = None,
+                     partial: list | None = None) -> int:
     """Fetch requests, verify, and copy every item into its destination. `destinations` maps an
     item to (tensor, global offsets of that tensor), or is a function doing so. Returns bytes read.
-    served(item), if given, is called once each item is verified and in place.
+    served(item), if given, is called once each item is verified and in place. partial, if a
+    list, receives a PartialRead for every item that reads only part of its chunk (which this
+    read cannot verify alone).
 
     Local files are read item by item straight into the destination when its slice is contiguous
     (a same-layout load copies nothing twice and needs no buffer), else through one reused buffer.
     Object stores stream: GETs run concurrently with at most `window_bytes` fetched and not yet
     placed, and each is placed as it arrives (`actors/ranged_fetch.py`)."""
     lookup = destinations if callable(destinations) else destinations.__getitem__
-    served = served or (lambda item: None)
+    report = _Report(served, partial)
     if isinstance(fs, LocalFileSystem):
-        return _execute_local(fs, base, requests, lookup, window_bytes, served)
+        return _execute_local(fs, base, requests, lookup, window_bytes, report)
     total = 0
     small = [r for r in requests if r.nbytes <= window_bytes]
     with contextlib.closing(fetch_ranges(fs, base, small, window_bytes)) as arrivals:
@@ -251,15 +276,15 @@ def execute_requests(fs, base: str, requests: Sequence[Request], destinations: d
             path = f"{base}/{request.file}"
             if isinstance(blob, BaseException) or len(blob) != request.nbytes:
                 raise _short_read(path, request.byte_start, request.byte_end, _describe(request), blob)
-            _serve(request, blob, path, lookup, served)
+            _serve(request, blob, path, lookup, report)
             total += request.nbytes
     for request in requests:
         if request.nbytes > window_bytes:
-            total += _serve_large(fs, base, request, lookup, window_bytes, served)
+            total += _serve_large(fs, base, request, lookup, window_bytes, report)
     return total
 
 
-def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_bytes: int, served) -> int:
+def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_bytes: int, report: _Report) -> int:
     """Each request is read in runs of back-to-back parts with `os.preadv` (one call per run, or
     per CHECK_BLOCK_BYTES of checksummed bytes), straight into the destinations' bytes (one buffer per part whose slice of its destination is contiguous, one
     per row of it when the slice is a column range of a wider tensor); parts that cannot land in
@@ -284,30 +309,32 @@ def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_by
             for part in request.parts:
                 segments = None if isinstance(part, HeaderCheck) else _direct_segments(part, lookup(part))
                 if segments is None and isinstance(part, ReadItem) and part.nbytes > window_bytes and part.held_sizes:
-                    total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, served)
+                    total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, report)
                     run, staged_bytes = [], 0
                     total += _serve_large(fs, base, Request(part.file, part.byte_start, part.byte_end, (part,)), lookup,
-                                          window_bytes, served)
+                                          window_bytes, report)
                     continue
                 # A run is back-to-back bytes (parts may overlap when two targets share rows) with at
                 # most a window of them staged.
                 breaks = run and (part.byte_start != run[-1][0].byte_end
                                   or (segments is None and staged_bytes + part.nbytes > window_bytes))
                 if breaks:
-                    total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, served)
+                    total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, report)
                     run, staged_bytes = [], 0
                 run.append((part, segments))
                 staged_bytes += part.nbytes if segments is None else 0
-            total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, served)
+            total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, report)
     finally:
         for handle in handles.values():
             handle.close()
     return total
 
 
-def _read_run(handle, path: str, run: list[tuple], staged_bytes: int, scratch: bytearray, lookup, served) -> int:
-    """Read one run of back-to-back parts with scatter reads, checking each whole chunk's checksum
-    block by block as its bytes arrive, then place and report each part in file order."""
+def _read_run(handle, path: str, run: list[tuple], staged_bytes: int, scratch: bytearray, lookup,
+              report: _Report) -> int:
+    """Read one run of back-to-back parts with scatter reads, taking each part's checksum block by
+    block as its bytes arrive (whole chunks are checked here; parts of chunks reported), then place
+    and report each part in file order."""
     if not run:
         return 0
     if len(scratch) < staged_bytes:
@@ -318,8 +345,7 @@ def _read_run(handle, path: str, run: list[tuple], staged_bytes: int, scratch: b
         staged = direct is None
         if staged:
             direct, free = [free[:part.nbytes]], free[part.nbytes:]
-        running = running_like(part.chunk.checksum, path) if isinstance(part, ReadItem) and part.whole_chunk else None
-        placed.append((part, direct, staged, running))
+        placed.append((part, direct, staged, report.running_for(part, path)))
     start = run[0][0].byte_start
     got = _read_checking(handle, start, placed)
     if got != run[-1][0].byte_end - start:
@@ -330,11 +356,11 @@ def _read_run(handle, path: str, run: list[tuple], staged_bytes: int, scratch: b
         if isinstance(part, HeaderCheck):
             _check_header(part, buffers[0], path)
             continue
-        if running is not None and running.text() != part.chunk.checksum:
+        if running is not None and part.whole_chunk and running.text() != part.chunk.checksum:
             raise _checksum_mismatch(part, path)
         if staged:
             _copy_item(part, buffers[0], lookup(part), path)
-        served(part)
+        report.done(part, running)
     return got
 
 
@@ -473,19 +499,23 @@ def _describe(request: Request) -> str:
     return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "the safetensors header"
 
 
-def _serve(request: Request, blob, path: str, lookup, served) -> None:
+def _serve(request: Request, blob, path: str, lookup, report: _Report) -> None:
     view = memoryview(blob)
     for part in request.parts:
         data = view[part.byte_start - request.byte_start: part.byte_end - request.byte_start]
         if isinstance(part, HeaderCheck):
             _check_header(part, data, path)
             continue
-        _check_whole_chunk(part, [data], path)
+        running = report.running_for(part, path)
+        if running is not None:
+            running.update(data)
+            if part.whole_chunk and running.text() != part.chunk.checksum:
+                raise _checksum_mismatch(part, path)
         _copy_item(part, data, lookup(part), path)
-        served(part)
+        report.done(part, running)
 
 
-def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int, served) -> int:
+def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int, report: _Report) -> int:
     """A request bigger than the window: read each part on its own, and a whole-rows item bigger
     than the window in row blocks, verifying its checksum incrementally."""
     path = f"{base}/{request.file}"
@@ -493,7 +523,7 @@ def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int, ser
     for part in request.parts:
         if isinstance(part, HeaderCheck) or part.nbytes <= window_bytes or len(part.held_sizes) == 0:
             data = _cat(fs, path, part.byte_start, part.byte_end, _describe(Request(part.file, 0, 0, (part,))))
-            _serve(Request(request.file, part.byte_start, part.byte_end, (part,)), data, path, lookup, served)
+            _serve(Request(request.file, part.byte_start, part.byte_end, (part,)), data, path, lookup, report)
             total += part.nbytes
             continue
         row_bytes = part.nbytes // part.held_sizes[0]
@@ -514,7 +544,7 @@ def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int, ser
             total += len(data)
         if part.whole_chunk and running.text() != part.chunk.checksum:
             raise _checksum_mismatch(part, path)
-        served(part)
+        report.done(part, running)
     return total
 
 

@@ -25,12 +25,14 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.tensor import DTensor, Replicate
 
 from actors.checkpoint_io import WINDOW_BYTES, decode_manifest, dtype_name, execute_requests, write_shard
+from actors.partial_reads import PartialRead, check_partial_reads, mismatch_error
 from actors import shards
 from actors.replica_broadcast import broadcast_pieces, buckets
 from actors.shards import local_region
 from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from plans.errors import CheckpointError
 from plans.layout import ParallelLayout, RankCoords
+from plans.manifest_check import raise_if_mismatched
 from plans.object_keys import check_object_keys
 from plans.reshard import ReadItem, Target, header_checks, index_chunks, plan_rank
 from plans.save_plan import assign_readers, assign_writers, file_position, group_salt, handover_dims
@@ -173,6 +175,7 @@ class StoredCheckpoint:
         elif not keys_checked:  # chunks decoded elsewhere get the same check as read_manifest's
             check_object_keys((chunk.file for chunk in chunks), url)
         self.url, self.chunks, self.metadata = url, chunks, metadata or {}
+        self.partial_reads: list[PartialRead] = []  # parts of chunks read and not yet verified
         self.index = index_chunks(chunks)
         # Header ranges come from all of a file's chunks (everything before its first one).
         self.headers = header_checks(chunks)
@@ -198,9 +201,29 @@ class StoredCheckpoint:
         requests, served = plan.requests, None
         if groups:
             requests, served = _group_order(plan, groups, group_done)
-        bytes_read = execute_requests(self.fs, self.base, requests, by_item, window_bytes, served)
+        bytes_read = execute_requests(self.fs, self.base, requests, by_item, window_bytes, served, self.partial_reads)
         return {"bytes_read": bytes_read, "bytes_needed": plan.bytes_needed, "requests": len(plan.requests),
                 "files": plan.files}
+
+    def take_partial_reads(self) -> list[PartialRead]:
+        """The parts of chunks read since the last call, to verify where all of a chunk's parts
+        meet (`check_partial_reads`)."""
+        reads, self.partial_reads = self.partial_reads, []
+        return reads
+
+    def check_partial_reads(self, reads: list[PartialRead] | None = None) -> int:
+        """Verify the chunks read in parts: this process's own parts, or `reads` gathered from
+        every rank that read some. A chunk whose parts do not cover it exactly (a rank's read failed
+        or was skipped) is read whole here, once. Raises a CheckpointError naming every chunk that
+        fails; returns how many chunks were verified."""
+        outcome = check_partial_reads(self.take_partial_reads() if reads is None else reads)
+        if outcome.mismatched:
+            raise mismatch_error(outcome.mismatched, self.url)
+        for part in outcome.untiled:
+            chunk = next(c for c in self.index[(part.name, part.kind)].chunks
+                         if (c.file, c.byte_start) == (part.file, part.chunk_start))
+            self.read_region(chunk.name, chunk.kind, chunk.offsets, chunk.sizes)  # whole: checked as it lands
+        return outcome.verified + len(outcome.untiled)
 
     def read_region(self, name: str, kind: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
         """A fresh CPU tensor holding one region of one stored tensor."""
@@ -262,7 +285,10 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
         seconds["read"] = time.perf_counter() - started
     if _ties_embeddings(model):  # only a tied embedding's copy can be held twice by one rank
         _fill_local_copies(model, optimizer)
-    return {"step": step, "metadata": metadata, "bytes_received": received, "seconds": seconds, **stats}
+    # Parts of chunks this rank read but could not verify alone: the caller gathers every rank's
+    # and checks them together (`check_loaded_parts`).
+    return {"step": step, "metadata": metadata, "bytes_received": received, "seconds": seconds,
+            "partial_reads": stored.take_partial_reads(), **stats}
 
 
 def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: set[str], manifest: bytes | None,
@@ -465,18 +491,14 @@ def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_nam
     raise_if_mismatched(expected, found, possible, where)
 
 
-def raise_if_mismatched(expected: dict, found: dict, possible: set, where: str,
-                        fix: str = "resume with the model settings the checkpoint was written with (`model` in its manifest metadata)") -> None:
-    missing = sorted(f"{n} ({k})" for n, k in expected.keys() - found.keys())
-    unexpected = sorted(f"{n} ({k})" for n, k in found.keys() - possible)
-    mismatched = sorted(f"{n} ({k}): checkpoint {found[(n, k)][1]}{list(found[(n, k)][0])}, "
-                        f"model {expected[(n, k)][1]}{list(expected[(n, k)][0])}"
-                        for n, k in expected.keys() & found.keys() if found[(n, k)] != expected[(n, k)])
-    if missing or unexpected or mismatched:
-        lines = [f"checkpoint {where} does not match the model:"]
-        for title, entries in (("missing keys", missing), ("unexpected keys", unexpected),
-                               ("shape/dtype mismatches", mismatched)):
-            if entries:
-                lines.append(f"  {title} ({len(entries)}): " + "; ".join(entries[:20]) + (" ..." if len(entries) > 20 else ""))
-        lines.append(f"  Fix: {fix}.")
-        raise CheckpointError("\n".join(lines))
+def check_loaded_parts(checkpoint_url: str, results: list[dict], manifest: bytes | None = None) -> int:
+    """After every rank of a load returned: verify the chunks they read in parts, together. The
+    checkpoint is opened (its manifest decoded) only if some chunk must be read whole."""
+    reads = [read for result in results for read in result.get("partial_reads", ())]
+    outcome = check_partial_reads(reads)
+    if outcome.mismatched:
+        raise mismatch_error(outcome.mismatched, checkpoint_url)
+    if outcome.untiled:
+        chunks, metadata = read_manifest(checkpoint_url, manifest)
+        return StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True).check_partial_reads(reads)
+    return outcome.verified

@@ -301,7 +301,8 @@ class Trainer:
                                  manifest)
         self._mark_tied_state()
         self.step = result["step"]
-        return {"step": result["step"], "bytes_read": result["bytes_read"], "seconds": result["seconds"]}
+        return {"step": result["step"], "bytes_read": result["bytes_read"], "seconds": result["seconds"],
+                "partial_reads": result["partial_reads"]}
 
     def data_fingerprint(self) -> str:
         return corpus_fingerprint(self.corpus)

@@ -6,7 +6,8 @@ ranged reads a load uses, so it never depends on how the chunks were cut (which 
 them) and never holds more than one block (BLOCK_BYTES) in memory, whatever the model size.
 
 Blocks are cut at chunk row boundaries where possible, so most chunks are read whole and their
-CRC32 is verified on the way: a digest run is also a full integrity check of those chunks.
+CRC32 is verified on the way; a chunk taller than a block is read in parts whose checksums are
+combined once the tensor has streamed by: a digest run is also a full integrity check.
 """
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def row_blocks(group: list[Chunk], block_bytes: int) -> list[tuple[int, int]]:
 
 def stream_tensor(stored: StoredCheckpoint, name: str, kind: str, block_bytes: int = BLOCK_BYTES,
                   blocks: list[tuple[int, int]] | None = None) -> Iterator[torch.Tensor]:
-    """The global tensor as consecutive row blocks."""
+    """The global tensor as consecutive row blocks. Chunks taller than a block are read in parts;
+    once the whole tensor has streamed by, their parts' checksums are combined and checked, so
+    every byte is verified (before the caller's last step with the tensor, e.g. a digest)."""
     group = stored.index[(name, kind)].chunks
     shape = group[0].global_shape
     for start, stop in blocks or row_blocks(group, block_bytes):
@@ -81,6 +84,7 @@ def stream_tensor(stored: StoredCheckpoint, name: str, kind: str, block_bytes: i
             yield stored.read_region(name, kind, (), ())
         else:
             yield stored.read_region(name, kind, (start, *([0] * (len(shape) - 1))), (stop - start, *shape[1:]))
+    stored.check_partial_reads()
 
 
 def _bytes(block: torch.Tensor) -> memoryview:

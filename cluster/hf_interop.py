@@ -20,12 +20,13 @@ import fsspec
 import torch
 
 from actors.checkpoint_io import LazyTensor, encode_manifest, write_shard
-from actors.checkpointing import StoredCheckpoint, raise_if_mismatched
+from actors.checkpointing import StoredCheckpoint
 from cluster.progress import advance, set_total
 from cluster.transform_exec import run_group
 from plans.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
 from plans.errors import CheckpointError
 from plans.layout import ParallelLayout
+from plans.manifest_check import check_against_own_model, raise_if_mismatched
 from plans.model_spec import ModelConfig, parameter_shapes
 from plans.reshard import check_chunks_disjoint_and_complete
 from plans.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
@@ -178,6 +179,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     """progress: a bar (cluster/progress.py) advanced by the bytes of each tensor written."""
     started = time.perf_counter()
     stored = StoredCheckpoint(checkpoint_url)
+    check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
     model = ModelConfig.from_dict(stored.metadata["model"])
     stored_kinds = {kind for _, kind in stored.index}
     kinds = [PARAM] + ([k for k in MOMENTS if k in stored_kinds] if include_optimizer else [])
@@ -196,6 +198,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
             name, kind, (0,) * len(metas[name].shape), metas[name].shape))
         prefix = WEIGHTS if kind == PARAM else f"{OPTIMIZER_DIR}/{kind}"
         written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
+    stored.check_partial_reads()  # whole tensors read whole chunks (checked as read); this is in case
     out_dtype = dtype or next(iter(stored.chunks)).dtype
     fs.pipe_file(f"{base}/{CONFIG}", json.dumps(hf_config(model, out_dtype), indent=2).encode())
     fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,

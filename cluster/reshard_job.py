@@ -4,9 +4,10 @@ that load it many times (`rayshard ckpt reshard CKPT --to dp=..,tp=..,pp=.. --ru
 Each target rank is played by a Ray actor (an actor may play several ranks when fewer are asked
 for). A rank writes exactly the pieces it would write if it had trained in the target layout
 (`plans/save_plan.py`: its regions, replicas written once and spread), and it gets each piece by
-the same planned ranged reads a training load uses (`StoredCheckpoint.read`), one piece at a
-time, streaming it into its safetensors file. The driver then checks the chunks tile every
-tensor and commits the manifest exactly as training does (create-only manifest, then LATEST).
+the same planned ranged reads a training load uses (`StoredCheckpoint.read`), a window of pieces
+at a time, streaming them into its safetensors file. The driver then verifies the source chunks
+that ranks read in parts (`actors/partial_reads.py`), checks the new chunks tile every tensor and
+commits the manifest exactly as training does (create-only manifest, then LATEST).
 """
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from actors.checkpoint_io import LazyTensor, encode_manifest, write_shard
-from actors.checkpointing import StoredCheckpoint, read_manifest
+from actors.checkpoint_io import WINDOW_BYTES, LazyTensor, encode_manifest, write_shard
+from actors.checkpointing import StoredCheckpoint, check_loaded_parts, read_manifest
 from cluster.progress import advance, set_total
 from plans.chunks import Chunk
 from plans.errors import CheckpointError
 from plans.layout import ParallelLayout
+from plans.manifest_check import check_against_own_model
 from plans.model_spec import ModelConfig
-from plans.reshard import check_chunks_disjoint_and_complete
+from plans.reshard import Target, check_chunks_disjoint_and_complete
 from plans.save_plan import PlannedPiece, predicted_writes
 from plans.target_regions import check_layout_fits, pipeline_partition
 
@@ -33,8 +35,9 @@ class ReshardResult:
     url: str
     run: str
     step: int
-    bytes_read: int
+    bytes_read: int  # from storage, safetensors headers checked included
     bytes_written: int
+    requests: int  # ranged reads made, over all ranks
     seconds: float
     ranks: int
     workers: int
@@ -60,6 +63,7 @@ def planned_writes(chunks: list[Chunk], metadata: dict, layout: ParallelLayout, 
                    stage_layout: list[int] | None = None) -> list[list[PlannedPiece]]:
     model = ModelConfig.from_dict(metadata["model"])
     check_layout_fits(model, layout)
+    check_against_own_model(chunks, metadata, metadata.get("run", "being resharded"))
     kinds = sorted({c.kind for c in chunks}, key=lambda k: ("param", "exp_avg", "exp_avg_sq").index(k)
                    if k in ("param", "exp_avg", "exp_avg_sq") else 9)
     dtypes = {c.dtype for c in chunks}
@@ -69,26 +73,55 @@ def planned_writes(chunks: list[Chunk], metadata: dict, layout: ParallelLayout, 
     return predicted_writes(model, layout, target_partition(metadata, layout, schedule, stage_layout), kinds, dtypes.pop())
 
 
-def write_rank(source: StoredCheckpoint, pieces: list[PlannedPiece], target_url: str, file: str) -> dict:
-    """Play one target rank: read each of its pieces through the load's read path and stream it out."""
-    stats = {"bytes_read": 0, "bytes_written": 0}
+class WindowedReads:
+    """A rank's pieces read through the load's path a window at a time: when the writer reaches a
+    piece not yet read, it and the pieces after it, up to `window_bytes`, are planned and read
+    together (one plan, requests coalesced across pieces, as a load does), and handed out one by
+    one. At most a window of pieces is held, whatever the rank's size."""
 
-    def loader(piece: PlannedPiece):
-        def load():
+    def __init__(self, source: StoredCheckpoint, pieces: list[PlannedPiece], window_bytes: int = WINDOW_BYTES):
+        self.source, self.pieces, self.window_bytes = source, pieces, window_bytes
+        self.ready: dict[int, torch.Tensor] = {}
+        self.bytes_read = self.bytes_needed = self.requests = 0
+
+    def take(self, index: int) -> torch.Tensor:
+        if index not in self.ready:
+            self._read_window(index)
+        return self.ready.pop(index)
+
+    def _read_window(self, first: int) -> None:
+        destinations, window = {}, 0
+        for index in range(first, len(self.pieces)):
+            piece = self.pieces[index]
+            if destinations and window + piece.nbytes > self.window_bytes:
+                break
             region = piece.region
-            tensor = source.read_region(region.name, piece.kind, region.offsets, region.sizes)
-            stats["bytes_read"] += tensor.numel() * tensor.element_size()
-            return tensor
-        return load
+            tensor = torch.empty(region.sizes, dtype=getattr(torch, piece.dtype))
+            destinations[Target(region.name, piece.kind, region.offsets, region.sizes)] = (tensor, region.offsets)
+            self.ready[index] = tensor
+            window += piece.nbytes
+        stats = self.source.read(destinations, self.window_bytes)
+        self.bytes_read += stats["bytes_read"]
+        self.bytes_needed += stats["bytes_needed"]
+        self.requests += stats["requests"]
 
-    lazy = [(p.region.name, p.kind, LazyTensor(getattr(torch, p.dtype), p.region.sizes, loader(p)),
-             p.region.global_shape, p.region.offsets) for p in pieces]
+
+def write_rank(source: StoredCheckpoint, pieces: list[PlannedPiece], target_url: str, file: str) -> dict:
+    """Play one target rank: read its pieces through the load's read path, a window at a time,
+    and stream them out."""
+    stats = {"bytes_read": 0, "bytes_needed": 0, "bytes_written": 0, "requests": 0}
+    reads = WindowedReads(source, pieces)
+    lazy = [(p.region.name, p.kind, LazyTensor(getattr(torch, p.dtype), p.region.sizes, lambda i=i: reads.take(i)),
+             p.region.global_shape, p.region.offsets) for i, p in enumerate(pieces)]
     if not lazy:
-        return {"rows": [], **stats}
+        return {"rows": [], "partial_reads": [], **stats}
     fs, base = fsspec.core.url_to_fs(target_url)
     chunks = write_shard(fs, base, file, lazy)
+    stats.update(bytes_read=reads.bytes_read, bytes_needed=reads.bytes_needed, requests=reads.requests)
     stats["bytes_written"] = sum(c.byte_end - c.byte_start for c in chunks)
-    return {"rows": [c.to_row() for c in chunks], **stats}
+    # Parts of source chunks this rank read but cannot verify alone: the driver checks every
+    # rank's together before it commits (an edit inside one must not become a valid new chunk).
+    return {"rows": [c.to_row() for c in chunks], "partial_reads": source.take_partial_reads(), **stats}
 
 
 class ReshardWorker:
@@ -116,6 +149,23 @@ def _describe(layout: dict | None) -> str:
         return str(layout)
 
 
+def _workers_that_fit(workers: int, cpus_per_worker: float, cluster_cpus: float, log) -> int:
+    """As many of `workers` as the Ray cluster's CPUs can hold at once. Ray queues an actor that
+    does not fit until CPUs free up, so asking for more would wait forever on a small cluster
+    (four target ranks on a 2-CPU machine hung without a word); each worker plays several ranks."""
+    if cpus_per_worker <= 0:
+        return workers
+    fit = int(cluster_cpus // cpus_per_worker)
+    if fit < 1:
+        raise CheckpointError(f"the Ray cluster has {cluster_cpus:g} CPUs, fewer than one worker's "
+                              f"--cpus-per-worker {cpus_per_worker:g}. Fix: lower --cpus-per-worker, or pass --local")
+    if workers > fit:
+        log(f"the Ray cluster has {cluster_cpus:g} CPUs: {fit} worker(s) of {cpus_per_worker:g} CPU(s) instead of "
+            f"{workers}, each playing several target ranks (lower --cpus-per-worker for more workers)")
+        return fit
+    return workers
+
+
 def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str, workers: int | None = None,
                        num_cpus: float = 1.0, local: bool = False, schedule: str | None = None,
                        stage_layout: list[int] | None = None, log=print, progress=None) -> ReshardResult:
@@ -130,6 +180,13 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
     attempt = store.new_attempt()
     jobs = [(pieces, target_url, f"{attempt}/rank-{rank:05d}.safetensors") for rank, pieces in enumerate(plans)]
     workers = max(1, min(workers or layout.world_size, layout.world_size))
+    if not local:
+        import ray
+
+        from cluster.rank_group import connect_ray
+
+        connect_ray()
+        workers = _workers_that_fit(workers, num_cpus, ray.cluster_resources().get("CPU", 0.0), log)
     planned = [sum(piece.nbytes for piece in pieces) for pieces in plans]
     log(f"resharding {source_url} ({_describe(metadata.get('layout'))}) to {layout.describe()} "
         f"({layout.world_size} ranks on {workers} {'local worker' if local else 'Ray actors'}{'s' if workers > 1 and local else ''})")
@@ -141,11 +198,6 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
             results[rank] = players[rank % workers].rank(*job)
             advance(progress, planned[rank])
     else:
-        import ray
-
-        from cluster.rank_group import connect_ray
-
-        connect_ray()
         actor_class = ray.remote(num_cpus=num_cpus)(ReshardWorker)
         actors = [actor_class.remote(source_url, getattr(store, "storage_conf", None)) for _ in range(workers)]
         try:
@@ -161,6 +213,7 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
         finally:
             for actor in actors:
                 ray.kill(actor)
+    verified_in_parts = check_loaded_parts(source_url, results)
     new_chunks = [Chunk.from_row(row) for result in results for row in result["rows"]]
     check_chunks_disjoint_and_complete(new_chunks)
     if {(c.name, c.kind) for c in new_chunks} != {(c.name, c.kind) for c in chunks}:
@@ -174,7 +227,9 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
         new_metadata["stage_layers"] = [[r.start, r.stop] for r in partition.stage_layers]
     url = store.commit(run, step, encode_manifest(new_chunks, new_metadata))
     result = ReshardResult(url, run, step, sum(r["bytes_read"] for r in results), sum(r["bytes_written"] for r in results),
-                           time.perf_counter() - started, layout.world_size, workers)
-    log(f"committed {url}: {result.bytes_read / 2**20:.1f} MiB read, {result.bytes_written / 2**20:.1f} MiB written "
-        f"in {result.seconds:.1f}s")
+                           sum(r["requests"] for r in results), time.perf_counter() - started, layout.world_size, workers)
+    log(f"committed {url}: {result.bytes_read / 2**20:.1f} MiB read in {result.requests} requests, "
+        f"{result.bytes_written / 2**20:.1f} MiB written "
+        f"in {result.seconds:.1f}s" + (f"; {verified_in_parts} source chunks read in parts verified together"
+                                        if verified_in_parts else ""))
     return result

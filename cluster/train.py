@@ -14,7 +14,7 @@ import ray
 
 from actors.checkpoint_io import encode_manifest
 from cluster.pipeline_timings import PipelineTimings
-from actors.checkpointing import manifest_bytes, read_manifest
+from actors.checkpointing import check_loaded_parts, manifest_bytes, read_manifest
 from cluster import leases
 from cluster.async_save import AsyncCheckpointer
 from cluster.rank_group import RankGroup, connect_ray
@@ -98,8 +98,11 @@ def train(config: TrainConfig, actors: list | None = None,
         if resume is not None:
             with leases.reading(store, resume):  # `ckpt gc` keeps the checkpoint while ranks read it
                 loaded = group.call("load", resume.url, ray.put(manifest))
+                # A chunk the new layout cut across ranks was read in parts that no rank could check
+                # alone: their checksums, combined, must give the chunk's before anything trains on it.
+                in_parts = check_loaded_parts(resume.url, loaded, manifest)
             _log(f"loaded step {start_step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over "
-                 f"{len(loaded)} ranks")
+                 f"{len(loaded)} ranks" + (f"; {in_parts} chunks read in parts verified together" if in_parts else ""))
             if config.verify_resume:
                 with leases.reading(store, resume):
                     check = verify_resumed_state(group, store, config.run, start_step, resume.url, str(config.layout))

@@ -17,7 +17,9 @@ import fsspec
 from actors.checksums import running_like
 from actors.checkpointing import read_manifest
 from actors.ranged_fetch import fetch_ranges
-from plans.reshard import Request
+from plans.errors import CheckpointError
+from plans.manifest_check import check_against_own_model
+from plans.reshard import Request, check_chunks_disjoint_and_complete
 from cluster.progress import advance, set_total
 
 WINDOW_BYTES = 64 * 2**20
@@ -39,8 +41,16 @@ class VerifyReport:
 
 def verify(url: str, deep: bool = False, progress=None, window_bytes: int = WINDOW_BYTES) -> VerifyReport:
     """progress: a bar (cluster/progress.py) advanced by the bytes read back (deep only)."""
-    chunks, _ = read_manifest(url)
+    chunks, metadata = read_manifest(url)
     report = VerifyReport(url, chunks=len(chunks), deep=deep)
+    # The manifest itself: its chunks tile every tensor once, and it lists every tensor of the
+    # model it records (a manifest that lost rows would otherwise verify "ok": what it lists is fine).
+    for check in (lambda: check_chunks_disjoint_and_complete(chunks),
+                  lambda: check_against_own_model(chunks, metadata, url) if "model" in metadata else None):
+        try:
+            check()
+        except CheckpointError as error:
+            report.problems.append(f"manifest: {error}")
     fs, base = fsspec.core.url_to_fs(url)
     by_file: dict[str, list] = {}
     for chunk in chunks:

@@ -58,6 +58,7 @@ def writer_rank(file: str) -> int:
 def load_and_save(config, source_url: str, actors, loaded: list | None = None) -> str:
     """Load a checkpoint into training actors of config.layout and save it again, no step taken.
     `loaded` (a list) receives each rank's load result."""
+    from actors.checkpointing import check_loaded_parts
     from cluster.rank_group import RankGroup
     from cluster.store import Store
     from cluster.train import save_checkpoint
@@ -68,6 +69,7 @@ def load_and_save(config, source_url: str, actors, loaded: list | None = None) -
         if hasattr(actors[0], "configure_storage"):
             group.call("configure_storage", store.storage_conf)
         results = group.call("load", source_url)
+        check_loaded_parts(source_url, results)  # as the training driver does after a load
         if loaded is not None:
             loaded.extend(results)
         step = results[0]["step"]

@@ -74,10 +74,13 @@ def test_resume_check_names_the_tensors_that_differ(rank_pool, run_training, tmp
 
 def test_mismatched_model_lists_missing_unexpected_and_shape_errors_together(run_training, tmp_path):
     run_training(small_config(tmp_path, ParallelLayout(), steps=1, run="m"))
-    other = preset("tiny", tie_embeddings=True, ffn_dim=96)  # no output.weight, other ffn shapes
+    # A fifth layer the checkpoint lacks, no output.weight (tied), other ffn shapes: all three kinds
+    # of problem, in one error.
+    other = preset("tiny", tie_embeddings=True, ffn_dim=96, n_layers=5)
     with pytest.raises(Exception) as error:
         run_training(small_config(tmp_path, ParallelLayout(), steps=2, run="m", model=other, resume="latest"))
     message = str(error.value)
+    assert "missing keys (18)" in message and "layers.4.attention.qkv.weight (param)" in message
     assert "unexpected keys" in message and "output.weight (param)" in message
     assert "shape/dtype mismatches" in message and "feed_forward.gate_up.weight" in message
 
@@ -95,3 +98,24 @@ def test_resume_auto_starts_fresh_then_continues_the_same_run_name(run_training,
     assert first.start_step == 0 and first.resumed_from is None
     second = run_training(small_config(tmp_path, ParallelLayout(dp=2), steps=3, run="auto", resume="auto"))
     assert second.start_step == 2 and second.resumed_from.endswith("step-00000002")
+
+
+def test_an_edit_inside_a_chunk_the_new_layout_reads_in_parts_stops_the_resume(run_training, tmp_path):
+    """dp2 x tp2 stores wo as two column halves; fsdp2 reads each half's top rows on one rank and
+    bottom rows on the other, so no rank sees a whole chunk. An edit in place (same size, same
+    header) must still stop the resume before any step trains on it."""
+    from actors.checkpointing import read_manifest
+
+    url = run_training(_config(tmp_path, DP2_TP2, steps=2, run="e")).checkpoints[-1]
+    chunks, _ = read_manifest(url)
+    wo = next(c for c in chunks if c.name == "layers.1.attention.wo.weight" and c.kind == "exp_avg" and c.offsets == (0, 0))
+    path = f"{url}/{wo.file}"
+    with open(path, "r+b") as handle:
+        handle.seek(wo.byte_end - 9)
+        byte = handle.read(1)
+        handle.seek(wo.byte_end - 9)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch in 1 chunk\(s\) read in parts .*{wo.file}: "
+                                              r"layers\.1\.attention\.wo\.weight \(exp_avg\)"):
+        run_training(_config(tmp_path, ParallelLayout(fsdp=2), steps=4, run="e", resume="latest"))
+    assert Store(str(tmp_path / "store")).committed_steps("e") == [2]

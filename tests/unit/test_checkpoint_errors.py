@@ -73,3 +73,93 @@ def test_partial_reads_return_exactly_the_stored_rows(checkpoint):
     stored = StoredCheckpoint(url)
     whole = stored.read_region(QKV, "param", (0, 0), (128, 64))
     assert (stored.read_region(QKV, "param", (5, 7), (3, 9)) == whole[5:8, 7:16]).all()
+
+
+def _flip_byte(path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x08
+    path.write_bytes(bytes(data))
+
+
+def test_an_edit_inside_a_chunk_read_in_parts_is_caught_when_the_parts_meet(checkpoint):
+    """Two targets each read half of a chunk (a layout change cut it): neither can check it alone,
+    and the header fingerprint does not see an edit in place. Their parts' checksums, combined,
+    must give the chunk's."""
+    url, chunk, path = checkpoint
+    clean = StoredCheckpoint(url)
+    clean.read_region(QKV, "param", (0, 0), (64, 64))
+    clean.read_region(QKV, "param", (64, 0), (64, 64))
+    assert clean.check_partial_reads() == 1
+    _flip_byte(path, chunk.byte_end - 5)  # in the second half
+    stored = StoredCheckpoint(url)
+    first, second = (stored.read_region(QKV, "param", (0, 0), (64, 64)),
+                     stored.read_region(QKV, "param", (64, 0), (64, 64)))  # each read alone passes
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch in 1 chunk\(s\) read in parts .*{chunk.file}: "
+                                              rf"{QKV} \(param\) at bytes \[{chunk.byte_start}, {chunk.byte_end}\)"):
+        stored.check_partial_reads()
+    assert first.shape == second.shape == (64, 64)
+
+
+def test_a_chunk_whose_parts_do_not_cover_it_is_read_whole_to_check_it(checkpoint):
+    url, chunk, path = checkpoint
+    _flip_byte(path, chunk.byte_end - 5)
+    stored = StoredCheckpoint(url)
+    stored.read_region(QKV, "param", (0, 0), (64, 64))  # only the first half, which is intact
+    with pytest.raises(CheckpointError, match=rf"{chunk.file}: checksum mismatch for {QKV} \(param\)"):
+        stored.check_partial_reads()
+
+
+def test_an_offline_reshard_that_reads_an_edited_chunk_in_parts_commits_nothing(checkpoint, tmp_path):
+    from cluster.reshard_job import reshard_checkpoint
+    from cluster.store import Store
+    from plans.layout import ParallelLayout
+
+    url, chunk, path = checkpoint
+    _flip_byte(path, chunk.byte_start + 3)  # fsdp2 reads the first half of every chunk on one rank
+    store = Store(str(tmp_path / "store"))
+    with pytest.raises(CheckpointError, match=rf"{QKV} \(param\)"):
+        reshard_checkpoint(url, ParallelLayout(fsdp=2), store, "copy", local=True, log=lambda *_: None)
+    assert store.committed_steps("copy") == []
+
+
+def _rewrite_manifest(url: str, keep, extra=()) -> None:
+    """The checkpoint's manifest with only the chunks `keep` accepts, plus `extra` ones."""
+    from actors.checkpoint_io import encode_manifest
+
+    chunks, metadata = read_manifest(url)
+    metadata.pop("format_version")
+    with open(f"{url}/manifest.parquet", "wb") as handle:
+        handle.write(encode_manifest([c for c in chunks if keep(c)] + list(extra), metadata))
+
+
+@pytest.mark.parametrize("damage", ["lost a layer", "gained a tensor"])
+def test_offline_tools_name_every_tensor_a_manifest_lost_or_gained(checkpoint, tmp_path, damage):
+    """plan, reshard, export and verify check the manifest against the model it records, and say
+    everything that is off at once (the reshard used to die with a KeyError on the first one)."""
+    import dataclasses
+
+    from cluster.hf_interop import export_hf
+    from cluster.reshard_job import reshard_checkpoint
+    from cluster.reshard_report import build_plan
+    from cluster.store import Store
+    from cluster.verify import verify
+    from plans.layout import ParallelLayout
+
+    url, chunk, _ = checkpoint
+    if damage == "lost a layer":
+        _rewrite_manifest(url, lambda c: not c.name.startswith("layers.1."))
+        expected = r"missing keys \(18\): layers\.1\.attention\.qkv\.weight \(exp_avg\);"
+    else:
+        stray = dataclasses.replace(chunk, name="layers.9.attention.qkv.weight")
+        _rewrite_manifest(url, lambda c: True, [stray])
+        expected = r"unexpected keys \(1\): layers\.9\.attention\.qkv\.weight \(param\)"
+    chunks, metadata = read_manifest(url)
+    store = Store(str(tmp_path / "store"))
+    for run in (lambda: build_plan(chunks, metadata, ParallelLayout(tp=2)),
+                lambda: reshard_checkpoint(url, ParallelLayout(tp=2), store, "copy", local=True, log=lambda *_: None),
+                lambda: export_hf(url, str(tmp_path / "hf"), log=lambda *_: None)):
+        with pytest.raises(CheckpointError, match=rf"does not match the model:\n  {expected}(.|\n)*Fix: "):
+            run()
+    assert store.committed_steps("copy") == []
+    problems = verify(url).problems
+    assert len(problems) == 1 and "does not match the model" in problems[0] and "manifest:" in problems[0]

@@ -29,12 +29,22 @@ def test_unknown_major_version_is_rejected_clearly(tmp_path):
     import pyarrow.parquet as pq
 
     table = pq.read_table(io.BytesIO(encode_manifest(chunks, {"step": 1})))
-    future = json.loads(table.schema.metadata[b"rayshard"]) | {"format_version": "9.0"}
-    sink = io.BytesIO()
-    pq.write_table(table.replace_schema_metadata({b"rayshard": json.dumps(future).encode()}), sink)
-    data = sink.getvalue()
-    with pytest.raises(CheckpointError, match="format version 9.0 is not readable"):
-        decode_manifest(data)
+
+    def with_version(version):
+        document = json.loads(table.schema.metadata[b"rayshard"])
+        document.pop("format_version")
+        if version is not None:
+            document["format_version"] = version
+        sink = io.BytesIO()
+        pq.write_table(table.replace_schema_metadata({b"rayshard": json.dumps(document).encode()}), sink)
+        return sink.getvalue()
+
+    with pytest.raises(CheckpointError, match="format version 9.0 is not readable .* upgrade rayshard"):
+        decode_manifest(with_version("9.0"))
+    for damaged in ("abc", "", "2", "1.0.0", None):  # not a version a reader could upgrade to
+        with pytest.raises(CheckpointError, match="is not MAJOR.MINOR: the manifest is damaged"):
+            decode_manifest(with_version(damaged))
+    assert decode_manifest(with_version("2.0"))[0] == chunks  # every minor version of a known major
     with pytest.raises(CheckpointError, match="not a readable Parquet"):
         decode_manifest(b"garbage")
 

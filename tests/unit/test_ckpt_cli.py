@@ -121,3 +121,17 @@ class _ParserRunning:
             raise self.error
 
         return argparse.Namespace(run_command=run)
+
+
+def test_offline_reshard_workers_are_capped_to_what_the_ray_cluster_holds():
+    """Ray queues an actor that does not fit until CPUs free up: four 1-CPU workers on a 2-CPU
+    cluster waited forever. Fewer workers each play more ranks; none that fit is an error."""
+    from cluster.reshard_job import _workers_that_fit
+    from plans.errors import CheckpointError
+
+    said = []
+    assert _workers_that_fit(4, 1.0, 2.0, said.append) == 2 and "2 CPUs: 2 worker(s)" in said[0]
+    assert _workers_that_fit(4, 0.5, 2.0, said.append) == 4 and len(said) == 1
+    assert _workers_that_fit(8, 0.0, 2.0, said.append) == 8  # no CPUs reserved: anything fits
+    with pytest.raises(CheckpointError, match="fewer than one worker's --cpus-per-worker 4. Fix: lower"):
+        _workers_that_fit(2, 4.0, 2.0, said.append)
