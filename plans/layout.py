@@ -86,14 +86,19 @@ class ParallelLayout:
 
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
-        """Parse 'dp=2,tp=2' (the form used by --to and in messages)."""
+        """Parse 'dp=2,tp=2' (the form used by --to and in messages). Strict: an empty text, an
+        empty item or a degree given twice is an error, not a guess (`dp=1,dp=2` took the last)."""
+        fix = "write it as dp=N,fsdp=N,tp=N,pp=N,vpp=N (any subset, each once; degrees left out are 1)"
+        if not text.strip():
+            raise ConfigError("layout", text, "is empty", fix)
         values = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
+        for part in (p.strip() for p in text.split(",")):
             key, sep, value = part.partition("=")
             key = key.strip()
             if not sep or key not in ("dp", "fsdp", "tp", "pp", "vpp") or not value.strip().isdigit():
-                raise ConfigError("layout", text, f"cannot read {part!r}",
-                                  "write it as dp=N,fsdp=N,tp=N,pp=N,vpp=N (any subset)")
+                raise ConfigError("layout", text, f"cannot read {part!r}" if part else "has an empty item", fix)
+            if key in values:
+                raise ConfigError("layout", text, f"gives {key} twice", fix)
             values[key] = int(value)
         return cls(**values)
 

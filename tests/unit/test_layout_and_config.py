@@ -31,6 +31,16 @@ def test_layout_parse_and_describe():
     assert ParallelLayout.from_dict(layout.to_dict()) == layout
     with pytest.raises(ConfigError, match="dp=N"):
         ParallelLayout.parse("dp2")
+    assert ParallelLayout.parse(str(layout)) == layout  # what messages print reads back
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("dp=1,dp=2", "gives dp twice"), ("dp=1,,tp=2", "has an empty item"), ("dp=2,", "has an empty item"),
+    ("", "is empty"), ("  ", "is empty"), ("tp=two", "cannot read 'tp=two'"), ("ep=2", "cannot read 'ep=2'"),
+])
+def test_a_layout_text_is_read_strictly(text, fragment):
+    with pytest.raises(ConfigError, match=f"{fragment}.*Fix: write it as dp=N"):
+        ParallelLayout.parse(text)
 
 
 @pytest.mark.parametrize("kwargs, field, fragment", [
