@@ -8,7 +8,7 @@ then, repeatedly and in rotating order:
   one plain file);
 - load on the same layout: rayshard (`load_rank_shard`), DCP (`dcp.load` + `set_state_dict`),
   raw (plain reads of exactly the byte ranges rayshard's load reads, each into its own place in one
-  pre-touched buffer), checked (the raw reads plus the checksum of each chunk rayshard verifies).
+  pre-touched buffer), checked (the raw reads plus the checksum of every chunk or part rayshard reads).
 Then four fresh ranks on layout B (fsdp4) load what A saved: rayshard, DCP, raw and checked reads of
 exactly the byte ranges rayshard's plan reads. An operation's time is the slowest rank's; the
 figure is the median over repeats. No fsync anywhere (DCP's sync_files=False), so every method
@@ -165,22 +165,24 @@ def _our_load(trainer, url: str) -> dict:
 
 def _planned_ranges(trainer, url: str) -> list[tuple[str, int, int, list[tuple[int, int]]]]:
     """The byte ranges rayshard's load on this rank reads (for the raw-read anchors), each with the
-    spans inside it that the load verifies (the chunks it reads whole)."""
+    spans inside it that the load checksums: every chunk or part of a chunk (not the headers,
+    which are small)."""
     from actors.checkpointing import StoredCheckpoint, load_destinations, read_once_for
     from plans.reshard import ReadItem
 
     stored = StoredCheckpoint(url)
     destinations, _, _ = load_destinations(trainer.model, trainer.optimizer, read_once_for(url))
     return [(f"{stored.base}/{r.file}", r.byte_start, r.byte_end,
-             [(p.byte_start, p.byte_end) for p in r.parts if isinstance(p, ReadItem) and p.whole_chunk])
+             [(p.byte_start, p.byte_end) for p in r.parts if isinstance(p, ReadItem)])
             for r in stored.plan(destinations).requests]
 
 
 def _checked_raw_ranges(ranges, buffer: memoryview):
     """The raw anchor plus the verification rayshard's load does and nothing else: the same reads
-    into the same places, cut in the load's check blocks, each block of a whole chunk run through
-    the checksum right after it lands. No manifest, no plan, no placement: what a load costs when
-    it checks what it reads (the figure rayshard's overhead is measured against)."""
+    into the same places, cut in the load's check blocks, each block of a chunk (whole, or the part
+    read) run through the checksum right after it lands. No manifest, no plan, no placement, no
+    scattering into rows: what a load costs when it checks what it reads (the figure rayshard's
+    own overhead is measured against)."""
     from actors.checkpoint_io import CHECK_BLOCK_BYTES
     from actors.checksums import RunningChecksum
 
@@ -303,7 +305,7 @@ def main() -> None:
         cells = (f"{checked:>9.3f}s", f"{checked / ours:>10.2f}") if checked else (f"{'':>10}", f"{'':>10}")
         print(f"{title:<34}{ours:>9.3f}s{dcp:>9.3f}s{raw:>9.3f}s{cells[0]}{dcp / ours:>10.2f}{raw / ours:>10.2f}{cells[1]}")
     print("  (DCP/ours > 1: rayshard faster than DCP; raw/ours is the fraction of raw bandwidth reached, goal >= 0.8;\n"
-          "   checked: the raw reads plus the checksum of every chunk rayshard verifies, no planning or placement, so\n"
+          "   checked: the raw reads plus the checksum of everything rayshard verifies, no planning or placement, so\n"
           "   raw/checked is what verification alone costs and chk/ours what is left to rayshard's own work)")
     read = sum(item[3]["bytes_read"] for item in phase_b)
     needed = sum(item[3]["bytes_needed"] for item in phase_b)
