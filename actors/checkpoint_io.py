@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import math
 import os
 import json
@@ -286,10 +285,11 @@ def execute_requests(fs, base: str, requests: Sequence[Request], destinations: d
 
 def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_bytes: int, report: _Report) -> int:
     """Each request is read in runs of back-to-back parts with `os.preadv` (one call per run, or
-    per CHECK_BLOCK_BYTES of checksummed bytes), straight into the destinations' bytes (one buffer per part whose slice of its destination is contiguous, one
-    per row of it when the slice is a column range of a wider tensor); parts that cannot land in
-    place (another dtype or device, only some of what is read used) and header checks are staged
-    in one reused scratch buffer. Then each part is checked and placed in file order.
+    per CHECK_BLOCK_BYTES of checksummed bytes) straight into the destinations' bytes, when a
+    part's slice of its destination is contiguous. Any other part (a column range of a wider
+    tensor, only some of what is read used, another dtype or device, a non-contiguous
+    destination) is staged a cache-sized block of rows at a time (`_read_staged`). Header checks
+    ride in the runs, through the scratch buffer.
 
     A syscall and a few Python steps per run rather than per part: on the small preset a
     same-layout load is ~150 parts in ~6 runs per rank."""
@@ -304,64 +304,106 @@ def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_by
                     handles[path] = open(path, "rb", buffering=0)
                 except (FileNotFoundError, OSError) as error:
                     raise _short_read(path, request.byte_start, request.byte_end, _describe(request), error) from None
-            run: list[tuple] = []  # (part, its segments or None when staged)
+            handle = handles[path]
+            run: list[tuple] = []  # (part, [its destination bytes]) or (header check, None: staged)
             staged_bytes = 0
             for part in request.parts:
-                segments = None if isinstance(part, HeaderCheck) else _direct_segments(part, lookup(part))
-                if segments is None and isinstance(part, ReadItem) and part.nbytes > window_bytes and part.held_sizes:
-                    total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, report)
+                direct = None if isinstance(part, HeaderCheck) else _direct_buffer(part, lookup(part))
+                if direct is None and isinstance(part, ReadItem):
+                    total += _read_run(handle, path, run, staged_bytes, scratch, report)
                     run, staged_bytes = [], 0
-                    total += _serve_large(fs, base, Request(part.file, part.byte_start, part.byte_end, (part,)), lookup,
-                                          window_bytes, report)
+                    total += _read_staged(handle, path, part, lookup(part), scratch, report)
                     continue
-                # A run is back-to-back bytes (parts may overlap when two targets share rows) with at
-                # most a window of them staged.
-                breaks = run and (part.byte_start != run[-1][0].byte_end
-                                  or (segments is None and staged_bytes + part.nbytes > window_bytes))
-                if breaks:
-                    total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, report)
+                if run and part.byte_start != run[-1][0].byte_end:  # parts overlap where targets share rows
+                    total += _read_run(handle, path, run, staged_bytes, scratch, report)
                     run, staged_bytes = [], 0
-                run.append((part, segments))
-                staged_bytes += part.nbytes if segments is None else 0
-            total += _read_run(handles[path], path, run, staged_bytes, scratch, lookup, report)
+                run.append((part, None if direct is None else [direct]))
+                staged_bytes += part.nbytes if direct is None else 0
+            total += _read_run(handle, path, run, staged_bytes, scratch, report)
     finally:
         for handle in handles.values():
             handle.close()
     return total
 
 
-def _read_run(handle, path: str, run: list[tuple], staged_bytes: int, scratch: bytearray, lookup,
-              report: _Report) -> int:
+def _read_run(handle, path: str, run: list[tuple], staged_bytes: int, scratch: bytearray, report: _Report) -> int:
     """Read one run of back-to-back parts with scatter reads, taking each part's checksum block by
-    block as its bytes arrive (whole chunks are checked here; parts of chunks reported), then place
-    and report each part in file order."""
+    block as its bytes arrive (whole chunks are checked here; parts of chunks reported), then
+    check the headers and report each part in file order."""
     if not run:
         return 0
-    if len(scratch) < staged_bytes:
-        scratch.extend(bytes(staged_bytes - len(scratch)))  # grows in place: one buffer for the load
+    _grow(scratch, staged_bytes)
     free = memoryview(scratch)
-    placed = []  # (part, its buffers, staged, its running checksum or None)
+    placed = []  # (part, its buffers, its running checksum or None)
     for part, direct in run:
-        staged = direct is None
-        if staged:
+        if direct is None:  # a header check
             direct, free = [free[:part.nbytes]], free[part.nbytes:]
-        placed.append((part, direct, staged, report.running_for(part, path)))
+        placed.append((part, direct, report.running_for(part, path)))
     start = run[0][0].byte_start
     got = _read_checking(handle, start, placed)
     if got != run[-1][0].byte_end - start:
         short = next(part for part, _ in run if part.byte_end > start + got)
         raise _short_read(path, short.byte_start, short.byte_end, _describe(Request(short.file, 0, 0, (short,))),
                           max(0, got - (short.byte_start - start)))
-    for part, buffers, staged, running in placed:
+    for part, buffers, running in placed:
         if isinstance(part, HeaderCheck):
             _check_header(part, buffers[0], path)
             continue
         if running is not None and part.whole_chunk and running.text() != part.chunk.checksum:
             raise _checksum_mismatch(part, path)
-        if staged:
-            _copy_item(part, buffers[0], lookup(part), path)
         report.done(part, running)
     return got
+
+
+def _read_staged(handle, path: str, part: ReadItem, destination: Destination, scratch: bytearray, report: _Report) -> int:
+    """Read a part that cannot land in place a block of whole rows at a time into the scratch
+    buffer, checksum each block there, and copy it into place, while it is still in cache.
+
+    Why not scatter rows straight into the destination: the kernel's copy into memory not yet in
+    cache does not leave it there, so checksumming the rows afterwards read them back from
+    memory: on a 200 MiB tensor's column half read into a row shard, scatter + checksum took
+    25.2 ms per 100 MiB, staged blocks + checksum + copy 20.7 (docs/decisions.md 49)."""
+    tensor = destination[0]
+    rows = part.held_sizes[0] if part.held_sizes else 1
+    row_bytes = part.nbytes // rows
+    block_bytes = CHECK_BLOCK_BYTES if tensor.device.type == "cpu" else STAGE_BYTES  # device copies: fewer, larger
+    rows_per_block = max(1, block_bytes // max(1, row_bytes))
+    _grow(scratch, min(rows, rows_per_block) * row_bytes)
+    running = report.running_for(part, path)
+    for first in range(0, rows, rows_per_block):
+        count = min(rows_per_block, rows - first)
+        start = part.byte_start + first * row_bytes
+        block = memoryview(scratch)[:count * row_bytes]
+        got = _read_into(handle, start, [block])
+        if got != len(block):
+            raise _short_read(path, part.byte_start, part.byte_end, _describe(Request(part.file, 0, 0, (part,))),
+                              first * row_bytes + got)
+        if running is not None:
+            running.update(block)
+        piece = _rows_of(part, first, count, start) if part.held_sizes else part
+        if piece is not None:
+            _copy_item(piece, block, destination, path)
+    if running is not None and part.whole_chunk and running.text() != part.chunk.checksum:
+        raise _checksum_mismatch(part, path)
+    report.done(part, running)
+    return part.nbytes
+
+
+def _rows_of(part: ReadItem, first: int, count: int, start: int) -> ReadItem | None:
+    """The part narrowed to `count` of its held rows from `first` (bytes from `start`), or None
+    when the target needs none of them."""
+    held_offsets = (part.held_offsets[0] + first, *part.held_offsets[1:])
+    held_sizes = (count, *part.held_sizes[1:])
+    bounds = [(max(a, b), min(a + sa, b + sb)) for a, sa, b, sb in zip(held_offsets, held_sizes, part.offsets, part.sizes)]
+    if not all(low < high for low, high in bounds):
+        return None
+    return ReadItem(part.chunk, start, start + count * (part.nbytes // part.held_sizes[0]), held_offsets, held_sizes,
+                    tuple(low for low, _ in bounds), tuple(high - low for low, high in bounds))
+
+
+def _grow(scratch: bytearray, size: int) -> None:
+    if len(scratch) < size:
+        scratch.extend(bytes(size - len(scratch)))  # grows in place: one buffer for the load
 
 
 # Checksums are taken a block at a time right after the block is read, while its bytes are still
@@ -378,36 +420,27 @@ def _read_checking(handle, start: int, placed: list[tuple]) -> int:
     def flush() -> bool:
         nonlocal position, batch, batch_bytes, to_check
         got = _read_into(handle, position, batch) if batch else 0
-        for running, buffers in to_check:
-            running.update_all(buffers)  # a block cut short is caught by the byte count, not the checksum
+        for running, buffer in to_check:
+            running.update(buffer)  # a block cut short is caught by the byte count, not the checksum
         complete = got == batch_bytes
         position, batch, batch_bytes, to_check = position + got, [], 0, []
         return complete
 
-    for part, buffers, _, running in placed:
-        if running is None:  # unchecked bytes go in whole, however many rows
+    for part, buffers, running in placed:
+        if running is None:  # unchecked bytes (header checks) go in whole
             batch += buffers
             batch_bytes += part.nbytes
             continue
-        for group in _check_groups(buffers):
-            batch += group
-            to_check.append((running, group))
-            batch_bytes += sum(map(len, group))
-            if batch_bytes >= CHECK_BLOCK_BYTES and not flush():
-                return position - start
+        for buffer in buffers:
+            for at in range(0, len(buffer), CHECK_BLOCK_BYTES):
+                piece = buffer[at:at + CHECK_BLOCK_BYTES]
+                batch.append(piece)
+                to_check.append((running, piece))
+                batch_bytes += len(piece)
+                if batch_bytes >= CHECK_BLOCK_BYTES and not flush():
+                    return position - start
     flush()
     return position - start
-
-
-def _check_groups(buffers: list) -> list[list]:
-    """A checked part's buffers in order, in groups of about a block: one buffer is cut into
-    blocks; the rows of a part scattered into a wider tensor (all one length) are taken many to a
-    group, so rows cost no Python step each but the checksum call (12,800 rows of a resharded
-    tensor otherwise cost more than checksumming their bytes)."""
-    if len(buffers) == 1 or len(buffers[0]) > CHECK_BLOCK_BYTES:
-        return [[buffer[at:at + CHECK_BLOCK_BYTES]] for buffer in buffers for at in range(0, len(buffer), CHECK_BLOCK_BYTES)]
-    rows = max(1, CHECK_BLOCK_BYTES // len(buffers[0]))
-    return [buffers[at:at + rows] for at in range(0, len(buffers), rows)]
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -415,41 +448,27 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def _direct_segments(item: ReadItem, destination: Destination) -> list | None:
-    """The destination's bytes in file order, when the item fills its slice of the destination
-    exactly: one buffer when that slice is contiguous, else one per contiguous run of it (a row of
-    the slice of a wider tensor: a chunk split along columns read into a tensor split along rows).
-    None when the bytes must be staged (only part of what is read is used, another dtype or
-    device, a non-contiguous destination)."""
+def _direct_buffer(item: ReadItem, destination: Destination) -> memoryview | None:
+    """The destination's bytes the item fills, when they are one contiguous run of it (the item
+    fills its slice of the destination exactly, and that slice spans whole trailing dims). None
+    when the part must be staged (a column range of a wider tensor, only part of what is read
+    used, another dtype or device, a non-contiguous destination)."""
     tensor, target_offsets = destination
     if (item.sizes != item.held_sizes or tensor.dtype != _TORCH_DTYPES.get(item.chunk.dtype) or tensor.device.type != "cpu"
             or not tensor.is_contiguous() or tensor.numel() == 0):
         return None
     shape, sizes = tuple(tensor.shape), item.sizes
-    # Dims from `inner` on are spanned whole; dim inner-1 (if any) is the last one cut, so the
-    # slice is blocks of sizes[inner-1] x (the rest) elements, one per index of the dims before it.
+    # Dims from `inner` on are spanned whole; at most the first may be cut for one contiguous run.
     inner = len(sizes)
     while inner > 0 and sizes[inner - 1] == shape[inner - 1]:
         inner -= 1
+    if inner > 1:
+        return None
     strides = [1] * len(shape)
     for dim in range(len(shape) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * shape[dim + 1]
-    itemsize = tensor.element_size()
-    first = sum((o - t) * stride for o, t, stride in zip(item.offsets, target_offsets, strides)) * itemsize
-    if inner <= 1:  # one contiguous run
-        return [_tensor_bytes(tensor)[first:first + item.nbytes]]
-    outer = sizes[:inner - 1]
-    count = math.prod(outer)
-    if not _SCATTER_READS or count > _MAX_SEGMENTS:  # many short runs: one staged read and a strided copy is cheaper
-        return None
-    block = sizes[inner - 1] * strides[inner - 1] * itemsize
-    whole = _tensor_bytes(tensor)
-    if len(outer) == 1:
-        step = strides[0] * itemsize
-        return [whole[at:at + block] for at in range(first, first + count * step, step)]
-    steps = [stride * itemsize for stride in strides[:inner - 1]]
-    return [whole[at:at + block] for at in (first + sum(i * s for i, s in zip(index, steps))
-                                             for index in itertools.product(*map(range, outer)))]
+    first = sum((o - t) * stride for o, t, stride in zip(item.offsets, target_offsets, strides)) * tensor.element_size()
+    return _tensor_bytes(tensor)[first:first + item.nbytes]
 
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in SAFETENSORS_DTYPES}
@@ -460,7 +479,6 @@ try:
     _IOV_MAX = max(1, os.sysconf("SC_IOV_MAX"))
 except (AttributeError, ValueError, OSError):
     _IOV_MAX = 1024
-_MAX_SEGMENTS = 64 * 1024
 
 
 def _read_into(handle, start: int, segments: list) -> int:
@@ -541,12 +559,8 @@ def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int, rep
             start = part.byte_start + first * row_bytes
             data = _cat(fs, path, start, start + rows * row_bytes, f"{part.chunk.name} ({part.chunk.kind})")
             running.update(data)
-            held_off = (part.held_offsets[0] + first, *part.held_offsets[1:])
-            held_size = (rows, *part.held_sizes[1:])
-            inter = [(max(a, b), min(a + sa, b + sb)) for a, sa, b, sb in zip(held_off, held_size, part.offsets, part.sizes)]
-            if all(lo < hi for lo, hi in inter):
-                piece = ReadItem(part.chunk, start, start + rows * row_bytes, held_off, held_size,
-                                 tuple(lo for lo, _ in inter), tuple(hi - lo for lo, hi in inter))
+            piece = _rows_of(part, first, rows, start)
+            if piece is not None:
                 _copy_item(piece, data, lookup(part), path)
             total += len(data)
         if part.whole_chunk and running.text() != part.chunk.checksum:
@@ -566,7 +580,8 @@ def _cat(fs, path: str, start: int, end: int, what: str) -> bytearray:
 
 
 def fill_from_reads(fs, base: str, items: list[ReadItem], target: torch.Tensor, target_offsets: tuple[int, ...],
-                    window_bytes: int = WINDOW_BYTES) -> int:
-    """Fetch one target's items and copy them into `target`."""
-    return execute_requests(fs, base, coalesce(items, window_bytes), lambda item: (target, target_offsets), window_bytes)
+                    window_bytes: int = WINDOW_BYTES, partial: list | None = None) -> int:
+    """Fetch one target's items and copy them into `target` (partial: as in execute_requests)."""
+    return execute_requests(fs, base, coalesce(items, window_bytes), lambda item: (target, target_offsets), window_bytes,
+                            partial=partial)
 

@@ -45,13 +45,6 @@ class RunningChecksum:
         self.value = self._extend(data, self.value)
         return self
 
-    def update_all(self, buffers) -> "RunningChecksum":
-        """Consecutive bytes given as many buffers (the rows of a part scattered into place)."""
-        value, extend = self.value, self._extend
-        for buffer in buffers:
-            value = extend(buffer, value)
-        self.value = value
-        return self
 
     def text(self) -> str:
         return f"{self.algorithm}:{self.value:08x}"

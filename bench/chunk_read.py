@@ -9,7 +9,9 @@ ranges into an existing buffer:
   checked against its CRC32);
 - resharded: the tensor stored as two column halves (as tp2 writes a row-parallel weight), the
   first half of its rows read into a row shard (as fsdp2 holds it): each half's rows are one
-  contiguous range, scattered row by row into place (partial chunks: nothing to checksum).
+  contiguous range, scattered row by row into place, checksummed as parts of their chunks and
+  combined, as a load's driver does with every rank's parts (here the other rank's half is
+  taken as read, so the check is the combine, not a false alarm).
 Prints medians and raw/ours (the fraction of raw bandwidth reached; goal >= 0.8).
 
     .venv/bin/python bench/chunk_read.py [--mib 400] [--repeats 7] [--root /tmp/rayshard-bench-chunk]
@@ -29,6 +31,8 @@ import fsspec  # noqa: E402
 import torch  # noqa: E402
 
 from actors.checkpoint_io import fill_from_reads, write_shard  # noqa: E402
+from actors.checksums import running_like  # noqa: E402
+from actors.partial_reads import check_partial_reads, partial_read  # noqa: E402
 from plans.reshard import plan_reads  # noqa: E402
 
 COLUMNS = 4096
@@ -67,8 +71,14 @@ def _measure(fs, root: str, items, target: torch.Tensor, repeats: int) -> tuple[
     buffer = memoryview(bytearray(b"\1") * sum(item.nbytes for item in items))
     path = f"{root}/{items[0].file}"
 
+    others = _other_parts(root, items)
+
     def ours():
-        fill_from_reads(fs, root, items, target, (0, 0))
+        parts: list = []
+        fill_from_reads(fs, root, items, target, (0, 0), partial=parts)
+        if parts:  # the load's driver combines every rank's parts of each chunk
+            outcome = check_partial_reads(parts + others)
+            assert outcome.verified == len({(p.file, p.chunk_start) for p in parts}) and not outcome.mismatched
 
     def raw():
         with open(path, "rb", buffering=0) as handle:
@@ -85,6 +95,29 @@ def _measure(fs, root: str, items, target: torch.Tensor, repeats: int) -> tuple[
             operation()
             times[name].append(time.perf_counter() - started)
     return statistics.median(times["ours"]), statistics.median(times["raw"])
+
+
+def _other_parts(root: str, items) -> list:
+    """What the other target ranks would report for the rest of each chunk read in part (read
+    here once, untimed), so the timed check is the real combine over a whole chunk."""
+    others = []
+    for item in items:
+        chunk = item.chunk
+        if item.whole_chunk:
+            continue
+        with open(f"{root}/{chunk.file}", "rb") as handle:
+            handle.seek(item.byte_end)
+            rest = handle.read(chunk.byte_end - item.byte_end)
+        tail = type(item)(chunk, item.byte_end, chunk.byte_end, item.held_offsets, item.held_sizes, item.offsets, item.sizes)
+        others.append(partial_read(tail, running_like(chunk.checksum).update(rest).value))
+        if item.byte_start > chunk.byte_start:
+            with open(f"{root}/{chunk.file}", "rb") as handle:
+                handle.seek(chunk.byte_start)
+                head = handle.read(item.byte_start - chunk.byte_start)
+            front = type(item)(chunk, chunk.byte_start, item.byte_start, item.held_offsets, item.held_sizes, item.offsets,
+                               item.sizes)
+            others.append(partial_read(front, running_like(chunk.checksum).update(head).value))
+    return others
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Local loads read back-to-back parts in one scatter read and check each whole chunk block by
 block as it lands (`actors/checkpoint_io._execute_local`). These cases put every kind of part in
-one file and one plan: parts read straight into contiguous destinations, column chunks scattered
+one file and one plan: parts read straight into contiguous destinations, column chunks staged
 into rows of wider ones, whole rows staged for a narrow column range, a non-contiguous
 destination, bfloat16, int64, a 0-d tensor, header checks, and parts that overlap (two targets
 reading the same rows), so one request is cut into several runs."""
@@ -206,9 +206,9 @@ def test_random_plans_read_from_local_files_reproduce_every_target(case):
 
 
 @pytest.mark.parametrize("short_reads", [False, True])
-def test_chunks_cut_along_two_trailing_dims_scatter_into_a_whole_target(tmp_path, monkeypatch, short_reads):
+def test_chunks_cut_along_two_trailing_dims_land_in_a_whole_target(tmp_path, monkeypatch, short_reads):
     """A (2, 6, 4) tensor stored as a 2 x 2 grid over its last two dims (tp over two dims): each
-    chunk lands as 2 x 3 runs of 2 elements, indexed over two outer dims."""
+    chunk lands as 2 x 3 runs of 2 elements, over two outer dims (staged, then copied)."""
     if short_reads:
         _seven_bytes_a_call(monkeypatch)
     whole = _asymmetric((2, 6, 4), torch.float32, 9)
@@ -217,7 +217,7 @@ def test_chunks_cut_along_two_trailing_dims_scatter_into_a_whole_target(tmp_path
     (tmp_path / "f.safetensors").write_bytes(data)
     target, destination = Target("g", "param", (0, 0, 0), (2, 6, 4)), torch.full((2, 6, 4), -1.0)
     plan = plan_rank(index_chunks(chunks), [target], headers=header_checks(chunks))
-    assert all(len(checkpoint_io._direct_segments(item, (destination, (0, 0, 0)))) == 6 for item in plan.items[target])
+    assert all(checkpoint_io._direct_buffer(item, (destination, (0, 0, 0))) is None for item in plan.items[target])
     execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests,
                      {item: (destination, (0, 0, 0)) for item in plan.items[target]})
     assert torch.equal(destination, whole)
