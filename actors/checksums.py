@@ -11,6 +11,7 @@ so 1.x (crc32) and 2.0 (crc32c) checkpoints stay readable and verifiable.
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 import crc32c
@@ -100,6 +101,7 @@ def _multiply(a: int, b: int, polynomial: int) -> int:
     return product
 
 
+@functools.lru_cache(maxsize=4096)  # parts repeat a few lengths: one multiply a combine after the first
 def _x_to_the_power(exponent: int, polynomial: int) -> int:
     """x^exponent modulo the polynomial, by squaring (x^1 is bit 30)."""
     result, square = 1 << 31, 1 << 30

@@ -96,8 +96,12 @@ class WindowedReads:
             if destinations and window + piece.nbytes > self.window_bytes:
                 break
             region = piece.region
+            target = Target(region.name, piece.kind, region.offsets, region.sizes)
+            if target in destinations:  # would leave one of the two tensors unread, yet written out
+                raise CheckpointError(f"{region.name} ({piece.kind}) at {list(region.offsets)} is planned twice for one "
+                                      "rank; this is a bug in the write plan, nothing was committed")
             tensor = torch.empty(region.sizes, dtype=getattr(torch, piece.dtype))
-            destinations[Target(region.name, piece.kind, region.offsets, region.sizes)] = (tensor, region.offsets)
+            destinations[target] = (tensor, region.offsets)
             self.ready[index] = tensor
             window += piece.nbytes
         stats = self.source.read(destinations, self.window_bytes)
@@ -149,11 +153,18 @@ def _describe(layout: dict | None) -> str:
         return str(layout)
 
 
-def _workers_that_fit(workers: int, cpus_per_worker: float, cluster_cpus: float, log) -> int:
+def _workers_that_fit(workers: int, cpus_per_worker: float, cluster_cpus: float, log, asked: bool = False) -> int:
     """As many of `workers` as the Ray cluster's CPUs can hold at once. Ray queues an actor that
-    does not fit until CPUs free up, so asking for more would wait forever on a small cluster
-    (four target ranks on a 2-CPU machine hung without a word); each worker plays several ranks."""
+    does not fit until CPUs free up, so the default of one worker per target rank would wait
+    forever on a small cluster (four target ranks on a 2-CPU machine hung without a word); each
+    worker plays several ranks. Workers asked for by number are kept (an autoscaling cluster grows
+    to hold them), with a warning."""
     if cpus_per_worker <= 0:
+        return workers
+    if asked:
+        if workers * cpus_per_worker > cluster_cpus:
+            log(f"the Ray cluster has {cluster_cpus:g} CPUs now; {workers} worker(s) of {cpus_per_worker:g} CPU(s) "
+                "start as it grows (on a cluster that does not, pass fewer --workers)")
         return workers
     fit = int(cluster_cpus // cpus_per_worker)
     if fit < 1:
@@ -179,6 +190,7 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
     target_url = store.checkpoint_url(run, step)
     attempt = store.new_attempt()
     jobs = [(pieces, target_url, f"{attempt}/rank-{rank:05d}.safetensors") for rank, pieces in enumerate(plans)]
+    asked = workers is not None
     workers = max(1, min(workers or layout.world_size, layout.world_size))
     if not local:
         import ray
@@ -186,7 +198,7 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
         from cluster.rank_group import connect_ray
 
         connect_ray()
-        workers = _workers_that_fit(workers, num_cpus, ray.cluster_resources().get("CPU", 0.0), log)
+        workers = _workers_that_fit(workers, num_cpus, ray.cluster_resources().get("CPU", 0.0), log, asked)
     planned = [sum(piece.nbytes for piece in pieces) for pieces in plans]
     log(f"resharding {source_url} ({_describe(metadata.get('layout'))}) to {layout.describe()} "
         f"({layout.world_size} ranks on {workers} {'local worker' if local else 'Ray actors'}{'s' if workers > 1 and local else ''})")

@@ -36,10 +36,16 @@ def check_against_own_model(chunks: list[Chunk], metadata: dict, where: str) -> 
     state the checkpoint holds for any parameter (AdamW moments), with the recorded shapes and one
     dtype per kind. Offline tools (plan, reshard, export) read whole tensors by name; a manifest
     that lost rows would otherwise fail at the first one missing, or be copied incomplete."""
-    model = ModelConfig.from_dict(metadata["model"])
+    try:
+        model = ModelConfig.from_dict(metadata["model"])
+        shapes = parameter_shapes(model)
+    except Exception as error:  # a damaged entry fails in many ways (wrong types, zero heads, ...)
+        raise CheckpointError(f"checkpoint {where}: its `model` metadata does not describe a model "
+                              f"({type(error).__name__}: {error}); the manifest is damaged. "
+                              "Fix: use another checkpoint of the run (`rayshard ckpt ls`)") from error
     found = {(c.name, c.kind): (c.global_shape, c.dtype) for c in chunks}
     dtypes = {kind: dtype for (_, kind), (_, dtype) in sorted(found.items())}
-    expected = {(name, kind): (shape, dtypes[kind]) for name, shape in parameter_shapes(model).items() for kind in dtypes}
+    expected = {(name, kind): (shape, dtypes[kind]) for name, shape in shapes.items() for kind in dtypes}
     raise_if_mismatched(expected, found, set(expected), where,
                         "the manifest lost or gained rows, or its `model` metadata is not the model that wrote it; "
                         "use another checkpoint of the run (`rayshard ckpt ls`)")

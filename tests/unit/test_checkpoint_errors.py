@@ -163,3 +163,47 @@ def test_offline_tools_name_every_tensor_a_manifest_lost_or_gained(checkpoint, t
     assert store.committed_steps("copy") == []
     problems = verify(url).problems
     assert len(problems) == 1 and "does not match the model" in problems[0] and "manifest:" in problems[0]
+
+
+@pytest.mark.parametrize("window", [2**26, 3000])  # whole requests, and parts bigger than the window (row blocks)
+def test_parts_read_from_an_object_store_are_verified_together_too(tmp_path, window):
+    """The object-store path (`_serve`, `_serve_large`) reports parts as the local one does."""
+    import uuid
+
+    import fsspec
+    import torch
+
+    from plans.reshard import Target
+
+    store_url = f"memory://parts-{uuid.uuid4().hex}"
+    url, _, _ = write_checkpoint(store_url, "run", preset("tiny"))
+    chunk = next(c for c in read_manifest(url)[0] if c.name == QKV and c.kind == "param")
+    halves = [Target(QKV, "param", (0, 0), (64, 64)), Target(QKV, "param", (64, 0), (64, 64))]
+
+    def read_both() -> StoredCheckpoint:
+        stored = StoredCheckpoint(url)
+        stored.read({t: (torch.empty(t.sizes), t.offsets) for t in halves}, window_bytes=window)
+        return stored
+
+    assert read_both().check_partial_reads() == 1
+    fs, base = fsspec.core.url_to_fs(url)
+    data = bytearray(fs.cat_file(f"{base}/{chunk.file}"))
+    data[chunk.byte_start + 70 * 64 * 4 + 3] ^= 0x20  # a row of the second half
+    fs.pipe_file(f"{base}/{chunk.file}", bytes(data))
+    with pytest.raises(CheckpointError, match=rf"read in parts .*{QKV} \(param\)"):
+        read_both().check_partial_reads()
+
+
+def test_verify_reports_damaged_model_metadata_instead_of_crashing(checkpoint):
+    from actors.checkpoint_io import encode_manifest
+    from cluster.verify import verify
+
+    url, _, _ = checkpoint
+    chunks, metadata = read_manifest(url)
+    for damaged in ("tiny", {"n_heads": 0}, {"dim": "64"}):
+        document = {key: value for key, value in metadata.items() if key != "format_version"}
+        document["model"] = damaged
+        with open(f"{url}/manifest.parquet", "wb") as handle:
+            handle.write(encode_manifest(chunks, document))
+        problems = verify(url).problems
+        assert len(problems) == 1 and "its `model` metadata does not describe a model" in problems[0], damaged

@@ -135,3 +135,5 @@ def test_offline_reshard_workers_are_capped_to_what_the_ray_cluster_holds():
     assert _workers_that_fit(8, 0.0, 2.0, said.append) == 8  # no CPUs reserved: anything fits
     with pytest.raises(CheckpointError, match="fewer than one worker's --cpus-per-worker 4. Fix: lower"):
         _workers_that_fit(2, 4.0, 2.0, said.append)
+    # Asked for by number: kept, for an autoscaling cluster to grow into, and said.
+    assert _workers_that_fit(4, 1.0, 2.0, said.append, asked=True) == 4 and "start as it grows" in said[-1]
