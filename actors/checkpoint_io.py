@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import json
 import re
@@ -267,7 +266,7 @@ def execute_requests(fs, base: str, requests: Sequence[Request], destinations: d
     lookup = destinations if callable(destinations) else destinations.__getitem__
     report = _Report(served, partial)
     if isinstance(fs, LocalFileSystem):
-        return _execute_local(fs, base, requests, lookup, window_bytes, report)
+        return _execute_local(base, requests, lookup, report)
     total = 0
     small = [r for r in requests if r.nbytes <= window_bytes]
     with contextlib.closing(fetch_ranges(fs, base, small, window_bytes)) as arrivals:
@@ -283,7 +282,7 @@ def execute_requests(fs, base: str, requests: Sequence[Request], destinations: d
     return total
 
 
-def _execute_local(fs, base: str, requests: Sequence[Request], lookup, window_bytes: int, report: _Report) -> int:
+def _execute_local(base: str, requests: Sequence[Request], lookup, report: _Report) -> int:
     """Each request is read in runs of back-to-back parts with `os.preadv` (one call per run, or
     per CHECK_BLOCK_BYTES of checksummed bytes) straight into the destinations' bytes, when a
     part's slice of its destination is contiguous. Any other part (a column range of a wider
@@ -356,28 +355,41 @@ def _read_run(handle, path: str, run: list[tuple], staged_bytes: int, scratch: b
 
 
 def _read_staged(handle, path: str, part: ReadItem, destination: Destination, scratch: bytearray, report: _Report) -> int:
-    """Read a part that cannot land in place a block of whole rows at a time into the scratch
-    buffer, checksum each block there, and copy it into place, while it is still in cache.
+    """A part that cannot land in place, read into the scratch buffer a block of whole rows at a
+    time, each block checksummed there and copied into place while it is still in cache.
 
     Why not scatter rows straight into the destination: the kernel's copy into memory not yet in
     cache does not leave it there, so checksumming the rows afterwards read them back from
     memory: on a 200 MiB tensor's column half read into a row shard, scatter + checksum took
     25.2 ms per 100 MiB, staged blocks + checksum + copy 20.7 (docs/decisions.md 49)."""
-    tensor = destination[0]
+    block_bytes = CHECK_BLOCK_BYTES if destination[0].device.type == "cpu" else STAGE_BYTES  # device: fewer, larger copies
+
+    def read(start: int, end: int) -> memoryview:
+        _grow(scratch, end - start)
+        block = memoryview(scratch)[:end - start]
+        got = _read_into(handle, start, [block])
+        if got != len(block):
+            raise _short_read(path, part.byte_start, part.byte_end, _describe(Request(part.file, 0, 0, (part,))),
+                              start - part.byte_start + got)
+        return block
+
+    return _place_in_row_blocks(part, destination, read, block_bytes, report, path)
+
+
+def _place_in_row_blocks(part: ReadItem, destination: Destination, read: Callable[[int, int], object], block_bytes: int,
+                         report: _Report, path: str) -> int:
+    """Read a part a block of whole rows at a time (`read(start, end)` returns those bytes), feed
+    each block to its checksum and copy what the target needs of it into place; then check the
+    chunk (read whole) or report the part. Shared by staged local reads and by object-store parts
+    bigger than the fetch window."""
     rows = part.held_sizes[0] if part.held_sizes else 1
     row_bytes = part.nbytes // rows
-    block_bytes = CHECK_BLOCK_BYTES if tensor.device.type == "cpu" else STAGE_BYTES  # device copies: fewer, larger
     rows_per_block = max(1, block_bytes // max(1, row_bytes))
-    _grow(scratch, min(rows, rows_per_block) * row_bytes)
     running = report.running_for(part, path)
     for first in range(0, rows, rows_per_block):
         count = min(rows_per_block, rows - first)
         start = part.byte_start + first * row_bytes
-        block = memoryview(scratch)[:count * row_bytes]
-        got = _read_into(handle, start, [block])
-        if got != len(block):
-            raise _short_read(path, part.byte_start, part.byte_end, _describe(Request(part.file, 0, 0, (part,))),
-                              first * row_bytes + got)
+        block = read(start, start + count * row_bytes)
         if running is not None:
             running.update(block)
         piece = _rows_of(part, first, count, start) if part.held_sizes else part
@@ -551,21 +563,9 @@ def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int, rep
             _serve(Request(request.file, part.byte_start, part.byte_end, (part,)), data, path, lookup, report)
             total += part.nbytes
             continue
-        row_bytes = part.nbytes // part.held_sizes[0]
-        rows_per_block = max(1, window_bytes // row_bytes)
-        running = running_like(part.chunk.checksum, path)
-        for first in range(0, part.held_sizes[0], rows_per_block):
-            rows = min(rows_per_block, part.held_sizes[0] - first)
-            start = part.byte_start + first * row_bytes
-            data = _cat(fs, path, start, start + rows * row_bytes, f"{part.chunk.name} ({part.chunk.kind})")
-            running.update(data)
-            piece = _rows_of(part, first, rows, start)
-            if piece is not None:
-                _copy_item(piece, data, lookup(part), path)
-            total += len(data)
-        if part.whole_chunk and running.text() != part.chunk.checksum:
-            raise _checksum_mismatch(part, path)
-        report.done(part, running)
+        what = f"{part.chunk.name} ({part.chunk.kind})"
+        total += _place_in_row_blocks(part, lookup(part), lambda start, end: _cat(fs, path, start, end, what),
+                                      window_bytes, report, path)
     return total
 
 

@@ -211,19 +211,15 @@ class StoredCheckpoint:
         reads, self.partial_reads = self.partial_reads, []
         return reads
 
-    def check_partial_reads(self, reads: list[PartialRead] | None = None) -> int:
-        """Verify the chunks read in parts: this process's own parts, or `reads` gathered from
-        every rank that read some. A chunk whose parts do not cover it exactly (a rank's read failed
-        or was skipped) is read whole here, once. Raises a CheckpointError naming every chunk that
-        fails; returns how many chunks were verified."""
-        outcome = check_partial_reads(self.take_partial_reads() if reads is None else reads)
-        if outcome.mismatched:
-            raise mismatch_error(outcome.mismatched, self.url)
-        for part in outcome.untiled:
-            chunk = next(c for c in self.index[(part.name, part.kind)].chunks
-                         if (c.file, c.byte_start) == (part.file, part.chunk_start))
-            self.read_region(chunk.name, chunk.kind, chunk.offsets, chunk.sizes)  # whole: checked as it lands
-        return outcome.verified + len(outcome.untiled)
+    def check_partial_reads(self) -> int:
+        """Verify the chunks this process read in parts (`verify_parts`)."""
+        return verify_parts(self.take_partial_reads(), self.url, lambda: self)
+
+    def read_chunk_whole(self, part: PartialRead) -> None:
+        """Read the chunk a part belongs to whole, which checks its checksum as it lands."""
+        chunk = next(c for c in self.index[(part.name, part.kind)].chunks
+                     if (c.file, c.byte_start) == (part.file, part.chunk_start))
+        self.read_region(chunk.name, chunk.kind, chunk.offsets, chunk.sizes)
 
     def read_region(self, name: str, kind: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
         """A fresh CPU tensor holding one region of one stored tensor."""
@@ -491,14 +487,24 @@ def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_nam
     raise_if_mismatched(expected, found, possible, where)
 
 
-def check_loaded_parts(checkpoint_url: str, results: list[dict], manifest: bytes | None = None) -> int:
-    """After every rank of a load returned: verify the chunks they read in parts, together. The
-    checkpoint is opened (its manifest decoded) only if some chunk must be read whole."""
-    reads = [read for result in results for read in result.get("partial_reads", ())]
+def verify_parts(reads: list[PartialRead], checkpoint_url: str, opened: Callable[[], StoredCheckpoint]) -> int:
+    """Verify chunks read in parts, by one process or gathered from every rank that read some: the
+    parts of each chunk combine to its checksum. A chunk whose parts do not cover it exactly (a
+    rank's read failed or was skipped) is read whole, from `opened()`. Raises a CheckpointError
+    naming every chunk that fails; returns how many chunks were verified."""
     outcome = check_partial_reads(reads)
     if outcome.mismatched:
         raise mismatch_error(outcome.mismatched, checkpoint_url)
     if outcome.untiled:
-        chunks, metadata = read_manifest(checkpoint_url, manifest)
-        return StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True).check_partial_reads(reads)
-    return outcome.verified
+        stored = opened()
+        for part in outcome.untiled:
+            stored.read_chunk_whole(part)
+    return outcome.verified + len(outcome.untiled)
+
+
+def check_loaded_parts(checkpoint_url: str, results: list[dict], manifest: bytes | None = None) -> int:
+    """After every rank of a load returned: verify the chunks they read in parts, together. The
+    checkpoint is opened (its manifest decoded) only if some chunk must be read whole."""
+    reads = [read for result in results for read in result.get("partial_reads", ())]
+    return verify_parts(reads, checkpoint_url,
+                        lambda: StoredCheckpoint(checkpoint_url, *read_manifest(checkpoint_url, manifest), keys_checked=True))

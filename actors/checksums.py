@@ -46,7 +46,6 @@ class RunningChecksum:
         self.value = self._extend(data, self.value)
         return self
 
-
     def text(self) -> str:
         return f"{self.algorithm}:{self.value:08x}"
 

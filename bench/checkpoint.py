@@ -147,7 +147,7 @@ def _raw_ranges(ranges, buffer: memoryview):
     Not into fresh `bytes` per range: that charged the anchor page faults above malloc's mmap
     threshold only (docs/decisions.md 38). Not into one reused buffer either: the resharded
     load's ranges are at most 1.5 MiB, so a reused buffer stayed in L2 and the anchor never wrote
-    its bytes to memory (its CPU was 9 ms a rank against 12 ms placed; decisions 44)."""
+    its bytes to memory (its CPU was 9 ms a rank against 12 ms placed; decision 45)."""
     at = 0
     for path, start, end, _ in ranges:
         with open(path, "rb", buffering=0) as handle:

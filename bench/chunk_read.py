@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from actors.checkpoint_io import fill_from_reads, write_shard  # noqa: E402
 from actors.checksums import running_like  # noqa: E402
-from actors.partial_reads import check_partial_reads, partial_read  # noqa: E402
+from actors.partial_reads import PartialRead, check_partial_reads  # noqa: E402
 from plans.reshard import plan_reads  # noqa: E402
 
 COLUMNS = 4096
@@ -101,22 +101,14 @@ def _other_parts(root: str, items) -> list:
     """What the other target ranks would report for the rest of each chunk read in part (read
     here once, untimed), so the timed check is the real combine over a whole chunk."""
     others = []
-    for item in items:
-        chunk = item.chunk
-        if item.whole_chunk:
-            continue
-        with open(f"{root}/{chunk.file}", "rb") as handle:
-            handle.seek(item.byte_end)
-            rest = handle.read(chunk.byte_end - item.byte_end)
-        tail = type(item)(chunk, item.byte_end, chunk.byte_end, item.held_offsets, item.held_sizes, item.offsets, item.sizes)
-        others.append(partial_read(tail, running_like(chunk.checksum).update(rest).value))
-        if item.byte_start > chunk.byte_start:
+    for chunk, start, end in ((item.chunk, s, e) for item in items
+                              for s, e in ((item.chunk.byte_start, item.byte_start), (item.byte_end, item.chunk.byte_end))):
+        if start < end:
             with open(f"{root}/{chunk.file}", "rb") as handle:
-                handle.seek(chunk.byte_start)
-                head = handle.read(item.byte_start - chunk.byte_start)
-            front = type(item)(chunk, chunk.byte_start, item.byte_start, item.held_offsets, item.held_sizes, item.offsets,
-                               item.sizes)
-            others.append(partial_read(front, running_like(chunk.checksum).update(head).value))
+                handle.seek(start)
+                value = running_like(chunk.checksum).update(handle.read(end - start)).value
+            others.append(PartialRead(chunk.name, chunk.kind, chunk.file, chunk.byte_start, chunk.byte_end, chunk.checksum,
+                                      start, end, value))
     return others
 
 

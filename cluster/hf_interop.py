@@ -179,8 +179,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     """progress: a bar (cluster/progress.py) advanced by the bytes of each tensor written."""
     started = time.perf_counter()
     stored = StoredCheckpoint(checkpoint_url)
-    check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
-    model = ModelConfig.from_dict(stored.metadata["model"])
+    model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
     stored_kinds = {kind for _, kind in stored.index}
     kinds = [PARAM] + ([k for k in MOMENTS if k in stored_kinds] if include_optimizer else [])
     plans = []
@@ -198,7 +197,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
             name, kind, (0,) * len(metas[name].shape), metas[name].shape))
         prefix = WEIGHTS if kind == PARAM else f"{OPTIMIZER_DIR}/{kind}"
         written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
-    stored.check_partial_reads()  # whole tensors read whole chunks (checked as read); this is in case
+    stored.check_partial_reads()  # none today (whole tensors read whole chunks); any part would be checked here
     out_dtype = dtype or next(iter(stored.chunks)).dtype
     fs.pipe_file(f"{base}/{CONFIG}", json.dumps(hf_config(model, out_dtype), indent=2).encode())
     fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,

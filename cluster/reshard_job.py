@@ -61,9 +61,8 @@ def target_partition(metadata: dict, layout: ParallelLayout, schedule: str | Non
 
 def planned_writes(chunks: list[Chunk], metadata: dict, layout: ParallelLayout, schedule: str | None = None,
                    stage_layout: list[int] | None = None) -> list[list[PlannedPiece]]:
-    model = ModelConfig.from_dict(metadata["model"])
+    model = check_against_own_model(chunks, metadata, metadata.get("run", "being resharded"))
     check_layout_fits(model, layout)
-    check_against_own_model(chunks, metadata, metadata.get("run", "being resharded"))
     kinds = sorted({c.kind for c in chunks}, key=lambda k: ("param", "exp_avg", "exp_avg_sq").index(k)
                    if k in ("param", "exp_avg", "exp_avg_sq") else 9)
     dtypes = {c.dtype for c in chunks}
@@ -82,7 +81,7 @@ class WindowedReads:
     def __init__(self, source: StoredCheckpoint, pieces: list[PlannedPiece], window_bytes: int = WINDOW_BYTES):
         self.source, self.pieces, self.window_bytes = source, pieces, window_bytes
         self.ready: dict[int, torch.Tensor] = {}
-        self.bytes_read = self.bytes_needed = self.requests = 0
+        self.bytes_read = self.requests = 0
 
     def take(self, index: int) -> torch.Tensor:
         if index not in self.ready:
@@ -106,26 +105,24 @@ class WindowedReads:
             window += piece.nbytes
         stats = self.source.read(destinations, self.window_bytes)
         self.bytes_read += stats["bytes_read"]
-        self.bytes_needed += stats["bytes_needed"]
         self.requests += stats["requests"]
 
 
 def write_rank(source: StoredCheckpoint, pieces: list[PlannedPiece], target_url: str, file: str) -> dict:
     """Play one target rank: read its pieces through the load's read path, a window at a time,
     and stream them out."""
-    stats = {"bytes_read": 0, "bytes_needed": 0, "bytes_written": 0, "requests": 0}
     reads = WindowedReads(source, pieces)
     lazy = [(p.region.name, p.kind, LazyTensor(getattr(torch, p.dtype), p.region.sizes, lambda i=i: reads.take(i)),
              p.region.global_shape, p.region.offsets) for i, p in enumerate(pieces)]
-    if not lazy:
-        return {"rows": [], "partial_reads": [], **stats}
-    fs, base = fsspec.core.url_to_fs(target_url)
-    chunks = write_shard(fs, base, file, lazy)
-    stats.update(bytes_read=reads.bytes_read, bytes_needed=reads.bytes_needed, requests=reads.requests)
-    stats["bytes_written"] = sum(c.byte_end - c.byte_start for c in chunks)
+    chunks = []
+    if lazy:
+        fs, base = fsspec.core.url_to_fs(target_url)
+        chunks = write_shard(fs, base, file, lazy)
     # Parts of source chunks this rank read but cannot verify alone: the driver checks every
     # rank's together before it commits (an edit inside one must not become a valid new chunk).
-    return {"rows": [c.to_row() for c in chunks], "partial_reads": source.take_partial_reads(), **stats}
+    return {"rows": [c.to_row() for c in chunks], "partial_reads": source.take_partial_reads(),
+            "bytes_read": reads.bytes_read, "requests": reads.requests,
+            "bytes_written": sum(c.byte_end - c.byte_start for c in chunks)}
 
 
 class ReshardWorker:

@@ -7,7 +7,6 @@ import time
 from plans.chunks import Chunk
 from plans.layout import ParallelLayout
 from plans.manifest_check import check_against_own_model
-from plans.model_spec import ModelConfig
 from plans.reshard import DEFAULT_MIN_SEGMENT_BYTES, LayoutPlan, plan_layout
 from plans.target_regions import check_layout_fits, layout_targets
 
@@ -18,9 +17,8 @@ def build_plan(chunks: list[Chunk], metadata: dict, layout: ParallelLayout, part
                min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES, read_once: bool = True) -> tuple[LayoutPlan, float]:
     """(plan, seconds) for loading this checkpoint onto `layout`; metadata only, no data read."""
     started = time.perf_counter()
-    model = ModelConfig.from_dict(metadata["model"])
+    model = check_against_own_model(chunks, metadata, metadata.get("run", "to plan"))
     check_layout_fits(model, layout)
-    check_against_own_model(chunks, metadata, metadata.get("run", "to plan"))
     kinds = [k for k in ("param", "exp_avg", "exp_avg_sq") if any(c.kind == k for c in chunks)]
     plan = plan_layout(chunks, layout_targets(model, layout, kinds, partition, read_once), min_segment_bytes)
     return plan, time.perf_counter() - started

@@ -31,11 +31,12 @@ def raise_if_mismatched(expected: dict, found: dict, possible: set, where: str,
         raise CheckpointError("\n".join(lines))
 
 
-def check_against_own_model(chunks: list[Chunk], metadata: dict, where: str) -> None:
+def check_against_own_model(chunks: list[Chunk], metadata: dict, where: str) -> ModelConfig:
     """The manifest against the model its metadata records: every parameter, and every kind of
     state the checkpoint holds for any parameter (AdamW moments), with the recorded shapes and one
     dtype per kind. Offline tools (plan, reshard, export) read whole tensors by name; a manifest
-    that lost rows would otherwise fail at the first one missing, or be copied incomplete."""
+    that lost rows would otherwise fail at the first one missing, or be copied incomplete.
+    Returns the model, for the caller to plan with."""
     try:
         model = ModelConfig.from_dict(metadata["model"])
         shapes = parameter_shapes(model)
@@ -49,3 +50,4 @@ def check_against_own_model(chunks: list[Chunk], metadata: dict, where: str) -> 
     raise_if_mismatched(expected, found, set(expected), where,
                         "the manifest lost or gained rows, or its `model` metadata is not the model that wrote it; "
                         "use another checkpoint of the run (`rayshard ckpt ls`)")
+    return model
