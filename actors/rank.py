@@ -1,6 +1,6 @@
 """RankActor: the Ray actor that owns one rank (one GPU, or a CPU share with gloo).
 
-A thin shell around `actors.trainer.Trainer`: Ray only places the process and carries one RPC
+A thin shell around `actors.training.trainer.Trainer`: Ray only places the process and carries one RPC
 per step; activations and gradients move between ranks over torch.distributed.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ class RankActor:
 
     def setup(self, config: TrainConfig, rank: int, init_method: str, plan=None) -> dict:
         """plan: the run's PipelinePlan (pp > 1), shipped once and replayed every step."""
-        from actors.trainer import Trainer  # heavy imports happen in the actor, not at module load
+        from actors.training.trainer import Trainer  # heavy imports happen in the actor, not at module load
 
         self.shutdown()  # a reused actor leaves its previous group first
         # The GPU Ray assigned to this actor, if any (Ray narrows CUDA_VISIBLE_DEVICES to it); a
@@ -65,7 +65,7 @@ class RankActor:
     def stage_save(self, checkpoint_url: str, file: str) -> dict:
         """Async save: copy this rank's share of the state to CPU (all a training step waits for),
         then upload it in a background thread; the driver polls save_status."""
-        from actors.async_save import BackgroundSave
+        from actors.checkpoint.async_save import BackgroundSave
 
         trainer = self.trainer
         self.background_save = BackgroundSave(trainer.model, trainer.optimizer, checkpoint_url, file, trainer.rank)

@@ -1,6 +1,6 @@
 """Checkpoint save and load against torch DCP and raw storage, on the same state and ranks.
 
-Four ranks (torch.multiprocessing + gloo, the same `actors.trainer.Trainer` the Ray actors run)
+Four ranks (torch.multiprocessing + gloo, the same `actors.training.trainer.Trainer` the Ray actors run)
 train the `small` preset one step on layout A (dp2 x tp2), so params and AdamW moments exist,
 then, repeatedly and in rotating order:
 - save: rayshard (`save_rank_shard` + manifest), DCP (`dcp.save` with `FileSystemWriter`, the
@@ -34,8 +34,8 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from plans.config import DataConfig, TrainConfig  # noqa: E402
-from plans.layout import ParallelLayout  # noqa: E402
-from plans.model_spec import preset  # noqa: E402
+from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from plans.training.model_spec import preset  # noqa: E402
 
 LAYOUT_A = ParallelLayout(dp=2, tp=2)
 LAYOUT_B = ParallelLayout(fsdp=4)
@@ -86,9 +86,9 @@ def _our_save(trainer, url: str):
     import fsspec
     import torch.distributed as dist
 
-    from actors.checkpoint_io import encode_manifest
-    from actors.checkpointing import MANIFEST, save_rank_shard
-    from plans.chunks import Chunk
+    from actors.checkpoint.io import encode_manifest
+    from actors.checkpoint.rank_state import MANIFEST, save_rank_shard
+    from plans.checkpoint.chunks import Chunk
 
     rows = save_rank_shard(trainer.model, trainer.optimizer, trainer.coord_map, url, f"attempt-bench/rank-{trainer.rank:05d}.safetensors")
     gathered = [None] * dist.get_world_size() if trainer.rank == 0 else None
@@ -123,7 +123,7 @@ def _dcp_load(trainer, path: str):
 
 
 def _raw_bytes(trainer) -> list[memoryview]:
-    from actors.checkpointing import pieces_to_write
+    from actors.checkpoint.rank_state import pieces_to_write
 
     return [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
             for _, _, t, _, _ in pieces_to_write(trainer.model, trainer.optimizer)]
@@ -157,8 +157,8 @@ def _raw_ranges(ranges, buffer: memoryview):
 
 
 def _our_load(trainer, url: str) -> dict:
-    from actors.checkpointing import load_rank_shard
-    from plans.model_spec import parameter_shapes
+    from actors.checkpoint.rank_state import load_rank_shard
+    from plans.training.model_spec import parameter_shapes
 
     return load_rank_shard(trainer.model, trainer.optimizer, url, set(parameter_shapes(trainer.config.model)))
 
@@ -167,8 +167,8 @@ def _planned_ranges(trainer, url: str) -> list[tuple[str, int, int, list[tuple[i
     """The byte ranges rayshard's load on this rank reads (for the raw-read anchors), each with the
     spans inside it that the load checksums: every chunk or part of a chunk (not the headers,
     which are small)."""
-    from actors.checkpointing import StoredCheckpoint, load_destinations, read_once_for
-    from plans.reshard import ReadItem
+    from actors.checkpoint.rank_state import StoredCheckpoint, load_destinations, read_once_for
+    from plans.checkpoint.reshard import ReadItem
 
     stored = StoredCheckpoint(url)
     destinations, _, _ = load_destinations(trainer.model, trainer.optimizer, read_once_for(url))
@@ -183,8 +183,8 @@ def _checked_raw_ranges(ranges, buffer: memoryview):
     read) run through the checksum right after it lands. No manifest, no plan, no placement, no
     scattering into rows: what a load costs when it checks what it reads (the figure rayshard's
     own overhead is measured against)."""
-    from actors.checkpoint_io import CHECK_BLOCK_BYTES
-    from actors.checksums import RunningChecksum
+    from actors.checkpoint.io import CHECK_BLOCK_BYTES
+    from actors.checkpoint.checksums import RunningChecksum
 
     at = 0
     for path, start, end, spans in ranges:
@@ -207,7 +207,7 @@ def _rotated(methods, repeat: int):
 
 
 def _phase_a(rank, config, port, root, repeats, queue):
-    from actors.trainer import Trainer
+    from actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
     trainer.train_step()
@@ -239,7 +239,7 @@ def _phase_a(rank, config, port, root, repeats, queue):
 
 
 def _phase_b(rank, config, port, root, repeats, queue):
-    from actors.trainer import Trainer
+    from actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
     results = {f"reshard/{method}": [] for method in LOAD_METHODS}

@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsspec  # noqa: E402
 import torch  # noqa: E402
 
-from actors.checkpoint_io import fill_from_reads, write_shard  # noqa: E402
-from actors.checksums import running_like  # noqa: E402
-from actors.partial_reads import PartialRead, check_partial_reads  # noqa: E402
-from plans.reshard import plan_reads  # noqa: E402
+from actors.checkpoint.io import fill_from_reads, write_shard  # noqa: E402
+from actors.checkpoint.checksums import running_like  # noqa: E402
+from actors.checkpoint.partial_reads import PartialRead, check_partial_reads  # noqa: E402
+from plans.checkpoint.reshard import plan_reads  # noqa: E402
 
 COLUMNS = 4096
 

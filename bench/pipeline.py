@@ -5,7 +5,7 @@ against the clock.
                                        [--global-batch 16] [--seq-len 128] [--steps 8]
 
 One process per rank (torch.multiprocessing, gloo on CPU, one thread each). Every rank builds
-its stage once (`actors.trainer.Trainer`) and three executors drive the same stage modules,
+its stage once (`actors.training.trainer.Trainer`) and three executors drive the same stage modules,
 optimizer and batches, taking turns step by step so that drifting machine load hits each alike:
 
 - ours 1F1B: the trainer's interpreter replaying the lowered 1F1B plan;
@@ -38,9 +38,9 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from plans.config import DataConfig, TrainConfig  # noqa: E402
-from plans.layout import ParallelLayout  # noqa: E402
-from plans.model_spec import preset  # noqa: E402
-from plans.pipeline_plan import build_pipeline_plan  # noqa: E402
+from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from plans.training.model_spec import preset  # noqa: E402
+from plans.pipeline.plan import build_pipeline_plan  # noqa: E402
 
 VARIANTS = ("ours-1f1b", "torch-1f1b", "ours-zbh1")
 WARMUP_ROUNDS = 1
@@ -73,8 +73,8 @@ class _TorchSchedule1F1B:
     def train_step(self) -> None:
         import torch.distributed as dist
 
-        from actors.parallelize import clip_grad_norm
-        from plans.lr_schedule import learning_rate
+        from actors.model.parallelize import clip_grad_norm
+        from plans.training.lr_schedule import learning_rate
 
         trainer, config = self.trainer, self.trainer.config
         opt, pp_rank, last = config.optimizer, trainer.coords.pp, trainer.layout.pp - 1
@@ -98,7 +98,7 @@ class _TorchSchedule1F1B:
 
 
 def _rank_main(rank: int, config: TrainConfig, port: int, rounds: int, out_dir: str) -> None:
-    from actors.trainer import Trainer
+    from actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")  # builds the 1F1B plan's runner
     ours = {"ours-1f1b": trainer.runner}
@@ -133,7 +133,7 @@ def _rank_main(rank: int, config: TrainConfig, port: int, rounds: int, out_dir: 
 def _simulated_vs_measured(config: TrainConfig, schedule: str, ranks: list[dict]) -> tuple[float, float]:
     """Median measured plan time (slowest rank per step), and the simulator's replay of the plan
     with every action's median measured time."""
-    from plans.simulator import simulate_measured
+    from plans.pipeline.simulator import simulate_measured
 
     samples: dict[tuple, list[float]] = {}
     for result in ranks:

@@ -1,7 +1,7 @@
 """The reshard planner at 405B scale, on metadata alone (no torch.distributed, no tensor bytes).
 
 Builds the manifest a 1024-rank job (dp8 x tp8 x pp16) would commit for a 405B-shaped model with
-AdamW moments — every chunk from the layout rules (`plans/target_regions.py`: tp splits qkv,
+AdamW moments — every chunk from the layout rules (`plans/checkpoint/regions.py`: tp splits qkv,
 gate_up, the embedding and the head by rows, wo and down by columns; fsdp cuts dim 0 after tp;
 dp replicas write once, spread by bytes), with byte ranges from the real safetensors layout —
 encodes it as the Parquet manifest, and plans loading it onto 768 ranks (dp6 x tp8 x pp16).
@@ -21,15 +21,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.checkpoint_io import FORMAT_VERSION, chunk_key, decode_manifest, encode_manifest  # noqa: E402
-from actors.checksums import checksum  # noqa: E402
-from plans.chunks import STATE_KINDS, Chunk  # noqa: E402
-from plans.layout import ParallelLayout  # noqa: E402
-from plans.model_spec import parameter_count, preset  # noqa: E402
-from plans.reshard import plan_layout  # noqa: E402
-from plans.safetensors_layout import Entry, file_layout  # noqa: E402
-from plans.save_plan import predicted_writes  # noqa: E402
-from plans.target_regions import layout_targets, pipeline_partition  # noqa: E402
+from actors.checkpoint.io import FORMAT_VERSION, chunk_key, decode_manifest, encode_manifest  # noqa: E402
+from actors.checkpoint.checksums import checksum  # noqa: E402
+from plans.checkpoint.chunks import STATE_KINDS, Chunk  # noqa: E402
+from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from plans.training.model_spec import parameter_count, preset  # noqa: E402
+from plans.checkpoint.reshard import plan_layout  # noqa: E402
+from plans.checkpoint.safetensors_layout import Entry, file_layout  # noqa: E402
+from plans.checkpoint.writers import predicted_writes  # noqa: E402
+from plans.checkpoint.regions import layout_targets, pipeline_partition  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 

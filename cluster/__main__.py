@@ -1,5 +1,5 @@
 import sys
 
-from cluster.cli import main
+from cluster.cli.main import main
 
 sys.exit(main())

@@ -9,10 +9,10 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from plans.errors import ConfigError
-from plans.layout import ParallelLayout
-from plans.model_spec import PRESETS, ModelConfig, preset
-from plans.pipeline_plan import stage_partition
-from plans.schedules import build_schedule, schedule_spec
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import PRESETS, ModelConfig, preset
+from plans.pipeline.plan import stage_partition
+from plans.pipeline.schedules import build_schedule, schedule_spec
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

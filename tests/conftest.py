@@ -8,8 +8,8 @@ import os
 import pytest
 
 from plans.config import DataConfig, OptimizerConfig, TrainConfig
-from plans.layout import ParallelLayout
-from plans.model_spec import preset
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import preset
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -29,7 +29,7 @@ def ray_session():
 def rank_pool(ray_session):
     """Eight live RankActors shared by the session: each training run borrows the first N, so
     tests pay the process start and torch import once instead of once per run."""
-    from cluster.rank_group import start_actors
+    from cluster.run.rank_group import start_actors
 
     placement, actors = start_actors(8)
     yield actors
@@ -41,7 +41,7 @@ def rank_pool(ray_session):
 @pytest.fixture(scope="session")
 def run_training(rank_pool):
     """train(config) on the shared actor pool."""
-    from cluster.train import train
+    from cluster.run.train import train
 
     return lambda config: train(config, rank_pool)
 

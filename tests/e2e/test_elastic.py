@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plans.layout import ParallelLayout
+from plans.layout.parallel_layout import ParallelLayout
 
 from tests.e2e.elastic_scenario import STEPS, scenario_config
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from cluster.digest import checkpoint_digest, digest_checkpoint
+from cluster.checkpoint.digest import checkpoint_digest, digest_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -18,9 +18,9 @@ def main(argv: list[str]) -> int:
     import ray
 
     from actors.rank import RankActor
-    from cluster.train import train
+    from cluster.run.train import train
     from plans.config import OptimizerConfig
-    from plans.layout import ParallelLayout
+    from plans.layout.parallel_layout import ParallelLayout
     from tests.conftest import small_config
 
     spec = json.loads(argv[0])

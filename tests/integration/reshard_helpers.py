@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import re
 
-from actors.checkpointing import read_manifest
-from cluster.digest import digest_checkpoint
-from plans.layout import ParallelLayout
+from actors.checkpoint.rank_state import read_manifest
+from cluster.checkpoint.digest import digest_checkpoint
+from plans.layout.parallel_layout import ParallelLayout
 
 # At least 8 layouts on 1..8 ranks; pipeline layouts join when pp training exists (PP_LAYOUTS).
 LAYOUTS = {
@@ -34,7 +34,7 @@ def pipelines_train() -> bool:
 
     try:
         TrainConfig(layout=ParallelLayout(pp=2), global_batch=8, microbatches=2).validate()
-        import actors.stage  # noqa: F401  (the pipeline stage runtime)
+        import actors.model.stage  # noqa: F401  (the pipeline stage runtime)
     except Exception:
         return False
     return True
@@ -58,10 +58,10 @@ def writer_rank(file: str) -> int:
 def load_and_save(config, source_url: str, actors, loaded: list | None = None) -> str:
     """Load a checkpoint into training actors of config.layout and save it again, no step taken.
     `loaded` (a list) receives each rank's load result."""
-    from actors.checkpointing import check_loaded_parts
-    from cluster.rank_group import RankGroup
-    from cluster.store import Store
-    from cluster.train import save_checkpoint
+    from actors.checkpoint.rank_state import check_loaded_parts
+    from cluster.run.rank_group import RankGroup
+    from cluster.storage.store import Store
+    from cluster.run.train import save_checkpoint
 
     store = Store(config.store)
     group = RankGroup(config, actors)

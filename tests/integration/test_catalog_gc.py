@@ -11,14 +11,14 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint_io import encode_manifest, write_shard
-from cluster import leases
-from cluster.catalog import Catalog
-from cluster.cli import main
-from cluster.retention import collect
-from cluster.store import Store
-from cluster.verify import verify
-from plans.chunks import Chunk
+from actors.checkpoint.io import encode_manifest, write_shard
+from cluster.storage import leases
+from cluster.storage.catalog import Catalog
+from cluster.cli.main import main
+from cluster.storage.retention import collect
+from cluster.storage.store import Store
+from cluster.checkpoint.verify import verify
+from plans.checkpoint.chunks import Chunk
 from plans.errors import CheckpointError
 
 

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from cluster.cli import main
-from cluster.retention import collect
-from cluster.store import Store
-from plans.model_spec import preset
+from cluster.cli.main import main
+from cluster.storage.retention import collect
+from cluster.storage.store import Store
+from plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 COMMANDS = {

@@ -16,12 +16,12 @@ import sys
 
 import pytest
 
-from actors.checkpointing import read_manifest
-from cluster.catalog import Catalog
-from cluster.retention import collect
-from cluster.verify import verify
-from cluster.store import Store
-from plans.layout import ParallelLayout
+from actors.checkpoint.rank_state import read_manifest
+from cluster.storage.catalog import Catalog
+from cluster.storage.retention import collect
+from cluster.checkpoint.verify import verify
+from cluster.storage.store import Store
+from plans.layout.parallel_layout import ParallelLayout
 from tests.integration.test_s3_training import _config
 from tests.s3_fixtures import TEST_STORAGE_ENV
 
@@ -102,7 +102,7 @@ RANK_POINTS = [pytest.param(p, marks=[] if p == "between shards" else pytest.mar
 def test_rank_killed_during_a_save_leaves_only_whole_checkpoints(point, ray_session, run_training, committed_step_2,
                                                                   s3_store, fault_proxy, tmp_path):
     from actors.rank import RankActor
-    from cluster.train import train
+    from cluster.run.train import train
 
     store, before = committed_step_2
     fresh = [RankActor.options(num_cpus=0).remote() for _ in range(2)]

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from cluster import object_store
-from cluster.store import Store
+from cluster.storage import object_store
+from cluster.storage.store import Store
 from plans.errors import CheckpointError
 
 
@@ -75,7 +75,7 @@ def test_latest_moved_by_another_writer_during_a_commit_is_a_clear_error(store_u
         if path.endswith("step-00000004/manifest.parquet"):
             other.commit("r", 6, b"six")  # lands between our manifest and our swap
 
-    monkeypatch.setattr("cluster.store.create_only", create_then_lose_the_race)
+    monkeypatch.setattr("cluster.storage.store.create_only", create_then_lose_the_race)
     with pytest.raises(CheckpointError, match=r"another writer moved LATEST \(now step 6\)"):
         store.commit("r", 4, b"four")
     assert store.latest_step("r") == 6

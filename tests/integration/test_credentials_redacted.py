@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
-from plans.model_spec import preset
+from cluster.cli.main import main
+from plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 KEY_ID = "AKIARAYSHARDLEAKTEST7"

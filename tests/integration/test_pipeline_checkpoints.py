@@ -2,10 +2,10 @@
 and a run saved by one pipeline resumes on another layout on the same loss curve."""
 import math
 
-from actors.checkpointing import read_manifest
+from actors.checkpoint.rank_state import read_manifest
 from plans.config import OptimizerConfig
-from plans.layout import ParallelLayout
-from plans.model_spec import preset
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import preset
 from tests.conftest import small_config
 
 

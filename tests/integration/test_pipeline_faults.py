@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from cluster.rank_group import StepFailed
-from plans.layout import ParallelLayout
+from cluster.run.rank_group import StepFailed
+from plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 
 
@@ -26,8 +26,8 @@ def test_a_rank_that_dies_mid_step_fails_the_step_without_waiting_out_the_timeou
     seconds, not the 120 s transfer timeout) and the elastic controller treats it as a
     recoverable rank failure."""
     from actors.rank import RankActor
-    from cluster.elastic import RANK_FAILURES
-    from cluster.train import train
+    from cluster.run.elastic import RANK_FAILURES
+    from cluster.run.train import train
 
     config = small_config(tmp_path, ParallelLayout(dp=2, pp=2), schedule="1f1b", microbatches=2, steps=2,
                           pipeline_timeout_s=120.0, exit_rank=3, run="dies")

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from plans.layout import ParallelLayout
-from plans.model_spec import preset
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import preset
 from tests.conftest import small_config
 
 RTOL, ATOL = 1.3e-6, 1e-5  # assert_close's float32 defaults
@@ -33,7 +33,7 @@ def _config(tmp_path, layout, *, layers=4, tied=False, **overrides):
 
 def one_step(rank_pool, config) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and full gradients of step 0, gathered from every rank's primary pieces."""
-    from cluster.rank_group import RankGroup
+    from cluster.run.rank_group import RankGroup
 
     group = RankGroup(config, rank_pool)
     try:

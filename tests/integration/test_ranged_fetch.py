@@ -9,9 +9,9 @@ import time
 
 import fsspec
 
-from actors.ranged_fetch import fetch_ranges
-from cluster.store import Store
-from plans.reshard import Request
+from actors.checkpoint.ranged_fetch import fetch_ranges
+from cluster.storage.store import Store
+from plans.checkpoint.reshard import Request
 
 MiB = 2**20
 

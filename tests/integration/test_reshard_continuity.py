@@ -8,10 +8,10 @@ version (50 on A, 200 on B) is marked slow:
 """
 import pytest
 
-from cluster.resume_plot import plot_resume
-from cluster.store import Store
+from cluster.pictures.resume_plot import plot_resume
+from cluster.storage.store import Store
 from plans.config import OptimizerConfig
-from plans.layout import ParallelLayout
+from plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 
 # 4 ranks -> 2 ranks, as in the demo: dp2 x tp2 -> tp2.

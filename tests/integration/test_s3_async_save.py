@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from actors.checkpointing import read_manifest
-from cluster.store import Store
-from cluster.train import train
+from actors.checkpoint.rank_state import read_manifest
+from cluster.storage.store import Store
+from cluster.run.train import train
 from plans.errors import CheckpointError
-from plans.layout import ParallelLayout
+from plans.layout.parallel_layout import ParallelLayout
 from tests.integration.test_s3_training import _config
 
 DP2 = ParallelLayout(dp=2)

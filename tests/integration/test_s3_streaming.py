@@ -8,8 +8,8 @@ import os
 import boto3
 import pytest
 
-from actors.object_writer import MultipartWriter, open_object_writer
-from cluster.store import Store
+from actors.checkpoint.object_writer import MultipartWriter, open_object_writer
+from cluster.storage.store import Store
 from plans.errors import CheckpointError
 
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""The pure region predictor (plans/target_regions.py) against torch's own answer.
+"""The pure region predictor (plans/checkpoint/regions.py) against torch's own answer.
 
 The model is parallelized exactly as the actors do it (DTensor TP + FSDP2) under a fake process
 group, once per layout; then, for every rank's mesh coordinate, torch's
@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from plans.layout import MESH_DIM_NAMES, ParallelLayout
-from plans.model_spec import parameter_shapes, preset
-from plans.target_regions import tensor_region
+from plans.layout.parallel_layout import MESH_DIM_NAMES, ParallelLayout
+from plans.training.model_spec import parameter_shapes, preset
+from plans.checkpoint.regions import tensor_region
 
 LAYOUTS = [
     ParallelLayout(), ParallelLayout(dp=2), ParallelLayout(fsdp=2), ParallelLayout(tp=2),
@@ -28,9 +28,9 @@ def fake_world():
     def build(layout, model_config):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from actors.checkpointing import replicated_dims
-        from actors.model import build_on_meta
-        from actors.parallelize import parallelize
+        from actors.checkpoint.rank_state import replicated_dims
+        from actors.model.transformer import build_on_meta
+        from actors.model.parallelize import parallelize
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
         try:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from actors.checkpoint_io import encode_manifest
-from actors.checkpointing import save_rank_shard
-from actors.init_weights import initialize_parameters
-from actors.model import Transformer
-from cluster.store import Store
-from plans.chunks import Chunk
-from plans.layout import ParallelLayout
-from plans.model_spec import ModelConfig
-from plans.reshard import check_chunks_disjoint_and_complete
+from actors.checkpoint.io import encode_manifest
+from actors.checkpoint.rank_state import save_rank_shard
+from actors.model.init_weights import initialize_parameters
+from actors.model.transformer import Transformer
+from cluster.storage.store import Store
+from plans.checkpoint.chunks import Chunk
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import ModelConfig
+from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
 
 
 def trained_model(config: ModelConfig, steps: int = 2, seed: int = 0):

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from plans.actions import Action, Kind, Schedule
-from plans.checker import check, execute
+from plans.pipeline.actions import Action, Kind, Schedule
+from plans.pipeline.checker import check, execute
 from plans.errors import ScheduleError
-from plans.lowering import lower
-from plans.schedules import build_schedule
+from plans.pipeline.lowering import lower
+from plans.pipeline.schedules import build_schedule
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from actors.checkpointing import StoredCheckpoint, read_manifest
-from cluster.digest import digest_checkpoint
+from actors.checkpoint.rank_state import StoredCheckpoint, read_manifest
+from cluster.checkpoint.digest import digest_checkpoint
 from plans.errors import CheckpointError
-from plans.model_spec import preset
+from plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 QKV = "layers.1.attention.qkv.weight"
@@ -102,7 +102,7 @@ def test_an_edit_inside_a_chunk_read_in_parts_is_caught_when_the_parts_meet(chec
 def test_a_chunk_whose_parts_do_not_cover_it_is_read_whole_to_check_it(checkpoint):
     url, chunk, path = checkpoint
     _flip_byte(path, chunk.byte_end - 5)
-    from actors.checkpointing import check_loaded_parts
+    from actors.checkpoint.rank_state import check_loaded_parts
 
     stored = StoredCheckpoint(url)
     stored.read_region(QKV, "param", (0, 0), (64, 64))  # only the first half, which is intact
@@ -115,9 +115,9 @@ def test_a_chunk_whose_parts_do_not_cover_it_is_read_whole_to_check_it(checkpoin
 
 
 def test_an_offline_reshard_that_reads_an_edited_chunk_in_parts_commits_nothing(checkpoint, tmp_path):
-    from cluster.reshard_job import reshard_checkpoint
-    from cluster.store import Store
-    from plans.layout import ParallelLayout
+    from cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from cluster.storage.store import Store
+    from plans.layout.parallel_layout import ParallelLayout
 
     url, chunk, path = checkpoint
     _flip_byte(path, chunk.byte_start + 3)  # fsdp2 reads the first half of every chunk on one rank
@@ -129,7 +129,7 @@ def test_an_offline_reshard_that_reads_an_edited_chunk_in_parts_commits_nothing(
 
 def _rewrite_manifest(url: str, keep, extra=()) -> None:
     """The checkpoint's manifest with only the chunks `keep` accepts, plus `extra` ones."""
-    from actors.checkpoint_io import encode_manifest
+    from actors.checkpoint.io import encode_manifest
 
     chunks, metadata = read_manifest(url)
     metadata.pop("format_version")
@@ -143,12 +143,12 @@ def test_offline_tools_name_every_tensor_a_manifest_lost_or_gained(checkpoint, t
     everything that is off at once (the reshard used to die with a KeyError on the first one)."""
     import dataclasses
 
-    from cluster.hf_interop import export_hf
-    from cluster.reshard_job import reshard_checkpoint
-    from cluster.reshard_report import build_plan
-    from cluster.store import Store
-    from cluster.verify import verify
-    from plans.layout import ParallelLayout
+    from cluster.checkpoint.hf_interop import export_hf
+    from cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from cluster.checkpoint.reshard_report import build_plan
+    from cluster.storage.store import Store
+    from cluster.checkpoint.verify import verify
+    from plans.layout.parallel_layout import ParallelLayout
 
     url, chunk, _ = checkpoint
     if damage == "lost a layer":
@@ -178,7 +178,7 @@ def test_parts_read_from_an_object_store_are_verified_together_too(tmp_path, win
     import fsspec
     import torch
 
-    from plans.reshard import Target
+    from plans.checkpoint.reshard import Target
 
     store_url = f"memory://parts-{uuid.uuid4().hex}"
     url, _, _ = write_checkpoint(store_url, "run", preset("tiny"))
@@ -200,8 +200,8 @@ def test_parts_read_from_an_object_store_are_verified_together_too(tmp_path, win
 
 
 def test_verify_reports_damaged_model_metadata_instead_of_crashing(checkpoint):
-    from actors.checkpoint_io import encode_manifest
-    from cluster.verify import verify
+    from actors.checkpoint.io import encode_manifest
+    from cluster.checkpoint.verify import verify
 
     url, _, _ = checkpoint
     chunks, metadata = read_manifest(url)

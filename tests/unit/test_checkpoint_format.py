@@ -3,9 +3,9 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint_io import FORMAT_VERSION, decode_manifest, encode_manifest, encode_shard, fill_from_reads
+from actors.checkpoint.io import FORMAT_VERSION, decode_manifest, encode_manifest, encode_shard, fill_from_reads
 from plans.errors import CheckpointError
-from plans.reshard import plan_reads
+from plans.checkpoint.reshard import plan_reads
 
 
 def _written(tmp_path):
@@ -84,7 +84,7 @@ def _with_checksums(chunks, data: bytes, algorithm: str):
     """The same chunks as a writer using `algorithm` would have recorded them."""
     import dataclasses
 
-    from actors.checksums import checksum
+    from actors.checkpoint.checksums import checksum
 
     header = checksum(data[:min(c.byte_start for c in chunks)], algorithm)
     return [dataclasses.replace(c, checksum=checksum(data[c.byte_start:c.byte_end], algorithm), file_header=header)
@@ -115,7 +115,7 @@ def test_written_crc32_values_are_zlibs_so_any_crc32_reader_verifies_them():
     unaligned buffers and on a tensor's own bytes."""
     import zlib
 
-    from actors.checksums import RunningChecksum, checksum
+    from actors.checkpoint.checksums import RunningChecksum, checksum
 
     data = bytes((i * 131 + i // 7) % 251 for i in range(3 * 2**20 + 13))
     assert checksum(data) == f"crc32:{zlib.crc32(data):08x}"
@@ -148,8 +148,8 @@ def test_column_chunks_land_in_rows_of_a_wider_target(tmp_path, monkeypatch, dty
     short_reads: the system returns at most 7 bytes a call (as FUSE mounts and >2 GiB reads do)."""
     import os
 
-    from actors import checkpoint_io
-    from actors.checkpoint_io import _direct_buffer
+    from actors.checkpoint import io as checkpoint_io
+    from actors.checkpoint.io import _direct_buffer
 
     monkeypatch.setattr(checkpoint_io, "CHECK_BLOCK_BYTES", 16)
 

@@ -1,10 +1,10 @@
 """The controller's state machine stepped against a fake worker group (no Ray)."""
 import pytest
 
-from cluster.controller import Controller, Outcome, RunResult, State
+from cluster.run.controller import Controller, Outcome, RunResult, State
 from plans.elastic import FailurePolicy, ScalingPolicy
 from plans.errors import ConfigError
-from plans.layout import ParallelLayout
+from plans.layout.parallel_layout import ParallelLayout
 
 
 class FakeGroup:

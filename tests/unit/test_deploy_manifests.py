@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.cli import build_parser
+from cluster.cli.main import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PYPROJECT = (DEPLOY.parent / "pyproject.toml").read_text()

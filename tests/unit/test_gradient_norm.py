@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from actors.parallelize import clip_grad_norm, squares_sum
+from actors.model.parallelize import clip_grad_norm, squares_sum
 
 
 def _gradients(seed: int) -> list[torch.Tensor]:

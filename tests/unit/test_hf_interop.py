@@ -7,12 +7,12 @@ import torch
 
 from safetensors.torch import load_file
 
-from actors.checkpointing import StoredCheckpoint
-from cluster.digest import digest_checkpoint
-from cluster.hf_interop import export_hf, import_hf
-from cluster.store import Store
+from actors.checkpoint.rank_state import StoredCheckpoint
+from cluster.checkpoint.digest import digest_checkpoint
+from cluster.checkpoint.hf_interop import export_hf, import_hf
+from cluster.storage.store import Store
 from plans.errors import CheckpointError
-from plans.model_spec import preset
+from plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -4,8 +4,8 @@ from hypothesis import given, settings, strategies as st
 
 from plans.config import TrainConfig, with_overrides
 from plans.errors import ConfigError
-from plans.layout import ParallelLayout, RankCoords
-from plans.model_spec import preset
+from plans.layout.parallel_layout import ParallelLayout, RankCoords
+from plans.training.model_spec import preset
 
 
 @settings(max_examples=60, deadline=None)

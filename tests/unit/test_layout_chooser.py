@@ -1,12 +1,12 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cluster.cli import main
+from cluster.cli.main import main
 from plans.config import TrainConfig
 from plans.errors import ConfigError
-from plans.layout_chooser import Workload, choose_layout, estimate_memory
-from plans.layout import ParallelLayout
-from plans.model_spec import preset
+from plans.layout.chooser import Workload, choose_layout, estimate_memory
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import preset
 
 GIB = 2 ** 30
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from actors import checkpoint_io
-from actors.checkpoint_io import encode_shard, execute_requests
+from actors.checkpoint import io as checkpoint_io
+from actors.checkpoint.io import encode_shard, execute_requests
 from plans.errors import CheckpointError
-from plans.reshard import Target, header_checks, index_chunks, plan_rank
+from plans.checkpoint.reshard import Target, header_checks, index_chunks, plan_rank
 
 FILE = "attempt-x/rank-00000.safetensors"
 

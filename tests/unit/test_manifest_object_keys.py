@@ -6,15 +6,15 @@ from dataclasses import replace
 
 import pytest
 
-from actors.checkpoint_io import encode_manifest
-from actors.checkpointing import load_rank_shard, read_manifest
-from cluster.cli import main
-from cluster.digest import digest_checkpoint
-from cluster.hf_interop import export_hf
-from cluster.store import Store
-from cluster.verify import verify
+from actors.checkpoint.io import encode_manifest
+from actors.checkpoint.rank_state import load_rank_shard, read_manifest
+from cluster.cli.main import main
+from cluster.checkpoint.digest import digest_checkpoint
+from cluster.checkpoint.hf_interop import export_hf
+from cluster.storage.store import Store
+from cluster.checkpoint.verify import verify
 from plans.errors import CheckpointError
-from plans.model_spec import preset
+from plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import trained_model, write_checkpoint
 
 

@@ -2,9 +2,9 @@
 import torch
 import torch.nn.functional as F
 
-from actors.model import Attention, FeedForward, Transformer
-from actors.rope import rope_tables
-from plans.model_spec import parameter_count, parameter_shapes, preset
+from actors.model.transformer import Attention, FeedForward, Transformer
+from actors.model.rope import rope_tables
+from plans.training.model_spec import parameter_count, parameter_shapes, preset
 
 
 def test_parameters_match_the_spec_with_and_without_tied_embeddings():

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from cluster import plan_cli
-from plans.actions import Schedule
-from plans.checker import check
+from cluster.cli import plan as plan_cli
+from plans.pipeline.actions import Schedule
+from plans.pipeline.checker import check
 from plans.errors import ConfigError, ScheduleError
 
 

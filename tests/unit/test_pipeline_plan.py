@@ -3,12 +3,12 @@ import json
 
 import pytest
 
-from cluster.plan_cli import register  # noqa: F401  (the CLI under test)
+from cluster.cli.plan import register  # noqa: F401  (the CLI under test)
 from plans.config import TrainConfig
 from plans.errors import ConfigError, ScheduleError
-from plans.layout import ParallelLayout
-from plans.model_spec import preset
-from plans.pipeline_plan import build_pipeline_plan
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import preset
+from plans.pipeline.plan import build_pipeline_plan
 
 
 def _config(**overrides):
@@ -56,7 +56,7 @@ def _timings_file(tmp_path, schedule="1f1b", pp=2, vpp=1, microbatches=4):
 
 
 def test_plan_schedule_replays_a_runs_measured_costs(tmp_path, capsys):
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     _timings_file(tmp_path)
     assert main(["plan", "schedule", "--costs-from", "run", "--store", str(tmp_path), "--no-grid"]) == 0
@@ -67,7 +67,7 @@ def test_plan_schedule_replays_a_runs_measured_costs(tmp_path, capsys):
 
 
 def test_measured_costs_predict_other_schedules(tmp_path, capsys):
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     path = _timings_file(tmp_path)
     assert main(["plan", "schedule", "--costs-from", str(path), "--schedule", "zbv", "--no-grid"]) == 0
@@ -76,6 +76,6 @@ def test_measured_costs_predict_other_schedules(tmp_path, capsys):
 
 
 def test_costs_from_a_missing_run_says_where_it_looked(tmp_path):
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     assert main(["plan", "schedule", "--costs-from", "nope", "--store", str(tmp_path)]) == 2

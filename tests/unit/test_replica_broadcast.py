@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.replica_broadcast import broadcast_pieces, buckets
+from actors.checkpoint.replica_broadcast import broadcast_pieces, buckets
 
 READERS = [0, 0, 1, 0, 1, 1, 0, 0]
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from actors.checkpoint_io import encode_shard, fill_from_reads
+from actors.checkpoint.io import encode_shard, fill_from_reads
 from plans.errors import CheckpointError
-from plans.reshard import check_chunks_disjoint_and_complete, plan_reads
+from plans.checkpoint.reshard import check_chunks_disjoint_and_complete, plan_reads
 
 
 @st.composite
@@ -73,11 +73,11 @@ def test_gaps_and_overlaps_are_reported():
 
 # ---- whole layouts: random model shapes, random source and target layouts ----------------------
 
-from plans.layout import ParallelLayout  # noqa: E402
-from plans.model_spec import ModelConfig, parameter_shapes  # noqa: E402
-from plans.reshard import plan_layout  # noqa: E402
-from plans.save_plan import predicted_writes  # noqa: E402
-from plans.target_regions import layout_targets  # noqa: E402
+from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from plans.training.model_spec import ModelConfig, parameter_shapes  # noqa: E402
+from plans.checkpoint.reshard import plan_layout  # noqa: E402
+from plans.checkpoint.writers import predicted_writes  # noqa: E402
+from plans.checkpoint.regions import layout_targets  # noqa: E402
 
 
 @st.composite
@@ -120,7 +120,7 @@ def test_any_layout_to_any_layout_covers_exactly_and_reproduces_every_global_ten
         chunks += file_chunks
     plan = plan_layout(chunks, layout_targets(model, target, kinds), min_segment_bytes)  # proves coverage or raises
     assert plan.bytes_read >= plan.bytes_needed
-    from actors.checkpoint_io import execute_requests
+    from actors.checkpoint.io import execute_requests
 
     read_by_rank = [{(t.name, t.kind, t.offsets, t.sizes) for t in r.items} for r in plan.ranks]
     for rank_plan in plan.ranks:
@@ -158,8 +158,8 @@ def test_a_same_layout_read_once_load_reads_back_what_each_replica_wrote(layout)
     layout that saved reads each rank's own file (one sequential read per file on S3), the norm
     weights copied over dp and tp included; only pieces copied across pipeline stages (a tied
     embedding) may be read by another rank of the replica group."""
-    from plans.save_plan import read_once_readers
-    from plans.target_regions import rank_regions
+    from plans.checkpoint.writers import read_once_readers
+    from plans.checkpoint.regions import rank_regions
 
     model = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48).validate()
     kinds = ("param", "exp_avg", "exp_avg_sq")

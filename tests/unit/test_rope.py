@@ -1,6 +1,6 @@
 import torch
 
-from actors.rope import apply_rope, apply_rope_reference, rope_tables
+from actors.model.rope import apply_rope, apply_rope_reference, rope_tables
 
 
 def _asymmetric_tables(seq, head_dim):

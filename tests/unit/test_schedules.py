@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plans.actions import Action, Kind, Schedule
-from plans.checker import check
+from plans.pipeline.actions import Action, Kind, Schedule
+from plans.pipeline.checker import check
 from plans.errors import ConfigError, ScheduleError
-from plans.lowering import lower
-from plans.schedules import SPECS, build_schedule, memory_bounds, schedule_spec, valid_microbatch_counts
-from plans.simulator import PipelineCosts, simulate
+from plans.pipeline.lowering import lower
+from plans.pipeline.schedules import SPECS, build_schedule, memory_bounds, schedule_spec, valid_microbatch_counts
+from plans.pipeline.simulator import PipelineCosts, simulate
 
 F, B, I, W, FB = Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB  # noqa: E741
 

@@ -5,11 +5,11 @@ import time
 
 import torch
 
-import actors.async_save as async_save
-from actors.checkpointing import read_manifest, state_tensors
-from actors.checkpoint_io import encode_manifest
-from actors.checksums import checksum
-from plans.chunks import Chunk
+import actors.checkpoint.async_save as async_save
+from actors.checkpoint.rank_state import read_manifest, state_tensors
+from actors.checkpoint.io import encode_manifest
+from actors.checkpoint.checksums import checksum
+from plans.checkpoint.chunks import Chunk
 
 
 def _trained_model():

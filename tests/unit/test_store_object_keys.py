@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from cluster.object_store import StorageOptions
+from cluster.storage.object_store import StorageOptions
 from plans.errors import CheckpointError, ConfigError
-from plans.object_keys import check_object_keys, escape_reason
+from plans.checkpoint.object_keys import check_object_keys, escape_reason
 
 
 @pytest.mark.parametrize("key", ["attempt-0a1b2c/rank-00000.safetensors", "attempt-x/sub/rank-00001.safetensors",

@@ -3,9 +3,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cluster.transform_exec import run_group
+from cluster.checkpoint.transform_exec import run_group
 from plans.errors import CheckpointError
-from plans.transforms import (Add, Alias, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows, Transpose, match)
+from plans.checkpoint.transforms import (Add, Alias, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows, Transpose, match)
 
 
 def _apply(mapping: Mapping, tensors: dict) -> dict:
@@ -45,7 +45,7 @@ def _fused_qkv(n_heads, n_kv, head_dim, dim):
     q, k, v = _distinct(n_heads * head_dim, dim), _distinct(n_kv * head_dim, dim, start=1000), _distinct(n_kv * head_dim, dim, start=2000)
     r = n_heads // n_kv
     rows = []
-    for g in range(n_kv):  # per kv head: its r query heads, then k_g, then v_g (plans/model_spec.py)
+    for g in range(n_kv):  # per kv head: its r query heads, then k_g, then v_g (plans/training/model_spec.py)
         rows += [q[(g * r + i) * head_dim:(g * r + i + 1) * head_dim] for i in range(r)]
         rows += [k[g * head_dim:(g + 1) * head_dim], v[g * head_dim:(g + 1) * head_dim]]
     return torch.cat(rows), q, k, v

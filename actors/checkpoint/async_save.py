@@ -1,0 +1,117 @@
+"""A rank's asynchronous save: a snapshot of the rank's share of the state is copied to host
+memory while training goes on, then uploaded from that copy, all in a background thread.
+
+Why training need not wait for the copy: between two optimizer steps nothing writes the
+parameters or the AdamW moments (forward and backward only read them; gradients live elsewhere).
+So the copy starts right after the save is requested and overlaps the next step's forward and
+backward, and an optimizer step pre-hook makes the next `optimizer.step()` wait until the copy is
+complete — the only point where training can be blocked, and only when the copy is slower than
+a forward and backward. On a GPU the copy runs on a side stream into pinned buffers.
+
+Memory: the rank's share of the checkpoint in host memory (what torch DCP's async save also
+pays), kept between saves so the next copy has no allocation or page faults, plus the streaming
+writer's bounded part buffers. A save never starts while the previous one still reads the
+buffers. The driver polls `status`; a failed upload is returned as text naming the rank and the
+object, never raised here, so the driver can report it at the next step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import fsspec
+import torch
+
+from actors.checkpoint.io import write_shard
+from actors.checkpoint.rank_state import pieces_to_write
+
+_staging: dict[tuple, torch.Tensor] = {}  # (name, kind, offsets) -> host buffer, reused across saves
+_previous: "BackgroundSave | None" = None
+
+
+def _host_buffer(key: tuple, tensor: torch.Tensor) -> torch.Tensor:
+    buffer = _staging.get(key)
+    if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
+        _staging[key] = buffer
+    return buffer
+
+
+class BackgroundSave:
+    def __init__(self, model, optimizer, checkpoint_url: str, file: str, rank: int):
+        global _previous
+        started = time.perf_counter()
+        if _previous is not None:
+            _previous.status(wait=True)  # its upload reads the staging buffers about to be overwritten
+            _previous.hook.remove()  # (removed here, not inside the hook: step() is iterating hooks then)
+        self.where = f"rank {rank} ({checkpoint_url}/{file})"
+        live = pieces_to_write(model, optimizer)  # references to the live tensors, no bytes yet
+        keys = [(name, kind, tuple(offsets)) for name, kind, _, _, offsets in live]
+        for stale in set(_staging) - set(keys):  # another model or layout since the last save
+            del _staging[stale]
+        self.rows: list[dict] | None = None
+        self.error: str | None = None
+        self.copy_seconds = self.upload_seconds = None
+        self.optimizer_wait_seconds = 0.0
+        self._copied, self._done = threading.Event(), threading.Event()
+        self.hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._thread = threading.Thread(target=self._run, args=(live, keys, checkpoint_url, file),
+                                        name="checkpoint-save", daemon=True)
+        self._thread.start()
+        _previous = self
+        self.staged = {"bytes": sum(t.numel() * t.element_size() for _, _, t, _, _ in live),
+                       "seconds": time.perf_counter() - started}
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if not self._copied.is_set():
+            started = time.perf_counter()
+            self._copied.wait()  # the step would overwrite what is still being copied
+            self.optimizer_wait_seconds += time.perf_counter() - started
+
+    def _run(self, live, keys, checkpoint_url: str, file: str) -> None:
+        try:
+            started = time.perf_counter()
+            try:
+                pieces = self._copy(live, keys)
+            finally:
+                self.copy_seconds = time.perf_counter() - started
+                self._copied.set()
+            started = time.perf_counter()
+            if pieces:
+                fs, base = fsspec.core.url_to_fs(checkpoint_url)
+                self.rows = [chunk.to_row() for chunk in write_shard(fs, base, file, pieces)]
+            else:
+                self.rows = []
+            self.upload_seconds = time.perf_counter() - started
+        except BaseException as error:  # reported to the driver, which decides what it means
+            self.error = f"{self.where}: {type(error).__name__}: {error}"
+        finally:
+            self._done.set()
+
+    @staticmethod
+    def _copy(live, keys) -> list:
+        devices = {t.device for _, _, t, _, _ in live if t.is_cuda}
+        streams = {device: torch.cuda.Stream(device) for device in devices}
+        for device, stream in streams.items():  # the copy reads what the last optimizer step wrote
+            stream.wait_stream(torch.cuda.default_stream(device))
+        pieces = []
+        for key, (name, kind, tensor, shape, offsets) in zip(keys, live):
+            buffer = _host_buffer(key, tensor)
+            if tensor.is_cuda:
+                with torch.cuda.stream(streams[tensor.device]):
+                    buffer.copy_(tensor.detach(), non_blocking=True)
+            else:
+                buffer.copy_(tensor.detach())
+            pieces.append((name, kind, buffer, shape, offsets))
+        for stream in streams.values():
+            stream.synchronize()
+        return pieces
+
+    def status(self, wait: bool = False) -> dict:
+        """{"done", "rows", "error", timings}; wait=True blocks until the upload ends."""
+        if wait:
+            self._done.wait()
+        done = self._done.is_set()
+        return {"done": done, "rows": self.rows if done else None, "error": self.error if done else None,
+                "copy_seconds": self.copy_seconds, "upload_seconds": self.upload_seconds,
+                "optimizer_wait_seconds": self.optimizer_wait_seconds}

@@ -1,0 +1,146 @@
+"""Apply tensor and data parallelism to a single-device model, from outside.
+
+TP is DTensor's `parallelize_module` driven by a plan keyed by module-name patterns (the
+user-facing form: a model written as plain code plus a mapping of names to styles). Sharded
+and replicated data parallelism are FSDP2's `fully_shard` on a (dp, fsdp) mesh — HSDP, which
+also covers plain DP (fsdp=1) and plain FSDP (dp=1). We write none of these collectives.
+"""
+from __future__ import annotations
+
+import fnmatch
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from actors.model.shards import PIPELINE_COPY, is_primary_replica
+
+# Why these styles: qkv and gate_up are column-parallel (their row blocks are whole head groups /
+# hidden units, see plans/training/model_spec.py), wo and down row-parallel so the pair needs one
+# all-reduce; the embedding is vocab-parallel, and the LM head leaves logits sharded over the
+# vocabulary so the loss runs under `loss_parallel` without ever gathering full logits.
+DEFAULT_TP_PLAN: dict[str, ParallelStyle] = {
+    "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "layers.*.attention.qkv": ColwiseParallel(),
+    "layers.*.attention.wo": RowwiseParallel(),
+    "layers.*.feed_forward.gate_up": ColwiseParallel(),
+    "layers.*.feed_forward.down": RowwiseParallel(),
+    "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+}
+
+
+def resolve_tp_plan(model: nn.Module, patterns: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """Expand module-name patterns (fnmatch) to the concrete module names present in `model`."""
+    resolved: dict[str, ParallelStyle] = {}
+    names = [name for name, _ in model.named_modules() if name]
+    for pattern, style in patterns.items():
+        for name in fnmatch.filter(names, pattern):
+            resolved[name] = style
+    return resolved
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns=None) -> None:
+    plan = resolve_tp_plan(model, DEFAULT_TP_PLAN if patterns is None else patterns)
+    parallelize_module(model, tp_mesh, plan)
+
+
+def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
+    """FSDP2 per transformer block (so only one block is gathered at a time), then the root."""
+    blocks = getattr(model, "layers", {})
+    for block in blocks.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size: int,
+                tie_embeddings: bool = False, pipeline: bool = False) -> nn.Module:
+    """pipeline: `model` is one stage of a pipeline. FSDP then keeps parameters gathered from
+    the first forward to the end of the step (as torchtitan does under PP): the schedule
+    interleaves microbatches' forwards and backwards, and regathering per microbatch would
+    multiply the all-gathers by the microbatch count."""
+    if tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+        if tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+            # parallelize_module gives each module its own DTensor parameter; both are
+            # Shard(0) over the vocabulary on the same mesh, so one can serve both again.
+            model.output.weight = model.tok_embeddings.weight
+    if data_parallel_size > 1:
+        apply_data_parallel(model, mesh["dp", "fsdp"], reshard_after_forward=not pipeline)
+    return model
+
+
+def defer_gradient_reduction(stage: nn.Module) -> None:
+    """Before a pipeline step: accumulate unsharded gradients over every microbatch and keep
+    parameters gathered; `reduce_gradients_now` reduces once at the end of the step."""
+    if isinstance(stage, FSDPModule):
+        stage.set_is_last_backward(False)
+        stage.set_reshard_after_backward(False)
+        stage.set_requires_gradient_sync(False)
+
+
+def reduce_gradients_now(stage: nn.Module) -> None:
+    """After a pipeline step: one reduce-scatter (and dp all-reduce) of the accumulated
+    gradients, then reshard.
+
+    The split backward (I/W) calls autograd.grad, which never fires FSDP2's end-of-backward
+    callback with the last microbatch, so we run FSDP2's post-backward ourselves. This is
+    torch.distributed.pipelining's `_PipelineStageBase.perform_reduce_grad` (private FSDP2
+    state, pinned torch version)."""
+    if not isinstance(stage, FSDPModule):
+        return
+    stage.set_is_last_backward(True)
+    stage.set_reshard_after_backward(True)
+    stage.set_requires_gradient_sync(True)
+    state = fully_shard.state(stage)
+    for module_state in state._state_ctx.all_states:
+        for param_group in module_state._fsdp_param_groups:
+            param_group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def squares_sum(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of every element, in float64.
+
+    Why float64: the float32 sum of the same squares depends on how a layout cuts the pieces and
+    groups them on ranks (dp2 x tp2 and tp2 holding bit-equal gradients gave norms one ulp
+    apart), and the clip scales every gradient by the norm: one ulp a few dozen steps in set the
+    two layouts on paths 2e-5 apart by step 150 (docs/decisions.md 46). Summed in float64 and
+    rounded to float32 once, the norm depends on the gradient values alone (a layout's float64
+    rounding would have to straddle a float32 boundary: odds ~1e-9 a step)."""
+    return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int], timeout: timedelta | None = None) -> torch.Tensor:
+    """Global gradient L2 norm over all ranks, then scale gradients in place.
+
+    Each rank sums the squares of the gradient pieces it is the primary holder of (the same
+    rule that decides who writes a piece to a checkpoint), and one all-reduce over the world
+    adds them up. One collective gives every rank the identical norm, so replicas apply the same
+    clip factor; torch's clip_grad_norm_ instead fails on parameters that live on different
+    meshes, and reducing per mesh takes several sequential all-reduces whose order can differ.
+    timeout: fail (rather than wait for the process group's timeout) if the all-reduce takes longer.
+    """
+    with_grads = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in with_grads]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    squared = torch.zeros((), dtype=torch.float64, device=local[0].device if local else None)
+    # Replication follows the gradient (DTensor may replicate a sharded parameter's gradient);
+    # the pipeline-copy mark (tied embeddings) is on the parameter.
+    owned = [piece for param, grad, piece in zip(with_grads, grads, local)
+             if not getattr(param, PIPELINE_COPY, False) and is_primary_replica(grad, coords) and piece.numel()]
+    if owned:
+        squared = squares_sum(owned)
+    if dist.is_initialized():
+        work = dist.all_reduce(squared, async_op=True)
+        work.wait(timeout) if timeout is not None else work.wait()
+    total = squared.sqrt().float()  # rounded once, from float64: the same on every layout
+    if max_norm > 0 and local:
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(local, scale)
+    return total

@@ -1,0 +1,105 @@
+"""Llama-style decoder, written as single-device code.
+
+Parallelism is applied from outside (`actors/model/parallelize.py`). The code never assumes how many
+heads or hidden units it holds: it reads them off the shapes it receives, so a tensor-parallel
+shard (a contiguous row block of the fused weights, see `plans/training/model_spec.py`) runs unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.model.rope import apply_rope, rope_tables
+from plans.training.model_spec import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.heads_per_group = config.heads_per_group
+        qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        self.qkv = nn.Linear(config.dim, qkv_rows, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # [.., groups, heads_per_group + 2, head_dim]: per kv group, its q heads then k then v.
+        qkv = self.qkv(x).view(batch, seq, -1, self.heads_per_group + 2, self.head_dim)
+        q = qkv[..., : self.heads_per_group, :].reshape(batch, seq, -1, self.head_dim)
+        k = qkv[..., self.heads_per_group, :]
+        v = qkv[..., self.heads_per_group + 1, :]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
+        self.down = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Rows interleave (gate_j, up_j), so a row shard holds whole hidden units.
+        gate_up = self.gate_up(x).unflatten(-1, (-1, 2))
+        return self.down(F.silu(gate_up[..., 0]) * gate_up[..., 1])
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # A ModuleDict keyed by the global layer index keeps parameter names global when a
+        # pipeline stage holds only some layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Tokens [batch, seq] -> logits; a pipeline stage (`actors/model/stage.py`) may lack the
+        embedding (it then takes the residual stream [batch, seq, dim]) or the head (it then
+        returns the residual stream)."""
+        seq = inputs.shape[1]
+        cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta, inputs.device)
+        h = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.output is None:
+            return h
+        return self.output(self.norm(h))
+
+
+def build_on_meta(config: ModelConfig) -> Transformer:
+    """Parameters without storage: each rank materialises only its own shard later."""
+    with torch.device("meta"):
+        return Transformer(config)

@@ -1,0 +1,350 @@
+"""Hugging Face interop: export a checkpoint as a `LlamaForCausalLM` directory, import one back.
+
+One mapping (`llama_mapping`) is written, in the export direction; import uses its derived inverse.
+Export writes `config.json` and `model.safetensors` (or `model-0000i-of-0000n.safetensors` plus
+`model.safetensors.index.json` past `max_shard_bytes`), and, unless asked not to, the optimizer
+moments under the same names in `rayshard-optimizer/` (Hugging Face ignores the folder) and the
+run metadata in `rayshard.json`, so `import(export(ckpt))` restores the very same training state.
+
+Both directions stream one mapping group at a time (a layer's fused qkv and its q, k, v, for
+example): memory is bounded by the largest group, never the whole model.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import fsspec
+import torch
+
+from actors.checkpoint.io import LazyTensor, encode_manifest, write_shard
+from actors.checkpoint.rank_state import StoredCheckpoint
+from cluster.cli.progress import advance, set_total
+from cluster.checkpoint.transform_exec import run_group
+from plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
+from plans.errors import CheckpointError
+from plans.layout.parallel_layout import ParallelLayout
+from plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
+from plans.training.model_spec import ModelConfig, parameter_shapes
+from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
+from plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
+from plans.checkpoint.transforms import Alias, Cast, Mapping, MappingPlan, Meta, Rename, SplitRows
+
+CONFIG = "config.json"
+WEIGHTS = "model"
+OPTIMIZER_DIR = "rayshard-optimizer"
+RUN_METADATA = "rayshard.json"
+DEFAULT_SHARD_BYTES = 2 * 2**30
+IMPORT_FILE_BYTES = 2 * 2**30
+MOMENTS = (EXP_AVG, EXP_AVG_SQ)
+
+
+def llama_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
+    """Our parameter names -> transformers' LlamaForCausalLM names (cast to `dtype` if given).
+
+    qkv rows are grouped per kv head g: [q heads g*r .. g*r+r-1, k_g, v_g] (r query heads per kv
+    head), so the split takes n_kv_heads groups of (r*head_dim, head_dim, head_dim) rows and
+    q_proj comes out in plain head order. gate_up interleaves (gate_j, up_j) per hidden unit:
+    ffn_dim groups of (1, 1) rows. RoPE already uses the rotate-half convention transformers
+    uses, so q and k rows need no permutation.
+    """
+    layer = "layers.{layer}."
+    hf_layer = "model.layers.{layer}."
+    rules = [
+        Rename("tok_embeddings.weight", "model.embed_tokens.weight"),
+        Rename(layer + "attention_norm.weight", hf_layer + "input_layernorm.weight"),
+        SplitRows(layer + "attention.qkv.weight",
+                  tuple(hf_layer + f"self_attn.{p}_proj.weight" for p in "qkv"),
+                  (model.heads_per_group * model.head_dim, model.head_dim, model.head_dim), model.n_kv_heads),
+        Rename(layer + "attention.wo.weight", hf_layer + "self_attn.o_proj.weight"),
+        Rename(layer + "ffn_norm.weight", hf_layer + "post_attention_layernorm.weight"),
+        SplitRows(layer + "feed_forward.gate_up.weight",
+                  (hf_layer + "mlp.gate_proj.weight", hf_layer + "mlp.up_proj.weight"), (1, 1), model.ffn_dim),
+        Rename(layer + "feed_forward.down.weight", hf_layer + "mlp.down_proj.weight"),
+        Rename("norm.weight", "model.norm.weight"),
+    ]
+    if model.tie_embeddings:
+        rules.append(Alias("lm_head.weight", of="model.embed_tokens.weight"))
+    else:
+        rules.append(Rename("output.weight", "lm_head.weight"))
+    if dtype and dtype != "float32":
+        rules.append(Cast("*", to=dtype, source="float32"))
+    return Mapping(tuple(rules))
+
+
+def hf_config(model: ModelConfig, dtype: str) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": model.vocab_size, "hidden_size": model.dim, "intermediate_size": model.ffn_dim,
+        "num_hidden_layers": model.n_layers, "num_attention_heads": model.n_heads,
+        "num_key_value_heads": model.n_kv_heads, "head_dim": model.head_dim,
+        "max_position_embeddings": model.max_seq_len, "rms_norm_eps": model.norm_eps,
+        # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta.
+        "rope_theta": model.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+        "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": dtype, "dtype": dtype,
+    }
+
+
+def model_config_from_hf(config: dict, where: str) -> ModelConfig:
+    """Our ModelConfig from a Llama config.json; refuses features our model does not have."""
+    if config.get("model_type") != "llama":
+        raise CheckpointError(f"{where}: model_type {config.get('model_type')!r} is not 'llama'; only Llama-style models import")
+    unsupported = [f"{key}={config[key]!r}" for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
+                   if key in config and config[key] != ok]
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        unsupported.append(f"rope_type={rope.get('rope_type', rope.get('type'))!r}")
+    heads = config["num_attention_heads"]
+    if config.get("head_dim") not in (None, config["hidden_size"] // heads):
+        unsupported.append(f"head_dim={config['head_dim']} (ours is hidden_size / num_attention_heads)")
+    if unsupported:
+        raise CheckpointError(f"{where}: this model uses {', '.join(unsupported)}, which rayshard's Llama model does not "
+                              "implement; importing it would change what the weights compute")
+    return ModelConfig(
+        vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+        n_heads=heads, n_kv_heads=config.get("num_key_value_heads", heads), ffn_dim=config["intermediate_size"],
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    ).validate()
+
+
+# ---- streaming a mapping plan -------------------------------------------------------------------
+
+
+class GroupStream:
+    """Hands out a plan's outputs one by one, computing each group once, when first asked, and
+    forgetting it once all its outputs are handed out (outputs are requested group by group)."""
+
+    def __init__(self, plan: MappingPlan, load_source: Callable[[str], torch.Tensor]):
+        self.plan, self.load_source = plan, load_source
+        self.group_of = plan.group_of()
+        self.ready: dict[str, torch.Tensor] = {}
+
+    def order(self) -> list[str]:
+        return [name for group in self.plan.groups for name in group.outputs]
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.ready:
+            group = self.group_of[name]
+            self.ready.update(run_group(group, {source: self.load_source(source) for source in group.sources}))
+        return self.ready.pop(name)
+
+
+def _write_safetensors_files(fs, directory: str, prefix: str, outputs: dict[str, Meta], stream: GroupStream,
+                             max_shard_bytes: int, progress=None) -> list[str]:
+    """Write outputs in stream order into one file, or shards plus a Hugging Face index."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name in stream.order():
+        nbytes = Entry(name, outputs[name].dtype, outputs[name].shape).nbytes
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    names = ([f"{prefix}.safetensors"] if len(files) == 1 else
+             [f"{prefix}-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    fs.makedirs(f"{directory}/{prefix}".rsplit("/", 1)[0], exist_ok=True)
+    for file, members in zip(names, files):
+        entries = [Entry(name, outputs[name].dtype, outputs[name].shape) for name in members]
+        header, _ = file_layout(entries, {"format": "pt"})
+        with fs.open(f"{directory}/{file}", "wb") as handle:
+            handle.write(header)
+            for name in members:
+                tensor = stream.take(name).contiguous()
+                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+                advance(progress, tensor.numel() * tensor.element_size())
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(Entry(n, m.dtype, m.shape).nbytes for n, m in outputs.items())},
+                 # Paths relative to the index's own folder, as transformers expects.
+                 "weight_map": {name: file.rsplit("/", 1)[-1] for file, members in zip(names, files) for name in members}}
+        fs.pipe_file(f"{directory}/{prefix}.safetensors.index.json", json.dumps(index, indent=2).encode())
+    return names
+
+
+@dataclass
+class ExportResult:
+    directory: str
+    files: list[str]
+    tensors: int
+    seconds: float
+
+
+def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+              include_optimizer: bool = True, log=print, progress=None) -> ExportResult:
+    """progress: a bar (cluster/cli/progress.py) advanced by the bytes of each tensor written."""
+    started = time.perf_counter()
+    stored = StoredCheckpoint(checkpoint_url)
+    model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
+    stored_kinds = {kind for _, kind in stored.index}
+    kinds = [PARAM] + ([k for k in MOMENTS if k in stored_kinds] if include_optimizer else [])
+    plans = []
+    for kind in kinds:
+        metas = {name: Meta(chunks[0].global_shape, chunks[0].dtype)
+                 for (name, k), chunks in stored.tensors().items() if k == kind}
+        # Weights take the requested dtype; moments keep theirs (they are ours, not Hugging Face's).
+        plans.append((kind, metas, llama_mapping(model, dtype if kind == PARAM else None).plan(metas)))
+    set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for *_, plan in plans for name, meta in plan.outputs.items()))
+    fs, base = fsspec.core.url_to_fs(directory)
+    fs.makedirs(base, exist_ok=True)
+    written = []
+    for kind, metas, plan in plans:
+        stream = GroupStream(plan, lambda name, kind=kind, metas=metas: stored.read_region(
+            name, kind, (0,) * len(metas[name].shape), metas[name].shape))
+        prefix = WEIGHTS if kind == PARAM else f"{OPTIMIZER_DIR}/{kind}"
+        written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
+    stored.check_partial_reads()  # none today (whole tensors read whole chunks); any part would be checked here
+    out_dtype = dtype or next(iter(stored.chunks)).dtype
+    fs.pipe_file(f"{base}/{CONFIG}", json.dumps(hf_config(model, out_dtype), indent=2).encode())
+    fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
+                                                       "weights_dtype": out_dtype}, indent=2, default=str).encode())
+    result = ExportResult(directory, written, sum(1 for _ in stored.tensors()), time.perf_counter() - started)
+    log(f"exported {checkpoint_url} to {directory}: {len(written)} safetensors file(s) in {result.seconds:.1f}s")
+    return result
+
+
+# ---- import -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_safetensors_index(fs, base: str, prefix: str) -> dict[str, StoredTensor]:
+    """Every tensor of `prefix`'s safetensors file(s): from the index when sharded, by headers."""
+    index_path = f"{base}/{prefix}.safetensors.index.json"
+    if fs.exists(index_path):
+        files = sorted(set(json.loads(fs.cat_file(index_path))["weight_map"].values()))
+        files = [f"{prefix.rsplit('/', 1)[0]}/{f}" if "/" in prefix else f for f in files]
+    elif fs.exists(f"{base}/{prefix}.safetensors"):
+        files = [f"{prefix}.safetensors"]
+    else:
+        return {}
+    tensors = {}
+    for file in files:
+        path = f"{base}/{file}"
+        if not fs.exists(path):
+            raise CheckpointError(f"{path}: listed in the index but missing")
+        head = fs.cat_file(path, start=0, end=8)
+        length = int.from_bytes(head[:8], "little") if len(head) == 8 else 0
+        header, data_start = parse_header(fs.cat_file(path, start=0, end=8 + length), path)
+        size = fs.size(path)
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = entry["data_offsets"]
+            if data_start + end > size:
+                raise CheckpointError(f"{path}: {name} needs bytes [{data_start + start}, {data_start + end}) but the file "
+                                      f"has {size}; it is truncated")
+            if entry["dtype"] not in DTYPE_NAMES:
+                raise CheckpointError(f"{path}: {name} has dtype {entry['dtype']}, which rayshard cannot import")
+            tensors[name] = StoredTensor(file, DTYPE_NAMES[entry["dtype"]], tuple(entry["shape"]), data_start + start, data_start + end)
+    return tensors
+
+
+def _reader(fs, base: str, tensors: dict[str, StoredTensor]):
+    def load(name: str) -> torch.Tensor:
+        entry = tensors[name]
+        data = fs.cat_file(f"{base}/{entry.file}", start=entry.start, end=entry.end)
+        if len(data) != entry.end - entry.start:
+            raise CheckpointError(f"{base}/{entry.file}: expected bytes [{entry.start}, {entry.end}) of {name}, got {len(data)}")
+        return torch.frombuffer(bytearray(data), dtype=getattr(torch, entry.dtype)).reshape(entry.shape)
+    return load
+
+
+def import_hf(directory: str, store, run: str, dtype: str = "float32", file_bytes: int = IMPORT_FILE_BYTES,
+              log=print, progress=None) -> str:
+    """Write a rayshard checkpoint (run@step) from a Hugging Face Llama directory; commit it.
+    progress: a bar (cluster/cli/progress.py) advanced by the bytes of each tensor handed to the writer."""
+    fs, base = fsspec.core.url_to_fs(directory)
+    config_path = f"{base}/{CONFIG}"
+    if not fs.exists(config_path):
+        raise CheckpointError(f"{directory}: no {CONFIG}; pass a Hugging Face model directory")
+    model = model_config_from_hf(json.loads(fs.cat_file(config_path)), config_path)
+    weights = read_safetensors_index(fs, base, WEIGHTS)
+    if not weights:
+        raise CheckpointError(f"{directory}: no {WEIGHTS}.safetensors or {WEIGHTS}.safetensors.index.json")
+    saved = json.loads(fs.cat_file(f"{base}/{RUN_METADATA}")) if fs.exists(f"{base}/{RUN_METADATA}") else {}
+    shapes = parameter_shapes(model)
+    streams: dict[str, tuple[GroupStream, MappingPlan]] = {}
+    for kind, tensors in [(PARAM, weights)] + [(k, read_safetensors_index(fs, base, f"{OPTIMIZER_DIR}/{k}")) for k in MOMENTS]:
+        if not tensors:
+            continue
+        hf_dtypes = {t.dtype for t in tensors.values()}
+        if len(hf_dtypes) != 1:
+            raise CheckpointError(f"{directory} ({kind}): tensors mix dtypes {sorted(hf_dtypes)}; rayshard imports one dtype")
+        mapping = llama_mapping(model).inverse()
+        source_dtype = hf_dtypes.pop()
+        if source_dtype != dtype:  # e.g. bfloat16 weights trained on in float32
+            mapping = Mapping(mapping.rules + (Cast("*", to=dtype, source=source_dtype),))
+        plan = mapping.plan({name: Meta(t.shape, t.dtype) for name, t in tensors.items()})
+        expected = {(name, kind): (tuple(shape), dtype) for name, shape in shapes.items()}
+        found = {(name, kind): (meta.shape, meta.dtype) for name, meta in plan.outputs.items()}
+        raise_if_mismatched(expected, found, set(expected), f"{directory} ({kind})",
+                            fix="import a directory whose config.json matches its weights")
+        streams[kind] = (GroupStream(plan, _reader(fs, base, tensors)), plan)
+    step = int(saved.get("metadata", {}).get("step", 0))
+    url = store.checkpoint_url(run, step)
+    attempt = store.new_attempt()
+    pieces = []
+    for kind in (PARAM, *MOMENTS):
+        if kind in streams:
+            stream, plan = streams[kind]
+            for name in stream.order():
+                pieces.append((name, kind, LazyTensor(getattr(torch, dtype), shapes[name], lambda s=stream, n=name: s.take(n))))
+        else:  # no moments exported: a fresh optimizer (AdamW with zero moments is exactly that)
+            for name, shape in shapes.items():
+                pieces.append((name, kind, LazyTensor(getattr(torch, dtype), shape, lambda s=shape: torch.zeros(s, dtype=getattr(torch, dtype)))))
+    set_total(progress, sum(_nbytes(lazy.shape, ITEMSIZE[dtype]) for _, _, lazy in pieces))
+    pieces = [(name, kind, LazyTensor(lazy.dtype, lazy.shape, _counted(lazy, progress))) for name, kind, lazy in pieces]
+    chunks = []
+    target_fs, target_base = fsspec.core.url_to_fs(url)
+    for number, members in enumerate(_split_by_bytes(pieces, file_bytes, ITEMSIZE[dtype])):
+        chunks += write_shard(target_fs, target_base, f"{attempt}/import-{number:05d}.safetensors",
+                              [(name, kind, lazy, lazy.shape, (0,) * len(lazy.shape)) for name, kind, lazy in members])
+    check_chunks_disjoint_and_complete(chunks)
+    metadata = dict(saved.get("metadata") or {})
+    metadata.pop("format_version", None)
+    metadata.update(run=run, step=step, model=model.to_dict(), layout=ParallelLayout().to_dict(),
+                    parent=None, imported_from=directory, created_unix=time.time())
+    metadata.setdefault("model_preset", None)
+    committed = store.commit(run, step, encode_manifest(chunks, metadata))
+    log(f"imported {directory} as {run}@{step}: {committed}")
+    return committed
+
+
+def _nbytes(shape, itemsize: int) -> int:
+    count = itemsize
+    for extent in shape:
+        count *= extent
+    return count
+
+
+def _counted(lazy: LazyTensor, progress):
+    def load() -> torch.Tensor:
+        tensor = lazy.load()
+        advance(progress, tensor.numel() * tensor.element_size())
+        return tensor
+    return load
+
+
+def _split_by_bytes(pieces, limit: int, itemsize: int):
+    group, size = [], 0
+    for piece in pieces:
+        count = _nbytes(piece[2].shape, itemsize)
+        if group and size + count > limit:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += count
+    if group:
+        yield group

@@ -1,0 +1,41 @@
+"""Runs one group of a mapping plan (`plans/checkpoint/transforms.py`) on real tensors."""
+from __future__ import annotations
+
+import torch
+
+from plans.errors import CheckpointError
+from plans.checkpoint.transforms import Add, Cast, ConcatRows, Drop, Group, Rename, SplitRows, Transpose, Unalias
+
+
+def run_group(group: Group, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The group's outputs from its source tensors, applying its steps in order."""
+    state = dict(tensors)
+    for step in group.steps:
+        rule = step.rule
+        if isinstance(rule, Rename):
+            state[step.outputs[0]] = state.pop(step.inputs[0])
+        elif isinstance(rule, SplitRows):
+            fused = state.pop(step.inputs[0])
+            grouped = fused.reshape(rule.groups, sum(rule.rows), *fused.shape[1:])
+            for name, part in zip(step.outputs, torch.split(grouped, list(rule.rows), dim=1)):
+                state[name] = part.reshape(-1, *fused.shape[1:]).contiguous()
+        elif isinstance(rule, ConcatRows):
+            parts = [state.pop(name) for name in step.inputs]
+            grouped = [p.reshape(rule.groups, rows, *p.shape[1:]) for p, rows in zip(parts, rule.rows)]
+            state[step.outputs[0]] = torch.cat(grouped, dim=1).reshape(-1, *parts[0].shape[1:]).contiguous()
+        elif isinstance(rule, Transpose):
+            state[step.outputs[0]] = state.pop(step.inputs[0]).transpose(*rule.dims).contiguous()
+        elif isinstance(rule, Cast):
+            state[step.outputs[0]] = state.pop(step.inputs[0]).to(getattr(torch, rule.to))
+        elif isinstance(rule, Drop):
+            state.pop(step.inputs[0])
+        elif isinstance(rule, Add):
+            state[rule.name] = torch.full(rule.shape, rule.fill, dtype=getattr(torch, rule.dtype))
+        elif isinstance(rule, Unalias):
+            copy = state.pop(rule.name)
+            if not torch.equal(copy, state[rule.of]):
+                raise CheckpointError(f"{rule.name} should be a tied copy of {rule.of} but holds different values. "
+                                      "Fix: import with untied embeddings (tie_word_embeddings false in config.json)")
+        else:  # Alias produces no step
+            raise CheckpointError(f"no executor for rule {rule!r}")
+    return {name: state[name] for name in group.outputs}

@@ -1,0 +1,130 @@
+"""Measured pipeline timings of a run, for the simulator: `<run>/pipeline_timings.json`.
+
+Each rank's interpreter times every compute action (F, B, I, W, FB) of every step. The driver
+keeps one representative rank per pipeline rank (data and tensor coordinates 0: the others run
+the same actions on equal shapes), drops the first step of the session (warm-up: allocations,
+lazy initialisation), and writes the median per action. `rayshard plan schedule --costs-from RUN`
+reads the file back into simulator costs.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+
+import fsspec
+
+from plans.pipeline.actions import Schedule
+from plans.config import TrainConfig
+from plans.errors import ConfigError
+from plans.layout.parallel_layout import RankCoords
+from plans.pipeline.schedules import schedule_spec
+from plans.pipeline.simulator import PipelineCosts, costs_from_measurements
+
+FILE_NAME = "pipeline_timings.json"
+WARMUP_STEPS = 1
+
+
+class PipelineTimings:
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        layout = config.layout
+        self.enabled = layout.pp > 1
+        self.representatives = [layout.rank_of(RankCoords(pp=p, dp=0, fsdp=0, tp=0)) for p in range(layout.pp)]
+        self.seen = 0
+        self.samples: dict[tuple[str, int, int], list[float]] = {}
+        self.plan_seconds: list[float] = []
+        self.step_seconds: list[float] = []
+
+    def add(self, per_rank: list[dict], step_seconds: float) -> None:
+        if not self.enabled:
+            return
+        self.seen += 1
+        if self.seen <= WARMUP_STEPS:
+            return
+        self.step_seconds.append(step_seconds)
+        self.plan_seconds.append(max(metrics["pipeline"]["plan_seconds"] for metrics in per_rank))
+        for rank in self.representatives:
+            for kind, stage, microbatch, seconds in per_rank[rank]["pipeline"]["action_seconds"]:
+                self.samples.setdefault((kind, stage, microbatch), []).append(seconds)
+
+    def to_dict(self) -> dict:
+        config = self.config
+        return {
+            "schedule": config.schedule, "layout": config.layout.to_dict(), "microbatches": config.microbatches,
+            "model_preset": config.model_preset, "global_batch": config.global_batch, "seq_len": config.seq_len,
+            "steps_measured": len(self.step_seconds),
+            "median_step_seconds": statistics.median(self.step_seconds),
+            "median_plan_seconds": statistics.median(self.plan_seconds),
+            "actions": [[kind, stage, mb, statistics.median(values)]
+                        for (kind, stage, mb), values in sorted(self.samples.items())],
+        }
+
+    def write(self, store) -> None:
+        if self.enabled and self.step_seconds:
+            store.write_text(f"{self.config.run}/{FILE_NAME}", json.dumps(self.to_dict(), indent=1))
+
+
+def read_durations(record: dict) -> dict[tuple[str, int, int], float]:
+    """The {(kind, stage, microbatch): seconds} table `plans.pipeline.simulator` takes."""
+    return {(kind, int(stage), int(mb)): float(seconds) for kind, stage, mb, seconds in record["actions"]}
+
+
+@dataclass
+class MeasuredCosts:
+    """A run's measured timings, as the simulator's inputs (`rayshard plan schedule --costs-from`)."""
+
+    source: str
+    schedule: str
+    pp: int
+    vpp: int
+    microbatches: int
+    durations: dict[tuple[str, int, int], float]
+    plan_seconds: float
+    step_seconds: float
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    @classmethod
+    def load(cls, ref: str, store: str = "./runs") -> "MeasuredCosts":
+        """ref: a pipeline_timings.json file, a run directory, or a run name in `store`."""
+        candidates = [ref] if ref.endswith(".json") else [f"{ref.rstrip('/')}/{FILE_NAME}",
+                                                          f"{store.rstrip('/')}/{ref}/{FILE_NAME}"]
+        for url in candidates:
+            fs, path = fsspec.core.url_to_fs(url)
+            if fs.exists(path):
+                record = json.loads(fs.cat_file(path))
+                break
+        else:
+            raise ConfigError("--costs-from", ref, f"no {FILE_NAME} found (looked at {', '.join(candidates)})",
+                              "name a run trained with --pp 2 or more (its driver writes the file), its "
+                              "directory, or the JSON file itself; use --store for runs outside ./runs")
+        layout = record["layout"]
+        return cls(url, record["schedule"], int(layout["pp"]), int(layout.get("vpp", 1)), int(record["microbatches"]),
+                   read_durations(record), float(record["median_plan_seconds"]), float(record["median_step_seconds"]))
+
+    def same_plan(self, schedule: Schedule) -> bool:
+        return (schedule_spec(self.schedule).name == schedule.name and schedule.pp == self.pp
+                and schedule.vpp == self.vpp and schedule.microbatches == self.microbatches)
+
+    def costs_for(self, schedule: Schedule) -> PipelineCosts:
+        """Per-stage mean costs; for a different stage count, the same model cut into
+        schedule.num_stages equal stages (each stage's costs scale with its share of layers)."""
+        measured = costs_from_measurements(self.durations, self.num_stages)
+        if schedule.num_stages == self.num_stages:
+            return measured
+        scale = self.num_stages / schedule.num_stages
+        stages = measured.stages
+        mean = {name: sum(getattr(stage, name) for stage in stages) / len(stages)
+                for name in ("forward", "backward", "weight_grad")}
+        return PipelineCosts.uniform(schedule.num_stages, mean["forward"] * scale, mean["backward"] * scale,
+                                     mean["weight_grad"] * scale)
+
+    def describe(self, schedule: Schedule) -> str:
+        costs = self.costs_for(schedule)
+        how = ("every action's own median time" if self.same_plan(schedule)
+               else f"per-stage means{' rescaled to ' + str(schedule.num_stages) + ' stages' if schedule.num_stages != self.num_stages else ''}")
+        return (f"costs measured by {self.schedule} pp={self.pp} vpp={self.vpp} m={self.microbatches} "
+                f"({self.source}); using {how}; stage 0: {costs.describe()} (seconds)")

@@ -1,0 +1,207 @@
+"""The training driver: what `rayshard train` and `ray job submit -- python -m cluster train` run.
+
+Thin by design: validate the config, resolve what to resume from, start the rank group, then
+one RPC per rank per step; ranks talk to each other over torch.distributed, not through here.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+from dataclasses import dataclass, field
+
+import ray
+
+from actors.checkpoint.io import encode_manifest
+from cluster.run.pipeline_timings import PipelineTimings
+from actors.checkpoint.rank_state import check_loaded_parts, manifest_bytes, read_manifest
+from cluster.storage import leases
+from cluster.run.async_save import AsyncCheckpointer
+from cluster.run.rank_group import RankGroup, connect_ray
+from cluster.run.resume_check import verify_resumed_state
+from cluster.storage.store import Store
+from plans.checkpoint.chunks import Chunk
+from plans.config import TrainConfig
+from plans.errors import ConfigError
+from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
+
+
+@dataclass
+class TrainResult:
+    run: str
+    start_step: int
+    losses: dict[int, float] = field(default_factory=dict)  # completed step -> loss
+    checkpoints: list[str] = field(default_factory=list)
+    resumed_from: str | None = None
+    step_seconds: list[float] = field(default_factory=list)
+    stopped_early: bool = False
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def train(config: TrainConfig, actors: list | None = None,
+          stop_after_checkpoint: Callable[[int], bool] | None = None, async_save: bool = False) -> TrainResult:
+    """Run (or resume) training.
+
+    actors: live RankActors to borrow instead of starting new ones.
+    async_save: a checkpoint blocks training only while ranks copy their state to CPU; uploads run
+    in the background and commit at a later step (cluster/run/async_save.py).
+    stop_after_checkpoint(step): asked after each committed checkpoint; True stops here (the
+    elastic controller uses it to resize at a checkpoint, losing no work).
+    """
+    config = config.validate()
+    store = Store(config.store)
+    requested = config.resume
+    if requested == "auto":  # resubmitting a run by name continues it; a new name starts fresh
+        requested = "latest" if store.committed_steps(config.run) else None
+    resume = store.resolve(requested, current_run=config.run) if requested else None
+    start_step, parent = 0, None
+    if resume is None and store.committed_steps(config.run):
+        raise ConfigError("run", config.run,
+                          f"already has checkpoints in {config.store} (steps {store.committed_steps(config.run)})",
+                          "pass --resume latest (or auto) to continue it, or choose a new --run name")
+    manifest = None
+    if resume is not None:
+        manifest = manifest_bytes(resume.url)  # read once here; the ranks get these bytes
+        metadata = read_manifest(resume.url, manifest)[1]
+        start_step, parent = int(metadata["step"]), resume.url
+        _log(f"resuming from {resume.url} (step {start_step}, written by layout {metadata['layout']})")
+        _warn_if_schedule_changed(metadata, config)
+    if start_step >= config.steps:
+        _log(f"nothing to do: the checkpoint is at step {start_step} and --steps is {config.steps}")
+        return TrainResult(config.run, start_step, resumed_from=parent)
+
+    connect_ray()
+    _log(f"run {config.run!r}: model {config.model_preset}, layout {config.layout.describe()} "
+         f"({config.layout.world_size} ranks), steps {start_step}..{config.steps}, store {config.store}")
+    started = time.perf_counter()
+    group = RankGroup(config, actors)
+    group.call("configure_storage", store.storage_conf)  # actors reach the store as the driver does
+    _log(f"{config.layout.world_size} rank actors ready on {group.setup_info[0]['device']} "
+         f"in {time.perf_counter() - started:.1f}s")
+    result = TrainResult(config.run, start_step, resumed_from=parent)
+    log = MetricsLog(store, config.run, start_step)
+
+    def committed(step: int, url: str) -> None:
+        result.checkpoints.append(url)
+        log.flush()
+        _log(f"checkpoint step {step} committed: {url}")
+
+    fingerprint = group.setup_info[0]["data_fingerprint"]
+    saver = (AsyncCheckpointer(group, store, config.run, config.layout.world_size,
+                               lambda step, parent: checkpoint_metadata(config, step, parent, fingerprint), committed)
+             if async_save else None)
+    timings = PipelineTimings(config)
+    try:
+        if resume is not None:
+            with leases.reading(store, resume):  # `ckpt gc` keeps the checkpoint while ranks read it
+                loaded = group.call("load", resume.url, ray.put(manifest))
+                # A chunk the new layout cut across ranks was read in parts that no rank could check
+                # alone: their checksums, combined, must give the chunk's before anything trains on it.
+                in_parts = check_loaded_parts(resume.url, loaded, manifest)
+            _log(f"loaded step {start_step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over "
+                 f"{len(loaded)} ranks" + (f"; {in_parts} chunks read in parts verified together" if in_parts else ""))
+            if config.verify_resume:
+                with leases.reading(store, resume):
+                    check = verify_resumed_state(group, store, config.run, start_step, resume.url, str(config.layout))
+                _log(f"resumed state verified: {check['tensors']} tensors, digests equal to the checkpoint's "
+                     f"({check['digest'][:19]}...)")
+        tokens_per_step = config.global_batch * config.seq_len
+        for step in range(start_step, config.steps):
+            tick = time.perf_counter()
+            per_rank = group.call_reporting_failures("train_step")
+            metrics = per_rank[0]
+            seconds = time.perf_counter() - tick
+            timings.add(per_rank, seconds)
+            done = metrics["step"]
+            result.losses[done] = metrics["loss"]
+            result.step_seconds.append(seconds)
+            record = {"step": done, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
+                      "tokens_per_s": tokens_per_step / seconds, "step_s": seconds, "layout": str(config.layout),
+                      "time": time.time()}
+            log.append(record)
+            _log(f"step {done:>5}/{config.steps} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} "
+                 f"| lr {metrics['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s")
+            if saver is not None:
+                saver.poll()  # commits a finished background save; a failed one raises here
+            if done == config.steps or (config.ckpt_every and done % config.ckpt_every == 0):
+                if saver is not None:
+                    parent = saver.start(done, parent)  # training waits only while ranks stage to CPU
+                    if done == config.steps or stop_after_checkpoint is not None:
+                        saver.wait()
+                else:
+                    parent = save_checkpoint(group, store, config, done, parent, group.setup_info[0]["data_fingerprint"])
+                    committed(done, parent)
+                if done < config.steps and stop_after_checkpoint is not None and stop_after_checkpoint(done):
+                    result.stopped_early = True
+                    _log(f"stopping after the checkpoint at step {done} as asked (resize)")
+                    break
+    finally:
+        log.flush()
+        timings.write(store)
+        group.shutdown()
+    return result
+
+
+def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: int, parent: str | None,
+                    data_fingerprint: str) -> str:
+    """Every rank writes its chunks under a fresh attempt prefix; the manifest commits them."""
+    attempt = store.new_attempt()
+    url = store.checkpoint_url(config.run, step)
+    files = [f"{attempt}/rank-{rank:05d}.safetensors" for rank in range(config.layout.world_size)]
+    chunks = [Chunk.from_row(row) for rows in group.call_each("save_shard", [(url, f) for f in files]) for row in rows]
+    check_chunks_disjoint_and_complete(chunks)
+    return store.commit(config.run, step, encode_manifest(chunks, checkpoint_metadata(config, step, parent, data_fingerprint)))
+
+
+def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data_fingerprint: str) -> dict:
+    """Run metadata stored in the manifest next to the chunk table."""
+    return {
+        "run": config.run,
+        "step": step,
+        "layout": config.layout.to_dict(),
+        "model_preset": config.model_preset,
+        "model": config.model.to_dict(),
+        "config": json.loads(json.dumps(config.to_dict(), default=str)),
+        "data_position": {"seed": config.seed, "next_step": step, "corpus": data_fingerprint,
+                          "source": config.data.source},
+        # No rank-local RNG stream survives a step: every random draw is seeded by (seed, step).
+        "rng": {"scheme": "seeded-per-step", "seed": config.seed},
+        "lr_schedule": {**_lr_schedule(config), "step": step},
+        "parent": parent,
+        "created_unix": time.time(),
+    }
+
+
+def _lr_schedule(config: TrainConfig) -> dict:
+    return {"kind": "warmup-cosine", **config.optimizer.__dict__, "decay_steps": config.optimizer.decay_steps or config.steps}
+
+
+def _warn_if_schedule_changed(metadata: dict, config: TrainConfig) -> None:
+    saved = {k: v for k, v in metadata.get("lr_schedule", {}).items() if k != "step"}
+    now = _lr_schedule(config)
+    changed = sorted(k for k in now if k in saved and saved[k] != now[k])
+    if changed:
+        _log("note: the learning-rate schedule differs from the checkpoint's in "
+             + ", ".join(f"{k} ({saved[k]} -> {now[k]})" for k in changed)
+             + "; the resumed run will not match an uninterrupted one. Pass the original values "
+               "(e.g. --steps, or optimizer.decay_steps in the config) to continue the same schedule.")
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory: one line per step. On resume, lines at or past the
+    resume step are dropped, so the file always tells the history of the current timeline."""
+
+    def __init__(self, store: Store, run: str, start_step: int):
+        self.store, self.relative = store, f"{run}/metrics.jsonl"
+        existing = store.read_text(self.relative) or ""
+        self.lines = [line for line in existing.splitlines()
+                      if line.strip() and json.loads(line).get("step", 0) <= start_step]
+
+    def append(self, record: dict) -> None:
+        self.lines.append(json.dumps(record, sort_keys=True))
+
+    def flush(self) -> None:
+        self.store.write_text(self.relative, "\n".join(self.lines) + "\n")

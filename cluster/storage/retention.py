@@ -1,0 +1,121 @@
+"""`ckpt gc`: keep the newest N checkpoints of each run, remove the rest and every leftover.
+
+Never removed: the checkpoint LATEST names, checkpoints with an unexpired reader lease, and
+anything written within the grace period (a leftover that young may be a save in progress, a
+pending multipart upload may still complete). A checkpoint is removed manifest first, so it stops
+being visible before any of its shards go; a gc that dies half way leaves only leftovers, which
+the next gc collects.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from fsspec.implementations.local import LocalFileSystem
+
+from actors.checkpoint.rank_state import MANIFEST
+from cluster.storage import leases
+from cluster.storage import object_store
+from cluster.storage.catalog import Catalog
+from cluster.storage.store import Store
+
+DEFAULT_GRACE_S = 3600.0
+
+
+@dataclass
+class GcReport:
+    removed_checkpoints: list[str] = field(default_factory=list)
+    removed_leftovers: list[str] = field(default_factory=list)
+    aborted_uploads: list[str] = field(default_factory=list)
+    removed_leases: list[str] = field(default_factory=list)
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (url, why)
+    freed_bytes: int = 0
+
+
+def collect(store: Store, keep: int, run: str | None = None, grace_s: float = DEFAULT_GRACE_S,
+            dry_run: bool = False, now: float | None = None) -> GcReport:
+    now = time.time() if now is None else now
+    catalog, fs, report = Catalog(store), store.fs, GcReport()
+    for name in [run] if run else store.runs():
+        _collect_checkpoints(store, catalog, name, keep, now, dry_run, report)
+        for leftover in catalog.leftovers(name):
+            if now - leftover.newest_unix < grace_s:
+                report.kept.append((leftover.path, f"{leftover.kind} written {now - leftover.newest_unix:.0f}s ago, "
+                                                   f"within the {grace_s:.0f}s grace period (maybe a save in progress)"))
+                continue
+            if not dry_run:
+                fs.rm(leftover.path, recursive=True)
+                _remove_if_empty(fs, leftover.path.rsplit("/", 1)[0])
+            report.removed_leftovers.append(leftover.path)
+            report.freed_bytes += leftover.size_bytes
+        for held in leases.all_leases(store, name).values():
+            for lease in held:
+                if lease.expires_unix <= now:
+                    if not dry_run:
+                        fs.rm_file(lease.path)
+                    report.removed_leases.append(lease.path)
+    for upload in object_store.pending_uploads(fs, store.root if run is None else store.run_path(run)):
+        if now - upload.initiated_unix < grace_s:
+            report.kept.append((upload.path, "multipart upload started within the grace period"))
+            continue
+        if not dry_run:
+            object_store.abort_upload(fs, upload)
+        report.aborted_uploads.append(upload.path)
+    return report
+
+
+def _collect_checkpoints(store: Store, catalog: Catalog, run: str, keep: int, now: float, dry_run: bool,
+                         report: GcReport) -> None:
+    entries = catalog.checkpoints(run)
+    newest = {entry.step for entry in sorted(entries, key=lambda e: e.step)[-keep:]} if keep > 0 else set()
+    leased = leases.active(store, run, now)
+    for entry in entries:
+        if entry.step in newest:
+            continue
+        if entry.latest:
+            report.kept.append((entry.url, "LATEST names it"))
+            continue
+        if leased.get(entry.step):
+            report.kept.append((entry.url, f"being read ({len(leased[entry.step])} reader lease(s))"))
+            continue
+        _remove_checkpoint(store, entry, dry_run)
+        report.removed_checkpoints.append(entry.url)
+        report.freed_bytes += entry.size_bytes
+
+
+def _remove_checkpoint(store: Store, entry, dry_run: bool) -> None:
+    from actors.checkpoint.rank_state import read_manifest
+
+    directory = f"{store.root}/{entry.run}/checkpoints/{entry.url.rsplit('/', 1)[-1]}"
+    try:
+        chunks, _ = read_manifest(entry.url)
+        attempts = sorted({c.file.split("/", 1)[0] for c in chunks if not object_store_escape(c.file)})
+    except Exception:  # an unreadable manifest, or one naming keys outside it: its directory goes whole
+        attempts = None
+    if dry_run:
+        return
+    store.fs.rm_file(f"{directory}/{MANIFEST}")  # invisible first: no reader can start on it after this
+    if attempts is None:
+        with contextlib.suppress(FileNotFoundError):  # on S3 a manifest-only directory is gone already
+            store.fs.rm(directory, recursive=True)
+        return
+    for attempt in attempts:
+        path = f"{directory}/{attempt}"
+        if store.fs.exists(path):
+            store.fs.rm(path, recursive=True)
+    _remove_if_empty(store.fs, directory)
+
+
+def _remove_if_empty(fs, directory: str) -> None:
+    """Local stores keep emptied step directories; rmdir removes only an empty one, so a save
+    that has just started writing there keeps it."""
+    if isinstance(fs, LocalFileSystem):  # object stores have no directories (and s3fs rmdir means buckets)
+        with contextlib.suppress(OSError):
+            fs.rmdir(directory)
+
+
+def object_store_escape(key: str) -> bool:
+    from plans.checkpoint.object_keys import escape_reason
+
+    return escape_reason(key) is not None

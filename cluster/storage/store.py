@@ -1,0 +1,196 @@
+"""Where runs and checkpoints live in a store (any fsspec URL), and how they are addressed.
+
+    {store}/{run}/LATEST                                   name of the newest committed checkpoint
+    {store}/{run}/metrics.jsonl                            one JSON line per training step
+    {store}/{run}/checkpoints/step-00000020/manifest.parquet           the commit
+    {store}/{run}/checkpoints/step-00000020/attempt-<id>/rank-00003.safetensors
+
+A checkpoint exists once its manifest exists: shards are written first under an attempt-unique
+prefix, the manifest last with create-only semantics, then LATEST moves by compare-and-swap (the
+protocol is in docs/checkpoint-format.md, "Commit protocol"). A save that dies before the
+manifest leaves only an orphaned attempt directory, never a visible checkpoint.
+
+On every command a checkpoint is `RUN[@STEP]` within the store (the latest committed one when no
+step is given), `latest` (the current run's), or the URL of a checkpoint directory.
+"""
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from dataclasses import dataclass
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from actors.checkpoint.rank_state import MANIFEST
+from cluster.storage import object_store
+from cluster.storage.object_store import PreconditionFailed, StorageOptions, create_only, read_versioned, replace_if
+from plans.errors import CheckpointError
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    url: str
+    run: str | None
+    step: int | None
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+class Store:
+    def __init__(self, url: str, options: StorageOptions | None = None):
+        # Object-store options apply process-wide (fsspec's config), so the driver's own reads and
+        # the rank actors (which receive `storage_conf`) use one endpoint, retry and timeout policy.
+        self.storage_conf = object_store.configure(options)
+        self._open(url)
+
+    def _open(self, url: str) -> None:
+        self.url = url.rstrip("/") or url
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self._protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+
+    def at(self, url: str) -> "Store":
+        """Another store under this one's storage options (endpoint, retries), without applying
+        them to the process again; this store itself when url names it."""
+        if (url.rstrip("/") or url) == self.url:
+            return self
+        other = object.__new__(Store)
+        other.storage_conf = self.storage_conf
+        other._open(url)
+        return other
+
+    def _url(self, path: str) -> str:
+        return path if self._protocol in ("file", "local") else f"{self._protocol}://{path}"
+
+    def run_path(self, run: str) -> str:
+        return f"{self.root}/{run}"
+
+    def checkpoint_url(self, run: str, step: int) -> str:
+        return self._url(f"{self.root}/{run}/checkpoints/{step_dirname(step)}")
+
+    def new_attempt(self) -> str:
+        return f"attempt-{uuid.uuid4().hex[:12]}"
+
+    # ---- listing ----------------------------------------------------------------------------
+
+    def runs(self) -> list[str]:
+        if not self.fs.exists(self.root):
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)
+                      if self.fs.isdir(p) and self.fs.exists(f"{p}/checkpoints"))
+
+    def committed_steps(self, run: str) -> list[int]:
+        base = f"{self.root}/{run}/checkpoints"
+        if not self.fs.exists(base):
+            return []
+        steps = []
+        for path in self.fs.ls(base, detail=False):
+            match = STEP_DIR.match(path.rstrip("/").rsplit("/", 1)[-1])
+            if match and self.fs.exists(f"{path}/{MANIFEST}"):
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def latest_step(self, run: str) -> int | None:
+        path = f"{self.root}/{run}/LATEST"
+        if not self.fs.exists(path):
+            return None
+        match = STEP_DIR.match(self.fs.cat_file(path).decode().strip())
+        return int(match.group(1)) if match else None
+
+    # ---- addressing -------------------------------------------------------------------------
+
+    def resolve(self, ref: str, current_run: str | None = None) -> CheckpointRef:
+        """Turn `latest`, `RUN`, `RUN@STEP` or a checkpoint URL into a committed checkpoint."""
+        if "://" in ref or ref.startswith(("/", "./", "../")) or os.sep in ref.split("@")[0]:
+            fs, path = fsspec.core.url_to_fs(ref)
+            if not fs.exists(f"{path.rstrip('/')}/{MANIFEST}"):
+                raise CheckpointError(f"{ref}: no {MANIFEST} there, so it is not a committed checkpoint. "
+                                      "Fix: pass a checkpoint directory (…/checkpoints/step-NNNNNNNN) or RUN[@STEP] with --store")
+            check_manifest_keys(ref.rstrip("/"))
+            return CheckpointRef(ref.rstrip("/"), None, None)
+        run, _, step_text = ref.partition("@")
+        if run == "latest":
+            if not current_run:
+                raise CheckpointError("'latest' needs a run: pass --run NAME, or address the checkpoint as RUN[@STEP]")
+            run = current_run
+        if step_text:
+            if not step_text.isdigit():
+                raise CheckpointError(f"{ref}: the step after '@' must be a number, e.g. {run}@20")
+            step = int(step_text)
+            if step not in self.committed_steps(run):
+                raise CheckpointError(f"{run}@{step}: no committed checkpoint at that step in {self.url}. "
+                                      f"Committed steps: {self.committed_steps(run) or 'none'}")
+        else:
+            step = self.latest_step(run)
+            if step is None:
+                raise CheckpointError(f"run {run!r} has no committed checkpoint in {self.url}. "
+                                      f"Runs with checkpoints there: {self.runs() or 'none'}")
+        url = self.checkpoint_url(run, step)
+        check_manifest_keys(url)
+        return CheckpointRef(url, run, step)
+
+    # ---- commit -----------------------------------------------------------------------------
+
+    def commit(self, run: str, step: int, manifest: bytes) -> str:
+        """Create the manifest (never overwriting one), then move LATEST by compare-and-swap.
+
+        Two writers committing the same step: the create-only manifest admits exactly one, the
+        other gets a CheckpointError and its shards stay an orphaned attempt for `ckpt gc`. Two
+        writers committing different steps at once: both checkpoints are whole; LATEST names the
+        one whose swap won and the other writer gets a CheckpointError. Returns the URL."""
+        name = step_dirname(step)
+        directory = f"{self.root}/{run}/checkpoints/{name}"
+        url = self._url(directory)
+        latest = f"{self.root}/{run}/LATEST"
+        # Read before the manifest exists: a swap that still matches proves nobody moved LATEST
+        # while this commit was in flight.
+        _, version = read_versioned(self.fs, latest)
+        if isinstance(self.fs, LocalFileSystem):
+            self.fs.makedirs(directory, exist_ok=True)
+        try:
+            create_only(self.fs, f"{directory}/{MANIFEST}", manifest)
+        except FileExistsError:
+            raise CheckpointError(
+                f"{run}@{step}: another writer committed this checkpoint first ({url}); this save's shards are "
+                "left as an orphaned attempt that `rayshard ckpt gc` removes. Fix: run one trainer per run — "
+                "continue it with --resume latest, or train under a new --run name") from None
+        try:
+            replace_if(self.fs, latest, name.encode(), version)
+        except PreconditionFailed:
+            raise CheckpointError(
+                f"{run}@{step} is committed ({url}), but another writer moved LATEST (now step "
+                f"{self.latest_step(run)}) while this save was committing, so LATEST names the other writer's "
+                f"checkpoint. Fix: run one trainer per run; address this one as {run}@{step}") from None
+        return url
+
+    def write_text(self, relative: str, text: str) -> None:
+        path = f"{self.root}/{relative}"
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        _replace(self.fs, path, text.encode())
+
+    def read_text(self, relative: str) -> str | None:
+        path = f"{self.root}/{relative}"
+        return self.fs.cat_file(path).decode() if self.fs.exists(path) else None
+
+
+def check_manifest_keys(checkpoint_url: str) -> None:
+    """Refuse a checkpoint whose manifest names objects outside its own directory (read_manifest
+    does the check, so resolving a ref fails early, before a command starts reading)."""
+    from actors.checkpoint.rank_state import read_manifest
+
+    read_manifest(checkpoint_url)
+
+
+def _replace(fs, path: str, data: bytes) -> None:
+    if isinstance(fs, LocalFileSystem):
+        temporary = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+        return
+    fs.pipe_file(path, data)

@@ -1,0 +1,358 @@
+"""The reshard planner: which bytes each target rank reads to fill its pieces from a checkpoint.
+
+Pure geometry over chunk metadata, no I/O and no process groups, so the same plan is printed by a
+dry run (`rayshard ckpt plan`), executed by every rank at load time (each plans only its own
+pieces), and executed by the offline `rayshard ckpt reshard`.
+
+For one target region and one stored chunk of the same tensor the overlap is a box. Chunks are
+row-major, so a box that spans the chunk's full extent past dim 0 is one contiguous byte range
+(whole rows). A box that spans only some columns is read either as one range per row (exact bytes)
+when those row segments are at least `min_segment_bytes` long, or as whole rows (fewer, larger
+requests, reading more than needed) when they are shorter: object stores charge per request, and
+a few KiB per request is slower than reading the rest of the row. Items in the same file whose
+byte ranges touch are then coalesced into one request.
+
+Coverage is proven, not assumed: a tensor's chunks are checked to tile it without overlap
+(`check_chunks_disjoint_and_complete`, a sweep, not all pairs), and for every target region the
+overlaps' volumes must add up to the region's volume; over disjoint chunks that means every
+target element is read exactly once.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from plans.checkpoint.chunks import Chunk
+from plans.errors import CheckpointError
+
+DEFAULT_MIN_SEGMENT_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """One contiguous byte range of one chunk and the part of the target region it supplies."""
+
+    chunk: Chunk
+    byte_start: int  # absolute, within chunk.file
+    byte_end: int
+    held_offsets: tuple[int, ...]  # the global box these bytes hold, row-major
+    held_sizes: tuple[int, ...]
+    offsets: tuple[int, ...]  # the global box the target needs from them (inside the held box)
+    sizes: tuple[int, ...]
+
+    @property
+    def file(self) -> str:
+        return self.chunk.file
+
+    @property
+    def nbytes(self) -> int:
+        return self.byte_end - self.byte_start
+
+    @property
+    def needed_bytes(self) -> int:
+        return _volume(self.sizes) * self.chunk.itemsize
+
+    @property
+    def whole_chunk(self) -> bool:
+        """Reads all of its chunk, so the chunk's checksum can be verified."""
+        return (self.byte_start, self.byte_end) == (self.chunk.byte_start, self.chunk.byte_end)
+
+
+def _volume(sizes: Iterable[int]) -> int:
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
+
+
+def _intersect(a_off, a_size, b_off, b_size):
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+class TensorChunks:
+    """One tensor's chunks, indexed by dim-0 start so a region finds its overlaps by bisection
+    (a 1024-way FSDP tensor has 1024 chunks; scanning them all per region is quadratic)."""
+
+    def __init__(self, chunks: Sequence[Chunk]):
+        self.chunks = sorted(chunks, key=lambda c: (c.offsets, c.file, c.byte_start))
+        self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
+        self.longest = max((c.sizes[0] if c.sizes else 1 for c in self.chunks), default=0)
+
+    def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[Chunk]:
+        if not offsets:
+            return list(self.chunks)
+        low = bisect.bisect_right(self.starts, offsets[0] - self.longest)
+        high = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
+        return self.chunks[low:high]
+
+
+def plan_reads(chunks: Sequence[Chunk] | TensorChunks, offsets: tuple[int, ...], sizes: tuple[int, ...],
+               what: str = "", min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES) -> list[ReadItem]:
+    """Read items that exactly cover the region (offsets, sizes). Raises if coverage fails."""
+    target_volume = _volume(sizes)
+    if target_volume == 0:
+        return []
+    index = chunks if isinstance(chunks, TensorChunks) else TensorChunks(chunks)
+    items: list[ReadItem] = []
+    covered = 0
+    for chunk in index.overlapping(offsets, sizes):
+        if len(chunk.offsets) != len(offsets):
+            raise CheckpointError(f"{what}: stored rank {len(chunk.offsets)} differs from target rank {len(offsets)}")
+        overlap = _intersect(chunk.offsets, chunk.sizes, offsets, sizes)
+        if overlap is None:
+            continue
+        covered += _volume(overlap[1])
+        items += _items_for_overlap(chunk, *overlap, min_segment_bytes)
+    if covered != target_volume:
+        # Chunks of one tensor never overlap (checked on save), so a volume mismatch means gaps.
+        raise CheckpointError(
+            f"{what}: the checkpoint's chunks cover {covered} of the {target_volume} elements needed "
+            f"for region offsets={offsets} sizes={sizes}; the checkpoint is incomplete or its manifest is damaged"
+        )
+    return items
+
+
+def _items_for_overlap(chunk: Chunk, inter_off, inter_size, min_segment_bytes: int) -> list[ReadItem]:
+    if not chunk.sizes:  # a 0-d tensor
+        return [ReadItem(chunk, chunk.byte_start, chunk.byte_end, (), (), (), ())]
+    row_elements = _volume(chunk.sizes[1:])
+    row_bytes = row_elements * chunk.itemsize
+    first_row = inter_off[0] - chunk.offsets[0]
+    full_rows = inter_size[1:] == chunk.sizes[1:]
+    if not full_rows and len(chunk.sizes) >= 2 and inter_size[2:] == chunk.sizes[2:]:
+        # Only some columns: one exact range per row, if those ranges are long enough to be worth a request.
+        column_elements = _volume(chunk.sizes[2:])
+        segment_bytes = inter_size[1] * column_elements * chunk.itemsize
+        if segment_bytes >= min_segment_bytes:
+            first_column = inter_off[1] - chunk.offsets[1]
+            items = []
+            for row in range(first_row, first_row + inter_size[0]):
+                start = chunk.byte_start + row * row_bytes + first_column * column_elements * chunk.itemsize
+                held_off = (chunk.offsets[0] + row, *inter_off[1:])
+                held_size = (1, *inter_size[1:])
+                items.append(ReadItem(chunk, start, start + segment_bytes, held_off, held_size, held_off, held_size))
+            return items
+    start = chunk.byte_start + first_row * row_bytes
+    held_off = (inter_off[0], *chunk.offsets[1:])
+    held_size = (inter_size[0], *chunk.sizes[1:])
+    return [ReadItem(chunk, start, start + inter_size[0] * row_bytes, held_off, held_size, inter_off, inter_size)]
+
+
+def check_chunks_disjoint_and_complete(chunks: Iterable[Chunk]) -> None:
+    """Every tensor's chunks tile its global shape exactly: no overlap, no gap, within bounds."""
+    by_tensor: dict[tuple[str, str], list[Chunk]] = {}
+    for chunk in chunks:
+        by_tensor.setdefault((chunk.name, chunk.kind), []).append(chunk)
+    for (name, kind), group in by_tensor.items():
+        shape = group[0].global_shape
+        for chunk in group:
+            if chunk.global_shape != shape:
+                raise CheckpointError(f"{name} ({kind}): chunks disagree on the global shape ({shape} vs {chunk.global_shape})")
+            if any(o < 0 or o + s > g for o, s, g in zip(chunk.offsets, chunk.sizes, shape)) or len(chunk.offsets) != len(shape):
+                raise CheckpointError(f"{name} ({kind}): chunk at {chunk.offsets} size {chunk.sizes} lies outside the global shape {shape}")
+        total = sum(c.numel for c in group)
+        if total != _volume(shape):
+            raise CheckpointError(f"{name} ({kind}): chunks hold {total} elements, global shape {shape} needs {_volume(shape)}")
+        # Sweep along dim 0: only chunks whose row ranges are still open can overlap the next one.
+        open_chunks: list[Chunk] = []
+        for chunk in sorted(group, key=lambda c: c.offsets):
+            row = chunk.offsets[0] if chunk.offsets else 0
+            open_chunks = [c for c in open_chunks if (c.offsets[0] + c.sizes[0] if c.offsets else 1) > row]
+            for other in open_chunks:
+                if _intersect(other.offsets, other.sizes, chunk.offsets, chunk.sizes) is not None or not chunk.offsets:
+                    raise CheckpointError(f"{name} ({kind}): chunks at {other.offsets} and {chunk.offsets} overlap")
+            open_chunks.append(chunk)
+
+
+def index_chunks(chunks: Iterable[Chunk]) -> dict[tuple[str, str], TensorChunks]:
+    by_tensor: dict[tuple[str, str], list[Chunk]] = {}
+    for chunk in chunks:
+        by_tensor.setdefault((chunk.name, chunk.kind), []).append(chunk)
+    return {key: TensorChunks(group) for key, group in by_tensor.items()}
+
+
+# ---- requests: coalesced byte ranges ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeaderCheck:
+    """Read a file's safetensors header and compare it with the manifest (detects a changed file)."""
+
+    file: str
+    byte_start: int
+    byte_end: int
+    checksum: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.byte_end - self.byte_start
+
+
+@dataclass(frozen=True)
+class Request:
+    """One ranged read of one file; `parts` are the items (and header checks) it serves, by byte."""
+
+    file: str
+    byte_start: int
+    byte_end: int
+    parts: tuple = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.byte_end - self.byte_start
+
+
+def header_checks(chunks: Iterable[Chunk]) -> dict[str, HeaderCheck]:
+    """Per file, the header range (everything before its first chunk) and its recorded checksum."""
+    first: dict[str, int] = {}
+    checksum: dict[str, str] = {}
+    for chunk in chunks:
+        if chunk.file_header:
+            first[chunk.file] = min(first.get(chunk.file, chunk.byte_start), chunk.byte_start)
+            checksum[chunk.file] = chunk.file_header
+    return {file: HeaderCheck(file, 0, end, checksum[file]) for file, end in first.items()}
+
+
+def coalesce(parts: Iterable, max_request_bytes: int | None = None) -> list[Request]:
+    """Merge parts (anything with file, byte_start, byte_end) of the same file whose byte ranges
+    touch or overlap into one request; a merge never grows a request past max_request_bytes."""
+    ordered = sorted(parts, key=lambda p: (p.file, p.byte_start, p.byte_end))
+    requests: list[Request] = []
+    current: list = []
+    file, start, end = None, 0, 0
+    for part in ordered:
+        joins = (part.file == file and part.byte_start <= end
+                 and (max_request_bytes is None or max(end, part.byte_end) - start <= max_request_bytes))
+        if joins:
+            current.append(part)
+            end = max(end, part.byte_end)
+            continue
+        if current:
+            requests.append(Request(file, start, end, tuple(current)))
+        current, file, start, end = [part], part.file, part.byte_start, part.byte_end
+    if current:
+        requests.append(Request(file, start, end, tuple(current)))
+    return requests
+
+
+# ---- a rank's plan, and a whole layout's -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """A piece a target rank must fill: one state kind of one tensor, over one region."""
+
+    name: str
+    kind: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    # Read once per dp replica group: the rank that reads this region from storage and broadcasts
+    # it to its replicas. None: this rank reads it itself.
+    receive_from: int | None = None
+    itemsize: int = 4
+
+
+@dataclass
+class RankReadPlan:
+    rank: int
+    items: dict[Target, list[ReadItem]] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
+    received: list[Target] = field(default_factory=list)  # filled by a replica's broadcast, not read
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(_volume(t.sizes) * t.itemsize for t in self.received)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.nbytes for r in self.requests)
+
+    @property
+    def bytes_needed(self) -> int:
+        return sum(item.needed_bytes for items in self.items.values() for item in items)
+
+    @property
+    def files(self) -> int:
+        return len({r.file for r in self.requests})
+
+
+def plan_rank(index: dict[tuple[str, str], TensorChunks], targets: Sequence[Target], rank: int = 0,
+              headers: dict[str, HeaderCheck] | None = None, min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES,
+              max_request_bytes: int | None = None, cache: dict | None = None) -> RankReadPlan:
+    """Plan one rank's reads. `cache` shares per-region results between ranks that hold the same
+    region (dp replicas), which keeps a 768-rank plan fast."""
+    plan = RankReadPlan(rank)
+    parts: list = []
+    for target in targets:
+        if target.receive_from is not None:
+            plan.received.append(target)
+            continue
+        key = (target.name, target.kind, target.offsets, target.sizes)
+        items = cache.get(key) if cache is not None else None
+        if items is None:
+            chunks = index.get((target.name, target.kind))
+            if chunks is None:
+                raise CheckpointError(f"{target.name} ({target.kind}): not in the checkpoint")
+            items = plan_reads(chunks, target.offsets, target.sizes, f"{target.name} ({target.kind})", min_segment_bytes)
+            if cache is not None:
+                cache[key] = items
+        plan.items[target] = items
+        parts += items
+    if headers:
+        # A whole-chunk read is verified by the chunk's CRC32; a file read only partly is checked
+        # by its header (which carries a per-write nonce) instead.
+        partly_read = {item.chunk.file for item in parts if not item.whole_chunk}
+        parts += [headers[f] for f in sorted(partly_read) if f in headers]
+    plan.requests = coalesce(parts, max_request_bytes)
+    return plan
+
+
+@dataclass
+class LayoutPlan:
+    """Every target rank's reads, with the proof and the totals a dry run prints."""
+
+    ranks: list[RankReadPlan]
+    regions: int
+    source_bytes: int
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.ranks)
+
+    @property
+    def bytes_needed(self) -> int:
+        return sum(r.bytes_needed for r in self.ranks)
+
+    @property
+    def requests(self) -> int:
+        return sum(len(r.requests) for r in self.ranks)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(r.bytes_received for r in self.ranks)
+
+    def proof(self) -> str:
+        return (f"coverage proven: source chunks tile every tensor without overlap, and each of the "
+                f"{self.regions} target regions is covered by overlaps whose volumes sum to its own: "
+                f"every target element is read exactly once")
+
+
+def plan_layout(chunks: Sequence[Chunk], targets_per_rank: Sequence[Sequence[Target]],
+                min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES, check_sources: bool = True) -> LayoutPlan:
+    """Plan every target rank of a layout (targets from `plans.checkpoint.regions`)."""
+    if check_sources:
+        check_chunks_disjoint_and_complete(chunks)
+    index = index_chunks(chunks)
+    headers = header_checks(chunks)
+    cache: dict = {}
+    ranks = [plan_rank(index, targets, rank, headers, min_segment_bytes, cache=cache)
+             for rank, targets in enumerate(targets_per_rank)]
+    return LayoutPlan(ranks, sum(len(t) for t in targets_per_rank), sum(c.byte_end - c.byte_start for c in chunks))

@@ -1,0 +1,150 @@
+"""Choose a parallel layout for the ranks a cluster has now, and say why.
+
+Used by elastic recovery (whatever ranks remain after a failure) and by `rayshard plan layout`.
+Rules, in order of preference:
+1. Every hard constraint holds: tp divides the kv heads, ffn and vocabulary and fits in a node
+   (its collectives are per layer and want the fast intra-node links); pp * vpp stages fit the
+   layers; data ranks (dp * fsdp) divide the global batch into whole microbatches.
+2. The estimated memory per rank fits the budget.
+3. The most useful work: ranks used times the pipeline's efficiency m / (m + pp - 1) — a
+   pipeline with few microbatches mostly idles, so six ranks as dp2 x pp3 with one
+   microbatch do less than four data-parallel ranks.
+4. Then the least communication: data parallelism, then FSDP when replicas do not fit, then
+   tensor parallelism, then pipeline stages.
+Any dimension may be pinned by the user; the others are chosen around it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plans.errors import ConfigError
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import ModelConfig, parameter_count
+
+BYTES_PER_PARAM_STATE = 16  # fp32 parameter + gradient + two AdamW moments
+
+
+@dataclass(frozen=True)
+class Workload:
+    global_batch: int
+    seq_len: int
+    microbatches: int = 1
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    model_state: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.activations
+
+
+@dataclass
+class LayoutChoice:
+    layout: ParallelLayout
+    ranks_available: int
+    estimate: MemoryEstimate
+    budget_bytes: float
+    reasons: list[str] = field(default_factory=list)
+
+    def explain(self) -> str:
+        gib = 2 ** 30
+        lines = [f"layout {self.layout} ({self.layout.describe()}): {self.layout.world_size} of {self.ranks_available} ranks",
+                 f"memory per rank ~ {self.estimate.total / gib:.2f} GiB (model state {self.estimate.model_state / gib:.2f}, "
+                 f"activations {self.estimate.activations / gib:.2f}) of {self.budget_bytes / gib:.2f} GiB budget"]
+        return "\n".join(lines + [f"- {reason}" for reason in self.reasons])
+
+
+def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) -> MemoryEstimate:
+    """A deliberately simple upper-ish estimate (fp32 training, no activation recomputation).
+
+    Model state: 16 bytes per parameter, split over tp and pp, and over fsdp for the sharded
+    part; FSDP also gathers one transformer block at a time. Activations: per layer and token,
+    about 4 bytes x (12 dim + 3 ffn) kept for backward (norms, qkv, attention output, SwiGLU),
+    for the microbatches in flight (up to pp for 1F1B-like schedules), over the layers a stage holds.
+    """
+    params = parameter_count(model)
+    per_model_shard = params / (layout.tp * layout.pp)
+    block = (model.dim * (model.n_heads + 2 * model.n_kv_heads) * model.head_dim + model.dim * model.n_heads * model.head_dim
+             + 3 * model.dim * model.ffn_dim) / layout.tp
+    gathered = 4 * block if layout.fsdp > 1 else 0
+    model_state = BYTES_PER_PARAM_STATE * per_model_shard / layout.fsdp + gathered
+    rows = work.global_batch // layout.data_parallel_size // work.microbatches
+    tokens = rows * work.seq_len
+    per_layer = 4 * tokens * (12 * model.dim + 3 * model.ffn_dim) / layout.tp
+    in_flight = min(layout.pp, work.microbatches) if layout.pp > 1 else 1
+    layers_per_stage = -(-model.n_layers // layout.pp)
+    logits = 4 * tokens * model.vocab_size * 2 / layout.tp  # logits and their gradient, last stage
+    return MemoryEstimate(model_state, per_layer * layers_per_stage * in_flight + logits)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_candidates(model: ModelConfig, ranks_per_node: int) -> list[int]:
+    return [t for t in _divisors(model.n_kv_heads)
+            if model.ffn_dim % t == 0 and model.vocab_size % t == 0 and t <= ranks_per_node]
+
+
+def choose_layout(ranks: int, model: ModelConfig, work: Workload, budget_bytes: float,
+                  ranks_per_node: int = 8, pinned: dict[str, int] | None = None, vpp: int = 1) -> LayoutChoice:
+    """The preferred layout on at most `ranks` ranks. Raises ConfigError when nothing fits."""
+    if ranks < 1:
+        raise ConfigError("ranks", ranks, "need at least one rank", "start at least one worker")
+    pinned = {k: v for k, v in (pinned or {}).items() if v}
+    candidates, leanest = [], None
+    for tp in _tp_candidates(model, ranks_per_node):
+        for pp in range(1, min(model.n_layers // vpp, ranks) + 1):
+            for data in _divisors(work.global_batch):
+                if data * tp * pp > ranks or (work.global_batch // data) % work.microbatches:
+                    continue
+                for fsdp in _divisors(data):
+                    layout = ParallelLayout(dp=data // fsdp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp if pp > 1 else 1)
+                    if any(getattr(layout, k) != v for k, v in pinned.items()):
+                        continue
+                    estimate = estimate_memory(model, layout, work)
+                    if leanest is None or estimate.total < leanest.total:
+                        leanest = estimate
+                    if estimate.total <= budget_bytes:
+                        useful = layout.world_size * work.microbatches / (work.microbatches + pp - 1)
+                        candidates.append(((-round(useful, 9), pp, tp, fsdp), layout, estimate))
+    if not candidates:
+        pins = f" with {pinned}" if pinned else ""
+        leanest_text = (f"the leanest valid layout needs ~{leanest.total / 2**30:.2f} GiB per rank" if leanest
+                        else "no layout meets the model's constraints and the batch divisibility at all")
+        raise ConfigError("layout", f"{ranks} ranks",
+                          f"no layout of up to {ranks} ranks{pins} fits {budget_bytes / 2**30:.2f} GiB per rank ({leanest_text})",
+                          "add ranks or memory, shorten sequences or batches, use more microbatches, or unpin dimensions")
+    _, layout, estimate = min(candidates, key=lambda c: c[0])
+    return LayoutChoice(layout, ranks, estimate, budget_bytes, _reasons(layout, ranks, model, work, budget_bytes, ranks_per_node, pinned))
+
+
+def _reasons(layout, ranks, model, work, budget, ranks_per_node, pinned) -> list[str]:
+    reasons = []
+    if pinned:
+        reasons.append(f"pinned by you: {', '.join(f'{k}={v}' for k, v in pinned.items())}")
+    if layout.world_size < ranks:
+        reasons.append(f"uses {layout.world_size} of {ranks} ranks: layouts on more ranks either do not divide the global "
+                       f"batch {work.global_batch} into whole microbatches ({work.microbatches}) per data rank, break the "
+                       f"model's constraints, or need pipeline stages that {work.microbatches} microbatch(es) would leave idle")
+    simplest = ParallelLayout(dp=layout.data_parallel_size * layout.tp * layout.pp)
+    if layout.tp == 1 and layout.pp == 1:
+        reasons.append("no model parallelism needed: the model state fits on every data rank")
+    else:
+        if layout.tp > 1:
+            reasons.append(f"tp={layout.tp}: smaller degrees do not fit the budget (tp stays within a node of {ranks_per_node} "
+                           f"ranks and divides the {model.n_kv_heads} kv heads)")
+        if layout.pp > 1:
+            efficiency = work.microbatches / (work.microbatches + layout.pp - 1)
+            reasons.append(f"pp={layout.pp}: {model.n_layers} layers over {layout.pp} stages; with {work.microbatches} "
+                           f"microbatches the pipeline is ~{efficiency:.0%} busy (1F1B bubble)")
+        if estimate_memory(model, simplest, work).total > budget:
+            reasons.append(f"pure data parallelism would need ~{estimate_memory(model, simplest, work).total / 2**30:.2f} GiB per rank")
+    if layout.fsdp > 1:
+        reasons.append(f"fsdp={layout.fsdp}: full replicas do not fit, so model state is sharded over {layout.fsdp} ranks")
+    elif layout.dp > 1:
+        reasons.append(f"dp={layout.dp}: replicas fit, and replicated data parallelism communicates least")
+    return reasons

@@ -1,0 +1,51 @@
+"""The pipeline plan of a training run: which layers each stage holds, and each rank's actions.
+
+Built once by the driver from the config (pure and deterministic, so an actor could rebuild it
+and get the same thing) and shipped to the actors, which interpret it every step
+(`actors/pipeline/interpreter.py`). The schedule is lowered with send/recv and proven deadlock-free before
+any actor starts.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plans.pipeline.actions import Schedule
+from plans.pipeline.checker import check
+from plans.layout.parallel_layout import ParallelLayout
+from plans.pipeline.lowering import lower
+from plans.training.model_spec import ModelConfig
+from plans.pipeline.partition import StagePartition, partition_layers
+from plans.pipeline.schedules import build_schedule, schedule_spec
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    schedule: Schedule  # lowered and checked: schedule.ranks[pp_rank] is that rank's action list
+    partition: StagePartition
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.schedule.to_dict(),
+                "stage_layers": [[layers.start, layers.stop] for layers in self.partition.stage_layers]}
+
+
+def stage_partition(model: ModelConfig, layout: ParallelLayout, schedule_name: str,
+                    stage_layout: Sequence[int] | None = None) -> StagePartition:
+    """Layers per stage: balanced (every layer costs the same), or `stage_layout` layer counts.
+
+    The embedding and head are left out of the balance: on the reference model a layer costs
+    far more than either, and an uneven cut is one `stage_layout` away.
+    """
+    spec = schedule_spec(schedule_name)
+    return partition_layers([1.0] * model.n_layers, layout.pp, layout.vpp, spec.placement,
+                            layout=list(stage_layout) if stage_layout is not None else None)
+
+
+def build_pipeline_plan(model: ModelConfig, layout: ParallelLayout, schedule_name: str, microbatches: int,
+                        stage_layout: Sequence[int] | None = None) -> PipelinePlan:
+    """Generate, lower and check the schedule; raises ScheduleError/ConfigError with a fix."""
+    partition = stage_partition(model, layout, schedule_name, stage_layout)
+    compute = build_schedule(schedule_name, layout.pp, microbatches, layout.vpp)
+    lowered = lower(compute)
+    check(lowered).raise_if_failed()
+    return PipelinePlan(lowered, partition)

@@ -1,0 +1,119 @@
+"""Shapes of the reference Llama-style model, without building it.
+
+Planners (resharding, layout choice, memory estimates) need every parameter's global name and
+shape for models far too large to instantiate; this module is that single source of truth and
+`actors/model/transformer.py` builds exactly these parameters.
+
+Fused tensors are stored so that contiguous row blocks are whole units, which is what makes the
+global tensor independent of the tensor-parallel degree:
+- attention.qkv.weight rows are grouped per kv head g = 0..n_kv_heads-1:
+  [q heads g*r .. g*r+r-1 (r = n_heads/n_kv_heads), then k head g, then v head g], each head
+  head_dim rows. A TP rank holding rows [a, b) holds whole groups.
+- feed_forward.gate_up.weight rows interleave gate and up per hidden unit j:
+  row 2j is gate_j, row 2j+1 is up_j.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from plans.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 128
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def validate(self) -> "ModelConfig":
+        positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+        for field in positive:
+            if getattr(self, field) < 1:
+                raise ConfigError(f"model.{field}", getattr(self, field), "must be positive",
+                                  f"set model.{field} to 1 or more")
+        if self.dim % self.n_heads:
+            raise ConfigError("model.n_heads", self.n_heads, f"must divide model.dim={self.dim}",
+                              "choose n_heads so that dim / n_heads is a whole head size")
+        if self.head_dim % 2:
+            raise ConfigError("model.dim", self.dim, f"head_dim={self.head_dim} must be even for RoPE",
+                              "choose dim and n_heads so dim / n_heads is even")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError("model.n_kv_heads", self.n_kv_heads,
+                              f"must divide model.n_heads={self.n_heads} (grouped-query attention)",
+                              "pick n_kv_heads among the divisors of n_heads")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tests: 4 layers so pp=4 works; asymmetric head counts exercise GQA grouping.
+    "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=160,
+                        max_seq_len=256),
+    # Benchmarks: about 27M parameters.
+    "small": ModelConfig(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536,
+                         max_seq_len=1024),
+    # Benchmarks at a size where bandwidth rather than fixed per-call costs decides (checkpoint
+    # I/O): about 150M parameters, 1.7 GiB with AdamW moments.
+    "medium": ModelConfig(vocab_size=256, dim=1024, n_layers=12, n_heads=16, n_kv_heads=4, ffn_dim=3072,
+                          max_seq_len=1024),
+    # Planning only: a 405B-shaped model (never instantiated here).
+    "405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                        ffn_dim=53248, max_seq_len=8192, rope_theta=500000.0),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError("model", name, f"unknown preset; known presets are {', '.join(PRESETS)}",
+                          "pass --model tiny, small or medium")
+    return replace(PRESETS[name], **overrides).validate()
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Global name -> global shape of every trainable parameter, in module order."""
+    hd, qkv_rows = config.head_dim, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
+    for layer in range(config.n_layers):
+        prefix = f"layers.{layer}."
+        shapes[prefix + "attention_norm.weight"] = (config.dim,)
+        shapes[prefix + "attention.qkv.weight"] = (qkv_rows, config.dim)
+        shapes[prefix + "attention.wo.weight"] = (config.dim, config.n_heads * hd)
+        shapes[prefix + "ffn_norm.weight"] = (config.dim,)
+        shapes[prefix + "feed_forward.gate_up.weight"] = (2 * config.ffn_dim, config.dim)
+        shapes[prefix + "feed_forward.down.weight"] = (config.dim, config.ffn_dim)
+    shapes["norm.weight"] = (config.dim,)
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (config.vocab_size, config.dim)
+    return shapes
+
+
+def parameter_count(config: ModelConfig) -> int:
+    total = 0
+    for shape in parameter_shapes(config).values():
+        count = 1
+        for size in shape:
+            count *= size
+        total += count
+    return total
