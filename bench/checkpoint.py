@@ -86,8 +86,9 @@ def _our_save(trainer, url: str):
     import fsspec
     import torch.distributed as dist
 
-    from actors.checkpoint.io import encode_manifest
-    from actors.checkpoint.rank_state import MANIFEST, save_rank_shard
+    from plans.checkpoint.manifest import encode_manifest
+    from actors.checkpoint.save import save_rank_shard
+    from plans.checkpoint.manifest import MANIFEST
     from plans.checkpoint.chunks import Chunk
 
     rows = save_rank_shard(trainer.model, trainer.optimizer, trainer.coord_map, url, f"attempt-bench/rank-{trainer.rank:05d}.safetensors")
@@ -123,7 +124,7 @@ def _dcp_load(trainer, path: str):
 
 
 def _raw_bytes(trainer) -> list[memoryview]:
-    from actors.checkpoint.rank_state import pieces_to_write
+    from actors.checkpoint.save import pieces_to_write
 
     return [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
             for _, _, t, _, _ in pieces_to_write(trainer.model, trainer.optimizer)]
@@ -157,7 +158,7 @@ def _raw_ranges(ranges, buffer: memoryview):
 
 
 def _our_load(trainer, url: str) -> dict:
-    from actors.checkpoint.rank_state import load_rank_shard
+    from actors.checkpoint.load import load_rank_shard
     from plans.training.model_spec import parameter_shapes
 
     return load_rank_shard(trainer.model, trainer.optimizer, url, set(parameter_shapes(trainer.config.model)))
@@ -167,7 +168,8 @@ def _planned_ranges(trainer, url: str) -> list[tuple[str, int, int, list[tuple[i
     """The byte ranges rayshard's load on this rank reads (for the raw-read anchors), each with the
     spans inside it that the load checksums: every chunk or part of a chunk (not the headers,
     which are small)."""
-    from actors.checkpoint.rank_state import StoredCheckpoint, load_destinations, read_once_for
+    from actors.checkpoint.load import load_destinations, read_once_for
+    from actors.checkpoint.stored import StoredCheckpoint
     from plans.checkpoint.reshard import ReadItem
 
     stored = StoredCheckpoint(url)
@@ -183,7 +185,7 @@ def _checked_raw_ranges(ranges, buffer: memoryview):
     read) run through the checksum right after it lands. No manifest, no plan, no placement, no
     scattering into rows: what a load costs when it checks what it reads (the figure rayshard's
     own overhead is measured against)."""
-    from actors.checkpoint.io import CHECK_BLOCK_BYTES
+    from actors.checkpoint.read_executor import CHECK_BLOCK_BYTES
     from actors.checkpoint.checksums import RunningChecksum
 
     at = 0

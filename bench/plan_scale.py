@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.checkpoint.io import FORMAT_VERSION, chunk_key, decode_manifest, encode_manifest  # noqa: E402
+from plans.checkpoint.manifest import FORMAT_VERSION, chunk_key, decode_manifest, encode_manifest  # noqa: E402
 from actors.checkpoint.checksums import checksum  # noqa: E402
 from plans.checkpoint.chunks import STATE_KINDS, Chunk  # noqa: E402
 from plans.layout.parallel_layout import ParallelLayout  # noqa: E402

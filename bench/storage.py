@@ -133,7 +133,7 @@ def run(args) -> None:
             url = save_checkpoint(group, store, config, step, None, fingerprint)
             times["save"].append(time.perf_counter() - started)
 
-            from actors.checkpoint.rank_state import manifest_bytes, read_manifest
+            from actors.checkpoint.manifest_io import manifest_bytes, read_manifest
 
             chunks, _ = read_manifest(url)
             files = sorted({c.file for c in chunks})

@@ -22,8 +22,8 @@ import time
 import fsspec
 import torch
 
-from actors.checkpoint.io import write_shard
-from actors.checkpoint.rank_state import pieces_to_write
+from actors.checkpoint.shard_writer import write_shard
+from actors.checkpoint.save import pieces_to_write
 
 _staging: dict[tuple, torch.Tensor] = {}  # (name, kind, offsets) -> host buffer, reused across saves
 _previous: "BackgroundSave | None" = None

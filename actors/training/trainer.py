@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from actors.checkpoint.rank_state import forget_handover_groups, load_rank_shard, save_rank_shard
+from actors.checkpoint.load import forget_handover_groups, load_rank_shard
+
+from actors.checkpoint.save import save_rank_shard
 from actors.training.data import corpus_fingerprint, load_corpus, rank_batch
 from actors.model.init_weights import initialize_parameters
 from actors.model.transformer import build_on_meta

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.checkpoint.rank_state import StoredCheckpoint
+from actors.checkpoint.stored import StoredCheckpoint
 from cluster.cli.progress import advance, set_total
 from plans.checkpoint.chunks import STATE_KINDS, Chunk
 

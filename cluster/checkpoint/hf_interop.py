@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from actors.checkpoint.io import LazyTensor, encode_manifest, write_shard
-from actors.checkpoint.rank_state import StoredCheckpoint
+from actors.checkpoint.shard_writer import LazyTensor, write_shard
+
+from plans.checkpoint.manifest import encode_manifest
+from actors.checkpoint.stored import StoredCheckpoint
 from cluster.cli.progress import advance, set_total
 from cluster.checkpoint.transform_exec import run_group
 from plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM

@@ -17,8 +17,13 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from actors.checkpoint.io import WINDOW_BYTES, LazyTensor, encode_manifest, write_shard
-from actors.checkpoint.rank_state import StoredCheckpoint, check_loaded_parts, read_manifest
+from actors.checkpoint.read_executor import WINDOW_BYTES
+
+from actors.checkpoint.shard_writer import LazyTensor, write_shard
+
+from plans.checkpoint.manifest import encode_manifest
+from actors.checkpoint.manifest_io import read_manifest
+from actors.checkpoint.stored import StoredCheckpoint, check_loaded_parts
 from cluster.cli.progress import advance, set_total
 from plans.checkpoint.chunks import Chunk
 from plans.errors import CheckpointError

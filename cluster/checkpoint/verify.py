@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from actors.checkpoint.checksums import running_like
-from actors.checkpoint.rank_state import read_manifest
+from actors.checkpoint.manifest_io import read_manifest
 from actors.checkpoint.ranged_fetch import fetch_ranges
 from plans.errors import CheckpointError
 from plans.checkpoint.model_check import check_against_own_model

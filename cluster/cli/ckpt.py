@@ -60,7 +60,7 @@ def _stage_layout(text: str | None):
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from actors.checkpoint.rank_state import read_manifest
+    from actors.checkpoint.manifest_io import read_manifest
 
     ref = resolve_checkpoint(args)  # reads the manifest only, no shard: no lease
     chunks, metadata = read_manifest(ref.url)
@@ -82,7 +82,8 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from actors.checkpoint.rank_state import read_manifest, read_once_for
+    from actors.checkpoint.load import read_once_for
+    from actors.checkpoint.manifest_io import read_manifest
     from cluster.checkpoint.offline_reshard import target_partition
     from cluster.checkpoint.reshard_report import build_plan, format_plan
 

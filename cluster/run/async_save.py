@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import ray
 
-from actors.checkpoint.io import encode_manifest
+from plans.checkpoint.manifest import encode_manifest
 from cluster.storage.store import Store
 from plans.checkpoint.chunks import Chunk
 from plans.errors import CheckpointError

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 
-from actors.checkpoint.rank_state import StoredCheckpoint
+from actors.checkpoint.stored import StoredCheckpoint
 from cluster.checkpoint.digest import checkpoint_digest, digest_checkpoint
 from cluster.storage.store import Store, step_dirname
 from plans.checkpoint.chunks import Chunk

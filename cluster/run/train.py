@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import ray
 
-from actors.checkpoint.io import encode_manifest
+from plans.checkpoint.manifest import encode_manifest
 from cluster.run.pipeline_timings import PipelineTimings
-from actors.checkpoint.rank_state import check_loaded_parts, manifest_bytes, read_manifest
+from actors.checkpoint.manifest_io import manifest_bytes, read_manifest
+from actors.checkpoint.stored import check_loaded_parts
 from cluster.storage import leases
 from cluster.run.async_save import AsyncCheckpointer
 from cluster.run.rank_group import RankGroup, connect_ray

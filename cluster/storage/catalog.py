@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 
-from actors.checkpoint.io import decode_manifest
-from actors.checkpoint.rank_state import MANIFEST
+from plans.checkpoint.manifest import decode_manifest
+from plans.checkpoint.manifest import MANIFEST
 from cluster.storage import leases
 from cluster.storage.store import STEP_DIR, Store
 from plans.errors import CheckpointError

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fsspec.implementations.local import LocalFileSystem
 
-from actors.checkpoint.rank_state import MANIFEST
+from plans.checkpoint.manifest import MANIFEST
 from cluster.storage import leases
 from cluster.storage import object_store
 from cluster.storage.catalog import Catalog
@@ -85,7 +85,7 @@ def _collect_checkpoints(store: Store, catalog: Catalog, run: str, keep: int, no
 
 
 def _remove_checkpoint(store: Store, entry, dry_run: bool) -> None:
-    from actors.checkpoint.rank_state import read_manifest
+    from actors.checkpoint.manifest_io import read_manifest
 
     directory = f"{store.root}/{entry.run}/checkpoints/{entry.url.rsplit('/', 1)[-1]}"
     try:

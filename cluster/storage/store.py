@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from actors.checkpoint.rank_state import MANIFEST
+from plans.checkpoint.manifest import MANIFEST
 from cluster.storage import object_store
 from cluster.storage.object_store import PreconditionFailed, StorageOptions, create_only, read_versioned, replace_if
 from plans.errors import CheckpointError
@@ -181,7 +181,7 @@ class Store:
 def check_manifest_keys(checkpoint_url: str) -> None:
     """Refuse a checkpoint whose manifest names objects outside its own directory (read_manifest
     does the check, so resolving a ref fails early, before a command starts reading)."""
-    from actors.checkpoint.rank_state import read_manifest
+    from actors.checkpoint.manifest_io import read_manifest
 
     read_manifest(checkpoint_url)
 

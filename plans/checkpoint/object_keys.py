@@ -3,7 +3,7 @@
 A manifest is data from storage, possibly written by someone else. A `file` such as
 `../../other-run/...`, `/etc/passwd` or `s3://other-bucket/key` would make a load read (and a
 gc delete) outside the checkpoint, so every key is checked before any byte is fetched. Pure:
-applied by `actors.checkpoint.rank_state.read_manifest`, the one function every reader of a manifest
+applied by `actors.checkpoint.manifest_io.read_manifest`, the one function every reader of a manifest
 (driver, rank actors, CLI) goes through, and by StoredCheckpoint for chunks decoded elsewhere.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from actors.checkpoint.rank_state import read_manifest
+from actors.checkpoint.manifest_io import read_manifest
 from cluster.checkpoint.digest import digest_checkpoint
 from plans.layout.parallel_layout import ParallelLayout
 
@@ -58,7 +58,7 @@ def writer_rank(file: str) -> int:
 def load_and_save(config, source_url: str, actors, loaded: list | None = None) -> str:
     """Load a checkpoint into training actors of config.layout and save it again, no step taken.
     `loaded` (a list) receives each rank's load result."""
-    from actors.checkpoint.rank_state import check_loaded_parts
+    from actors.checkpoint.stored import check_loaded_parts
     from cluster.run.rank_group import RankGroup
     from cluster.storage.store import Store
     from cluster.run.train import save_checkpoint

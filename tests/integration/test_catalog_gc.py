@@ -11,7 +11,9 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint.io import encode_manifest, write_shard
+from actors.checkpoint.shard_writer import write_shard
+
+from plans.checkpoint.manifest import encode_manifest
 from cluster.storage import leases
 from cluster.storage.catalog import Catalog
 from cluster.cli.main import main

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from actors.checkpoint.rank_state import read_manifest
+from actors.checkpoint.manifest_io import read_manifest
 from cluster.storage.catalog import Catalog
 from cluster.storage.retention import collect
 from cluster.checkpoint.verify import verify

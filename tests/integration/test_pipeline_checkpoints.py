@@ -2,7 +2,7 @@
 and a run saved by one pipeline resumes on another layout on the same loss curve."""
 import math
 
-from actors.checkpoint.rank_state import read_manifest
+from actors.checkpoint.manifest_io import read_manifest
 from plans.config import OptimizerConfig
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_spec import preset

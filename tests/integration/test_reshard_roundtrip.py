@@ -16,7 +16,7 @@ from tqdm import tqdm
 from cluster.checkpoint.offline_reshard import planned_writes, reshard_checkpoint
 from cluster.checkpoint.reshard_report import build_plan
 from cluster.storage.store import Store
-from actors.checkpoint.rank_state import read_manifest
+from actors.checkpoint.manifest_io import read_manifest
 from plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.integration.reshard_helpers import (LAYOUTS, PP_LAYOUTS, chunk_fingerprint, digests, load_and_save,

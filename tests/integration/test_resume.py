@@ -104,7 +104,7 @@ def test_an_edit_inside_a_chunk_the_new_layout_reads_in_parts_stops_the_resume(r
     """dp2 x tp2 stores wo as two column halves; fsdp2 reads each half's top rows on one rank and
     bottom rows on the other, so no rank sees a whole chunk. An edit in place (same size, same
     header) must still stop the resume before any step trains on it."""
-    from actors.checkpoint.rank_state import read_manifest
+    from actors.checkpoint.manifest_io import read_manifest
 
     url = run_training(_config(tmp_path, DP2_TP2, steps=2, run="e")).checkpoints[-1]
     chunks, _ = read_manifest(url)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.checkpoint.rank_state import read_manifest
+from actors.checkpoint.manifest_io import read_manifest
 from cluster.storage.store import Store
 from cluster.run.train import train
 from plans.errors import CheckpointError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.checkpoint.rank_state import read_manifest
+from actors.checkpoint.manifest_io import read_manifest
 from cluster.storage.store import Store
 from plans.config import OptimizerConfig
 from plans.layout.parallel_layout import ParallelLayout

@@ -28,7 +28,7 @@ def fake_world():
     def build(layout, model_config):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from actors.checkpoint.rank_state import replicated_dims
+        from actors.checkpoint.rank_pieces import replicated_dims
         from actors.model.transformer import build_on_meta
         from actors.model.parallelize import parallelize
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from actors.checkpoint.io import encode_manifest
-from actors.checkpoint.rank_state import save_rank_shard
+from plans.checkpoint.manifest import encode_manifest
+from actors.checkpoint.save import save_rank_shard
 from actors.model.init_weights import initialize_parameters
 from actors.model.transformer import Transformer
 from cluster.storage.store import Store

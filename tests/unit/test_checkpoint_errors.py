@@ -5,7 +5,9 @@ import shutil
 
 import pytest
 
-from actors.checkpoint.rank_state import StoredCheckpoint, read_manifest
+from actors.checkpoint.manifest_io import read_manifest
+
+from actors.checkpoint.stored import StoredCheckpoint
 from cluster.checkpoint.digest import digest_checkpoint
 from plans.errors import CheckpointError
 from plans.training.model_spec import preset
@@ -102,7 +104,7 @@ def test_an_edit_inside_a_chunk_read_in_parts_is_caught_when_the_parts_meet(chec
 def test_a_chunk_whose_parts_do_not_cover_it_is_read_whole_to_check_it(checkpoint):
     url, chunk, path = checkpoint
     _flip_byte(path, chunk.byte_end - 5)
-    from actors.checkpoint.rank_state import check_loaded_parts
+    from actors.checkpoint.stored import check_loaded_parts
 
     stored = StoredCheckpoint(url)
     stored.read_region(QKV, "param", (0, 0), (64, 64))  # only the first half, which is intact
@@ -129,7 +131,7 @@ def test_an_offline_reshard_that_reads_an_edited_chunk_in_parts_commits_nothing(
 
 def _rewrite_manifest(url: str, keep, extra=()) -> None:
     """The checkpoint's manifest with only the chunks `keep` accepts, plus `extra` ones."""
-    from actors.checkpoint.io import encode_manifest
+    from plans.checkpoint.manifest import encode_manifest
 
     chunks, metadata = read_manifest(url)
     metadata.pop("format_version")
@@ -200,7 +202,7 @@ def test_parts_read_from_an_object_store_are_verified_together_too(tmp_path, win
 
 
 def test_verify_reports_damaged_model_metadata_instead_of_crashing(checkpoint):
-    from actors.checkpoint.io import encode_manifest
+    from plans.checkpoint.manifest import encode_manifest
     from cluster.checkpoint.verify import verify
 
     url, _, _ = checkpoint

@@ -3,7 +3,11 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint.io import FORMAT_VERSION, decode_manifest, encode_manifest, encode_shard, fill_from_reads
+from actors.checkpoint.read_executor import fill_from_reads
+
+from actors.checkpoint.shard_writer import encode_shard
+
+from plans.checkpoint.manifest import FORMAT_VERSION, decode_manifest, encode_manifest
 from plans.errors import CheckpointError
 from plans.checkpoint.reshard import plan_reads
 
@@ -148,8 +152,8 @@ def test_column_chunks_land_in_rows_of_a_wider_target(tmp_path, monkeypatch, dty
     short_reads: the system returns at most 7 bytes a call (as FUSE mounts and >2 GiB reads do)."""
     import os
 
-    from actors.checkpoint import io as checkpoint_io
-    from actors.checkpoint.io import _direct_buffer
+    from actors.checkpoint import read_executor as checkpoint_io
+    from actors.checkpoint.read_executor import _direct_buffer
 
     monkeypatch.setattr(checkpoint_io, "CHECK_BLOCK_BYTES", 16)
 

@@ -7,7 +7,7 @@ import torch
 
 from safetensors.torch import load_file
 
-from actors.checkpoint.rank_state import StoredCheckpoint
+from actors.checkpoint.stored import StoredCheckpoint
 from cluster.checkpoint.digest import digest_checkpoint
 from cluster.checkpoint.hf_interop import export_hf, import_hf
 from cluster.storage.store import Store

@@ -1,5 +1,5 @@
 """Local loads read back-to-back parts in one scatter read and check each whole chunk block by
-block as it lands (`actors/checkpoint_io._execute_local`). These cases put every kind of part in
+block as it lands (`actors/checkpoint/read_executor._execute_local`). These cases put every kind of part in
 one file and one plan: parts read straight into contiguous destinations, column chunks staged
 into rows of wider ones, whole rows staged for a narrow column range, a non-contiguous
 destination, bfloat16, int64, a 0-d tensor, header checks, and parts that overlap (two targets
@@ -11,8 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from actors.checkpoint import io as checkpoint_io
-from actors.checkpoint.io import encode_shard, execute_requests
+from actors.checkpoint import read_executor as checkpoint_io
+from actors.checkpoint.read_executor import execute_requests
+from actors.checkpoint.shard_writer import encode_shard
 from plans.errors import CheckpointError
 from plans.checkpoint.reshard import Target, header_checks, index_chunks, plan_rank
 

@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from actors.checkpoint.io import encode_manifest
-from actors.checkpoint.rank_state import load_rank_shard, read_manifest
+from plans.checkpoint.manifest import encode_manifest
+from actors.checkpoint.load import load_rank_shard
+from actors.checkpoint.manifest_io import read_manifest
 from cluster.cli.main import main
 from cluster.checkpoint.digest import digest_checkpoint
 from cluster.checkpoint.hf_interop import export_hf

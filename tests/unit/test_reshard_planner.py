@@ -8,7 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from actors.checkpoint.io import encode_shard, fill_from_reads
+from actors.checkpoint.read_executor import fill_from_reads
+
+from actors.checkpoint.shard_writer import encode_shard
 from plans.errors import CheckpointError
 from plans.checkpoint.reshard import check_chunks_disjoint_and_complete, plan_reads
 
@@ -120,7 +122,7 @@ def test_any_layout_to_any_layout_covers_exactly_and_reproduces_every_global_ten
         chunks += file_chunks
     plan = plan_layout(chunks, layout_targets(model, target, kinds), min_segment_bytes)  # proves coverage or raises
     assert plan.bytes_read >= plan.bytes_needed
-    from actors.checkpoint.io import execute_requests
+    from actors.checkpoint.read_executor import execute_requests
 
     read_by_rank = [{(t.name, t.kind, t.offsets, t.sizes) for t in r.items} for r in plan.ranks]
     for rank_plan in plan.ranks:

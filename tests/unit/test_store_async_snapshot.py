@@ -6,8 +6,9 @@ import time
 import torch
 
 import actors.checkpoint.async_save as async_save
-from actors.checkpoint.rank_state import read_manifest, state_tensors
-from actors.checkpoint.io import encode_manifest
+from actors.checkpoint.manifest_io import read_manifest
+from actors.checkpoint.rank_pieces import state_tensors
+from plans.checkpoint.manifest import encode_manifest
 from actors.checkpoint.checksums import checksum
 from plans.checkpoint.chunks import Chunk
 

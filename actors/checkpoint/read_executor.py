@@ -1,192 +1,28 @@
-"""Checkpoint bytes: streaming a rank's chunks into a safetensors file, the Parquet manifest, and
-executing read plans with ranged reads.
+"""Executing read plans: ranged reads of stored chunks placed straight into the destination
+tensors, each byte checked against its chunk's checksum while it is still in cache.
 
-No pickle anywhere: tensors go through safetensors, metadata through Parquet and JSON.
-
-Memory: a save computes the whole safetensors header from shapes first, then streams each piece
-in row blocks of at most STAGE_BYTES (a device tensor is copied to CPU one block at a time; a CPU
-tensor is written straight from its own memory), so the extra memory of a save is one block plus
-the file system's write buffer, whatever the shard size. A load holds at most WINDOW_BYTES of
-fetched bytes that are not yet in place.
+A load holds at most WINDOW_BYTES of fetched bytes that are not yet in place. Local files are read
+with scatter reads (preadv) into the destinations' own memory; object stores through ranged GETs.
 """
 from __future__ import annotations
 
 import contextlib
-import io
 import os
-import json
-import re
-import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from actors.checkpoint.checksums import RunningChecksum, checksum, matches, running_like
+from actors.checkpoint.checksums import RunningChecksum, matches, running_like
 from actors.checkpoint.partial_reads import partial_read
-from actors.checkpoint.object_writer import open_object_writer
 from actors.checkpoint.ranged_fetch import fetch_ranges
-from plans.checkpoint.chunks import Chunk
-from plans.errors import CheckpointError
+from actors.checkpoint.shard_writer import STAGE_BYTES, dtype_name
 from plans.checkpoint.reshard import HeaderCheck, ReadItem, Request, coalesce
-from plans.checkpoint.safetensors_layout import SAFETENSORS_DTYPES, Entry, file_layout
+from plans.checkpoint.safetensors_layout import SAFETENSORS_DTYPES
+from plans.errors import CheckpointError
 
-# 2.0: chunk and header checksums are CRC32C (1.x: CRC32); a 1.x reader refuses 2.0 by its major
-# version rather than report every chunk corrupt. 2.1: CRC32 again, computed by ISA-L (any reader
-# that knows CRC32 verifies it, so a minor version; actors/checkpoint/checksums.py).
-FORMAT_VERSION = "2.1"
-READABLE_MAJORS = ("1", "2")
-METADATA_KEY = b"rayshard"
-STAGE_BYTES = 16 * 2**20
 WINDOW_BYTES = 64 * 2**20
-
-MANIFEST_SCHEMA = pa.schema([
-    ("name", pa.string()),
-    ("kind", pa.string()),
-    ("dtype", pa.string()),
-    ("global_shape", pa.list_(pa.int64())),
-    ("offsets", pa.list_(pa.int64())),
-    ("sizes", pa.list_(pa.int64())),
-    ("file", pa.string()),
-    ("byte_start", pa.int64()),
-    ("byte_end", pa.int64()),
-    ("checksum", pa.string()),
-    ("file_header", pa.string()),
-])
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def chunk_key(name: str, kind: str, offsets: Sequence[int]) -> str:
-    """The tensor's key inside its safetensors file (unique per file, readable by any safetensors tool)."""
-    return f"{kind}/{name}@{','.join(map(str, offsets))}"
-
-
-# ---- writing ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LazyTensor:
-    """A piece whose bytes are produced only when the writer reaches it (the offline reshard reads
-    each piece just before writing it, so one piece at a time is in memory)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    load: Callable[[], torch.Tensor]
-
-
-
-def _byte_blocks(tensor: torch.Tensor, stage_bytes: int):
-    """The tensor's row-major bytes as CPU buffers of at most ~stage_bytes (whole rows each)."""
-    tensor = tensor.detach()
-    if tensor.dim() == 0 or tensor.numel() == 0:
-        yield tensor.reshape(-1).to("cpu").contiguous().view(torch.uint8).numpy().data
-        return
-    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
-    rows_per_block = max(1, stage_bytes // row_bytes)
-    for start in range(0, tensor.shape[0], rows_per_block):
-        block = tensor[start:start + rows_per_block]
-        # On CPU a contiguous block is written from the parameter's own memory (no copy): the save
-        # runs between steps, so nothing changes it meanwhile. A device block is staged to CPU.
-        block = block.to("cpu").contiguous()
-        yield block.reshape(-1).view(torch.uint8).numpy().data
-
-
-def write_pieces(handle, pieces: Sequence[tuple[str, str, torch.Tensor, tuple, tuple]], file: str,
-                 stage_bytes: int = STAGE_BYTES) -> list[Chunk]:
-    """Stream pieces (name, kind, local tensor, global shape, global offsets) into an open binary
-    handle as one safetensors file; return one Chunk per piece with its absolute byte range."""
-    entries = [Entry(chunk_key(name, kind, offsets), dtype_name(tensor.dtype), tuple(tensor.shape))
-               for name, kind, tensor, _, offsets in pieces]  # a LazyTensor has dtype and shape too
-    # The nonce makes every written header unique, so a manifest can tell its own file from a
-    # replacement even when it reads only part of a chunk.
-    header, ranges = file_layout(entries, {"format": "rayshard", "version": FORMAT_VERSION, "nonce": uuid.uuid4().hex})
-    handle.write(header)
-    header_checksum = checksum(header)
-    chunks = []
-    for (name, kind, tensor, shape, offsets), entry, (start, end) in zip(pieces, entries, ranges):
-        running, written = RunningChecksum(), 0
-        if isinstance(tensor, LazyTensor):
-            tensor = tensor.load()
-        for block in _byte_blocks(tensor, stage_bytes):
-            handle.write(block)
-            running.update(block)
-            written += len(block)
-        if written != end - start:
-            raise CheckpointError(f"{name} ({kind}): wrote {written} bytes but its header entry needs {end - start}")
-        chunks.append(Chunk(name, kind, entry.dtype, tuple(shape), tuple(offsets), entry.shape, file, start, end,
-                            running.text(), header_checksum))
-    return chunks
-
-
-def write_shard(fs, base: str, file: str, pieces, stage_bytes: int = STAGE_BYTES) -> list[Chunk]:
-    """Write pieces to base/file on an fsspec file system, streaming."""
-    path = f"{base}/{file}"
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with open_object_writer(fs, path) as handle:  # S3: parallel multipart, bounded memory, stall bound
-        return write_pieces(handle, pieces, file, stage_bytes)
-
-
-def encode_shard(pieces, file: str) -> tuple[bytes, list[Chunk]]:
-    """The same file in memory (tests, small tools)."""
-    sink = io.BytesIO()
-    chunks = write_pieces(sink, pieces, file)
-    return sink.getvalue(), chunks
-
-
-# ---- the manifest -------------------------------------------------------------------------------
-
-
-def encode_manifest(chunks: list[Chunk], metadata: dict) -> bytes:
-    # Column by column: a dict per row (dataclasses.asdict) cost ~15 us a chunk, 4-6 ms a commit
-    # on the presets (1 ms now).
-    table = pa.Table.from_pydict({name: [getattr(chunk, name) for chunk in chunks] for name in MANIFEST_SCHEMA.names},
-                                 schema=MANIFEST_SCHEMA)
-    document = dict(metadata, format_version=FORMAT_VERSION)
-    table = table.replace_schema_metadata({METADATA_KEY: json.dumps(document, sort_keys=True).encode()})
-    sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
-    return sink.getvalue()
-
-
-def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], dict]:
-    try:
-        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)  # small: threads only cost
-    except Exception as error:  # pyarrow raises several types for damaged files
-        raise CheckpointError(f"{where}: not a readable Parquet manifest ({error})") from error
-    raw = (table.schema.metadata or {}).get(METADATA_KEY)
-    if raw is None:
-        raise CheckpointError(f"{where}: Parquet file has no rayshard metadata; it is not a rayshard manifest")
-    metadata = json.loads(raw)
-    version = str(metadata.get("format_version", ""))
-    if not re.fullmatch(r"\d+\.\d+", version):
-        raise CheckpointError(f"{where}: its format_version {version!r} is not MAJOR.MINOR: the manifest is damaged or "
-                              "was not written by rayshard. Fix: resume from another checkpoint")
-    if version.split(".")[0] not in READABLE_MAJORS:
-        raise CheckpointError(f"{where}: format version {version} is not readable by this rayshard "
-                              f"(reads {', '.join(m + '.x' for m in READABLE_MAJORS)}); upgrade rayshard to read it")
-    required = [name for name in MANIFEST_SCHEMA.names if name != "file_header"]  # absent in format 1.0
-    damaged = [name for name in required if name not in table.column_names or table.column(name).null_count]
-    if damaged:
-        raise CheckpointError(f"{where}: the manifest's column(s) {', '.join(damaged)} are missing or hold nulls; "
-                              "it is damaged. Fix: resume from another checkpoint")
-    columns = table.to_pydict()
-    headers = columns.get("file_header") or [""] * table.num_rows
-    # Column-wise into Chunks (a dict per row cost a small load ~3 ms for ~1300 rows).
-    return [Chunk(name, kind, dtype, tuple(shape), tuple(offsets), tuple(sizes), file, start, end, checksum, header or "")
-            for name, kind, dtype, shape, offsets, sizes, file, start, end, checksum, header in zip(
-                columns["name"], columns["kind"], columns["dtype"], columns["global_shape"], columns["offsets"],
-                columns["sizes"], columns["file"], columns["byte_start"], columns["byte_end"], columns["checksum"],
-                headers)], metadata
-
-
-# ---- reading ------------------------------------------------------------------------------------
 
 # (target, destination tensor, the destination's global offsets)
 Destination = tuple[torch.Tensor, tuple[int, ...]]

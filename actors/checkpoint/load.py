@@ -1,0 +1,269 @@
+"""A rank's side of a load: fill its parameters and AdamW moments from a checkpoint written by any
+layout, reading (or, on object stores, reading once per replica group and handing over) exactly
+the byte ranges that overlap its pieces.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import threading
+import time
+
+import fsspec
+import torch
+import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.tensor import DTensor
+
+from actors.checkpoint.manifest_io import read_manifest
+from actors.checkpoint.rank_pieces import MOMENTS, local_tensor, ties_embeddings, rank_layout, replicated_dims, state_tensors
+from actors.checkpoint.replica_broadcast import broadcast_pieces, buckets
+from actors.checkpoint.shard_writer import dtype_name
+from actors.checkpoint.stored import StoredCheckpoint
+from actors.model.shards import local_region
+from plans.checkpoint.chunks import PARAM, Chunk
+from plans.checkpoint.model_check import raise_if_mismatched
+from plans.checkpoint.reshard import Target
+from plans.checkpoint.writers import assign_readers, group_salt, handover_dims
+from plans.errors import CheckpointError
+from plans.layout.parallel_layout import ParallelLayout, RankCoords
+
+# Replicas hand over read-once pieces in buckets this big: small enough that the first one goes
+# out early in a read, large enough that a load is a few dozen collectives, not hundreds.
+BROADCAST_BUCKET_BYTES = 16 * 2**20
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """A load allocates thousands of small objects (chunks, plans, read items) in a process whose
+    heap holds a whole model's module tree; the cyclic collector's full passes over that heap
+    took ~40% of a small local load (cProfile, dp2 x tp2, small preset). Nothing a load makes is
+    cyclic garbage, so the collector waits until it is done."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@torch.no_grad()
+@_collector_paused()
+def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: set[str],
+                    manifest: bytes | None = None) -> dict:
+    """Fill this rank's params and AdamW state from a checkpoint written by any layout.
+
+    all_parameter_names: every parameter of the whole model (not only this rank's stage), so a
+    key is 'unexpected' only if no rank of the model could own it.
+    manifest: the manifest's bytes when the caller fetched them already (else read here).
+    """
+    layout, coords = rank_layout(model)
+    # Decided from the URL and the layout alone, so the same on every rank: all of them then take
+    # part in the hand-over and in both agreements below, whatever fails where.
+    hands_over = read_once_for(checkpoint_url) and layout.dp > 1
+    device = next((local_tensor(t).device for _, _, t in state_tensors(model, optimizer)), torch.device("cpu"))
+    seconds: dict = {}
+    try:
+        step, metadata, stored, destinations, shared, readers = _prepare_load(
+            model, optimizer, checkpoint_url, all_parameter_names, manifest, hands_over, (layout, coords), seconds)
+    except Exception as error:
+        if not hands_over:
+            raise
+        _raise_if_any_rank_failed(error, device, checkpoint_url, "before reading")  # raises `error` here
+    if hands_over:
+        # A rank of another stage may have failed before reading (its stage's keys do not match,
+        # its manifest could not be fetched): nobody starts broadcasts it will never join.
+        _raise_if_any_rank_failed(None, device, checkpoint_url, "before reading")
+        stats, received, failure = _read_and_hand_over(stored, destinations, shared, readers, layout, coords, seconds)
+        # A replica group may span dp and tp, and a rank whose pieces came from a failed reader
+        # holds garbage: every rank learns whether any read failed.
+        _raise_if_any_rank_failed(failure, device, checkpoint_url, "reading its share of the checkpoint")
+    else:
+        started, received = time.perf_counter(), 0
+        stats = stored.read(destinations)
+        seconds["read"] = time.perf_counter() - started
+    if ties_embeddings(model):  # only a tied embedding's copy can be held twice by one rank
+        _fill_local_copies(model, optimizer)
+    # Parts of chunks this rank read but could not verify alone: the caller gathers every rank's
+    # and checks them together (`check_loaded_parts`).
+    return {"step": step, "metadata": metadata, "bytes_received": received, "seconds": seconds,
+            "partial_reads": stored.take_partial_reads(), **stats}
+
+
+def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: set[str], manifest: bytes | None,
+                  hands_over: bool, placement: tuple[ParallelLayout, RankCoords], seconds: dict):
+    """The manifest, the model check, AdamW state ready to be filled, and what this rank reads."""
+    started = time.perf_counter()
+    chunks, metadata = read_manifest(checkpoint_url, manifest)
+    seconds["manifest"] = time.perf_counter() - started
+    first_chunk: dict[tuple[str, str], Chunk] = {}
+    for chunk in chunks:
+        first_chunk.setdefault((chunk.name, chunk.kind), chunk)
+    check_matches(model, first_chunk, all_parameter_names, checkpoint_url)
+    step = int(metadata["step"])
+    for param in model.parameters():  # AdamW state must exist before it can be filled
+        state = optimizer.state.get(param, {})
+        # Every element is overwritten (coverage is proven), so existing moments are reused and
+        # new ones need no zero fill.
+        moments = {kind: state[kind] if kind in state and state[kind].shape == param.shape and state[kind].dtype == param.dtype
+                   else torch.empty_like(param) for kind in MOMENTS}
+        optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
+    destinations, shared, readers = load_destinations(model, optimizer, hands_over, placement)
+    stored = StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True)
+    return step, metadata, stored, destinations, shared, readers
+
+
+def _raise_if_any_rank_failed(failure: BaseException | None, device: torch.device, checkpoint_url: str,
+                              when: str) -> None:
+    """One all-reduce over every rank: raise this rank's own error, or, if only another rank
+    failed, say so (that rank's error names the cause)."""
+    failed = torch.tensor([int(failure is not None)], device=device)
+    dist.all_reduce(failed)
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise CheckpointError(f"{checkpoint_url}: a replica of this rank could not load ({when}; its own error names "
+                              "the cause); the load failed and this rank's state is incomplete")
+
+
+def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: list, readers: list[int],
+                        layout: ParallelLayout, coords: RankCoords, seconds: dict) -> tuple[dict, int, BaseException | None]:
+    """Read this rank's targets in a background thread, its share of the replicated pieces first,
+    bucket by bucket, while this thread broadcasts each bucket to its replica group as soon as it
+    is in place (and receives the others'). Returns (read stats, bytes received, this rank's read
+    error).
+
+    A reader whose read fails still takes part in every broadcast (sending what it has), so no
+    replica waits on it; the caller then tells all of them that the load failed."""
+    groups = handover_groups(layout)
+    pieces = [(local_tensor(tensor), groups[dims]) for _, _, tensor, _, _, dims in shared]
+    phases = [HANDOVER_KINDS.index(dims) for *_, dims in shared]  # the same order on every rank
+    my_rank = layout.rank_of(coords)
+    cut = buckets(pieces, readers, BROADCAST_BUCKET_BYTES, phases)
+    position_of = {Target(*shared[index][:2], shared[index][3], shared[index][4]): position
+                   for position, bucket in enumerate(cut) if bucket.reader == my_rank for index in bucket.members}
+    in_place = [threading.Event() for _ in cut]
+    outcome: dict = {}
+    started = time.perf_counter()
+
+    def read_all() -> None:
+        try:
+            outcome["stats"] = stored.read(destinations, groups=position_of, group_done=lambda p: in_place[p].set())
+        except BaseException as error:  # reported after the hand-over, which must not wait on it
+            outcome["error"] = error
+        finally:
+            seconds["read"] = time.perf_counter() - started
+            for event in in_place:
+                event.set()
+
+    reader = threading.Thread(target=read_all, name="checkpoint-read", daemon=True)
+    reader.start()
+    received = broadcast_pieces(pieces, cut, my_rank, ready=lambda position: in_place[position].wait())
+    reader.join()
+    seconds["broadcast_after_read"] = time.perf_counter() - started - seconds["read"]
+    return outcome.get("stats", {}), received, outcome.get("error")
+
+
+
+# Every kind of replica group a read-once load hands pieces over in (`handover_dims`), in the
+# order every rank broadcasts them.
+HANDOVER_KINDS = (("dp",), ("dp", "fsdp"), ("dp", "tp"), ("dp", "fsdp", "tp"))
+# (the default process group, layout) -> {hand-over dims: this rank's group}. Holding the default
+# group keeps its identity from being reused by a later one (an elastic restart makes a new one).
+_HANDOVER_GROUPS: dict[tuple, dict[tuple[str, ...], object]] = {}
+
+
+def handover_groups(layout: ParallelLayout) -> dict[tuple[str, ...], object]:
+    """This rank's process group for each kind of replica group. Made once per process group,
+    from the layout alone, so every rank makes the same groups in the same order (creating a
+    group is a collective); a kind whose groups equal an earlier kind's (fsdp=1) reuses them."""
+    key = (dist.group.WORLD, layout)
+    if key not in _HANDOVER_GROUPS:
+        made, by_members = {}, {}
+        for dims in HANDOVER_KINDS:
+            members: dict[str, list[int]] = {}
+            for rank in range(layout.world_size):
+                members.setdefault(group_salt(dims, layout.coords_of(rank)), []).append(rank)
+            enumeration = tuple(sorted(map(tuple, members.values())))
+            if enumeration not in by_members:
+                by_members[enumeration], _ = dist.new_subgroups_by_enumeration([list(m) for m in enumeration])
+            made[dims] = by_members[enumeration]
+        _HANDOVER_GROUPS[key] = made
+    return _HANDOVER_GROUPS[key]
+
+
+def forget_handover_groups() -> None:
+    """Before a reused process joins a new process group: drop the old one's groups."""
+    _HANDOVER_GROUPS.clear()
+
+
+def read_once_for(checkpoint_url: str) -> bool:
+    """Whether dp replicas read each piece once and broadcast it (object stores, network file
+    systems: storage bandwidth is the bottleneck) or each read it (a local disk: page-cache reads
+    beat a gloo broadcast; measured in docs/decisions.md). RAYSHARD_READ_ONCE=1/0 overrides."""
+    setting = os.environ.get("RAYSHARD_READ_ONCE", "auto").strip().lower()
+    if setting in ("1", "true", "yes"):
+        return True
+    if setting in ("0", "false", "no"):
+        return False
+    fs, _ = fsspec.core.url_to_fs(checkpoint_url)
+    return not isinstance(fs, LocalFileSystem)
+
+
+def _fill_local_copies(model, optimizer) -> None:
+    """Tensors this rank holds twice under one name and region (with the V placement, rank 0
+    runs both the first stage and the last one's tied copy): the copy takes the loaded values."""
+    first: dict[tuple, torch.Tensor] = {}
+    for name, kind, tensor in state_tensors(model, optimizer):
+        key = (name, kind, local_region(tensor))
+        if key in first:
+            if tensor is not first[key]:
+                local_tensor(tensor).copy_(local_tensor(first[key]))
+        else:
+            first[key] = tensor
+
+
+def load_destinations(model, optimizer, read_once: bool = True,
+                      placement: tuple[ParallelLayout, RankCoords] | None = None):
+    """(what this rank reads: target -> (local tensor, its global offsets), the pieces shared with
+    replicas as (name, kind, tensor, offsets, sizes, hand-over dims), and the global rank that
+    reads each shared piece).
+
+    read_once: each replica group (`handover_dims`: dp, and tp or fsdp where a piece is copied
+    there too) reads its pieces once, split by bytes as on save, and broadcasts them, so storage
+    serves the checkpoint once, not once per replica. placement: this rank's `rank_layout`, if
+    the caller has it (reading it walks every parameter's mesh)."""
+    layout, coords = placement or rank_layout(model)
+    destinations, shared, seen = {}, [], set()
+    hand_over = read_once and layout.dp > 1
+    for name, kind, tensor in state_tensors(model, optimizer):
+        offsets, sizes = local_region(tensor)
+        if (name, kind, offsets) in seen:
+            continue  # a second copy on this rank (a tied embedding's, V placement): filled after the read
+        seen.add((name, kind, offsets))
+        dims = handover_dims(replicated_dims(tensor, layout)) if hand_over and isinstance(tensor, DTensor) else ()
+        if dims and all(sizes):
+            shared.append((name, kind, tensor, offsets, sizes, dims))
+        else:
+            destinations[Target(name, kind, offsets, sizes)] = (local_tensor(tensor), offsets)
+    readers = assign_readers([dims for *_, dims in shared],
+                             [local_tensor(t).numel() * local_tensor(t).element_size() for _, _, t, _, _, _ in shared], layout, coords)
+    my_rank = layout.rank_of(coords)
+    for (name, kind, tensor, offsets, sizes, _), reader in zip(shared, readers):
+        if reader == my_rank:
+            destinations[Target(name, kind, offsets, sizes)] = (local_tensor(tensor), offsets)
+    return destinations, shared, readers
+
+
+def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str) -> None:
+    """One error listing every missing key, unexpected key and shape or dtype mismatch."""
+    kinds = (PARAM, *MOMENTS)
+    expected = {}
+    for name, param in model.named_parameters():
+        described = (tuple(param.shape), dtype_name(param.dtype))  # once: DTensor's properties are not free
+        expected.update({(name, kind): described for kind in kinds})
+    possible = {(name, kind) for name in all_parameter_names for kind in kinds}
+    found = {key: (chunk.global_shape, chunk.dtype) for key, chunk in stored.items()}
+    raise_if_mismatched(expected, found, possible, where)

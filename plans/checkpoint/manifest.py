@@ -1,0 +1,87 @@
+"""The manifest: the Parquet table that lists every chunk of a checkpoint, and its codec.
+
+Written last, it is the commit (docs/checkpoint-format.md). Pure: bytes in, records out; it imports
+neither torch nor Ray, so catalog commands (`ckpt ls`, `ckpt show`) stay light.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections.abc import Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from plans.checkpoint.chunks import Chunk
+from plans.errors import CheckpointError
+
+# The manifest's object name inside a checkpoint directory.
+MANIFEST = "manifest.parquet"
+# 2.0: chunk and header checksums are CRC32C (1.x: CRC32); a 1.x reader refuses 2.0 by its major
+# version rather than report every chunk corrupt. 2.1: CRC32 again, computed by ISA-L (any reader
+# that knows CRC32 verifies it, so a minor version; actors/checkpoint/checksums.py).
+FORMAT_VERSION = "2.1"
+READABLE_MAJORS = ("1", "2")
+METADATA_KEY = b"rayshard"
+MANIFEST_SCHEMA = pa.schema([
+    ("name", pa.string()),
+    ("kind", pa.string()),
+    ("dtype", pa.string()),
+    ("global_shape", pa.list_(pa.int64())),
+    ("offsets", pa.list_(pa.int64())),
+    ("sizes", pa.list_(pa.int64())),
+    ("file", pa.string()),
+    ("byte_start", pa.int64()),
+    ("byte_end", pa.int64()),
+    ("checksum", pa.string()),
+    ("file_header", pa.string()),
+])
+
+
+def chunk_key(name: str, kind: str, offsets: Sequence[int]) -> str:
+    """The tensor's key inside its safetensors file (unique per file, readable by any safetensors tool)."""
+    return f"{kind}/{name}@{','.join(map(str, offsets))}"
+
+
+def encode_manifest(chunks: list[Chunk], metadata: dict) -> bytes:
+    # Column by column: a dict per row (dataclasses.asdict) cost ~15 us a chunk, 4-6 ms a commit
+    # on the presets (1 ms now).
+    table = pa.Table.from_pydict({name: [getattr(chunk, name) for chunk in chunks] for name in MANIFEST_SCHEMA.names},
+                                 schema=MANIFEST_SCHEMA)
+    document = dict(metadata, format_version=FORMAT_VERSION)
+    table = table.replace_schema_metadata({METADATA_KEY: json.dumps(document, sort_keys=True).encode()})
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], dict]:
+    try:
+        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)  # small: threads only cost
+    except Exception as error:  # pyarrow raises several types for damaged files
+        raise CheckpointError(f"{where}: not a readable Parquet manifest ({error})") from error
+    raw = (table.schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise CheckpointError(f"{where}: Parquet file has no rayshard metadata; it is not a rayshard manifest")
+    metadata = json.loads(raw)
+    version = str(metadata.get("format_version", ""))
+    if not re.fullmatch(r"\d+\.\d+", version):
+        raise CheckpointError(f"{where}: its format_version {version!r} is not MAJOR.MINOR: the manifest is damaged or "
+                              "was not written by rayshard. Fix: resume from another checkpoint")
+    if version.split(".")[0] not in READABLE_MAJORS:
+        raise CheckpointError(f"{where}: format version {version} is not readable by this rayshard "
+                              f"(reads {', '.join(m + '.x' for m in READABLE_MAJORS)}); upgrade rayshard to read it")
+    required = [name for name in MANIFEST_SCHEMA.names if name != "file_header"]  # absent in format 1.0
+    damaged = [name for name in required if name not in table.column_names or table.column(name).null_count]
+    if damaged:
+        raise CheckpointError(f"{where}: the manifest's column(s) {', '.join(damaged)} are missing or hold nulls; "
+                              "it is damaged. Fix: resume from another checkpoint")
+    columns = table.to_pydict()
+    headers = columns.get("file_header") or [""] * table.num_rows
+    # Column-wise into Chunks (a dict per row cost a small load ~3 ms for ~1300 rows).
+    return [Chunk(name, kind, dtype, tuple(shape), tuple(offsets), tuple(sizes), file, start, end, checksum, header or "")
+            for name, kind, dtype, shape, offsets, sizes, file, start, end, checksum, header in zip(
+                columns["name"], columns["kind"], columns["dtype"], columns["global_shape"], columns["offsets"],
+                columns["sizes"], columns["file"], columns["byte_start"], columns["byte_end"], columns["checksum"],
+                headers)], metadata
