@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.checkpoint.stored import StoredCheckpoint
-from cluster.cli.progress import advance, set_total
+from cluster.progress import advance, set_total
 from plans.checkpoint.chunks import STATE_KINDS, Chunk
 
 BLOCK_BYTES = 64 * 2**20
@@ -93,7 +93,7 @@ def _bytes(block: torch.Tensor) -> memoryview:
 
 def digest_checkpoint(url_or_stored: str | StoredCheckpoint, block_bytes: int = BLOCK_BYTES,
                       progress=None) -> list[TensorDigest]:
-    """progress: a bar (cluster/cli/progress.py) advanced by the bytes of each block hashed; its total
+    """progress: a bar (cluster/progress.py) advanced by the bytes of each block hashed; its total
     is set here unless the caller set one (a diff counts both checkpoints on one bar)."""
     stored = url_or_stored if isinstance(url_or_stored, StoredCheckpoint) else StoredCheckpoint(url_or_stored)
     if progress is not None and not progress.total:

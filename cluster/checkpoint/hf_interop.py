@@ -23,7 +23,7 @@ from actors.checkpoint.shard_writer import LazyTensor, write_shard
 
 from plans.checkpoint.manifest import encode_manifest
 from actors.checkpoint.stored import StoredCheckpoint
-from cluster.cli.progress import advance, set_total
+from cluster.progress import advance, set_total
 from cluster.checkpoint.transform_exec import run_group
 from plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
 from plans.errors import CheckpointError
@@ -178,7 +178,7 @@ class ExportResult:
 
 def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
               include_optimizer: bool = True, log=print, progress=None) -> ExportResult:
-    """progress: a bar (cluster/cli/progress.py) advanced by the bytes of each tensor written."""
+    """progress: a bar (cluster/progress.py) advanced by the bytes of each tensor written."""
     started = time.perf_counter()
     stored = StoredCheckpoint(checkpoint_url)
     model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
@@ -266,7 +266,7 @@ def _reader(fs, base: str, tensors: dict[str, StoredTensor]):
 def import_hf(directory: str, store, run: str, dtype: str = "float32", file_bytes: int = IMPORT_FILE_BYTES,
               log=print, progress=None) -> str:
     """Write a rayshard checkpoint (run@step) from a Hugging Face Llama directory; commit it.
-    progress: a bar (cluster/cli/progress.py) advanced by the bytes of each tensor handed to the writer."""
+    progress: a bar (cluster/progress.py) advanced by the bytes of each tensor handed to the writer."""
     fs, base = fsspec.core.url_to_fs(directory)
     config_path = f"{base}/{CONFIG}"
     if not fs.exists(config_path):

@@ -24,7 +24,7 @@ from actors.checkpoint.shard_writer import LazyTensor, write_shard
 from plans.checkpoint.manifest import encode_manifest
 from actors.checkpoint.manifest_io import read_manifest
 from actors.checkpoint.stored import StoredCheckpoint, check_loaded_parts
-from cluster.cli.progress import advance, set_total
+from cluster.progress import advance, set_total
 from plans.checkpoint.chunks import Chunk
 from plans.errors import CheckpointError
 from plans.layout.parallel_layout import ParallelLayout
@@ -184,7 +184,7 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
                        stage_layout: list[int] | None = None, log=print, progress=None) -> ReshardResult:
     """Write and commit `run`@step: the checkpoint at source_url laid out for `layout`.
     local=True plays every rank in this process (same code, no Ray; for tests and small models).
-    progress: a bar (cluster/cli/progress.py) advanced by each rank's planned bytes when it finishes."""
+    progress: a bar (cluster/progress.py) advanced by each rank's planned bytes when it finishes."""
     started = time.perf_counter()
     chunks, metadata = read_manifest(source_url)
     step = int(metadata["step"])

@@ -20,7 +20,7 @@ from actors.checkpoint.ranged_fetch import fetch_ranges
 from plans.errors import CheckpointError
 from plans.checkpoint.model_check import check_against_own_model
 from plans.checkpoint.reshard import Request, check_chunks_disjoint_and_complete
-from cluster.cli.progress import advance, set_total
+from cluster.progress import advance, set_total
 
 WINDOW_BYTES = 64 * 2**20
 
@@ -40,7 +40,7 @@ class VerifyReport:
 
 
 def verify(url: str, deep: bool = False, progress=None, window_bytes: int = WINDOW_BYTES) -> VerifyReport:
-    """progress: a bar (cluster/cli/progress.py) advanced by the bytes read back (deep only)."""
+    """progress: a bar (cluster/progress.py) advanced by the bytes read back (deep only)."""
     chunks, metadata = read_manifest(url)
     report = VerifyReport(url, chunks=len(chunks), deep=deep)
     # The manifest itself: its chunks tile every tensor once, and it lists every tensor of the

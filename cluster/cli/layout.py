@@ -4,16 +4,6 @@ from __future__ import annotations
 import argparse
 
 from cluster.cli.plan import plan_subcommands
-from plans.layout.chooser import Workload, choose_layout
-from plans.training.model_spec import preset
-
-
-def run_layout(args: argparse.Namespace) -> int:
-    pinned = {name: getattr(args, name) for name in ("dp", "fsdp", "tp", "pp") if getattr(args, name)}
-    choice = choose_layout(args.ranks, preset(args.model), Workload(args.global_batch, args.seq_len, args.microbatches),
-                           args.memory_gib * 2 ** 30, ranks_per_node=args.ranks_per_node, pinned=pinned)
-    print(choice.explain())
-    return 0
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -29,4 +19,4 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=8, metavar="N", help="tp stays within a node")
     for name in ("dp", "fsdp", "tp", "pp"):
         parser.add_argument(f"--{name}", type=int, metavar="N", help=f"pin {name}")
-    parser.set_defaults(run_command=run_layout)
+    parser.set_defaults(run_command="cluster.cli.commands.layout:run_layout")

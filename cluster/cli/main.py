@@ -1,12 +1,25 @@
-"""The `rayshard` command line: one subcommand family per module, registered here."""
+"""The `rayshard` command line: one subcommand family per module, registered here.
+
+The parser modules (cluster/cli/*.py) import no torch and no Ray; each subcommand names what it
+runs as "module:function" in cluster/cli/commands/, and `main` imports that module only when the
+subcommand runs. This is the one place rayshard defers an import: `rayshard --help`, `ckpt ls` and
+`ckpt show` stay light (no torch), while `train` pulls in Ray and torch.
+"""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import re
 import sys
+from collections.abc import Callable
 
+from cluster.cli import catalog as catalog_cli
+from cluster.cli import ckpt as ckpt_cli
+from cluster.cli import layout as layout_cli
+from cluster.cli import plan as plan_cli
+from cluster.cli import train as train_cli
 from plans.errors import RayshardError
 
 
@@ -16,23 +29,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ray-orchestrated distributed training with reshardable checkpoints.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # Each family registers its own subcommands; importing lazily keeps `rayshard --help` fast.
-    from cluster.cli import catalog as catalog_cli
-    from cluster.cli import ckpt as ckpt_cli
-    from cluster.cli import layout as layout_cli
-    from cluster.cli import plan as plan_cli
-    from cluster.cli import train as train_cli
-
     for module in (train_cli, plan_cli, layout_cli, ckpt_cli, catalog_cli):
         module.register(commands)
     return parser
+
+
+def command_of(args: argparse.Namespace) -> Callable[[argparse.Namespace], int | None]:
+    """The function a parsed command line runs: its "module:function" name imported now."""
+    command = args.run_command
+    if isinstance(command, str):
+        module, _, function = command.partition(":")
+        command = getattr(importlib.import_module(module), function)
+    return command
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.run_command(args) or 0)
+        return int(command_of(args)(args) or 0)
     except RayshardError as error:
         print(f"rayshard: error: {error}", file=sys.stderr)
         return 2
@@ -54,11 +69,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _from_ray(error: BaseException) -> bool:
-    try:
-        from ray.exceptions import RayError
-    except ImportError:
-        return False
-    return isinstance(error, RayError)
+    # An error can come from Ray only once Ray is imported; looking it up imports nothing.
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    return ray_exceptions is not None and isinstance(error, ray_exceptions.RayError)
 
 
 def _without_userinfo(text: str) -> str:
@@ -67,12 +80,10 @@ def _without_userinfo(text: str) -> str:
 
 
 def _storage_errors() -> tuple[type[BaseException], ...]:
+    # botocore's errors exist only once s3fs has imported it; looking it up imports nothing.
+    botocore = sys.modules.get("botocore.exceptions")
     errors: tuple[type[BaseException], ...] = (OSError,)
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-    except ImportError:
-        return errors
-    return errors + (BotoCoreError, ClientError)
+    return errors if botocore is None else errors + (botocore.BotoCoreError, botocore.ClientError)
 
 
 def _first_line(error: BaseException) -> str:

@@ -157,7 +157,7 @@ def test_stopped_job_resubmitted_on_fewer_ranks_continues_the_losses(ray_head, t
     [check] = _resume_checks(store, "resub")
     assert check["equal"] and check["step"] == stopped_at and check["layout"].startswith("dp=4,")
     from cluster.cli.main import build_parser
-    from cluster.cli.train import config_from_args
+    from cluster.cli.commands.train import config_from_args
 
     # The same flags on the same embedded config, uninterrupted, on a third layout.
     reference_args = build_parser().parse_args([*TRAIN[3:], "--dp", "2", "--store", str(tmp_path / "ref"), "--run", "ref"])

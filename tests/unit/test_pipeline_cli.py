@@ -7,6 +7,7 @@ import json
 import pytest
 
 from cluster.cli import plan as plan_cli
+from cluster.cli.main import command_of
 from plans.pipeline.actions import Schedule
 from plans.pipeline.checker import check
 from plans.errors import ConfigError, ScheduleError
@@ -17,7 +18,7 @@ def run(*argv: str) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     plan_cli.register(commands)
     args = parser.parse_args(list(argv))
-    return args.run_command(args)
+    return command_of(args)(args)
 
 
 def test_schedule_prints_validity_step_time_bubble_and_memory(capsys, tmp_path):

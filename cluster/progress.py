@@ -1,4 +1,5 @@
-"""Progress bars of the long `rayshard ckpt` commands: tqdm byte bars on stderr.
+"""Progress of long work: tqdm byte bars on stderr for the `rayshard ckpt` commands, and the
+protocol the tools that do the work report through.
 
 A bar is drawn when stderr is a terminal; `--quiet` hides it and `--progress` draws it anyway (a
 log file, a test). The functions that do the work take `progress`: a tqdm bar, or anything with
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tqdm import tqdm
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     choice = parser.add_mutually_exclusive_group()
@@ -18,8 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def byte_bar(args: argparse.Namespace, desc: str, enabled: bool = True):
-    from tqdm import tqdm
-
     shown = enabled and not getattr(args, "quiet", False) and (getattr(args, "progress", False) or sys.stderr.isatty())
     return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, disable=not shown,
                 dynamic_ncols=True)

@@ -1,0 +1,109 @@
+"""`rayshard ckpt ls | show | verify | gc`: the catalog of a store. Imports no torch."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+
+from actors.checkpoint.manifest_io import read_manifest
+from cluster.checkpoint.verify import verify
+from cluster.cli.commands.checkpoint_refs import reading, resolve_checkpoint
+from cluster.progress import byte_bar
+from cluster.storage.catalog import Catalog
+from cluster.storage.retention import collect
+from cluster.storage.store import Store
+from plans.errors import ConfigError
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def _when(unix: float | None) -> str:
+    return dt.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S") if unix else "-"
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    catalog = Catalog(args.store)
+    entries = catalog.checkpoints(args.run)
+    if args.json:
+        print(json.dumps(catalog.table(args.run).to_pylist(), indent=2))
+        return 0
+    if not entries:
+        runs = catalog.runs()
+        where = f"run {args.run!r} in {args.store}" if args.run else args.store
+        print(f"no committed checkpoints in {where}" + (f" (runs there: {', '.join(runs)})" if runs and args.run else ""))
+    else:
+        header = ("RUN", "STEP", "LAYOUT", "SIZE", "STATUS", "CREATED", "PARENT")
+        rows = [(e.run, str(e.step) + (" *" if e.latest else ""), e.layout, _size(e.size_bytes),
+                 e.status + (f" ({e.readers} reading)" if e.readers else ""), _when(e.created_unix),
+                 (e.parent or "-").rsplit("/checkpoints/", 1)[-1] if e.parent and e.parent.startswith(
+                     catalog.store.checkpoint_url(e.run, 0).rsplit("/", 1)[0]) else (e.parent or "-"))
+                for e in entries]
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print("* = LATEST of its run")
+    if args.all:
+        leftovers = catalog.leftovers(args.run)
+        for leftover in leftovers:
+            print(f"leftover: {leftover.kind} {leftover.path} ({leftover.objects} objects, {_size(leftover.size_bytes)}, "
+                  f"last written {_when(leftover.newest_unix)})")
+        if not leftovers:
+            print("no leftovers")
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    ref = resolve_checkpoint(args)  # reads the manifest only, no shard: no lease
+    chunks, metadata = read_manifest(ref.url)
+    tensors = {(c.name, c.kind) for c in chunks}
+    files = {c.file for c in chunks}
+    total = sum(c.byte_end - c.byte_start for c in chunks)
+    print(f"checkpoint {ref.url}")
+    print(f"  run {metadata.get('run')} step {metadata.get('step')}  format {metadata.get('format_version')}")
+    print(f"  layout {metadata.get('layout')}  model {metadata.get('model_preset')}")
+    print(f"  {len(tensors)} tensors (params and optimizer moments), {len(chunks)} chunks in {len(files)} files, "
+          f"{total / 2**20:.2f} MiB")
+    print(f"  parent {metadata.get('parent')}")
+    if args.json:
+        print(json.dumps(metadata, indent=2, sort_keys=True, default=str))
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    with reading(args) as (_, [ref]), byte_bar(args, "verify", enabled=args.deep) as bar:  # a shallow check reads no data
+        report = verify(ref.url, deep=args.deep, progress=bar)
+    checked = f", {_size(report.bytes_checked)} read back and checksummed" if report.deep else ""
+    if report.ok:
+        print(f"ok: {ref.url}: {report.files} files and {report.chunks} chunks present with their sizes{checked}")
+        return 0
+    print(f"FAILED: {ref.url}: {len(report.problems)} problem(s){checked}")
+    for problem in report.problems:
+        print(f"  {problem}")
+    print("Fix: restore the named files, or resume from another checkpoint (`rayshard ckpt ls`).")
+    return 1
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    if args.keep < 0:
+        raise ConfigError("--keep", args.keep, "must be 0 or more", "pass --keep N with N >= 0 (LATEST is always kept)")
+    report = collect(Store(args.store), args.keep, run=args.run, grace_s=args.grace, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for url in report.removed_checkpoints:
+        print(f"{verb} checkpoint {url}")
+    for path in report.removed_leftovers:
+        print(f"{verb} leftover {path}")
+    for path in report.aborted_uploads:
+        print(f"{'would abort' if args.dry_run else 'aborted'} incomplete multipart upload {path}")
+    for path in report.removed_leases:
+        print(f"{verb} expired lease {path}")
+    for what, why in report.kept:
+        print(f"kept {what}: {why}")
+    print(f"{verb} {len(report.removed_checkpoints)} checkpoint(s), {len(report.removed_leftovers)} leftover(s), "
+          f"{len(report.aborted_uploads)} upload(s): {_size(report.freed_bytes)}")
+    return 0

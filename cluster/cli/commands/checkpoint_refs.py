@@ -1,0 +1,29 @@
+"""Checkpoint arguments resolved against a store, and the reader leases held while a command reads."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from cluster.storage import leases
+from cluster.storage.store import Store
+
+
+def resolve_checkpoint(args: argparse.Namespace, name: str = "checkpoint"):
+    return Store(args.store).resolve(getattr(args, name))
+
+
+@contextlib.contextmanager
+def reading(args: argparse.Namespace, *names: str):
+    """Resolve the named checkpoint arguments and hold a reader lease on each while the command
+    reads its shards (cluster/storage/leases.py), so a concurrent `ckpt gc` keeps them. Yields (store,
+    refs). A checkpoint given by URL has no run and step in --store (it may be outside any store)
+    and is read without a lease."""
+
+    store = Store(args.store)
+    with contextlib.ExitStack() as held:
+        refs = []
+        for name in names or ("checkpoint",):
+            ref = store.resolve(getattr(args, name))
+            held.enter_context(leases.reading(store, ref))
+            refs.append(ref)
+        yield store, refs

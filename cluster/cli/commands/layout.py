@@ -1,0 +1,15 @@
+"""`rayshard plan layout`: which layout rayshard would run on N ranks, and why."""
+from __future__ import annotations
+
+import argparse
+
+from plans.layout.chooser import Workload, choose_layout
+from plans.training.model_spec import preset
+
+
+def run_layout(args: argparse.Namespace) -> int:
+    pinned = {name: getattr(args, name) for name in ("dp", "fsdp", "tp", "pp") if getattr(args, name)}
+    choice = choose_layout(args.ranks, preset(args.model), Workload(args.global_batch, args.seq_len, args.microbatches),
+                           args.memory_gib * 2 ** 30, ranks_per_node=args.ranks_per_node, pinned=pinned)
+    print(choice.explain())
+    return 0

@@ -1,0 +1,82 @@
+"""`rayshard train`: the config file plus command-line overrides, then a run (or an elastic one)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from cluster.run.controller import State
+from cluster.run.elastic import train_elastic
+from cluster.run.rank_group import StepFailed
+from cluster.run.train import train
+from plans.config import TrainConfig, with_overrides
+from plans.elastic import FailurePolicy, ScalingPolicy
+from plans.errors import ConfigError
+from plans.pipeline.schedules import schedule_spec
+
+
+# The repository root (cluster/cli/commands/train.py -> three folders up), where configs/ lives.
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "demo.yaml")
+
+
+# CLI flag -> dotted config field. Flags not given leave the file's value alone.
+OVERRIDES = {
+    "model": "model_preset", "run": "run", "store": "store", "steps": "steps", "ckpt_every": "ckpt_every",
+    "resume": "resume", "global_batch": "global_batch", "seq_len": "seq_len", "microbatches": "microbatches",
+    "seed": "seed", "schedule": "schedule", "world_size": "world_size", "lr": "optimizer.lr",
+    "warmup_steps": "optimizer.warmup_steps", "data": "data.source",
+    "dp": "layout.dp", "fsdp": "layout.fsdp", "tp": "layout.tp", "pp": "layout.pp", "vpp": "layout.vpp",
+    "stage_layout": "stage_layout", "pipeline_timeout": "pipeline_timeout_s",
+    "verify_resume": "verify_resume",
+}
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    path = args.config or DEFAULT_CONFIG
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle) or {}
+    except FileNotFoundError:
+        raise ConfigError("--config", path, "file not found", "pass an existing YAML file, e.g. configs/demo.yaml") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--config", path, "the file must hold a YAML mapping", "see configs/demo.yaml for the shape")
+    if args.model:  # a preset on the command line replaces the file's model section entirely
+        data["model"] = {"preset": args.model}
+    config = TrainConfig.from_dict(data)
+    overrides = {field: getattr(args, flag) for flag, field in OVERRIDES.items() if flag != "model"}
+    file_layout = data.get("layout") or {}
+    pipelined = (args.pp if args.pp is not None else file_layout.get("pp", 1)) > 1
+    if pipelined and args.schedule and args.vpp is None and "vpp" not in file_layout:
+        # The schedule fixes how many stages a rank runs; don't make the user repeat it.
+        overrides["layout.vpp"] = schedule_spec(args.schedule).default_vpp
+    return with_overrides(config, **overrides).validate()
+
+
+def run_train(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.elastic:
+        return _run_elastic(args, config)
+
+    try:
+        result = train(config, async_save=getattr(args, "async_save", False))
+    except StepFailed as failed:  # each rank's own error says where it stopped; a traceback adds nothing
+        print(f"rayshard: training stopped: {failed}", file=sys.stderr)
+        return 1
+    if result.checkpoints:
+        print(f"latest checkpoint: {result.checkpoints[-1]}")
+    return 0
+
+
+def _run_elastic(args: argparse.Namespace, config) -> int:
+    # Dimensions given on the command line are pins; the chooser picks the rest for each attempt.
+    pinned = {name: getattr(args, name) for name in ("dp", "fsdp", "tp", "pp") if getattr(args, name)}
+    controller, state = train_elastic(
+        config, pinned, ScalingPolicy(args.min_ranks, args.max_ranks),
+        FailurePolicy(max_failures=args.max_failures, backoff_s=args.backoff_s),
+        memory_per_rank_bytes=args.memory_gib * 2**30, cpus_per_rank=args.cpus_per_rank)
+    if state is State.ERRORED:
+        print(f"rayshard: error: elastic training stopped: {controller.history[-1].detail}")
+        return 1
+    return 0
