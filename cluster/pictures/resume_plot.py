@@ -11,6 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display on cluster nodes or in CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+
 from plans.errors import CheckpointError
 from plans.layout.parallel_layout import ParallelLayout
 
@@ -70,11 +76,6 @@ def _timeline(store, runs: list[str]) -> list[tuple[str, list[dict]]]:
 
 def plot_resume(store, runs: list[str], out: str, reference: str | None = None, title: str | None = None) -> dict:
     """Draw the picture to `out` (PNG); return the largest relative difference to the reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     parts = [part for run, records in _timeline(store, runs) for part in segments(run, records)]
     ref = {int(r["step"]): float(r["loss"]) for r in read_metrics(store, reference)} if reference else {}
     differences = relative_differences(parts, ref) if ref else {}
