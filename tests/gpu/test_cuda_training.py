@@ -1,7 +1,7 @@
 """The CUDA/NCCL path, through the real CLI and Ray: a rank that owns a GPU trains, saves, loads
 and hands its checkpoints to CPU/gloo ranks and back, bit for bit.
 
-Runs only where torch sees a CUDA GPU (CI has none; docs/decisions.md records the runs on a
+Runs only where torch sees a CUDA GPU (CI has none; bench/RESULTS.md records the runs on a
 lent GPU machine). One GPU is enough: NCCL refuses two ranks on one device, so the GPU side is
 one rank and the layout changes happen on the CPU side (`CUDA_VISIBLE_DEVICES=` hides the GPU
 from Ray, whose ranks then take CPU shares and gloo).
