@@ -5,13 +5,33 @@ per step; activations and gradients move between ranks over torch.distributed.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 
+import fsspec
 import ray
 import torch
 
+from actors.training.trainer import Trainer, WrapRunner
 from plans.config import TrainConfig
+
+# "module:function" naming a WrapRunner (`actors/training/trainer.py`) that each rank applies to
+# its step runner. Read from the actor's environment (Ray's runtime_env env_vars, or the
+# environment of the process that starts Ray), so a caller can change what a step does without
+# the product knowing what: tests install faults this way (`tests/faults.py`).
+WRAP_RUNNER_ENV = "RAYSHARD_WRAP_RUNNER"
+
+
+def wrap_runner_from_environment() -> WrapRunner | None:
+    spec = os.environ.get(WRAP_RUNNER_ENV, "")
+    if not spec:
+        return None
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{WRAP_RUNNER_ENV}={spec!r} must name a function as module:function, "
+                         "e.g. tests.faults:install_from_environment; unset it to run steps as they are")
+    return getattr(importlib.import_module(module), name)
 
 
 @ray.remote
@@ -30,21 +50,18 @@ class RankActor:
 
     def setup(self, config: TrainConfig, rank: int, init_method: str, plan=None) -> dict:
         """plan: the run's PipelinePlan (pp > 1), shipped once and replayed every step."""
-        from actors.training.trainer import Trainer  # heavy imports happen in the actor, not at module load
-
         self.shutdown()  # a reused actor leaves its previous group first
         # The GPU Ray assigned to this actor, if any (Ray narrows CUDA_VISIBLE_DEVICES to it); a
         # rank placed on a CPU share stays on the CPU even where the machine has GPUs.
         device = "cuda" if ray.get_gpu_ids() else "cpu"
-        self.trainer = Trainer(config, rank, init_method, plan, device=device)
+        self.trainer = Trainer(config, rank, init_method, plan, device=device,
+                               wrap_runner=wrap_runner_from_environment())
         return {"rank": rank, "pid": os.getpid(), "device": str(self.trainer.device),
                 "data_fingerprint": self.trainer.data_fingerprint()}
 
     def configure_storage(self, conf: dict) -> None:
         """The driver's object-store options (endpoint, retries, timeouts, part size — never
         credentials) as fsspec defaults, so this process's checkpoint I/O uses the same policy."""
-        import fsspec
-
         fsspec.config.conf.update(conf)
 
     def load(self, checkpoint_url: str, manifest: bytes | None = None) -> dict:
@@ -65,10 +82,9 @@ class RankActor:
     def stage_save(self, checkpoint_url: str, file: str) -> dict:
         """Async save: copy this rank's share of the state to CPU (all a training step waits for),
         then upload it in a background thread; the driver polls save_status."""
-        from actors.checkpoint.async_save import BackgroundSave
-
         trainer = self.trainer
-        self.background_save = BackgroundSave(trainer.model, trainer.optimizer, checkpoint_url, file, trainer.rank)
+        self.background_save = trainer.async_saver.start(trainer.model, trainer.optimizer, checkpoint_url, file,
+                                                         trainer.rank, trainer.pipeline_copies)
         return self.background_save.staged
 
     def save_status(self, wait: bool = False) -> dict:

@@ -91,7 +91,8 @@ def _our_save(trainer, url: str):
     from plans.checkpoint.manifest import MANIFEST
     from plans.checkpoint.chunks import Chunk
 
-    rows = save_rank_shard(trainer.model, trainer.optimizer, trainer.coord_map, url, f"attempt-bench/rank-{trainer.rank:05d}.safetensors")
+    rows = save_rank_shard(trainer.model, trainer.optimizer, trainer.coord_map, url, f"attempt-bench/rank-{trainer.rank:05d}.safetensors",
+                           trainer.pipeline_copies)
     gathered = [None] * dist.get_world_size() if trainer.rank == 0 else None
     dist.gather_object(rows, gathered, dst=0)
     if trainer.rank == 0:
@@ -126,8 +127,8 @@ def _dcp_load(trainer, path: str):
 def _raw_bytes(trainer) -> list[memoryview]:
     from actors.checkpoint.save import pieces_to_write
 
-    return [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
-            for _, _, t, _, _ in pieces_to_write(trainer.model, trainer.optimizer)]
+    return [piece.tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+            for piece in pieces_to_write(trainer.model, trainer.optimizer, trainer.pipeline_copies)]
 
 
 def _raw_save(trainer, path: str):
@@ -173,7 +174,7 @@ def _planned_ranges(trainer, url: str) -> list[tuple[str, int, int, list[tuple[i
     from plans.checkpoint.reshard import ReadItem
 
     stored = StoredCheckpoint(url)
-    destinations, _, _ = load_destinations(trainer.model, trainer.optimizer, read_once_for(url))
+    destinations = load_destinations(trainer.model, trainer.optimizer, read_once_for(url)).destinations
     return [(f"{stored.base}/{r.file}", r.byte_start, r.byte_end,
              [(p.byte_start, p.byte_end) for p in r.parts if isinstance(p, ReadItem)])
             for r in stored.plan(destinations).requests]

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from actors.checkpoint.read_executor import fill_from_reads  # noqa: E402
 
-from actors.checkpoint.shard_writer import write_shard  # noqa: E402
+from actors.checkpoint.shard_writer import Piece, write_shard  # noqa: E402
 from actors.checkpoint.checksums import running_like  # noqa: E402
 from actors.checkpoint.partial_reads import PartialRead, check_partial_reads  # noqa: E402
 from plans.checkpoint.reshard import plan_reads  # noqa: E402
@@ -51,10 +51,10 @@ def main() -> None:
     rows = args.mib * 2**20 // (COLUMNS * 4)
     written = torch.randn(rows, COLUMNS)
     half = COLUMNS // 2
-    whole = write_shard(fs, args.root, "whole.safetensors", [("w", "param", written, (rows, COLUMNS), (0, 0))])
+    whole = write_shard(fs, args.root, "whole.safetensors", [Piece("w", "param", written, (rows, COLUMNS), (0, 0))])
     halves = write_shard(fs, args.root, "halves.safetensors",
-                         [("w", "param", written[:, :half].contiguous(), (rows, COLUMNS), (0, 0)),
-                          ("w", "param", written[:, half:].contiguous(), (rows, COLUMNS), (0, half))])
+                         [Piece("w", "param", written[:, :half].contiguous(), (rows, COLUMNS), (0, 0)),
+                          Piece("w", "param", written[:, half:].contiguous(), (rows, COLUMNS), (0, half))])
     print(f"a {args.mib} MiB float32 tensor, local store (page cache), {args.repeats} repeats:")
     for title, chunks, target_rows in (("same layout, one chunk read whole, verified", whole, rows),
                                        ("resharded, column halves into a row shard", halves, rows // 2)):

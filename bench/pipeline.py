@@ -89,7 +89,7 @@ class _TorchSchedule1F1B:
             self.schedule.step(target=torch.cat(targets), losses=losses)
         else:
             self.schedule.step()
-        clip_grad_norm(self.module.parameters(), opt.grad_clip, trainer.coord_map)
+        clip_grad_norm(self.module.parameters(), opt.grad_clip, trainer.coord_map, copies=trainer.pipeline_copies)
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         loss = torch.stack(losses).mean() if losses else torch.zeros(())
@@ -101,11 +101,8 @@ def _rank_main(rank: int, config: TrainConfig, port: int, rounds: int, out_dir: 
     from actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")  # builds the 1F1B plan's runner
-    ours = {"ours-1f1b": trainer.runner}
-    one_f_one_b = trainer.plan
-    trainer.plan = build_pipeline_plan(config.model, config.layout, "zbh1", config.microbatches)
-    ours["ours-zbh1"] = trainer._build_runner()  # same stages, the other plan
-    trainer.plan = one_f_one_b
+    zbh1 = build_pipeline_plan(config.model, config.layout, "zbh1", config.microbatches)
+    ours = {"ours-1f1b": trainer.runner, "ours-zbh1": trainer.runner.with_plan(zbh1)}  # same stages, the other plan
     theirs = _TorchSchedule1F1B(trainer)
     results = {variant: {"steps": [], "cpu": [], "plans": [], "waits": [], "actions": []} for variant in VARIANTS}
     for round_index in range(WARMUP_ROUNDS + rounds):

@@ -159,9 +159,9 @@ def run(args) -> None:
                 steps_during.append(_timed(lambda: group.call("train_step")))
                 blocked += _timed(saver.poll)
             # A rank's optimizer step waits if its snapshot copy has not finished: training blocked too.
-            waited = max(s["optimizer_wait_seconds"] for s in saver.last_statuses)
+            waited = max(s.optimizer_wait_seconds for s in saver.last_statuses)
             times["async"].append(blocked + waited)
-            times["copy"].append(max(s["copy_seconds"] for s in saver.last_statuses))
+            times["copy"].append(max(s.copy_seconds for s in saver.last_statuses))
             times["step_during"].append(statistics.median(steps_during))
             times["step"].append(statistics.median(_timed(lambda: group.call("train_step")) for _ in range(2)))
             print(f"repeat {repeat + 1}: save {times['save'][-1]:.2f}s put {times['put'][-1]:.2f}s "

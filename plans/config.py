@@ -64,13 +64,6 @@ class TrainConfig:
     # None means collective_timeout_s.
     stage_layout: tuple[int, ...] | None = None
     pipeline_timeout_s: float | None = None
-    # Test-only fault injection: this rank sleeps stall_seconds before each pipeline step, to
-    # prove that a stalled rank turns into a named timeout error rather than a hang.
-    stall_rank: int | None = None
-    stall_seconds: float = 0.0
-    # Test-only: this rank's process exits at the start of its first pipeline step, as a rank
-    # killed mid-step would, while its peers wait on it in transfers and collectives.
-    exit_rank: int | None = None
 
     def __post_init__(self):
         if self.stage_layout is not None and not isinstance(self.stage_layout, tuple):
@@ -130,9 +123,6 @@ class TrainConfig:
         if self.pipeline_timeout_s is not None and self.pipeline_timeout_s <= 0:
             raise ConfigError("pipeline_timeout_s", self.pipeline_timeout_s, "must be positive (or unset for collective_timeout_s)",
                               "set it to e.g. 300")
-        if self.stall_rank is not None and not 0 <= self.stall_rank < lay.world_size:
-            raise ConfigError("stall_rank", self.stall_rank, f"must name a rank in 0..{lay.world_size - 1}",
-                              "pick an existing rank, or leave it unset (it is for tests)")
         return self
 
     def _validate_pipeline(self) -> None:

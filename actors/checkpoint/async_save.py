@@ -11,7 +11,7 @@ a forward and backward. On a GPU the copy runs on a side stream into pinned buff
 Memory: the rank's share of the checkpoint in host memory (what torch DCP's async save also
 pays), kept between saves so the next copy has no allocation or page faults, plus the streaming
 writer's bounded part buffers. A save never starts while the previous one still reads the
-buffers. The driver polls `status`; a failed upload is returned as text naming the rank and the
+buffers: the trainer's `AsyncSaver` owns both the buffers and the save in flight. The driver polls `status`; a failed upload is returned as text naming the rank and the
 object, never raised here, so the driver can report it at the next step.
 """
 from __future__ import annotations
@@ -22,33 +22,51 @@ import time
 import fsspec
 import torch
 
-from actors.checkpoint.shard_writer import write_shard
 from actors.checkpoint.save import pieces_to_write
+from actors.checkpoint.shard_writer import Piece, write_shard
+from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
 
-_staging: dict[tuple, torch.Tensor] = {}  # (name, kind, offsets) -> host buffer, reused across saves
-_previous: "BackgroundSave | None" = None
 
+class AsyncSaver:
+    """A rank's asynchronous saves, one after another: owns the host buffers they copy into
+    (reused across saves) and the save still running. The trainer holds one for its lifetime."""
 
-def _host_buffer(key: tuple, tensor: torch.Tensor) -> torch.Tensor:
-    buffer = _staging.get(key)
-    if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
-        _staging[key] = buffer
-    return buffer
+    def __init__(self):
+        self._staging: dict[tuple, torch.Tensor] = {}  # (name, kind, offsets) -> host buffer
+        self._previous: BackgroundSave | None = None
+
+    def start(self, model, optimizer, checkpoint_url: str, file: str, rank: int,
+              copies: PipelineCopies = NO_PIPELINE_COPIES) -> "BackgroundSave":
+        """Begin a save of this rank's share of the state; return it (poll its `status`)."""
+        if self._previous is not None:
+            self._previous.status(wait=True)  # its upload reads the staging buffers about to be overwritten
+            self._previous.hook.remove()  # (removed here, not inside the hook: step() is iterating hooks then)
+        self._previous = BackgroundSave(self, model, optimizer, checkpoint_url, file, rank, copies)
+        return self._previous
+
+    def _host_buffer(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        buffer = self._staging.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
+            self._staging[key] = buffer
+        return buffer
+
+    def _forget_except(self, keys: list[tuple]) -> None:
+        for stale in set(self._staging) - set(keys):  # another model or layout since the last save
+            del self._staging[stale]
 
 
 class BackgroundSave:
-    def __init__(self, model, optimizer, checkpoint_url: str, file: str, rank: int):
-        global _previous
+    """One save: made by `AsyncSaver.start`."""
+
+    def __init__(self, saver: AsyncSaver, model, optimizer, checkpoint_url: str, file: str, rank: int,
+                 copies: PipelineCopies = NO_PIPELINE_COPIES):
         started = time.perf_counter()
-        if _previous is not None:
-            _previous.status(wait=True)  # its upload reads the staging buffers about to be overwritten
-            _previous.hook.remove()  # (removed here, not inside the hook: step() is iterating hooks then)
+        self.saver = saver
         self.where = f"rank {rank} ({checkpoint_url}/{file})"
-        live = pieces_to_write(model, optimizer)  # references to the live tensors, no bytes yet
-        keys = [(name, kind, tuple(offsets)) for name, kind, _, _, offsets in live]
-        for stale in set(_staging) - set(keys):  # another model or layout since the last save
-            del _staging[stale]
+        live = pieces_to_write(model, optimizer, copies)  # references to the live tensors, no bytes yet
+        keys = [(piece.name, piece.kind, tuple(piece.offsets)) for piece in live]
+        saver._forget_except(keys)
         self.rows: list[dict] | None = None
         self.error: str | None = None
         self.copy_seconds = self.upload_seconds = None
@@ -58,8 +76,7 @@ class BackgroundSave:
         self._thread = threading.Thread(target=self._run, args=(live, keys, checkpoint_url, file),
                                         name="checkpoint-save", daemon=True)
         self._thread.start()
-        _previous = self
-        self.staged = {"bytes": sum(t.numel() * t.element_size() for _, _, t, _, _ in live),
+        self.staged = {"bytes": sum(piece.tensor.numel() * piece.tensor.element_size() for piece in live),
                        "seconds": time.perf_counter() - started}
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -88,21 +105,21 @@ class BackgroundSave:
         finally:
             self._done.set()
 
-    @staticmethod
-    def _copy(live, keys) -> list:
-        devices = {t.device for _, _, t, _, _ in live if t.is_cuda}
+    def _copy(self, live: list[Piece], keys: list[tuple]) -> list[Piece]:
+        devices = {piece.tensor.device for piece in live if piece.tensor.is_cuda}
         streams = {device: torch.cuda.Stream(device) for device in devices}
         for device, stream in streams.items():  # the copy reads what the last optimizer step wrote
             stream.wait_stream(torch.cuda.default_stream(device))
         pieces = []
-        for key, (name, kind, tensor, shape, offsets) in zip(keys, live):
-            buffer = _host_buffer(key, tensor)
+        for key, piece in zip(keys, live):
+            tensor = piece.tensor
+            buffer = self.saver._host_buffer(key, tensor)
             if tensor.is_cuda:
                 with torch.cuda.stream(streams[tensor.device]):
                     buffer.copy_(tensor.detach(), non_blocking=True)
             else:
                 buffer.copy_(tensor.detach())
-            pieces.append((name, kind, buffer, shape, offsets))
+            pieces.append(Piece(piece.name, piece.kind, buffer, piece.global_shape, piece.offsets))
         for stream in streams.values():
             stream.synchronize()
         return pieces

@@ -9,6 +9,7 @@ import gc
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import fsspec
 import torch
@@ -18,20 +19,42 @@ from torch.distributed.tensor import DTensor
 
 from actors.checkpoint.manifest_io import read_manifest
 from actors.checkpoint.rank_pieces import MOMENTS, local_tensor, ties_embeddings, rank_layout, replicated_dims, state_tensors
-from actors.checkpoint.replica_broadcast import broadcast_pieces, buckets
+from actors.checkpoint.read_executor import Destination
+from actors.checkpoint.replica_broadcast import HandedPiece, broadcast_pieces, buckets
 from actors.checkpoint.shard_writer import dtype_name
 from actors.checkpoint.stored import StoredCheckpoint
 from actors.model.shards import local_region
 from plans.checkpoint.chunks import PARAM, Chunk
 from plans.checkpoint.model_check import raise_if_mismatched
 from plans.checkpoint.reshard import Target
-from plans.checkpoint.writers import assign_readers, group_salt, handover_dims
+from plans.checkpoint.replicas import assign_readers, group_salt, handover_dims
 from plans.errors import CheckpointError
-from plans.layout.parallel_layout import ParallelLayout, RankCoords
+from plans.layout.parallel_layout import DATA_MESH_DIMS, STAGE_MESH_DIMS, ParallelLayout, RankCoords
 
 # Replicas hand over read-once pieces in buckets this big: small enough that the first one goes
 # out early in a read, large enough that a load is a few dozen collectives, not hundreds.
 BROADCAST_BUCKET_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPiece:
+    """A piece this rank holds identically with the other members of its replica group, which a
+    read-once load reads once and hands over along `handover_dims`."""
+
+    target: Target
+    tensor: torch.Tensor  # the state tensor (a DTensor's local shard is taken when handed over)
+    handover_dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LoadTargets:
+    """What a rank's load fills: `destinations`, what this rank reads itself; `shared`, the pieces
+    it holds with its replicas (every member lists them in the same order); `readers`, the global
+    rank that reads each shared piece (this rank's own are among the destinations)."""
+
+    destinations: dict[Target, Destination]
+    shared: list[SharedPiece]
+    readers: list[int]
 
 
 @contextlib.contextmanager
@@ -52,12 +75,13 @@ def _collector_paused():
 @torch.no_grad()
 @_collector_paused()
 def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: set[str],
-                    manifest: bytes | None = None) -> dict:
+                    manifest: bytes | None = None, handover: HandoverGroups | None = None) -> dict:
     """Fill this rank's params and AdamW state from a checkpoint written by any layout.
 
     all_parameter_names: every parameter of the whole model (not only this rank's stage), so a
     key is 'unexpected' only if no rank of the model could own it.
     manifest: the manifest's bytes when the caller fetched them already (else read here).
+    handover: the trainer's process groups for read-once hand-overs (made here if not given).
     """
     layout, coords = rank_layout(model)
     # Decided from the URL and the layout alone, so the same on every rank: all of them then take
@@ -66,7 +90,7 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     device = next((local_tensor(t).device for _, _, t in state_tensors(model, optimizer)), torch.device("cpu"))
     seconds: dict = {}
     try:
-        step, metadata, stored, destinations, shared, readers = _prepare_load(
+        step, metadata, stored, targets = _prepare_load(
             model, optimizer, checkpoint_url, all_parameter_names, manifest, hands_over, (layout, coords), seconds)
     except Exception as error:
         if not hands_over:
@@ -76,13 +100,14 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
         # A rank of another stage may have failed before reading (its stage's keys do not match,
         # its manifest could not be fetched): nobody starts broadcasts it will never join.
         _raise_if_any_rank_failed(None, device, checkpoint_url, "before reading")
-        stats, received, failure = _read_and_hand_over(stored, destinations, shared, readers, layout, coords, seconds)
+        groups = (handover or HandoverGroups()).groups_for(layout)
+        stats, received, failure = _read_and_hand_over(stored, targets, groups, layout, coords, seconds)
         # A replica group may span dp and tp, and a rank whose pieces came from a failed reader
         # holds garbage: every rank learns whether any read failed.
         _raise_if_any_rank_failed(failure, device, checkpoint_url, "reading its share of the checkpoint")
     else:
         started, received = time.perf_counter(), 0
-        stats = stored.read(destinations)
+        stats = stored.read(targets.destinations)
         seconds["read"] = time.perf_counter() - started
     if ties_embeddings(model):  # only a tied embedding's copy can be held twice by one rank
         _fill_local_copies(model, optimizer)
@@ -110,9 +135,9 @@ def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: se
         moments = {kind: state[kind] if kind in state and state[kind].shape == param.shape and state[kind].dtype == param.dtype
                    else torch.empty_like(param) for kind in MOMENTS}
         optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
-    destinations, shared, readers = load_destinations(model, optimizer, hands_over, placement)
+    targets = load_destinations(model, optimizer, hands_over, placement)
     stored = StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True)
-    return step, metadata, stored, destinations, shared, readers
+    return step, metadata, stored, targets
 
 
 def _raise_if_any_rank_failed(failure: BaseException | None, device: torch.device, checkpoint_url: str,
@@ -128,7 +153,7 @@ def _raise_if_any_rank_failed(failure: BaseException | None, device: torch.devic
                               "the cause); the load failed and this rank's state is incomplete")
 
 
-def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: list, readers: list[int],
+def _read_and_hand_over(stored: StoredCheckpoint, targets: LoadTargets, groups: dict[tuple[str, ...], object],
                         layout: ParallelLayout, coords: RankCoords, seconds: dict) -> tuple[dict, int, BaseException | None]:
     """Read this rank's targets in a background thread, its share of the replicated pieces first,
     bucket by bucket, while this thread broadcasts each bucket to its replica group as soon as it
@@ -137,12 +162,12 @@ def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: li
 
     A reader whose read fails still takes part in every broadcast (sending what it has), so no
     replica waits on it; the caller then tells all of them that the load failed."""
-    groups = handover_groups(layout)
-    pieces = [(local_tensor(tensor), groups[dims]) for _, _, tensor, _, _, dims in shared]
-    phases = [HANDOVER_KINDS.index(dims) for *_, dims in shared]  # the same order on every rank
+    shared = targets.shared
+    pieces = [HandedPiece(local_tensor(piece.tensor), groups[piece.handover_dims]) for piece in shared]
+    phases = [HANDOVER_KINDS.index(piece.handover_dims) for piece in shared]  # the same order on every rank
     my_rank = layout.rank_of(coords)
-    cut = buckets(pieces, readers, BROADCAST_BUCKET_BYTES, phases)
-    position_of = {Target(*shared[index][:2], shared[index][3], shared[index][4]): position
+    cut = buckets(pieces, targets.readers, BROADCAST_BUCKET_BYTES, phases)
+    position_of = {shared[index].target: position
                    for position, bucket in enumerate(cut) if bucket.reader == my_rank for index in bucket.members}
     in_place = [threading.Event() for _ in cut]
     outcome: dict = {}
@@ -150,7 +175,7 @@ def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: li
 
     def read_all() -> None:
         try:
-            outcome["stats"] = stored.read(destinations, groups=position_of, group_done=lambda p: in_place[p].set())
+            outcome["stats"] = stored.read(targets.destinations, groups=position_of, group_done=lambda p: in_place[p].set())
         except BaseException as error:  # reported after the hand-over, which must not wait on it
             outcome["error"] = error
         finally:
@@ -166,43 +191,43 @@ def _read_and_hand_over(stored: StoredCheckpoint, destinations: dict, shared: li
     return outcome.get("stats", {}), received, outcome.get("error")
 
 
-
 # Every kind of replica group a read-once load hands pieces over in (`handover_dims`), in the
 # order every rank broadcasts them.
-HANDOVER_KINDS = (("dp",), ("dp", "fsdp"), ("dp", "tp"), ("dp", "fsdp", "tp"))
-# (the default process group, layout) -> {hand-over dims: this rank's group}. Holding the default
-# group keeps its identity from being reused by a later one (an elastic restart makes a new one).
-_HANDOVER_GROUPS: dict[tuple, dict[tuple[str, ...], object]] = {}
+HANDOVER_KINDS = (("dp",), DATA_MESH_DIMS, ("dp", "tp"), STAGE_MESH_DIMS)
 
 
-def handover_groups(layout: ParallelLayout) -> dict[tuple[str, ...], object]:
-    """This rank's process group for each kind of replica group. Made once per process group,
-    from the layout alone, so every rank makes the same groups in the same order (creating a
-    group is a collective); a kind whose groups equal an earlier kind's (fsdp=1) reuses them."""
-    key = (dist.group.WORLD, layout)
-    if key not in _HANDOVER_GROUPS:
-        made, by_members = {}, {}
-        for dims in HANDOVER_KINDS:
-            members: dict[str, list[int]] = {}
-            for rank in range(layout.world_size):
-                members.setdefault(group_salt(dims, layout.coords_of(rank)), []).append(rank)
-            enumeration = tuple(sorted(map(tuple, members.values())))
-            if enumeration not in by_members:
-                by_members[enumeration], _ = dist.new_subgroups_by_enumeration([list(m) for m in enumeration])
-            made[dims] = by_members[enumeration]
-        _HANDOVER_GROUPS[key] = made
-    return _HANDOVER_GROUPS[key]
+class HandoverGroups:
+    """This rank's process group for each kind of replica group, made once per process group and
+    layout and kept by the trainer for as long as its process group lives (creating a group is a
+    collective, too slow to repeat on every load)."""
 
+    def __init__(self):
+        # (the default process group, layout) -> {hand-over dims: this rank's group}. Holding the
+        # default group keeps its identity from being reused by a later one.
+        self._made: dict[tuple, dict[tuple[str, ...], object]] = {}
 
-def forget_handover_groups() -> None:
-    """Before a reused process joins a new process group: drop the old one's groups."""
-    _HANDOVER_GROUPS.clear()
+    def groups_for(self, layout: ParallelLayout) -> dict[tuple[str, ...], object]:
+        """Made from the layout alone, so every rank makes the same groups in the same order; a
+        kind whose groups equal an earlier kind's (fsdp=1) reuses them."""
+        key = (dist.group.WORLD, layout)
+        if key not in self._made:
+            made, by_members = {}, {}
+            for dims in HANDOVER_KINDS:
+                members: dict[str, list[int]] = {}
+                for rank in range(layout.world_size):
+                    members.setdefault(group_salt(dims, layout.coords_of(rank)), []).append(rank)
+                enumeration = tuple(sorted(map(tuple, members.values())))
+                if enumeration not in by_members:
+                    by_members[enumeration], _ = dist.new_subgroups_by_enumeration([list(m) for m in enumeration])
+                made[dims] = by_members[enumeration]
+            self._made[key] = made
+        return self._made[key]
 
 
 def read_once_for(checkpoint_url: str) -> bool:
     """Whether dp replicas read each piece once and broadcast it (object stores, network file
     systems: storage bandwidth is the bottleneck) or each read it (a local disk: page-cache reads
-    beat a gloo broadcast; measured in docs/decisions.md). RAYSHARD_READ_ONCE=1/0 overrides."""
+    beat a gloo broadcast; docs/decisions.md 19, figures in bench/RESULTS.md). RAYSHARD_READ_ONCE=1/0 overrides."""
     setting = os.environ.get("RAYSHARD_READ_ONCE", "auto").strip().lower()
     if setting in ("1", "true", "yes"):
         return True
@@ -226,10 +251,8 @@ def _fill_local_copies(model, optimizer) -> None:
 
 
 def load_destinations(model, optimizer, read_once: bool = True,
-                      placement: tuple[ParallelLayout, RankCoords] | None = None):
-    """(what this rank reads: target -> (local tensor, its global offsets), the pieces shared with
-    replicas as (name, kind, tensor, offsets, sizes, hand-over dims), and the global rank that
-    reads each shared piece).
+                      placement: tuple[ParallelLayout, RankCoords] | None = None) -> LoadTargets:
+    """What this rank fills on load, and which of it it reads itself.
 
     read_once: each replica group (`handover_dims`: dp, and tp or fsdp where a piece is copied
     there too) reads its pieces once, split by bytes as on save, and broadcasts them, so storage
@@ -244,17 +267,19 @@ def load_destinations(model, optimizer, read_once: bool = True,
             continue  # a second copy on this rank (a tied embedding's, V placement): filled after the read
         seen.add((name, kind, offsets))
         dims = handover_dims(replicated_dims(tensor, layout)) if hand_over and isinstance(tensor, DTensor) else ()
+        target = Target(name, kind, offsets, sizes)
         if dims and all(sizes):
-            shared.append((name, kind, tensor, offsets, sizes, dims))
+            shared.append(SharedPiece(target, tensor, dims))
         else:
-            destinations[Target(name, kind, offsets, sizes)] = (local_tensor(tensor), offsets)
-    readers = assign_readers([dims for *_, dims in shared],
-                             [local_tensor(t).numel() * local_tensor(t).element_size() for _, _, t, _, _, _ in shared], layout, coords)
+            destinations[target] = Destination(local_tensor(tensor), offsets)
+    locals_ = [local_tensor(piece.tensor) for piece in shared]
+    readers = assign_readers([piece.handover_dims for piece in shared],
+                             [t.numel() * t.element_size() for t in locals_], layout, coords)
     my_rank = layout.rank_of(coords)
-    for (name, kind, tensor, offsets, sizes, _), reader in zip(shared, readers):
+    for piece, local, reader in zip(shared, locals_, readers):
         if reader == my_rank:
-            destinations[Target(name, kind, offsets, sizes)] = (local_tensor(tensor), offsets)
-    return destinations, shared, readers
+            destinations[piece.target] = Destination(local, piece.target.offsets)
+    return LoadTargets(destinations, shared, readers)
 
 
 def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str) -> None:

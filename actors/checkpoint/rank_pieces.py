@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
-from actors.model import shards
+from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, copy_dims
 from plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
-from plans.layout.parallel_layout import ParallelLayout, RankCoords
+from plans.layout.parallel_layout import STAGE_MESH_DIMS, ParallelLayout, RankCoords
 
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
-DATA_DIMS = ("dp", "fsdp", "tp")
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """(global name, kind, tensor) for every piece of training state: params and AdamW moments."""
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  without: PipelineCopies = NO_PIPELINE_COPIES):
+    """(global name, kind, tensor) for every piece of training state: params and AdamW moments
+    (`without`: leave out these parameters and their moments)."""
     for name, param in model.named_parameters():
+        if param in without:
+            continue
         yield name, PARAM, param
         state = optimizer.state.get(param, {})
         for kind in MOMENTS:
@@ -34,7 +37,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def rank_layout(model: torch.nn.Module) -> tuple[ParallelLayout, RankCoords]:
     """This rank's layout and coordinates, read off the DTensor meshes and the process group
     (degrees no mesh shows are 1: FSDP and TP turn every parameter they touch into a DTensor)."""
-    sizes = {dim: 1 for dim in DATA_DIMS}
+    sizes = {dim: 1 for dim in STAGE_MESH_DIMS}
     for param in model.parameters():
         if isinstance(param, DTensor):
             for dim, size in zip(param.device_mesh.mesh_dim_names or (), param.device_mesh.shape):
@@ -47,26 +50,12 @@ def rank_layout(model: torch.nn.Module) -> tuple[ParallelLayout, RankCoords]:
 
 
 def replicated_dims(tensor: torch.Tensor, layout: ParallelLayout) -> tuple[str, ...]:
-    """Mesh dims along which other ranks hold an identical copy of this rank's piece: the tensor's
-    Replicate dims, and every data/tensor-parallel dim its mesh does not cover (a norm weight under
-    TP without FSDP is a plain tensor copied on every tp rank)."""
-    covered, copies = set(), set()
-    if isinstance(tensor, DTensor):
-        for dim, placement in zip(tensor.device_mesh.mesh_dim_names, tensor.placements):
-            covered.add(dim)
-            if isinstance(placement, Replicate):
-                copies.add(dim)
-    copies |= {dim for dim in DATA_DIMS if dim not in covered}
-    return tuple(dim for dim in ("pp", *DATA_DIMS) if dim in copies and getattr(layout, dim) > 1)
+    """The mesh dims along which other ranks of this layout hold an identical copy of this rank's
+    piece: its `copy_dims` whose degree is more than 1."""
+    return tuple(dim for dim in copy_dims(tensor) if getattr(layout, dim) > 1)
 
 
 def ties_embeddings(model) -> bool:
     if hasattr(model, "tie_embeddings"):  # the pipeline's view of a rank's stages
         return bool(model.tie_embeddings)
     return bool(getattr(getattr(model, "config", None), "tie_embeddings", False))
-
-
-def is_pipeline_copy(tensor: torch.Tensor) -> bool:
-    """The trainer marks the last stage's copy of a tied embedding (and its moments)."""
-    mark = getattr(shards, "PIPELINE_COPY", None)
-    return bool(mark and getattr(tensor, mark, False))

@@ -10,6 +10,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -24,8 +25,13 @@ from plans.errors import CheckpointError
 
 WINDOW_BYTES = 64 * 2**20
 
-# (target, destination tensor, the destination's global offsets)
-Destination = tuple[torch.Tensor, tuple[int, ...]]
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where a target's bytes land: a tensor, and where it starts in the global tensor."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
 
 
 def _short_read(path: str, start: int, end: int, what: str, got) -> CheckpointError:
@@ -37,7 +43,7 @@ def _short_read(path: str, start: int, end: int, what: str, got) -> CheckpointEr
 
 def _copy_item(item: ReadItem, data, destination: Destination, path: str) -> None:
     chunk = item.chunk
-    tensor, target_offsets = destination
+    tensor, target_offsets = destination.tensor, destination.offsets
     dtype = _TORCH_DTYPES.get(chunk.dtype)
     if tensor.dtype != dtype:
         raise CheckpointError(f"{chunk.name} ({chunk.kind}): stored as {chunk.dtype}, model expects {dtype_name(tensor.dtype)}")
@@ -198,7 +204,7 @@ def _read_staged(handle, path: str, part: ReadItem, destination: Destination, sc
     cache does not leave it there, so checksumming the rows afterwards read them back from
     memory: on a 200 MiB tensor's column half read into a row shard, scatter + checksum took
     25.2 ms per 100 MiB, staged blocks + checksum + copy 20.7 (docs/decisions.md 49)."""
-    block_bytes = CHECK_BLOCK_BYTES if destination[0].device.type == "cpu" else STAGE_BYTES  # device: fewer, larger copies
+    block_bytes = CHECK_BLOCK_BYTES if destination.tensor.device.type == "cpu" else STAGE_BYTES  # device: fewer, larger copies
 
     def read(start: int, end: int) -> memoryview:
         _grow(scratch, end - start)
@@ -301,7 +307,7 @@ def _direct_buffer(item: ReadItem, destination: Destination) -> memoryview | Non
     fills its slice of the destination exactly, and that slice spans whole trailing dims). None
     when the part must be staged (a column range of a wider tensor, only part of what is read
     used, another dtype or device, a non-contiguous destination)."""
-    tensor, target_offsets = destination
+    tensor, target_offsets = destination.tensor, destination.offsets
     if (item.sizes != item.held_sizes or tensor.dtype != _TORCH_DTYPES.get(item.chunk.dtype) or tensor.device.type != "cpu"
             or not tensor.is_contiguous() or tensor.numel() == 0):
         return None
@@ -418,6 +424,7 @@ def _cat(fs, path: str, start: int, end: int, what: str) -> bytearray:
 def fill_from_reads(fs, base: str, items: list[ReadItem], target: torch.Tensor, target_offsets: tuple[int, ...],
                     window_bytes: int = WINDOW_BYTES, partial: list | None = None) -> int:
     """Fetch one target's items and copy them into `target` (partial: as in execute_requests)."""
-    return execute_requests(fs, base, coalesce(items, window_bytes), lambda item: (target, target_offsets), window_bytes,
+    destination = Destination(target, target_offsets)
+    return execute_requests(fs, base, coalesce(items, window_bytes), lambda item: destination, window_bytes,
                             partial=partial)
 

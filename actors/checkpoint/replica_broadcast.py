@@ -25,6 +25,15 @@ import torch
 import torch.distributed as dist
 
 
+@dataclass(frozen=True, slots=True)
+class HandedPiece:
+    """A piece handed over within its replica group: this rank's local tensor of it, and the
+    process group of that replica group."""
+
+    tensor: torch.Tensor
+    group: object
+
+
 @dataclass
 class Bucket:
     reader: int  # global rank of the replica that read these pieces
@@ -35,19 +44,19 @@ class Bucket:
     numel: int = 0
 
 
-def buckets(pieces: Sequence[tuple[torch.Tensor, object]], readers: Sequence[int], bucket_bytes: int,
+def buckets(pieces: Sequence[HandedPiece], readers: Sequence[int], bucket_bytes: int,
             phases: Sequence[int] | None = None) -> list[Bucket]:
-    """pieces: (local tensor, the process group of its replica group) in the order every member
-    walks them; readers: the global rank that read each; phases: each piece's phase (default: one
+    """pieces: in the order every member walks them; readers: the global rank that read each; phases: each piece's phase (default: one
     phase). Returns the buckets in broadcast order: phase by phase, each reader's own cut, the
     readers taking turns."""
     phases = phases if phases is not None else [0] * len(pieces)
     cut: list[Bucket] = []
     for phase in sorted(set(phases)):
         by_reader: dict[int, list[Bucket]] = {}
-        for index, ((tensor, group), reader) in enumerate(zip(pieces, readers)):
+        for index, (piece, reader) in enumerate(zip(pieces, readers)):
             if phases[index] != phase:
                 continue
+            tensor, group = piece.tensor, piece.group
             own = by_reader.setdefault(reader, [])
             last = own[-1] if own else None
             same_kind = (last is not None and (last.dtype, last.device) == (tensor.dtype, tensor.device)
@@ -62,13 +71,13 @@ def buckets(pieces: Sequence[tuple[torch.Tensor, object]], readers: Sequence[int
     return cut
 
 
-def broadcast_pieces(pieces: Sequence[tuple[torch.Tensor, object]], cut: Sequence[Bucket], my_rank: int,
+def broadcast_pieces(pieces: Sequence[HandedPiece], cut: Sequence[Bucket], my_rank: int,
                      ready: Callable[[int], None] = lambda bucket: None) -> int:
     """Fill every piece this rank did not read from the member that did; bytes received.
     cut: `buckets(pieces, ...)`; ready(i): returns once this rank's reads for cut[i] are in place."""
     received = 0
     for position, bucket in enumerate(cut):
-        tensors = [pieces[index][0] for index in bucket.members]
+        tensors = [pieces[index].tensor for index in bucket.members]
         flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
         mine = bucket.reader == my_rank
         if mine:

@@ -2,52 +2,44 @@
 
 Which replica writes is decided here, not by `actors.model.shards.is_primary_replica` (the
 grad-norm's rule, which always picks coordinate 0): each replica group splits its pieces by bytes
-(`plans/checkpoint/writers.py`), so dp replicas share the writing instead of replica 0 writing
-everything.
+(`plans/checkpoint/replicas.py`'s `pieces_written`, which also predicts the writes of dry runs and
+offline reshards), so dp replicas share the writing instead of replica 0 writing everything.
 """
 from __future__ import annotations
 
 import fsspec
-import torch
 
-from actors.checkpoint.rank_pieces import is_pipeline_copy, local_tensor, ties_embeddings, rank_layout, replicated_dims, state_tensors
-from actors.checkpoint.shard_writer import write_shard
-from actors.model.shards import local_region
-from plans.checkpoint.regions import EMBEDDING, replica_members
-from plans.checkpoint.writers import assign_writers, file_position, group_salt
+from actors.checkpoint.rank_pieces import local_tensor, rank_layout, replicated_dims, state_tensors, ties_embeddings
+from actors.checkpoint.shard_writer import Piece, write_shard
+from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, local_region
+from plans.checkpoint.regions import EMBEDDING
+from plans.checkpoint.replicas import pieces_written
 
 
-def pieces_to_write(model, optimizer) -> list[tuple[str, str, torch.Tensor, tuple, tuple]]:
-    """This rank's share of the writing: (name, kind, local tensor, global shape, global offsets)."""
+def pieces_to_write(model, optimizer, copies: PipelineCopies = NO_PIPELINE_COPIES) -> list[Piece]:
+    """This rank's share of the writing, in file order. copies: the rank's pipeline copies, which
+    the rank holding the original writes."""
     layout, coords = rank_layout(model)
     tied = ties_embeddings(model)
-    candidates = []
-    for name, kind, tensor in state_tensors(model, optimizer):
+    candidates, dims, nbytes = [], [], []
+    for name, kind, tensor in state_tensors(model, optimizer, without=copies):
         offsets, sizes = local_region(tensor)
         if not all(sizes) and sizes:
             continue  # an empty FSDP shard (more shards than rows)
-        if is_pipeline_copy(tensor) or (tied and name == EMBEDDING and coords.pp != 0):
+        if tied and name == EMBEDDING and coords.pp != 0:
             continue  # the last stage's copy of the tied embedding: the first stage writes it
-        candidates.append((name, kind, local_tensor(tensor), tuple(tensor.shape), offsets, replicated_dims(tensor, layout)))
-    groups: dict[tuple[str, ...], list[int]] = {}
-    for index, candidate in enumerate(candidates):
-        groups.setdefault(candidate[5], []).append(index)
-    chosen = [True] * len(candidates)
-    for dims, members in groups.items():
-        if not dims:
-            continue
-        mine, size = replica_members(layout, coords, dims)
-        nbytes = [candidates[i][2].numel() * candidates[i][2].element_size() for i in members]
-        for index, writer in zip(members, assign_writers(nbytes, size, group_salt(dims, coords))):
-            chosen[index] = writer == mine
-    mine = [c for c, keep in zip(candidates, chosen) if keep]
-    return [c[:5] for c in sorted(mine, key=lambda c: file_position(c[5]))]
+        local = local_tensor(tensor)
+        candidates.append(Piece(name, kind, local, tuple(tensor.shape), offsets))
+        dims.append(replicated_dims(tensor, layout))
+        nbytes.append(local.numel() * local.element_size())
+    return [candidates[index] for index in pieces_written(dims, nbytes, layout, coords)]
 
 
-def save_rank_shard(model, optimizer, coords: dict[str, int], checkpoint_url: str, file: str) -> list[dict]:
+def save_rank_shard(model, optimizer, coords: dict[str, int], checkpoint_url: str, file: str,
+                    copies: PipelineCopies = NO_PIPELINE_COPIES) -> list[dict]:
     """Stream this rank's share of the pieces to checkpoint_url/file; return their manifest rows.
     `coords` is accepted for the caller's convenience; the rank's position is read off its meshes."""
-    pieces = pieces_to_write(model, optimizer)
+    pieces = pieces_to_write(model, optimizer, copies)
     if not pieces:
         return []
     fs, base = fsspec.core.url_to_fs(checkpoint_url)

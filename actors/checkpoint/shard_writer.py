@@ -39,6 +39,18 @@ class LazyTensor:
     load: Callable[[], torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One piece of a global tensor to write: the rank's local part (`tensor`, or a LazyTensor)
+    of tensor `name`'s state `kind`, whose global shape is `global_shape` and which starts at
+    `offsets` in it."""
+
+    name: str
+    kind: str
+    tensor: torch.Tensor | LazyTensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
 
 def _byte_blocks(tensor: torch.Tensor, stage_bytes: int):
     """The tensor's row-major bytes as CPU buffers of at most ~stage_bytes (whole rows each)."""
@@ -56,19 +68,19 @@ def _byte_blocks(tensor: torch.Tensor, stage_bytes: int):
         yield block.reshape(-1).view(torch.uint8).numpy().data
 
 
-def write_pieces(handle, pieces: Sequence[tuple[str, str, torch.Tensor, tuple, tuple]], file: str,
-                 stage_bytes: int = STAGE_BYTES) -> list[Chunk]:
-    """Stream pieces (name, kind, local tensor, global shape, global offsets) into an open binary
-    handle as one safetensors file; return one Chunk per piece with its absolute byte range."""
-    entries = [Entry(chunk_key(name, kind, offsets), dtype_name(tensor.dtype), tuple(tensor.shape))
-               for name, kind, tensor, _, offsets in pieces]  # a LazyTensor has dtype and shape too
+def write_pieces(handle, pieces: Sequence[Piece], file: str, stage_bytes: int = STAGE_BYTES) -> list[Chunk]:
+    """Stream pieces into an open binary handle as one safetensors file; return one Chunk per
+    piece with its absolute byte range."""
+    entries = [Entry(chunk_key(p.name, p.kind, p.offsets), dtype_name(p.tensor.dtype), tuple(p.tensor.shape))
+               for p in pieces]  # a LazyTensor has dtype and shape too
     # The nonce makes every written header unique, so a manifest can tell its own file from a
     # replacement even when it reads only part of a chunk.
     header, ranges = file_layout(entries, {"format": "rayshard", "version": FORMAT_VERSION, "nonce": uuid.uuid4().hex})
     handle.write(header)
     header_checksum = checksum(header)
     chunks = []
-    for (name, kind, tensor, shape, offsets), entry, (start, end) in zip(pieces, entries, ranges):
+    for piece, entry, (start, end) in zip(pieces, entries, ranges):
+        name, kind, tensor = piece.name, piece.kind, piece.tensor
         running, written = RunningChecksum(), 0
         if isinstance(tensor, LazyTensor):
             tensor = tensor.load()
@@ -78,12 +90,12 @@ def write_pieces(handle, pieces: Sequence[tuple[str, str, torch.Tensor, tuple, t
             written += len(block)
         if written != end - start:
             raise CheckpointError(f"{name} ({kind}): wrote {written} bytes but its header entry needs {end - start}")
-        chunks.append(Chunk(name, kind, entry.dtype, tuple(shape), tuple(offsets), entry.shape, file, start, end,
+        chunks.append(Chunk(name, kind, entry.dtype, tuple(piece.global_shape), tuple(piece.offsets), entry.shape, file, start, end,
                             running.text(), header_checksum))
     return chunks
 
 
-def write_shard(fs, base: str, file: str, pieces, stage_bytes: int = STAGE_BYTES) -> list[Chunk]:
+def write_shard(fs, base: str, file: str, pieces: Sequence[Piece], stage_bytes: int = STAGE_BYTES) -> list[Chunk]:
     """Write pieces to base/file on an fsspec file system, streaming."""
     path = f"{base}/{file}"
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -91,7 +103,7 @@ def write_shard(fs, base: str, file: str, pieces, stage_bytes: int = STAGE_BYTES
         return write_pieces(handle, pieces, file, stage_bytes)
 
 
-def encode_shard(pieces, file: str) -> tuple[bytes, list[Chunk]]:
+def encode_shard(pieces: Sequence[Piece], file: str) -> tuple[bytes, list[Chunk]]:
     """The same file in memory (tests, small tools)."""
     sink = io.BytesIO()
     chunks = write_pieces(sink, pieces, file)

@@ -13,7 +13,7 @@ import torch
 
 from actors.checkpoint.manifest_io import read_manifest
 from actors.checkpoint.partial_reads import PartialRead, check_partial_reads, mismatch_error
-from actors.checkpoint.read_executor import WINDOW_BYTES, execute_requests
+from actors.checkpoint.read_executor import WINDOW_BYTES, Destination, execute_requests
 from plans.checkpoint.chunks import Chunk
 from plans.checkpoint.object_keys import check_object_keys
 from plans.checkpoint.reshard import ReadItem, Target, header_checks, index_chunks, plan_rank
@@ -46,7 +46,7 @@ class StoredCheckpoint:
         # test against, which reads a whole object for every ranged GET (docs/decisions.md 35).
         return plan_rank(self.index, list(targets), headers=self.headers, max_request_bytes=window_bytes)
 
-    def read(self, destinations: dict[Target, tuple[torch.Tensor, tuple]], window_bytes: int = WINDOW_BYTES,
+    def read(self, destinations: dict[Target, Destination], window_bytes: int = WINDOW_BYTES,
              groups: dict[Target, int] | None = None, group_done: Callable[[int], None] | None = None) -> dict:
         """Plan and execute the reads that fill every target (name, kind, region) into its tensor.
 
@@ -82,7 +82,7 @@ class StoredCheckpoint:
         """A fresh CPU tensor holding one region of one stored tensor."""
         chunk = self.index[(name, kind)].chunks[0]
         tensor = torch.empty(sizes, dtype=getattr(torch, chunk.dtype))
-        self.read({Target(name, kind, tuple(offsets), tuple(sizes)): (tensor, tuple(offsets))})
+        self.read({Target(name, kind, tuple(offsets), tuple(sizes)): Destination(tensor, tuple(offsets))})
         return tensor
 
 

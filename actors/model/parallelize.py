@@ -18,20 +18,19 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from actors.model.shards import PIPELINE_COPY, is_primary_replica
+from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, is_primary_replica
+from plans.layout.parallel_layout import DATA_MESH_DIMS
+from plans.training.tp_plan import COLWISE, DEFAULT_TP_STYLES, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD
 
-# Why these styles: qkv and gate_up are column-parallel (their row blocks are whole head groups /
-# hidden units, see plans/training/model_spec.py), wo and down row-parallel so the pair needs one
-# all-reduce; the embedding is vocab-parallel, and the LM head leaves logits sharded over the
-# vocabulary so the loss runs under `loss_parallel` without ever gathering full logits.
-DEFAULT_TP_PLAN: dict[str, ParallelStyle] = {
-    "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-    "layers.*.attention.qkv": ColwiseParallel(),
-    "layers.*.attention.wo": RowwiseParallel(),
-    "layers.*.feed_forward.gate_up": ColwiseParallel(),
-    "layers.*.feed_forward.down": RowwiseParallel(),
-    "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+# torch's ParallelStyle for each style of the plan (`plans/training/tp_plan.py`, which says why
+# each module gets its style).
+TORCH_STYLES: dict[str, ParallelStyle] = {
+    COLWISE: ColwiseParallel(),
+    ROWWISE: RowwiseParallel(),
+    VOCAB_EMBEDDING: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    VOCAB_HEAD: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
 }
+DEFAULT_TP_PLAN: dict[str, ParallelStyle] = {pattern: TORCH_STYLES[style] for pattern, style in DEFAULT_TP_STYLES.items()}
 
 
 def resolve_tp_plan(model: nn.Module, patterns: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -70,7 +69,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size:
             # Shard(0) over the vocabulary on the same mesh, so one can serve both again.
             model.output.weight = model.tok_embeddings.weight
     if data_parallel_size > 1:
-        apply_data_parallel(model, mesh["dp", "fsdp"], reshard_after_forward=not pipeline)
+        apply_data_parallel(model, mesh[DATA_MESH_DIMS], reshard_after_forward=not pipeline)
     return model
 
 
@@ -116,24 +115,27 @@ def squares_sum(pieces: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int], timeout: timedelta | None = None) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int], timeout: timedelta | None = None,
+                   copies: PipelineCopies = NO_PIPELINE_COPIES) -> torch.Tensor:
     """Global gradient L2 norm over all ranks, then scale gradients in place.
 
-    Each rank sums the squares of the gradient pieces it is the primary holder of (the same
-    rule that decides who writes a piece to a checkpoint), and one all-reduce over the world
+    Each rank sums the squares of the gradient pieces it is the primary holder of (coordinate 0
+    along the piece's copy dims, `shards.is_primary_replica`; checkpoint writers instead split a
+    replica group's pieces by bytes, decision 15), and one all-reduce over the world
     adds them up. One collective gives every rank the identical norm, so replicas apply the same
     clip factor; torch's clip_grad_norm_ instead fails on parameters that live on different
     meshes, and reducing per mesh takes several sequential all-reduces whose order can differ.
     timeout: fail (rather than wait for the process group's timeout) if the all-reduce takes longer.
+    copies: the rank's pipeline copies (a tied embedding's last-stage copy): counted by the first stage.
     """
     with_grads = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in with_grads]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     squared = torch.zeros((), dtype=torch.float64, device=local[0].device if local else None)
     # Replication follows the gradient (DTensor may replicate a sharded parameter's gradient);
-    # the pipeline-copy mark (tied embeddings) is on the parameter.
+    # being a pipeline copy (tied embeddings) is a property of the parameter.
     owned = [piece for param, grad, piece in zip(with_grads, grads, local)
-             if not getattr(param, PIPELINE_COPY, False) and is_primary_replica(grad, coords) and piece.numel()]
+             if param not in copies and is_primary_replica(grad, coords) and piece.numel()]
     if owned:
         squared = squares_sum(owned)
     if dist.is_initialized():

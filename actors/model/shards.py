@@ -2,13 +2,19 @@
 
 The one fact both checkpointing and initialisation rest on: for a DTensor, DTensor's own
 `compute_local_shape_and_global_offset` (it understands FSDP-over-TP strided sharding and
-uneven chunks); for a plain tensor, the whole tensor.
+uneven chunks); for a plain tensor, the whole tensor. And who else holds the same piece: the
+mesh dims it is copied along (`copy_dims`), and the rank's pipeline copies of another stage's
+parameters (`PipelineCopies`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from plans.layout.parallel_layout import STAGE_MESH_DIMS
 
 # DTensor's computation costs ~0.5 ms a call (it builds small tensors); a load or save asks for
 # every parameter and moment several times, which on the small preset was half the load time.
@@ -33,33 +39,46 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     return region
 
 
-# Set (to True) on a tensor that is a pipeline copy of another rank's or stage's tensor: the
-# last stage's copy of tied embeddings, and that copy's optimizer moments. The first stage holds
-# the original; copies are never primary, so checkpoints write the tensor once and the gradient
-# norm counts it once.
-PIPELINE_COPY = "_rayshard_pipeline_copy"
+@dataclass(frozen=True, eq=False)
+class PipelineCopies:
+    """The parameters a rank holds as pipeline copies of another stage's: the last stage's copy of
+    tied embeddings. The first stage holds the original; a copy (and its optimizer moments) is
+    never primary, so checkpoints write the tensor once and the gradient norm counts it once.
+    The trainer knows its stages and passes this along; `param in copies` is by identity."""
+
+    params: tuple[torch.Tensor, ...] = ()
+    _ids: frozenset[int] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_ids", frozenset(map(id, self.params)))  # the tuple keeps the ids alive
+
+    def __contains__(self, tensor: object) -> bool:
+        return id(tensor) in self._ids
 
 
-def mark_pipeline_copy(tensor: torch.Tensor) -> None:
-    setattr(tensor, PIPELINE_COPY, True)
+NO_PIPELINE_COPIES = PipelineCopies()
 
 
-def is_primary_replica(tensor: torch.Tensor, coords: dict[str, int]) -> bool:
-    """True on exactly one rank among those holding identical copies of this piece.
-
-    Copies sit along the tensor's Replicate mesh dims and along every data/tensor-parallel dim
-    its mesh does not cover (a norm weight under FSDP lives on the (dp, fsdp) mesh but is also
-    copied on every tp rank). The copy at coordinate 0 of all those dims is the primary.
-    `coords` is this rank's position on the full mesh, e.g. {"dp": 1, "fsdp": 0, "tp": 1}.
-    A tensor marked by `mark_pipeline_copy` is a copy along the pipeline and never primary.
-    """
-    if getattr(tensor, PIPELINE_COPY, False):
-        return False
-    covered: set[str] = set()
+def copy_dims(tensor: torch.Tensor) -> tuple[str, ...]:
+    """The mesh dims along which other ranks hold an identical copy of this rank's piece (of any
+    degree, in mesh order): the tensor's Replicate dims, and every data/tensor-parallel dim its
+    mesh does not cover (a norm weight under FSDP lives on the (dp, fsdp) mesh but is also copied
+    on every tp rank; under TP without FSDP it is a plain tensor copied on every tp rank)."""
+    covered, copies = set(), set()
     if isinstance(tensor, DTensor):
-        mesh = tensor.device_mesh
-        for name, coordinate, placement in zip(mesh.mesh_dim_names, mesh.get_coordinate(), tensor.placements):
-            covered.add(name)
-            if isinstance(placement, Replicate) and coordinate != 0:
-                return False
-    return all(coords[name] == 0 for name in ("dp", "fsdp", "tp") if name not in covered)
+        for dim, placement in zip(tensor.device_mesh.mesh_dim_names, tensor.placements):
+            covered.add(dim)
+            if isinstance(placement, Replicate):
+                copies.add(dim)
+    return tuple(dim for dim in STAGE_MESH_DIMS if dim in copies or dim not in covered)
+
+
+def is_primary_replica(tensor: torch.Tensor, coords: dict[str, int],
+                       copies: PipelineCopies = NO_PIPELINE_COPIES) -> bool:
+    """True on exactly one rank among those holding identical copies of this piece: the copy at
+    coordinate 0 of all its `copy_dims`. `coords` is this rank's position on the full mesh,
+    e.g. {"dp": 1, "fsdp": 0, "tp": 1}. A pipeline copy (in `copies`) is never primary.
+
+    (Checkpoints spread the writing of a replicated piece over its copies instead:
+    `plans/checkpoint/replicas.py`.)"""
+    return tensor not in copies and all(coords[dim] == 0 for dim in copy_dims(tensor))

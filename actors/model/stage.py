@@ -7,9 +7,10 @@ checkpoints are layout-free, and so is initialisation, which seeds by name.
 
 Tied embeddings across stages: the first stage owns `tok_embeddings.weight`; the last stage
 holds a copy as its `output.weight`, initialised, loaded and named (`RankStages`) as
-`tok_embeddings.weight` and marked as a pipeline copy, so checkpoints write it once and the
-gradient norm counts it once. The trainer sums the two copies' gradients every step, so both
-take identical optimizer steps and stay one logical parameter.
+`tok_embeddings.weight` and listed among the rank's pipeline copies (`PipelineCopies`), so
+checkpoints write it once and the gradient norm counts it once. The pipelined step runner sums the
+two copies' gradients every step, so both take identical optimizer steps and stay one logical
+parameter.
 """
 from __future__ import annotations
 

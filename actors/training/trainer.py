@@ -5,35 +5,36 @@ benchmark; `actors/rank.py` is the thin Ray actor around it.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-from actors.checkpoint.load import forget_handover_groups, load_rank_shard
+from actors.checkpoint.async_save import AsyncSaver
+from actors.checkpoint.load import HandoverGroups, load_rank_shard
 
 from actors.checkpoint.save import save_rank_shard
+from actors.model.parallelize import clip_grad_norm
+from actors.model.shards import is_primary_replica
+from actors.pipeline.interpreter import StepRecord
 from actors.training.data import corpus_fingerprint, load_corpus, rank_batch
-from actors.model.init_weights import initialize_parameters
-from actors.model.transformer import build_on_meta
-from actors.model.parallelize import clip_grad_norm, defer_gradient_reduction, parallelize, reduce_gradients_now
-from actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail
-from actors.model.shards import is_primary_replica, mark_pipeline_copy
-from actors.model.stage import RankStages, build_stage_on_meta, local_tensor, stage_global_names
+from actors.training.pipelined import PipelinedRunner
+from actors.training.single_stage import SingleStageRunner
+from actors.training.step_runner import StepRunner
 from plans.config import TrainConfig
-from plans.layout.parallel_layout import MESH_DIM_NAMES, RankCoords
+from plans.layout.parallel_layout import MESH_DIM_NAMES
 from plans.training.lr_schedule import learning_rate
 from plans.training.model_spec import parameter_shapes
 from plans.pipeline.plan import PipelinePlan, build_pipeline_plan
 
-
-_TIED_TAG = 2**30  # above every pipeline transfer's tag
+# Given the rank's step runner and the rank, returns the runner the trainer drives: a generic hook
+# (`actors/rank.py` takes one by name), through which tests install faults from outside.
+WrapRunner = Callable[[StepRunner, int], StepRunner]
 
 
 def forget_previous_meshes() -> None:
@@ -44,21 +45,8 @@ def forget_previous_meshes() -> None:
     ("Could not resolve the process group registered under the name 19"), or a new group that
     reused the name, and its collectives would hang or talk to the wrong ranks.
     """
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
     _clear_sharding_prop_cache()
     clear_redistribute_planner_cache()
-    forget_handover_groups()
-
-
-def _place_grad_like_param(param: torch.nn.Parameter) -> None:
-    """Give the gradient its parameter's placements. DTensor may leave a sharded parameter's
-    gradient replicated (the vocab-parallel embedding's is); the two tied copies must hold
-    matching local pieces to be summed element by element."""
-    grad = param.grad
-    if hasattr(grad, "redistribute") and tuple(grad.placements) != tuple(param.placements):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def param_groups_by_mesh(parameters) -> list[dict]:
@@ -76,10 +64,12 @@ def param_groups_by_mesh(parameters) -> list[dict]:
 class Trainer:
     """plan: the pipeline plan the driver built (pp > 1); rebuilt here from the config if None.
     device: "cuda" (this process's current GPU, NCCL) or "cpu" (gloo). The caller decides: a rank
-    on a GPU machine that was given no GPU (a CPU share, a CPU benchmark) must not take one."""
+    on a GPU machine that was given no GPU (a CPU share, a CPU benchmark) must not take one.
+    wrap_runner: applied once to the step runner (`SingleStageRunner` for pp == 1, else
+    `PipelinedRunner`); the trainer drives whatever it returns."""
 
     def __init__(self, config: TrainConfig, rank: int, init_method: str, plan: PipelinePlan | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", wrap_runner: WrapRunner | None = None):
         torch.set_num_threads(1)
         self.config = config.validate()
         self.rank = rank
@@ -92,66 +82,35 @@ class Trainer:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.layout.world_size,
                                 timeout=timedelta(seconds=config.collective_timeout_s))
         self.mesh = init_device_mesh(self.device.type, self.layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
-        self.pipeline_timeout_s = config.pipeline_timeout_s or config.collective_timeout_s
-        self.runner = None
-        if self.layout.pp > 1:
-            self.plan = plan or build_pipeline_plan(config.model, self.layout, config.schedule, config.microbatches,
-                                                    config.stage_layout)
-            self.model = self._build_stages()
-            self.runner = self._build_runner()
-        else:
-            self.model = self._build_model()
+        # Kept for this process group's lifetime: hand-over groups across loads, host buffers across saves.
+        self.handover_groups, self.async_saver = HandoverGroups(), AsyncSaver()
+        self.runner: StepRunner = self._build_runner(plan)
+        if wrap_runner is not None:
+            self.runner = wrap_runner(self.runner, rank)
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(param_groups_by_mesh(self.model.parameters()), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                            eps=opt.eps, weight_decay=opt.weight_decay, foreach=True)
         self.corpus = load_corpus(config.data.source, config.data.max_bytes)
         self.step = 0  # steps completed: the data position and the lr schedule's state
 
-    def _build_model(self):
-        model = build_on_meta(self.config.model)
-        parallelize(model, self.mesh, self.layout.tp, self.layout.data_parallel_size,
-                    tie_embeddings=self.config.model.tie_embeddings)
-        model.to_empty(device=self.device)
-        if self.config.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
-            # to_empty swaps each module's parameter separately, which unties shared ones.
-            model.output.weight = model.tok_embeddings.weight
-        initialize_parameters(model, self.config.seed, self.config.model.n_layers)
-        return model
+    def _build_runner(self, plan: PipelinePlan | None) -> StepRunner:
+        config = self.config
+        if self.layout.pp == 1:
+            return SingleStageRunner.build(config, self.mesh, self.device)
+        plan = plan or build_pipeline_plan(config.model, self.layout, config.schedule, config.microbatches,
+                                           config.stage_layout)
+        return PipelinedRunner.build(config, plan, self.rank, self.mesh, self.device,
+                                     config.pipeline_timeout_s or config.collective_timeout_s)
 
-    def _build_stages(self) -> RankStages:
-        """Only this rank's pipeline stages, each with TP and FSDP2 inside it."""
-        model_config, partition = self.config.model, self.plan.partition
-        last = partition.num_stages - 1
-        modules = {}
-        for stage in partition.stages_of_rank(self.coords.pp):
-            module = build_stage_on_meta(model_config, partition.stage_layers[stage], stage == 0, stage == last)
-            parallelize(module, self.mesh, self.layout.tp, self.layout.data_parallel_size,
-                        tie_embeddings=model_config.tie_embeddings, pipeline=True)
-            module.to_empty(device=self.device)
-            initialize_parameters(module, self.config.seed, model_config.n_layers,
-                                  stage_global_names(model_config, stage == 0, stage == last))
-            modules[stage] = module
-        stages = RankStages(model_config, modules, partition.num_stages)
-        if stages.tied_copy is not None:
-            mark_pipeline_copy(stages.tied_copy)
-        return stages
+    @property
+    def model(self):
+        """The model parts this rank runs (the whole model, or its pipeline stages as one)."""
+        return self.runner.model
 
-    def _build_runner(self) -> PipelineRunner:
-        config, coords = self.config, self.coords
-        microbatch_size = config.global_batch // self.layout.data_parallel_size // config.microbatches
-
-        def global_rank_of(pp_rank: int) -> int:
-            return self.layout.rank_of(RankCoords(pp=pp_rank, dp=coords.dp, fsdp=coords.fsdp, tp=coords.tp))
-
-        return PipelineRunner(
-            self.plan.schedule.ranks[coords.pp], self.model.modules, num_stages=self.plan.partition.num_stages,
-            microbatches=config.microbatches, rank=self.rank, global_rank_of=global_rank_of,
-            activation_shape=(microbatch_size, config.seq_len, config.model.dim), dtype=torch.float32,
-            device=self.device, loss_fn=self._microbatch_loss, timeout_s=self.pipeline_timeout_s)
-
-    def _microbatch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Scaled by 1/microbatches: the microbatches' gradients then add up to the batch's."""
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / self.config.microbatches
+    @property
+    def pipeline_copies(self):
+        """Parameters this rank holds as copies of another stage's (the last stage's tied embedding)."""
+        return self.runner.pipeline_copies
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -163,20 +122,12 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total_loss, record = self._forward_backward()
-        try:
+        with self.runner.after_forward_backward():
             grad_norm = clip_grad_norm(self.model.parameters(), opt.grad_clip, self.coord_map,
-                                       timeout=self._collective_timeout())
+                                       timeout=self.runner.collective_timeout, copies=self.pipeline_copies)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self._mark_tied_state()
             total_loss = self._mean_loss(total_loss)
-        except PipelineStepError:
-            raise
-        except Exception as error:
-            if self.runner is None:
-                raise
-            raise PipelineStepError(f"rank {self.rank} failed after its pipeline plan (gradient norm, optimizer "
-                                    f"or loss all-reduce): {type(error).__name__}: {error}") from error
         self.step += 1
         metrics = {"step": self.step, "loss": total_loss.item(), "grad_norm": float(grad_norm), "lr": lr,
                    "rank_seconds": time.perf_counter() - started}
@@ -197,84 +148,13 @@ class Trainer:
         """Gradients of this step's batch, reduced over data ranks (and the tied embedding
         summed over its two stages); returns this rank's share of the loss."""
         inputs, targets = self._batch()
-        if self.runner is None:
-            return self._accumulate_gradients(inputs, targets), None
-        if self.config.stall_rank == self.rank:
-            time.sleep(self.config.stall_seconds)
-        if self.config.exit_rank == self.rank:
-            os._exit(1)
-        for module in self.model.modules.values():
-            defer_gradient_reduction(module)
-        with loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext():
-            loss, record = self.runner.run(inputs, targets)
-        for module in self.model.modules.values():
-            reduce_gradients_now(module)
-        self._sum_tied_gradients()
-        return loss, record
-
-    def _accumulate_gradients(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
-        """Without a pipeline: plain gradient accumulation over the microbatches."""
-        sharded = hasattr(self.model, "set_requires_gradient_sync")
-        total_loss = torch.zeros((), device=self.device)
-        for index, (x, y) in enumerate(zip(inputs, targets)):
-            if sharded:  # reduce gradients once per step, on the last microbatch
-                self.model.set_requires_gradient_sync(index == len(inputs) - 1)
-            logits = self.model(x)
-            with loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext():
-                loss = self._microbatch_loss(logits, y)
-                loss.backward()
-            total_loss += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
-        return total_loss
+        return self.runner.forward_backward(inputs, targets)
 
     def _mean_loss(self, total_loss: torch.Tensor) -> torch.Tensor:
         """Every rank reports the same number: the mean over data ranks. tp peers hold equal
         copies, and only the ranks running the last pipeline stage hold any."""
-        self._wait(dist.all_reduce(total_loss, async_op=True), "the loss all-reduce")
+        self.runner.wait(dist.all_reduce(total_loss, async_op=True), "the loss all-reduce")
         return total_loss / (self.layout.world_size // self.layout.pp)
-
-    def _collective_timeout(self) -> timedelta | None:
-        return timedelta(seconds=self.pipeline_timeout_s) if self.runner is not None else None
-
-    def _wait(self, work, what: str) -> None:
-        if self.runner is None:
-            work.wait()
-        else:
-            wait_or_fail(work, self.pipeline_timeout_s, f"rank {self.rank}", f"after its pipeline plan, in {what}")
-
-    # ---- tied embeddings across pipeline stages -----------------------------------------------
-
-    def _sum_tied_gradients(self) -> None:
-        """The first stage's embedding and the last stage's copy are one parameter: each gets
-        the sum of both gradients (a + b on one side, b + a on the other: bit-identical)."""
-        original, copy = self.model.tied_original, self.model.tied_copy
-        if original is None and copy is None:
-            return
-        for param in (original, copy):
-            if param is not None:
-                _place_grad_like_param(param)
-        if original is not None and copy is not None:  # both stages on this rank (V placement)
-            total = local_tensor(original.grad) + local_tensor(copy.grad)
-            local_tensor(original.grad).copy_(total)
-            local_tensor(copy.grad).copy_(total)
-            return
-        mine = local_tensor((original if original is not None else copy).grad)
-        stage_ranks = self.plan.schedule.stage_ranks
-        peer_pp = stage_ranks[-1] if original is not None else stage_ranks[0]
-        peer = self.layout.rank_of(RankCoords(pp=peer_pp, dp=self.coords.dp, fsdp=self.coords.fsdp, tp=self.coords.tp))
-        theirs = torch.empty_like(mine)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine.contiguous(), peer, tag=_TIED_TAG),
-                                        dist.P2POp(dist.irecv, theirs, peer, tag=_TIED_TAG)])
-        for work in works:
-            self._wait(work, f"the tied-embedding gradient exchange with rank {peer}")
-        mine.add_(theirs)
-
-    def _mark_tied_state(self) -> None:
-        """The copy's AdamW moments are copies too: checkpoints write the first stage's."""
-        copy = self.model.tied_copy if self.runner is not None else None
-        if copy is not None:
-            for value in self.optimizer.state.get(copy, {}).values():
-                if isinstance(value, torch.Tensor):
-                    mark_pipeline_copy(value)
 
     # ---- test support -----------------------------------------------------------------------
 
@@ -288,7 +168,7 @@ class Trainer:
             if param.grad is None:
                 continue
             full = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-            if is_primary_replica(param, self.coord_map) and not any(self.coord_map.values()):
+            if is_primary_replica(param, self.coord_map, self.pipeline_copies) and not any(self.coord_map.values()):
                 gradients[name] = full.detach().cpu().clone()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": self._mean_loss(total_loss).item(), "gradients": gradients}
@@ -296,12 +176,11 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save_shard(self, checkpoint_url: str, file: str) -> list[dict]:
-        return save_rank_shard(self.model, self.optimizer, self.coord_map, checkpoint_url, file)
+        return save_rank_shard(self.model, self.optimizer, self.coord_map, checkpoint_url, file, self.pipeline_copies)
 
     def load(self, checkpoint_url: str, manifest: bytes | None = None) -> dict:
         result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(parameter_shapes(self.config.model)),
-                                 manifest)
-        self._mark_tied_state()
+                                 manifest, handover=self.handover_groups)
         self.step = result["step"]
         return {"step": result["step"], "bytes_read": result["bytes_read"], "seconds": result["seconds"],
                 "partial_reads": result["partial_reads"]}

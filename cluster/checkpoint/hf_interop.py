@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from actors.checkpoint.shard_writer import LazyTensor, write_shard
+from actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 
-from plans.checkpoint.manifest import encode_manifest
 from actors.checkpoint.stored import StoredCheckpoint
 from cluster.progress import advance, set_total
 from cluster.checkpoint.transform_exec import run_group
@@ -30,7 +29,6 @@ from plans.errors import CheckpointError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
 from plans.training.model_spec import ModelConfig, parameter_shapes
-from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
 from plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
 from plans.checkpoint.transforms import Alias, Cast, Mapping, MappingPlan, Meta, Rename, SplitRows
 
@@ -295,8 +293,7 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
                             fix="import a directory whose config.json matches its weights")
         streams[kind] = (GroupStream(plan, _reader(fs, base, tensors)), plan)
     step = int(saved.get("metadata", {}).get("step", 0))
-    url = store.checkpoint_url(run, step)
-    attempt = store.new_attempt()
+    pending = store.begin(run, step)
     pieces = []
     for kind in (PARAM, *MOMENTS):
         if kind in streams:
@@ -309,17 +306,16 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
     set_total(progress, sum(_nbytes(lazy.shape, ITEMSIZE[dtype]) for _, _, lazy in pieces))
     pieces = [(name, kind, LazyTensor(lazy.dtype, lazy.shape, _counted(lazy, progress))) for name, kind, lazy in pieces]
     chunks = []
-    target_fs, target_base = fsspec.core.url_to_fs(url)
+    target_fs, target_base = fsspec.core.url_to_fs(pending.url)
     for number, members in enumerate(_split_by_bytes(pieces, file_bytes, ITEMSIZE[dtype])):
-        chunks += write_shard(target_fs, target_base, f"{attempt}/import-{number:05d}.safetensors",
-                              [(name, kind, lazy, lazy.shape, (0,) * len(lazy.shape)) for name, kind, lazy in members])
-    check_chunks_disjoint_and_complete(chunks)
+        chunks += write_shard(target_fs, target_base, pending.file_for(number, stem="import"),
+                              [Piece(name, kind, lazy, lazy.shape, (0,) * len(lazy.shape)) for name, kind, lazy in members])
     metadata = dict(saved.get("metadata") or {})
     metadata.pop("format_version", None)
     metadata.update(run=run, step=step, model=model.to_dict(), layout=ParallelLayout().to_dict(),
                     parent=None, imported_from=directory, created_unix=time.time())
     metadata.setdefault("model_preset", None)
-    committed = store.commit(run, step, encode_manifest(chunks, metadata))
+    committed = pending.commit(chunks, metadata)
     log(f"imported {directory} as {run}@{step}: {committed}")
     return committed
 

@@ -15,22 +15,25 @@ import time
 from dataclasses import dataclass
 
 import fsspec
+import ray
 import torch
 
-from actors.checkpoint.read_executor import WINDOW_BYTES
+from actors.checkpoint.read_executor import WINDOW_BYTES, Destination
 
-from actors.checkpoint.shard_writer import LazyTensor, write_shard
+from actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 
-from plans.checkpoint.manifest import encode_manifest
 from actors.checkpoint.manifest_io import read_manifest
-from actors.checkpoint.stored import StoredCheckpoint, check_loaded_parts
+from actors.checkpoint.partial_reads import PartialRead
+from actors.checkpoint.stored import StoredCheckpoint, verify_parts
 from cluster.progress import advance, set_total
+from cluster.run.rank_group import connect_ray
+from cluster.storage.object_store import apply_conf
 from plans.checkpoint.chunks import Chunk
 from plans.errors import CheckpointError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.checkpoint.model_check import check_against_own_model
 from plans.training.model_spec import ModelConfig
-from plans.checkpoint.reshard import Target, check_chunks_disjoint_and_complete
+from plans.checkpoint.reshard import Target
 from plans.checkpoint.writers import PlannedPiece, predicted_writes
 from plans.checkpoint.regions import check_layout_fits, pipeline_partition
 
@@ -48,6 +51,18 @@ class ReshardResult:
     workers: int
 
 
+@dataclass(frozen=True)
+class RankWritten:
+    """What playing one target rank wrote and read (returned through Ray as it is)."""
+    chunks: tuple[Chunk, ...]
+    # Parts of source chunks this rank read but cannot verify alone: the driver checks every
+    # rank's together before it commits (an edit inside one must not become a valid new chunk).
+    partial_reads: tuple[PartialRead, ...]
+    bytes_read: int
+    requests: int
+    bytes_written: int
+
+
 def target_partition(metadata: dict, layout: ParallelLayout, schedule: str | None = None,
                      stage_layout: list[int] | None = None):
     """The stage cut a job training on `layout` would use: the checkpoint's schedule unless one is given."""
@@ -55,9 +70,7 @@ def target_partition(metadata: dict, layout: ParallelLayout, schedule: str | Non
         return None
     config = metadata.get("config") or {}
     if schedule is None:
-        schedule = config.get("schedule", "1f1b")
-        if layout.vpp > 1 and str(schedule).replace("-", "").lower() in ("1f1b", "gpipe", "zbh1"):
-            schedule = "interleaved1f1b"
+        schedule = config.get("schedule", "1f1b")  # pipeline_partition moves it to one that fits layout.vpp
     if stage_layout is None and config.get("stage_layout") and metadata.get("layout") == layout.to_dict():
         stage_layout = list(config["stage_layout"])  # the same layout: keep the checkpoint's own cut
     model = ModelConfig.from_dict(metadata["model"])
@@ -105,7 +118,7 @@ class WindowedReads:
                 raise CheckpointError(f"{region.name} ({piece.kind}) at {list(region.offsets)} is planned twice for one "
                                       "rank; this is a bug in the write plan, nothing was committed")
             tensor = torch.empty(region.sizes, dtype=getattr(torch, piece.dtype))
-            destinations[target] = (tensor, region.offsets)
+            destinations[target] = Destination(tensor, region.offsets)
             self.ready[index] = tensor
             window += piece.nbytes
         stats = self.source.read(destinations, self.window_bytes)
@@ -113,21 +126,18 @@ class WindowedReads:
         self.requests += stats["requests"]
 
 
-def write_rank(source: StoredCheckpoint, pieces: list[PlannedPiece], target_url: str, file: str) -> dict:
+def write_rank(source: StoredCheckpoint, pieces: list[PlannedPiece], target_url: str, file: str) -> RankWritten:
     """Play one target rank: read its pieces through the load's read path, a window at a time,
     and stream them out."""
     reads = WindowedReads(source, pieces)
-    lazy = [(p.region.name, p.kind, LazyTensor(getattr(torch, p.dtype), p.region.sizes, lambda i=i: reads.take(i)),
-             p.region.global_shape, p.region.offsets) for i, p in enumerate(pieces)]
+    lazy = [Piece(p.region.name, p.kind, LazyTensor(getattr(torch, p.dtype), p.region.sizes, lambda i=i: reads.take(i)),
+                  p.region.global_shape, p.region.offsets) for i, p in enumerate(pieces)]
     chunks = []
     if lazy:
         fs, base = fsspec.core.url_to_fs(target_url)
         chunks = write_shard(fs, base, file, lazy)
-    # Parts of source chunks this rank read but cannot verify alone: the driver checks every
-    # rank's together before it commits (an edit inside one must not become a valid new chunk).
-    return {"rows": [c.to_row() for c in chunks], "partial_reads": source.take_partial_reads(),
-            "bytes_read": reads.bytes_read, "requests": reads.requests,
-            "bytes_written": sum(c.byte_end - c.byte_start for c in chunks)}
+    return RankWritten(tuple(chunks), tuple(source.take_partial_reads()), reads.bytes_read, reads.requests,
+                       sum(c.byte_end - c.byte_start for c in chunks))
 
 
 class ReshardWorker:
@@ -137,12 +147,10 @@ class ReshardWorker:
     def __init__(self, source_url: str, storage_conf: dict | None = None):
         self.source_url, self.storage_conf, self.source = source_url, storage_conf, None
 
-    def rank(self, pieces: list[PlannedPiece], target_url: str, file: str) -> dict:
+    def rank(self, pieces: list[PlannedPiece], target_url: str, file: str) -> RankWritten:
         if self.source is None:
             torch.set_num_threads(1)
             if self.storage_conf:  # reach the store with the driver's endpoint, retry and timeout policy
-                from cluster.storage.object_store import apply_conf
-
                 apply_conf(self.storage_conf)
             self.source = StoredCheckpoint(self.source_url)
         return write_rank(self.source, pieces, target_url, file)
@@ -189,23 +197,18 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
     chunks, metadata = read_manifest(source_url)
     step = int(metadata["step"])
     plans = planned_writes(chunks, metadata, layout, schedule, stage_layout)
-    target_url = store.checkpoint_url(run, step)
-    attempt = store.new_attempt()
-    jobs = [(pieces, target_url, f"{attempt}/rank-{rank:05d}.safetensors") for rank, pieces in enumerate(plans)]
+    copy = store.begin(run, step)
+    jobs = [(pieces, copy.url, copy.file_for(rank)) for rank, pieces in enumerate(plans)]
     asked = workers is not None
     workers = max(1, min(workers or layout.world_size, layout.world_size))
     if not local:
-        import ray
-
-        from cluster.run.rank_group import connect_ray
-
         connect_ray()
         workers = _workers_that_fit(workers, num_cpus, ray.cluster_resources().get("CPU", 0.0), log, asked)
     planned = [sum(piece.nbytes for piece in pieces) for pieces in plans]
     log(f"resharding {source_url} ({_describe(metadata.get('layout'))}) to {layout.describe()} "
         f"({layout.world_size} ranks on {workers} {'local worker' if local else 'Ray actors'}{'s' if workers > 1 and local else ''})")
     set_total(progress, sum(planned))
-    results: list[dict] = [{}] * len(jobs)
+    results: list[RankWritten | None] = [None] * len(jobs)
     if local:
         players = [ReshardWorker(source_url) for _ in range(workers)]
         for rank, job in enumerate(jobs):
@@ -227,9 +230,9 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
         finally:
             for actor in actors:
                 ray.kill(actor)
-    verified_in_parts = check_loaded_parts(source_url, results)
-    new_chunks = [Chunk.from_row(row) for result in results for row in result["rows"]]
-    check_chunks_disjoint_and_complete(new_chunks)
+    verified_in_parts = verify_parts([read for result in results for read in result.partial_reads], source_url,
+                                     lambda: StoredCheckpoint(source_url, chunks, metadata, keys_checked=True))
+    new_chunks = [chunk for result in results for chunk in result.chunks]
     if {(c.name, c.kind) for c in new_chunks} != {(c.name, c.kind) for c in chunks}:
         raise CheckpointError("the resharded copy does not hold the same tensors as its source; nothing was committed")
     new_metadata = dict(metadata, run=run, layout=layout.to_dict(), parent=source_url,
@@ -239,9 +242,9 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
     if layout.pp > 1:
         partition = target_partition(metadata, layout, schedule, stage_layout)
         new_metadata["stage_layers"] = [[r.start, r.stop] for r in partition.stage_layers]
-    url = store.commit(run, step, encode_manifest(new_chunks, new_metadata))
-    result = ReshardResult(url, run, step, sum(r["bytes_read"] for r in results), sum(r["bytes_written"] for r in results),
-                           sum(r["requests"] for r in results), time.perf_counter() - started, layout.world_size, workers)
+    url = copy.commit(new_chunks, new_metadata)  # checks the new chunks tile every tensor
+    result = ReshardResult(url, run, step, sum(r.bytes_read for r in results), sum(r.bytes_written for r in results),
+                           sum(r.requests for r in results), time.perf_counter() - started, layout.world_size, workers)
     log(f"committed {url}: {result.bytes_read / 2**20:.1f} MiB read in {result.requests} requests, "
         f"{result.bytes_written / 2**20:.1f} MiB written "
         f"in {result.seconds:.1f}s" + (f"; {verified_in_parts} source chunks read in parts verified together"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from cluster.cli.plan import plan_subcommands
+from plans.layout.parallel_layout import PARALLEL_DEGREES
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -17,6 +18,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--microbatches", type=int, default=1, metavar="N")
     parser.add_argument("--memory-gib", type=float, default=80.0, metavar="GIB", help="memory budget per rank")
     parser.add_argument("--ranks-per-node", type=int, default=8, metavar="N", help="tp stays within a node")
-    for name in ("dp", "fsdp", "tp", "pp"):
+    for name in PARALLEL_DEGREES:
         parser.add_argument(f"--{name}", type=int, metavar="N", help=f"pin {name}")
     parser.set_defaults(run_command="cluster.cli.commands.layout:run_layout")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from plans.layout.parallel_layout import LAYOUT_DEGREES
+
 
 
 # cluster/cli/train.py -> the repository root, where configs/ lives.
@@ -14,7 +16,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PRESET", help="model preset: tiny | small")
     parser.add_argument("--run", metavar="NAME", help="run name within the store")
     parser.add_argument("--store", metavar="URL", help="store URL: a directory, file://, s3://bucket/prefix, memory://")
-    for name in ("dp", "fsdp", "tp", "pp", "vpp"):
+    for name in LAYOUT_DEGREES:
         parser.add_argument(f"--{name}", type=int, metavar="N", help=f"{name} degree")
     parser.add_argument("--world-size", type=int, metavar="N", help="optional check: must equal dp*fsdp*tp*pp")
     parser.add_argument("--steps", type=int, metavar="N", help="train until this many steps are done")

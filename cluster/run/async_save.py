@@ -17,20 +17,48 @@ from dataclasses import dataclass
 
 import ray
 
-from plans.checkpoint.manifest import encode_manifest
+from cluster.storage.pending import PendingCheckpoint
 from cluster.storage.store import Store
 from plans.checkpoint.chunks import Chunk
 from plans.errors import CheckpointError
-from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
+
+
+@dataclass(frozen=True)
+class SaveStatus:
+    """One rank's answer to `save_status`, as the driver reads it."""
+    done: bool
+    chunks: tuple[Chunk, ...] | None  # what the rank wrote, once done without error
+    error: str | None  # the failed upload, naming the rank and the object
+    copy_seconds: float | None
+    upload_seconds: float | None
+    optimizer_wait_seconds: float
+
+    @classmethod
+    def from_reply(cls, reply: dict) -> "SaveStatus":
+        rows = reply["rows"]
+        return cls(reply["done"], None if rows is None else tuple(Chunk.from_row(row) for row in rows), reply["error"],
+                   reply["copy_seconds"], reply["upload_seconds"], reply["optimizer_wait_seconds"])
+
+
+def _statuses(replies: list[dict]) -> list[SaveStatus]:
+    return [SaveStatus.from_reply(reply) for reply in replies]
 
 
 @dataclass
 class PendingSave:
     step: int
-    url: str
+    checkpoint: PendingCheckpoint
     parent: str | None
     requests: list  # ObjectRefs of the ranks' stage_save calls
     status_requests: list | None = None  # ObjectRefs of save_status calls not looked at yet
+
+
+@dataclass(frozen=True)
+class Committing:
+    """A save whose manifest and LATEST are being written on a driver thread."""
+    save: PendingSave
+    thread: threading.Thread
+    outcome: dict  # "url" or "error", set by the thread
 
 
 class AsyncCheckpointer:
@@ -44,19 +72,18 @@ class AsyncCheckpointer:
         self.group, self.store, self.run, self.world_size = group, store, run, world_size
         self.metadata_for, self.on_commit = metadata_for, on_commit
         self.pending: PendingSave | None = None  # requested, copying or uploading
-        self.committing: tuple | None = None  # (PendingSave, thread, outcome): manifest and LATEST being written
-        self.last_statuses: list[dict] = []
+        self.committing: Committing | None = None
+        self.last_statuses: list[SaveStatus] = []
 
     def start(self, step: int, parent: str | None) -> str:
         """Request a save of `step`; returns the URL it will commit to. Waits only for the
         previous save, if it is still in flight."""
         self.wait()
-        attempt = self.store.new_attempt()
-        url = self.store.checkpoint_url(self.run, step)
-        files = [f"{attempt}/rank-{rank:05d}.safetensors" for rank in range(self.world_size)]
-        requests = [actor.stage_save.remote(url, file) for actor, file in zip(self.group.actors, files)]
-        self.pending = PendingSave(step, url, parent, requests)
-        return url
+        checkpoint = self.store.begin(self.run, step)
+        requests = [actor.stage_save.remote(checkpoint.url, checkpoint.file_for(rank))
+                    for rank, actor in zip(range(self.world_size), self.group.actors)]
+        self.pending = PendingSave(step, checkpoint, parent, requests)
+        return checkpoint.url
 
     def poll(self) -> None:
         """Called after each training step: report a finished commit; once every rank's upload
@@ -73,23 +100,23 @@ class AsyncCheckpointer:
         if len(ready) < len(pending.status_requests):
             return
         ray.get(pending.requests)  # a rank that could not even start the save raises here
-        statuses, pending.status_requests = ray.get(ready), None
-        if any(s["error"] for s in statuses) or all(s["done"] for s in statuses):
-            if not all(s["done"] for s in statuses):  # report only once every rank has stopped writing
-                statuses = self.group.call("save_status", True)
+        statuses, pending.status_requests = _statuses(ray.get(ready)), None
+        if any(s.error for s in statuses) or all(s.done for s in statuses):
+            if not all(s.done for s in statuses):  # report only once every rank has stopped writing
+                statuses = _statuses(self.group.call("save_status", True))
             self._begin_commit(statuses)
 
     def wait(self) -> None:
         """Block until the pending save is committed (or raise its failure)."""
         if self.pending is not None:
             ray.get(self.pending.requests)
-            self._begin_commit(self.group.call("save_status", True))
+            self._begin_commit(_statuses(self.group.call("save_status", True)))
         self._finish_commit(block=True)
 
-    def _begin_commit(self, statuses: list[dict]) -> None:
+    def _begin_commit(self, statuses: list[SaveStatus]) -> None:
         pending, self.pending = self.pending, None
         self.last_statuses = statuses  # per rank: copy, upload and optimizer-wait seconds (bench/storage.py)
-        errors = [s["error"] for s in statuses if s["error"]]
+        errors = [s.error for s in statuses if s.error]
         if errors:
             latest = self.store.latest_step(self.run)
             kept = (f"LATEST still names step {latest}, the last good checkpoint" if latest is not None
@@ -99,31 +126,32 @@ class AsyncCheckpointer:
                 f"failed on {len(errors)} rank(s): " + "; ".join(errors) + f". {kept}; the partial upload is a "
                 "leftover that `rayshard ckpt gc` removes. Fix: check the store (credentials, quota, network), "
                 "then resume with --resume latest")
-        chunks = [Chunk.from_row(row) for status in statuses for row in status["rows"]]
-        check_chunks_disjoint_and_complete(chunks)
-        manifest = encode_manifest(chunks, self.metadata_for(pending.step, pending.parent))
+        # Checked and encoded here, on the training thread, so a bad save is reported at once;
+        # only the two conditional writes run on the commit thread.
+        manifest = pending.checkpoint.manifest([chunk for status in statuses for chunk in status.chunks],
+                                               self.metadata_for(pending.step, pending.parent))
         outcome: dict = {}
 
         def commit() -> None:
             try:
-                outcome["url"] = self.store.commit(self.run, pending.step, manifest)
+                outcome["url"] = pending.checkpoint.commit_manifest(manifest)
             except BaseException as error:  # re-raised on the training thread by _finish_commit
                 outcome["error"] = error
 
         thread = threading.Thread(target=commit, name=f"commit-step-{pending.step}", daemon=True)
         thread.start()
-        self.committing = (pending, thread, outcome)
+        self.committing = Committing(pending, thread, outcome)
 
     def _finish_commit(self, block: bool) -> None:
         """On the training thread: surface a commit's outcome (on_commit, or its error)."""
         if self.committing is None:
             return
-        pending, thread, outcome = self.committing
+        committing = self.committing
         if block:
-            thread.join()
-        elif thread.is_alive():
+            committing.thread.join()
+        elif committing.thread.is_alive():
             return
         self.committing = None
-        if "error" in outcome:
-            raise outcome["error"]
-        self.on_commit(pending.step, outcome["url"])
+        if "error" in committing.outcome:
+            raise committing.outcome["error"]
+        self.on_commit(committing.save.step, committing.outcome["url"])

@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.run.controller import Controller, Outcome, RunResult
-from cluster.run.rank_group import StepFailed
+from cluster.run.rank_group import StepFailed, connect_ray
 from cluster.run.train import train
 from plans.config import TrainConfig
 from plans.elastic import FailurePolicy, ScalingPolicy
@@ -64,8 +64,6 @@ def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_r
 
 def train_elastic(config: TrainConfig, pinned: dict[str, int], scaling: ScalingPolicy, failure: FailurePolicy,
                   memory_per_rank_bytes: float = 64 * 2**30, ranks_per_node: int = 8, cpus_per_rank: float = 1.0):
-    from cluster.run.rank_group import connect_ray
-
     connect_ray()
     group = TrainingWorkerGroup(config, cpus_per_rank)
     controller = Controller(group, layout_chooser_for(config, pinned, memory_per_rank_bytes, ranks_per_node),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict, dataclass
 
 from actors.checkpoint.stored import StoredCheckpoint
 from cluster.checkpoint.digest import checkpoint_digest, digest_checkpoint
@@ -26,7 +27,19 @@ from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
 CHECKS_FILE = "resume-checks.jsonl"
 
 
-def verify_resumed_state(group, store: Store, run: str, step: int, checkpoint_url: str, layout: str) -> dict:
+@dataclass(frozen=True)
+class ResumeCheck:
+    """One line of `<run>/resume-checks.jsonl`."""
+    step: int
+    checkpoint: str
+    layout: str
+    tensors: int
+    digest: str  # the checkpoint digest (cluster/checkpoint/digest.py)
+    equal: bool
+    time: float
+
+
+def verify_resumed_state(group, store: Store, run: str, step: int, checkpoint_url: str, layout: str) -> ResumeCheck:
     """Save what the ranks hold now to a side copy and compare its digests with checkpoint_url's."""
     side_path = f"{store.root}/{run}/resume-checks/{step_dirname(step)}-{store.new_attempt()}"
     side_url = store._url(side_path)
@@ -42,8 +55,8 @@ def verify_resumed_state(group, store: Store, run: str, step: int, checkpoint_ur
             store.fs.rm(side_path, recursive=True)
     differing = sorted(f"{kind} {name}" for key in held.keys() | stored.keys()
                        for name, kind in [key] if held.get(key) != stored.get(key))
-    record = {"step": step, "checkpoint": checkpoint_url, "layout": layout, "tensors": len(stored),
-              "digest": checkpoint_digest(list(stored.values())), "equal": not differing, "time": time.time()}
+    record = ResumeCheck(step, checkpoint_url, layout, len(stored), checkpoint_digest(list(stored.values())),
+                         not differing, time.time())
     _append(store, run, record)
     if differing:
         raise CheckpointError(
@@ -59,6 +72,6 @@ def resume_checks(store: Store, run: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _append(store: Store, run: str, record: dict) -> None:
-    lines = [json.dumps(r, sort_keys=True) for r in resume_checks(store, run)] + [json.dumps(record, sort_keys=True)]
+def _append(store: Store, run: str, record: ResumeCheck) -> None:
+    lines = [json.dumps(r, sort_keys=True) for r in resume_checks(store, run) + [asdict(record)]]
     store.write_text(f"{run}/{CHECKS_FILE}", "\n".join(lines) + "\n")

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import ray
 
-from plans.checkpoint.manifest import encode_manifest
 from cluster.run.pipeline_timings import PipelineTimings
 from actors.checkpoint.manifest_io import manifest_bytes, read_manifest
 from actors.checkpoint.stored import check_loaded_parts
@@ -24,7 +23,6 @@ from cluster.storage.store import Store
 from plans.checkpoint.chunks import Chunk
 from plans.config import TrainConfig
 from plans.errors import ConfigError
-from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
 
 
 @dataclass
@@ -107,8 +105,8 @@ def train(config: TrainConfig, actors: list | None = None,
             if config.verify_resume:
                 with leases.reading(store, resume):
                     check = verify_resumed_state(group, store, config.run, start_step, resume.url, str(config.layout))
-                _log(f"resumed state verified: {check['tensors']} tensors, digests equal to the checkpoint's "
-                     f"({check['digest'][:19]}...)")
+                _log(f"resumed state verified: {check.tensors} tensors, digests equal to the checkpoint's "
+                     f"({check.digest[:19]}...)")
         tokens_per_step = config.global_batch * config.seq_len
         for step in range(start_step, config.steps):
             tick = time.perf_counter()
@@ -149,12 +147,10 @@ def train(config: TrainConfig, actors: list | None = None,
 def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: int, parent: str | None,
                     data_fingerprint: str) -> str:
     """Every rank writes its chunks under a fresh attempt prefix; the manifest commits them."""
-    attempt = store.new_attempt()
-    url = store.checkpoint_url(config.run, step)
-    files = [f"{attempt}/rank-{rank:05d}.safetensors" for rank in range(config.layout.world_size)]
-    chunks = [Chunk.from_row(row) for rows in group.call_each("save_shard", [(url, f) for f in files]) for row in rows]
-    check_chunks_disjoint_and_complete(chunks)
-    return store.commit(config.run, step, encode_manifest(chunks, checkpoint_metadata(config, step, parent, data_fingerprint)))
+    pending = store.begin(config.run, step)
+    calls = [(pending.url, pending.file_for(rank)) for rank in range(config.layout.world_size)]
+    chunks = [Chunk.from_row(row) for rows in group.call_each("save_shard", calls) for row in rows]
+    return pending.commit(chunks, checkpoint_metadata(config, step, parent, data_fingerprint))
 
 
 def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data_fingerprint: str) -> dict:

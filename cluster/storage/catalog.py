@@ -16,12 +16,15 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
+import pyarrow.dataset as ds
+from pyarrow.fs import FSSpecHandler, PyFileSystem
 
 from plans.checkpoint.manifest import decode_manifest
 from plans.checkpoint.manifest import MANIFEST
 from cluster.storage import leases
 from cluster.storage.store import STEP_DIR, Store
 from plans.errors import CheckpointError
+from plans.layout.parallel_layout import LAYOUT_DEGREES, PARALLEL_DEGREES
 from plans.checkpoint.object_keys import escape_reason
 
 
@@ -132,7 +135,7 @@ class Catalog:
             status = _file_status(needed, {name: info["size"] for name, info in files.items()})
             layout = metadata.get("layout") or {}
             world = 1
-            for dim in ("dp", "fsdp", "tp", "pp"):
+            for dim in PARALLEL_DEGREES:
                 world *= int(layout.get(dim, 1)) if isinstance(layout, dict) else 1
             size = files[MANIFEST]["size"] + sum(files[f]["size"] for f in needed if f in files)
             entries.append(CheckpointEntry(
@@ -195,16 +198,11 @@ class Catalog:
 
     def dataset(self, run: str | None = None):
         """One row per checkpoint, as a pyarrow dataset (filter, project, to_table, to_pandas)."""
-        import pyarrow.dataset as ds
-
         return ds.dataset(self.table(run))
 
     def chunks_dataset(self, run: str | None = None):
         """One row per stored chunk over every committed manifest, with `run` and `checkpoint`
         columns from the paths; read lazily through the store's filesystem."""
-        import pyarrow.dataset as ds
-        from pyarrow.fs import FSSpecHandler, PyFileSystem
-
         paths = [f"{self.root}/{e.run}/checkpoints/{e.url.rsplit('/', 1)[-1]}/{MANIFEST}" for e in self.checkpoints(run)]
         partitioning = ds.DirectoryPartitioning(pa.schema([("run", pa.string()), ("_", pa.string()),
                                                            ("checkpoint", pa.string())]))
@@ -230,6 +228,6 @@ def _file_status(needed: dict[str, int], sizes: dict[str, int]) -> str:
 def _describe_layout(layout) -> str:
     if not isinstance(layout, dict):
         return str(layout)
-    parts = [f"{dim}{layout[dim]}" for dim in ("dp", "fsdp", "tp", "pp", "vpp") if int(layout.get(dim, 1)) > 1]
+    parts = [f"{dim}{layout[dim]}" for dim in LAYOUT_DEGREES if int(layout.get(dim, 1)) > 1]
     return "x".join(parts) or "single"
 

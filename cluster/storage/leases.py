@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from cluster.storage.store import STEP_DIR, step_dirname
 from plans.errors import CheckpointError
 
 DEFAULT_TTL_S = 6 * 3600.0
@@ -34,8 +35,6 @@ class Lease:
 
 
 def lease_dir(store, run: str, step: int) -> str:
-    from cluster.storage.store import step_dirname
-
     return f"{store.root}/{run}/leases/{step_dirname(step)}"
 
 
@@ -60,8 +59,6 @@ def active(store, run: str, now: float | None = None) -> dict[int, list[Lease]]:
 
 
 def all_leases(store, run: str) -> dict[int, list[Lease]]:
-    from cluster.storage.store import STEP_DIR
-
     base = f"{store.root}/{run}/leases"
     if not store.fs.exists(base):
         return {}
@@ -115,8 +112,6 @@ def _home(store, ref):
     """(the store holding ref's checkpoint, its run, its step), or Nones when it is in no catalog."""
     if ref.run is not None and ref.step is not None:
         return store, ref.run, ref.step
-    from cluster.storage.store import STEP_DIR
-
     parts = ref.url.rstrip("/").rsplit("/", 3)
     if len(parts) != 4 or parts[2] != "checkpoints" or not STEP_DIR.match(parts[3]) or not parts[1]:
         return None, None, None

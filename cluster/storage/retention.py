@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 
 from fsspec.implementations.local import LocalFileSystem
 
-from plans.checkpoint.manifest import MANIFEST
+from actors.checkpoint.manifest_io import read_manifest
 from cluster.storage import leases
 from cluster.storage import object_store
 from cluster.storage.catalog import Catalog
 from cluster.storage.store import Store
+from plans.checkpoint.manifest import MANIFEST
+from plans.checkpoint.object_keys import escape_reason
 
 DEFAULT_GRACE_S = 3600.0
 
@@ -85,8 +87,6 @@ def _collect_checkpoints(store: Store, catalog: Catalog, run: str, keep: int, no
 
 
 def _remove_checkpoint(store: Store, entry, dry_run: bool) -> None:
-    from actors.checkpoint.manifest_io import read_manifest
-
     directory = f"{store.root}/{entry.run}/checkpoints/{entry.url.rsplit('/', 1)[-1]}"
     try:
         chunks, _ = read_manifest(entry.url)
@@ -116,6 +116,4 @@ def _remove_if_empty(fs, directory: str) -> None:
 
 
 def object_store_escape(key: str) -> bool:
-    from plans.checkpoint.object_keys import escape_reason
-
     return escape_reason(key) is not None

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from plans.checkpoint.manifest import MANIFEST
+from actors.checkpoint.manifest_io import read_manifest
 from cluster.storage import object_store
 from cluster.storage.object_store import PreconditionFailed, StorageOptions, create_only, read_versioned, replace_if
+from cluster.storage.pending import PendingCheckpoint
+from plans.checkpoint.manifest import MANIFEST
 from plans.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -136,8 +138,14 @@ class Store:
 
     # ---- commit -----------------------------------------------------------------------------
 
+    def begin(self, run: str, step: int) -> PendingCheckpoint:
+        """Start writing run@step under a fresh attempt directory; `commit` on the result makes
+        it visible. Every writer of checkpoints starts here."""
+        return PendingCheckpoint(self, run, step, self.checkpoint_url(run, step), self.new_attempt())
+
     def commit(self, run: str, step: int, manifest: bytes) -> str:
-        """Create the manifest (never overwriting one), then move LATEST by compare-and-swap.
+        """The protocol's two conditional writes (writers call it through `begin(...).commit`):
+        create the manifest (never overwriting one), then move LATEST by compare-and-swap.
 
         Two writers committing the same step: the create-only manifest admits exactly one, the
         other gets a CheckpointError and its shards stay an orphaned attempt for `ckpt gc`. Two
@@ -181,8 +189,6 @@ class Store:
 def check_manifest_keys(checkpoint_url: str) -> None:
     """Refuse a checkpoint whose manifest names objects outside its own directory (read_manifest
     does the check, so resolving a ref fails early, before a command starts reading)."""
-    from actors.checkpoint.manifest_io import read_manifest
-
     read_manifest(checkpoint_url)
 
 

@@ -7,7 +7,8 @@ data and computes regions with plain integers. They are the rules the actors app
 `compute_local_shape_and_global_offset` for many layouts, so the two cannot drift apart.
 
 Rules, in the order the actors apply them:
-- tp: fused qkv, gate_up, the embedding and the LM head are split by rows (dim 0) into tp equal
+- tp: the split dimension comes from the TP plan both sides read (`plans/training/tp_plan.py`):
+  fused qkv, gate_up, the embedding and the LM head are split by rows (dim 0) into tp equal
   blocks; wo and down by columns (dim 1); norm weights are copied on every tp rank.
 - fsdp: the (tp-local) piece is then cut along dim 0 into fsdp chunks with torch.chunk's sizes
   (ceil(n / fsdp) each, the last ones shorter or empty); dp replicas hold identical copies.
@@ -20,24 +21,19 @@ from __future__ import annotations
 import math
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
-from plans.layout.parallel_layout import ParallelLayout, RankCoords
-from plans.training.model_spec import ModelConfig, parameter_shapes
-from plans.pipeline.partition import StagePartition
+from plans.checkpoint.replicas import read_once_readers
 from plans.checkpoint.reshard import Target
+from plans.errors import ConfigError
+from plans.layout.parallel_layout import ParallelLayout, RankCoords
+from plans.pipeline.partition import StagePartition
+from plans.pipeline.plan import stage_partition
+from plans.pipeline.schedules import schedule_for_vpp
+from plans.training.model_spec import ModelConfig, parameter_shapes
+from plans.training.tp_plan import tp_split_dim
 
-# Which dimension tensor parallelism splits, by the last two parts of the parameter name.
-# Parameters not listed are copied on every tp rank.
-TP_SPLIT_DIM = {
-    "tok_embeddings.weight": 0,   # vocab-parallel embedding
-    "attention.qkv.weight": 0,    # column-parallel: whole kv-head groups per rank
-    "attention.wo.weight": 1,     # row-parallel: input features split
-    "feed_forward.gate_up.weight": 0,
-    "feed_forward.down.weight": 1,
-    "output.weight": 0,           # vocab-sharded logits
-}
 EMBEDDING = "tok_embeddings.weight"
 HEAD_ONLY = ("norm.weight", "output.weight")
 
@@ -60,11 +56,6 @@ class Region:
         return math.prod(self.sizes)
 
 
-def tp_split_dim(name: str) -> int | None:
-    key = name if name in TP_SPLIT_DIM else ".".join(name.split(".")[-3:])
-    return TP_SPLIT_DIM.get(key)
-
-
 def chunk_bounds(length: int, pieces: int, index: int) -> tuple[int, int]:
     """[start, stop) of piece `index` when torch.chunk cuts `length` into `pieces` (may be empty)."""
     size = -(-length // pieces)
@@ -76,12 +67,7 @@ def pipeline_partition(model: ModelConfig, layout: ParallelLayout, schedule: str
                        stage_layout: Sequence[int] | None = None) -> StagePartition:
     """The trainer's own stage cut (`plans/pipeline/plan.py`): the schedule decides how stages map
     to pp ranks (single, looped for vpp, or V); `stage_layout` gives layer counts per stage."""
-    from plans.pipeline.plan import stage_partition
-    from plans.pipeline.schedules import schedule_spec
-
-    if layout.vpp > 1 and schedule_spec(schedule).placement.value == "single":
-        schedule = "interleaved1f1b"  # a vpp layout given without its schedule: interleaved is the one that fits
-    return stage_partition(model, layout, schedule, stage_layout)
+    return stage_partition(model, layout, schedule_for_vpp(schedule, layout.vpp), stage_layout)
 
 
 @lru_cache(maxsize=64)
@@ -162,26 +148,6 @@ def _rank_regions_cached(model, layout, coords, partition) -> tuple[Region, ...]
     return tuple(regions)
 
 
-def replica_members(layout: ParallelLayout, coords: RankCoords, replicated_over: Sequence[str]) -> tuple[int, int]:
-    """(this rank's index in its replica group, group size) for a piece copied along `replicated_over`."""
-    index, size = 0, 1
-    for dim in ("pp", "dp", "fsdp", "tp"):
-        if dim in replicated_over:
-            extent = getattr(layout, dim)
-            index, size = index * extent + getattr(coords, dim), size * extent
-    return index, size
-
-
-def replica_rank(layout: ParallelLayout, coords: RankCoords, replicated_over: Sequence[str], member: int) -> int:
-    """The global rank of member `member` (as `replica_members` numbers them) of this rank's
-    replica group for a piece copied along `replicated_over`."""
-    place = {}
-    for dim in reversed([d for d in ("pp", "dp", "fsdp", "tp") if d in replicated_over]):
-        extent = getattr(layout, dim)
-        member, place[dim] = divmod(member, extent)
-    return layout.rank_of(replace(coords, **place))
-
-
 def layout_targets(model: ModelConfig, layout: ParallelLayout, kinds: Sequence[str],
                    partition: StagePartition | None = None, read_once: bool = True,
                    itemsize: int = 4) -> list[list[Target]]:
@@ -191,8 +157,6 @@ def layout_targets(model: ModelConfig, layout: ParallelLayout, kinds: Sequence[s
     pieces, so each replica group reads each piece once (readers balanced by bytes, as writers
     are on save) and the reader broadcasts it; without it, every replica reads everything and
     storage serves the checkpoint dp times or more."""
-    from plans.checkpoint.writers import read_once_readers  # save_plan builds on this module
-
     targets = []
     for rank in range(layout.world_size):
         coords = layout.coords_of(rank)
@@ -206,8 +170,6 @@ def layout_targets(model: ModelConfig, layout: ParallelLayout, kinds: Sequence[s
 
 def check_layout_fits(model: ModelConfig, layout: ParallelLayout) -> None:
     """The model-shape constraints a layout must meet to hold this model (the same ones training checks)."""
-    from plans.errors import ConfigError
-
     for what, count in (("the number of kv heads", model.n_kv_heads), ("model.ffn_dim", model.ffn_dim),
                         ("model.vocab_size", model.vocab_size)):
         if count % layout.tp:

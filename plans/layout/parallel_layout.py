@@ -10,7 +10,16 @@ from dataclasses import asdict, dataclass
 
 from plans.errors import ConfigError
 
+# The device mesh's dims, outermost first (the rank order below).
 MESH_DIM_NAMES = ("pp", "dp", "fsdp", "tp")
+# The dims inside one pipeline stage: a stage's tensors are sharded or copied along these.
+STAGE_MESH_DIMS = ("dp", "fsdp", "tp")
+# The data-parallel dims FSDP2 shards and replicates over (HSDP: dp replicas of fsdp shards).
+DATA_MESH_DIMS = ("dp", "fsdp")
+# The parallel degrees in the order people write them (`dp2 x tp2`, `--dp 2 --tp 2`), and with vpp
+# every field of a layout.
+PARALLEL_DEGREES = ("dp", "fsdp", "tp", "pp")
+LAYOUT_DEGREES = (*PARALLEL_DEGREES, "vpp")
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,7 @@ class ParallelLayout:
     vpp: int = 1
 
     def __post_init__(self):
-        for field in ("dp", "fsdp", "tp", "pp", "vpp"):
+        for field in LAYOUT_DEGREES:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(field, value, "every parallel degree must be an integer >= 1",
@@ -72,7 +81,7 @@ class ParallelLayout:
         return coords.dp * self.fsdp + coords.fsdp
 
     def describe(self) -> str:
-        parts = [f"{name}{getattr(self, name)}" for name in ("dp", "fsdp", "tp", "pp") if getattr(self, name) > 1]
+        parts = [f"{name}{getattr(self, name)}" for name in PARALLEL_DEGREES if getattr(self, name) > 1]
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         return " x ".join(parts) or "single rank"
@@ -82,7 +91,7 @@ class ParallelLayout:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelLayout":
-        return cls(**{key: int(data[key]) for key in ("dp", "fsdp", "tp", "pp", "vpp") if key in data})
+        return cls(**{key: int(data[key]) for key in LAYOUT_DEGREES if key in data})
 
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
@@ -95,7 +104,7 @@ class ParallelLayout:
         for part in (p.strip() for p in text.split(",")):
             key, sep, value = part.partition("=")
             key = key.strip()
-            if not sep or key not in ("dp", "fsdp", "tp", "pp", "vpp") or not value.strip().isdigit():
+            if not sep or key not in LAYOUT_DEGREES or not value.strip().isdigit():
                 raise ConfigError("layout", text, f"cannot read {part!r}" if part else "has an empty item", fix)
             if key in values:
                 raise ConfigError("layout", text, f"gives {key} twice", fix)

@@ -353,6 +353,17 @@ def schedule_spec(name: str) -> ScheduleSpec:
     return SPECS[key]
 
 
+def schedule_for_vpp(schedule: str, vpp: int) -> str:
+    """The schedule that places `vpp` stages per rank, for a layout named without a schedule that
+    fits (a reshard target given by its degrees, a checkpoint's schedule paired with a new vpp):
+    `schedule` itself, unless it holds one stage per rank while vpp > 1, where interleaved 1F1B's
+    looped placement is the one that fits. Training does not fall back: its config validation
+    rejects such a pair with a fix."""
+    if vpp > 1 and schedule_spec(schedule).placement is Placement.SINGLE:
+        return "interleaved1f1b"
+    return schedule
+
+
 def valid_microbatch_counts(name: str, pp: int, vpp: int | None = None, up_to: int | None = None) -> list[int]:
     """The microbatch counts in 1..up_to (default 4 * pp) that schedule `name` serves."""
     spec = schedule_spec(name)

@@ -11,7 +11,7 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint.shard_writer import write_shard
+from actors.checkpoint.shard_writer import Piece, write_shard
 
 from plans.checkpoint.manifest import encode_manifest
 from cluster.storage import leases
@@ -34,19 +34,19 @@ def write_checkpoint(store: Store, run: str, step: int, parent: str | None = Non
                      ranks: int = 2) -> tuple[str, str]:
     """Two 'ranks' each write half of an asymmetric tensor under a fresh attempt; the manifest
     commits them. Returns (checkpoint URL, attempt)."""
-    attempt, url = store.new_attempt(), store.checkpoint_url(run, step)
-    fs, base = fsspec.core.url_to_fs(url)
+    pending = store.begin(run, step)
+    fs, base = fsspec.core.url_to_fs(pending.url)
     weight = torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4) * 0.5 + step
     rows = 64 // ranks
     chunks: list[Chunk] = []
     for rank in range(ranks):
-        piece = ("w", "param", weight[rank * rows:(rank + 1) * rows], (64, 4), (rank * rows, 0))
-        chunks += write_shard(fs, base, f"{attempt}/rank-{rank:05d}.safetensors", [piece])
+        piece = Piece("w", "param", weight[rank * rows:(rank + 1) * rows], (64, 4), (rank * rows, 0))
+        chunks += write_shard(fs, base, pending.file_for(rank), [piece])
     if commit:
         metadata = {"run": run, "step": step, "layout": {"dp": 1, "fsdp": ranks, "tp": 1, "pp": 1},
                     "model_preset": "tiny", "parent": parent, "created_unix": time.time()}
-        store.commit(run, step, encode_manifest(chunks, metadata))
-    return url, attempt
+        pending.commit(chunks, metadata)
+    return pending.url, pending.attempt
 
 
 def test_ls_shows_whole_checkpoints_and_leftovers_separately(store, capsys):

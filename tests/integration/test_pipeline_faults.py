@@ -3,18 +3,22 @@ import re
 
 import pytest
 
+from cluster.run.elastic import RANK_FAILURES
 from cluster.run.rank_group import StepFailed
+from cluster.run.train import train
 from plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
+from tests.rank_faults import ranks_with_fault
 
 
-def test_stalled_rank_fails_the_step_naming_rank_step_and_action(run_training, tmp_path):
+def test_stalled_rank_fails_the_step_naming_rank_step_and_action(ray_session, tmp_path):
     # Rank 0 sleeps past the pipeline timeout before its first step; rank 1's first action
     # receives stage 0's output, so rank 1 gives up and names what it waited for.
     config = small_config(tmp_path, ParallelLayout(pp=2), schedule="1f1b", microbatches=2, steps=2,
-                          pipeline_timeout_s=2.0, stall_rank=0, stall_seconds=4.0, run="stall")
-    with pytest.raises(StepFailed) as failed:
-        run_training(config)
+                          pipeline_timeout_s=2.0, run="stall")
+    with ranks_with_fault(ray_session, 2, kind="stall", rank=0, seconds=4.0) as actors:
+        with pytest.raises(StepFailed) as failed:
+            train(config, actors)
     message = str(failed.value)
     assert re.search(r"rank 1 waited \d+ s at step 0 on RECV_F stage 1 microbatch 0 \(from pipeline rank 0\)", message), message
     assert "train_step failed" in message
@@ -25,19 +29,11 @@ def test_a_rank_that_dies_mid_step_fails_the_step_without_waiting_out_the_timeou
     and ranks 0 and 1 will wait in the dp all-reduce: the driver names the dead rank (in a few
     seconds, not the 120 s transfer timeout) and the elastic controller treats it as a
     recoverable rank failure."""
-    from actors.rank import RankActor
-    from cluster.run.elastic import RANK_FAILURES
-    from cluster.run.train import train
-
     config = small_config(tmp_path, ParallelLayout(dp=2, pp=2), schedule="1f1b", microbatches=2, steps=2,
-                          pipeline_timeout_s=120.0, exit_rank=3, run="dies")
-    fresh = [RankActor.options(num_cpus=0).remote() for _ in range(4)]
-    try:
+                          pipeline_timeout_s=120.0, run="dies")
+    with ranks_with_fault(ray_session, 4, kind="exit", rank=3) as actors:
         with pytest.raises(StepFailed) as failed:
-            train(config, fresh)
-    finally:
-        for actor in fresh:
-            ray_session.kill(actor)
+            train(config, actors)
     assert failed.value.dead_ranks == [3], str(failed.value)
     assert "rank 3:" in str(failed.value) and "train_step failed" in str(failed.value)
     assert isinstance(failed.value, RANK_FAILURES)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from plans.checkpoint.manifest import encode_manifest
 from actors.checkpoint.save import save_rank_shard
 from actors.model.init_weights import initialize_parameters
 from actors.model.transformer import Transformer
@@ -12,7 +11,6 @@ from cluster.storage.store import Store
 from plans.checkpoint.chunks import Chunk
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_spec import ModelConfig
-from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
 
 
 def trained_model(config: ModelConfig, steps: int = 2, seed: int = 0):
@@ -34,10 +32,8 @@ def write_checkpoint(store_url: str, run: str, config: ModelConfig, steps: int =
     """Returns (checkpoint url, model, optimizer)."""
     model, optimizer = trained_model(config, steps, seed)
     store = Store(store_url)
-    url = store.checkpoint_url(run, steps)
-    rows = save_rank_shard(model, optimizer, {}, url, f"{store.new_attempt()}/rank-00000.safetensors")
-    chunks = [Chunk.from_row(row) for row in rows]
-    check_chunks_disjoint_and_complete(chunks)
+    pending = store.begin(run, steps)
+    rows = save_rank_shard(model, optimizer, {}, pending.url, pending.file_for(0))
     metadata = {"run": run, "step": steps, "layout": ParallelLayout().to_dict(), "model": config.to_dict(),
                 "model_preset": None}
-    return store.commit(run, steps, encode_manifest(chunks, metadata)), model, optimizer
+    return pending.commit([Chunk.from_row(row) for row in rows], metadata), model, optimizer

@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from actors.checkpoint.manifest_io import read_manifest
+from actors.checkpoint.read_executor import Destination
 
 from actors.checkpoint.stored import StoredCheckpoint
 from cluster.checkpoint.digest import digest_checkpoint
@@ -189,7 +190,7 @@ def test_parts_read_from_an_object_store_are_verified_together_too(tmp_path, win
 
     def read_both() -> StoredCheckpoint:
         stored = StoredCheckpoint(url)
-        stored.read({t: (torch.empty(t.sizes), t.offsets) for t in halves}, window_bytes=window)
+        stored.read({t: Destination(torch.empty(t.sizes), t.offsets) for t in halves}, window_bytes=window)
         return stored
 
     assert read_both().check_partial_reads() == 1

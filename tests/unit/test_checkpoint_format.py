@@ -5,7 +5,8 @@ import torch
 
 from actors.checkpoint.read_executor import fill_from_reads
 
-from actors.checkpoint.shard_writer import encode_shard
+from actors.checkpoint.read_executor import Destination
+from actors.checkpoint.shard_writer import Piece, encode_shard
 
 from plans.checkpoint.manifest import FORMAT_VERSION, decode_manifest, encode_manifest
 from plans.errors import CheckpointError
@@ -14,8 +15,8 @@ from plans.checkpoint.reshard import plan_reads
 
 def _written(tmp_path):
     weight = torch.arange(20, dtype=torch.float32).reshape(5, 4) - 7.5
-    data, chunks = encode_shard([("w", "param", weight, (5, 4), (0, 0)),
-                                 ("w", "exp_avg", weight * 2, (5, 4), (0, 0))], "attempt-x/rank-00000.safetensors")
+    data, chunks = encode_shard([Piece("w", "param", weight, (5, 4), (0, 0)),
+                                 Piece("w", "exp_avg", weight * 2, (5, 4), (0, 0))], "attempt-x/rank-00000.safetensors")
     (tmp_path / "attempt-x").mkdir()
     (tmp_path / "attempt-x" / "rank-00000.safetensors").write_bytes(data)
     return weight, chunks
@@ -168,15 +169,15 @@ def test_column_chunks_land_in_rows_of_a_wider_target(tmp_path, monkeypatch, dty
 
     whole = (torch.arange(torch.Size(shape).numel()) * 7 % 23 - 11).reshape(shape).to(dtype)
     cut = shape[-1] // 2 + 1  # uneven halves
-    pieces = [("w", "param", whole[..., :cut].contiguous(), shape, (0,) * (len(shape) - 1) + (0,)),
-              ("w", "param", whole[..., cut:].contiguous(), shape, (0,) * (len(shape) - 1) + (cut,))]
+    pieces = [Piece("w", "param", whole[..., :cut].contiguous(), shape, (0,) * (len(shape) - 1) + (0,)),
+              Piece("w", "param", whole[..., cut:].contiguous(), shape, (0,) * (len(shape) - 1) + (cut,))]
     data, chunks = encode_shard(pieces, "rank-00000.safetensors")
     path = tmp_path / "rank-00000.safetensors"
     path.write_bytes(data)
     offsets, sizes = (1,) + (0,) * (len(shape) - 1), (shape[0] - 2,) + tuple(shape[1:])
     items = plan_reads(chunks, offsets, sizes)
     target = torch.full(sizes, -1).to(dtype)
-    assert all(_direct_buffer(item, (target, offsets)) is None for item in items)  # the staged path
+    assert all(_direct_buffer(item, Destination(target, offsets)) is None for item in items)  # the staged path
     fs = fsspec.filesystem("file")
     fill_from_reads(fs, str(tmp_path), items, target, offsets)
     assert torch.equal(target, whole[1:shape[0] - 1])

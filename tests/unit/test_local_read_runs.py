@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from actors.checkpoint import read_executor as checkpoint_io
-from actors.checkpoint.read_executor import execute_requests
-from actors.checkpoint.shard_writer import encode_shard
+from actors.checkpoint.read_executor import Destination, execute_requests
+from actors.checkpoint.shard_writer import Piece, encode_shard
 from plans.errors import CheckpointError
 from plans.checkpoint.reshard import Target, header_checks, index_chunks, plan_rank
 
@@ -39,13 +39,13 @@ WHOLE = {
 
 def _write(tmp_path):
     cut = 4  # e is stored as two uneven column chunks, as a tp split writes it
-    pieces = [("a", "param", WHOLE["a"], (6, 10), (0, 0)),
-              ("b", "exp_avg", WHOLE["b"], (8, 6), (0, 0)),
-              ("c", "param", WHOLE["c"], (5,), (0,)),
-              ("d", "param", WHOLE["d"], (), ()),
-              ("e", "param", WHOLE["e"][:, :cut].contiguous(), (7, 9), (0, 0)),
-              ("e", "param", WHOLE["e"][:, cut:].contiguous(), (7, 9), (0, cut)),
-              ("f", "param", WHOLE["f"], (4, 3), (0, 0))]
+    pieces = [Piece("a", "param", WHOLE["a"], (6, 10), (0, 0)),
+              Piece("b", "exp_avg", WHOLE["b"], (8, 6), (0, 0)),
+              Piece("c", "param", WHOLE["c"], (5,), (0,)),
+              Piece("d", "param", WHOLE["d"], (), ()),
+              Piece("e", "param", WHOLE["e"][:, :cut].contiguous(), (7, 9), (0, 0)),
+              Piece("e", "param", WHOLE["e"][:, cut:].contiguous(), (7, 9), (0, cut)),
+              Piece("f", "param", WHOLE["f"], (4, 3), (0, 0))]
     data, chunks = encode_shard(pieces, FILE)
     (tmp_path / "attempt-x").mkdir()
     (tmp_path / FILE).write_bytes(data)
@@ -68,7 +68,7 @@ def _plan_and_destinations(chunks, e_rows_read_twice=True):
         # (and staged), overlapping the scattered rows above in the same request.
         wanted[Target("e", "param", (0, 1), (7, 2))] = torch.full((7, 2), -1.0)
     plan = plan_rank(index_chunks(chunks), list(wanted), headers=header_checks(chunks), min_segment_bytes=1 << 20)
-    by_item = {item: (wanted[target], target.offsets) for target, items in plan.items.items() for item in items}
+    by_item = {item: Destination(wanted[target], target.offsets) for target, items in plan.items.items() for item in items}
     return plan, wanted, by_item
 
 
@@ -181,7 +181,7 @@ def test_random_plans_read_from_local_files_reproduce_every_target(case):
         whole = wholes[name] = _asymmetric(shape, dtype, salt)
         for index, box in enumerate(itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts])):
             region = tuple(slice(a, b) for a, b in box)
-            pieces_per_file[(index + salt) % files].append((name, "param", whole[region].contiguous(), shape,
+            pieces_per_file[(index + salt) % files].append(Piece(name, "param", whole[region].contiguous(), shape,
                                                             tuple(a for a, _ in box)))
         destination = torch.zeros(tuple(reversed(sizes)), dtype=dtype).t() if transposed else torch.zeros(sizes, dtype=dtype)
         wanted[Target(name, "param", lo, sizes)] = destination.fill_(-3)
@@ -193,7 +193,7 @@ def test_random_plans_read_from_local_files_reproduce_every_target(case):
                 handle.write(data)
             chunks += written
     plan = plan_rank(index_chunks(chunks), list(wanted), headers=header_checks(chunks), min_segment_bytes=min_segment_bytes)
-    by_item = {item: (wanted[target], target.offsets) for target, items in plan.items.items() for item in items}
+    by_item = {item: Destination(wanted[target], target.offsets) for target, items in plan.items.items() for item in items}
     saved = checkpoint_io.CHECK_BLOCK_BYTES
     checkpoint_io.CHECK_BLOCK_BYTES = block_bytes
     try:
@@ -213,12 +213,12 @@ def test_chunks_cut_along_two_trailing_dims_land_in_a_whole_target(tmp_path, mon
     if short_reads:
         _seven_bytes_a_call(monkeypatch)
     whole = _asymmetric((2, 6, 4), torch.float32, 9)
-    pieces = [("g", "param", whole[:, a:a + 3, b:b + 2].contiguous(), (2, 6, 4), (0, a, b)) for a in (0, 3) for b in (0, 2)]
+    pieces = [Piece("g", "param", whole[:, a:a + 3, b:b + 2].contiguous(), (2, 6, 4), (0, a, b)) for a in (0, 3) for b in (0, 2)]
     data, chunks = encode_shard(pieces, "f.safetensors")
     (tmp_path / "f.safetensors").write_bytes(data)
     target, destination = Target("g", "param", (0, 0, 0), (2, 6, 4)), torch.full((2, 6, 4), -1.0)
     plan = plan_rank(index_chunks(chunks), [target], headers=header_checks(chunks))
-    assert all(checkpoint_io._direct_buffer(item, (destination, (0, 0, 0))) is None for item in plan.items[target])
+    assert all(checkpoint_io._direct_buffer(item, Destination(destination, (0, 0, 0))) is None for item in plan.items[target])
     execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests,
-                     {item: (destination, (0, 0, 0)) for item in plan.items[target]})
+                     {item: Destination(destination, (0, 0, 0)) for item in plan.items[target]})
     assert torch.equal(destination, whole)

@@ -9,6 +9,7 @@ from plans.errors import ConfigError, ScheduleError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_spec import preset
 from plans.pipeline.plan import build_pipeline_plan
+from plans.pipeline.schedules import schedule_for_vpp
 
 
 def _config(**overrides):
@@ -79,3 +80,13 @@ def test_costs_from_a_missing_run_says_where_it_looked(tmp_path):
     from cluster.cli.main import main
 
     assert main(["plan", "schedule", "--costs-from", "nope", "--store", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("schedule, vpp, expected", [
+    ("1f1b", 2, "interleaved1f1b"), ("gpipe", 3, "interleaved1f1b"), ("ZB_H1", 2, "interleaved1f1b"),
+    ("1f1b", 1, "1f1b"), ("zbv", 2, "zbv"), ("dualpipev", 2, "dualpipev"), ("i1f1b", 3, "i1f1b"),
+])
+def test_a_vpp_layout_without_a_schedule_that_fits_runs_interleaved_1f1b(schedule, vpp, expected):
+    """The one fallback rule reshard planning (plans/checkpoint/regions.py) and offline resharding
+    share: only single-placement schedules move, and only when vpp > 1."""
+    assert schedule_for_vpp(schedule, vpp) == expected

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.checkpoint.replica_broadcast import broadcast_pieces, buckets
+from actors.checkpoint.replica_broadcast import HandedPiece, broadcast_pieces, buckets
 
 READERS = [0, 0, 1, 0, 1, 1, 0, 0]
 
@@ -38,7 +38,7 @@ def _run(rank: int, port: int, results) -> None:
     try:
         group = dist.new_group([0, 1])
         truth, held = _pieces(rank)
-        pieces = [(t, group) for t in held]
+        pieces = [HandedPiece(t, group) for t in held]
         received = broadcast_pieces(pieces, buckets(pieces, READERS, bucket_bytes=96), rank)
         results[rank] = (all(torch.equal(a, b) for a, b in zip(truth, held)), received)
     finally:
@@ -63,7 +63,7 @@ def test_buckets_split_by_reader_dtype_and_size_and_readers_take_turns():
     group = object()
     tensors = [torch.zeros(8), torch.zeros(8), torch.zeros(8, dtype=torch.float64), torch.zeros(30), torch.zeros(4),
                torch.zeros(3)]
-    cut = buckets([(t, group) for t in tensors], [0, 0, 0, 0, 1, 1], bucket_bytes=64)
+    cut = buckets([HandedPiece(t, group) for t in tensors], [0, 0, 0, 0, 1, 1], bucket_bytes=64)
     # Reader 0: two float32 pieces of 32 bytes share a bucket; float64 starts another; 120 bytes
     # exceed the limit alone (a piece is never split). Reader 1's pieces share one bucket, which
     # goes out second: the readers take turns, so both start handing over early.
@@ -77,7 +77,7 @@ def test_phases_go_one_after_another_whatever_the_piece_order():
     must take them in the same order."""
     dp_group, dp_tp_group = object(), object()
     tensors = [torch.zeros(4) for _ in range(5)]
-    pieces = [(tensors[0], dp_tp_group), (tensors[1], dp_group), (tensors[2], dp_tp_group), (tensors[3], dp_group),
-              (tensors[4], dp_tp_group)]
+    pieces = [HandedPiece(tensors[0], dp_tp_group), HandedPiece(tensors[1], dp_group), HandedPiece(tensors[2], dp_tp_group),
+              HandedPiece(tensors[3], dp_group), HandedPiece(tensors[4], dp_tp_group)]
     cut = buckets(pieces, [3, 0, 1, 2, 3], bucket_bytes=1024, phases=[1, 0, 1, 0, 1])
     assert [(b.reader, b.members) for b in cut] == [(0, [1]), (2, [3]), (1, [2]), (3, [0, 4])]

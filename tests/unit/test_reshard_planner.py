@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from actors.checkpoint.read_executor import fill_from_reads
 
-from actors.checkpoint.shard_writer import encode_shard
+from actors.checkpoint.shard_writer import Piece, encode_shard
 from plans.errors import CheckpointError
 from plans.checkpoint.reshard import check_chunks_disjoint_and_complete, plan_reads
 
@@ -41,7 +41,7 @@ def test_plan_covers_exactly_and_execution_reproduces_the_global_tensor(case):
     for index, box in enumerate(itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts])):
         region = tuple(slice(a, b) for a, b in box)
         piece = global_tensor[region]
-        pieces_per_file[index % files].append(("w", "param", piece, shape, tuple(a for a, _ in box)))
+        pieces_per_file[index % files].append(Piece("w", "param", piece, shape, tuple(a for a, _ in box)))
     chunks = []
     for number, pieces in enumerate(pieces_per_file):
         if pieces:
@@ -62,13 +62,13 @@ def test_plan_covers_exactly_and_execution_reproduces_the_global_tensor(case):
 
 def test_gaps_and_overlaps_are_reported():
     tensor = torch.arange(12.0).reshape(4, 3)
-    _, chunks = encode_shard([("w", "param", tensor[:2], (4, 3), (0, 0))], "a")
+    _, chunks = encode_shard([Piece("w", "param", tensor[:2], (4, 3), (0, 0))], "a")
     with pytest.raises(CheckpointError, match="cover 6 of the 12"):
         plan_reads(chunks, (0, 0), (4, 3), what="w")
     with pytest.raises(CheckpointError, match="chunks hold 6 elements"):
         check_chunks_disjoint_and_complete(chunks)
-    _, overlapping = encode_shard([("w", "param", tensor[:3], (4, 3), (0, 0)),
-                                   ("w", "param", tensor[1:2], (4, 3), (1, 0))], "b")
+    _, overlapping = encode_shard([Piece("w", "param", tensor[:3], (4, 3), (0, 0)),
+                                   Piece("w", "param", tensor[1:2], (4, 3), (1, 0))], "b")
     with pytest.raises(CheckpointError, match="overlap|chunks hold"):
         check_chunks_disjoint_and_complete(overlapping)
 
@@ -114,7 +114,7 @@ def test_any_layout_to_any_layout_covers_exactly_and_reproduces_every_global_ten
     for rank, pieces in enumerate(predicted_writes(model, source, kinds=kinds)):
         if not pieces:
             continue
-        written = [(p.region.name, p.kind, globals_[(p.region.name, p.kind)][
+        written = [Piece(p.region.name, p.kind, globals_[(p.region.name, p.kind)][
             tuple(slice(o, o + s) for o, s in zip(p.region.offsets, p.region.sizes))].clone(),
             p.region.global_shape, p.region.offsets) for p in pieces]
         data, file_chunks = encode_shard(written, f"rank-{rank:05d}.safetensors")
@@ -122,14 +122,14 @@ def test_any_layout_to_any_layout_covers_exactly_and_reproduces_every_global_ten
         chunks += file_chunks
     plan = plan_layout(chunks, layout_targets(model, target, kinds), min_segment_bytes)  # proves coverage or raises
     assert plan.bytes_read >= plan.bytes_needed
-    from actors.checkpoint.read_executor import execute_requests
+    from actors.checkpoint.read_executor import Destination, execute_requests
 
     read_by_rank = [{(t.name, t.kind, t.offsets, t.sizes) for t in r.items} for r in plan.ranks]
     for rank_plan in plan.ranks:
         for received in rank_plan.received:  # read once per dp replica group, by the rank named
             assert (received.name, received.kind, received.offsets, received.sizes) in read_by_rank[received.receive_from]
         buffers = {t: torch.full(t.sizes, float("nan")) for t in rank_plan.items}
-        by_item = {item: (buffers[t], t.offsets) for t, items in rank_plan.items.items() for item in items}
+        by_item = {item: Destination(buffers[t], t.offsets) for t, items in rank_plan.items.items() for item in items}
         execute_requests(fs, base, rank_plan.requests, by_item)
         for target_piece, buffer in buffers.items():
             expected = globals_[(target_piece.name, target_piece.kind)][
@@ -142,7 +142,7 @@ def test_a_same_layout_load_is_one_request_per_file_of_whole_chunks():
     layout = ParallelLayout(fsdp=2, tp=2)
     chunks = []
     for rank, pieces in enumerate(predicted_writes(model, layout, kinds=("param",))):
-        written = [(p.region.name, p.kind, torch.zeros(p.region.sizes), p.region.global_shape, p.region.offsets) for p in pieces]
+        written = [Piece(p.region.name, p.kind, torch.zeros(p.region.sizes), p.region.global_shape, p.region.offsets) for p in pieces]
         chunks += encode_shard(written, f"rank-{rank}.safetensors")[1]
     plan = plan_layout(chunks, layout_targets(model, layout, ("param",)))
     for rank_plan in plan.ranks:
@@ -160,7 +160,7 @@ def test_a_same_layout_read_once_load_reads_back_what_each_replica_wrote(layout)
     layout that saved reads each rank's own file (one sequential read per file on S3), the norm
     weights copied over dp and tp included; only pieces copied across pipeline stages (a tied
     embedding) may be read by another rank of the replica group."""
-    from plans.checkpoint.writers import read_once_readers
+    from plans.checkpoint.replicas import read_once_readers
     from plans.checkpoint.regions import rank_regions
 
     model = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48).validate()

@@ -28,14 +28,15 @@ def test_the_next_optimizer_step_waits_for_a_slow_snapshot(tmp_path, monkeypatch
     model, optimizer = _trained_model()
     expected = {(name, kind): checksum(t.detach().contiguous().numpy().tobytes()) for name, kind, t in state_tensors(model, optimizer)}
     release = threading.Event()
-    real_buffer = async_save._host_buffer
+    saver = async_save.AsyncSaver()
+    real_buffer = saver._host_buffer
 
     def slow_buffer(key, tensor):
         release.wait(timeout=30)  # the copy cannot start until the test says so
         return real_buffer(key, tensor)
 
-    monkeypatch.setattr(async_save, "_host_buffer", slow_buffer)
-    save = async_save.BackgroundSave(model, optimizer, str(tmp_path / "ckpt"), "attempt-a/rank-00000.safetensors", 0)
+    monkeypatch.setattr(saver, "_host_buffer", slow_buffer)
+    save = saver.start(model, optimizer, str(tmp_path / "ckpt"), "attempt-a/rank-00000.safetensors", 0)
     model(torch.randn(8, 16)).square().mean().backward()  # the next step's forward and backward run meanwhile
     stepper = threading.Thread(target=optimizer.step)
     stepper.start()

@@ -14,6 +14,7 @@ from cluster.run.train import train
 from plans.config import TrainConfig, with_overrides
 from plans.elastic import FailurePolicy, ScalingPolicy
 from plans.errors import ConfigError
+from plans.layout.parallel_layout import PARALLEL_DEGREES
 from plans.pipeline.schedules import schedule_spec
 
 
@@ -71,7 +72,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _run_elastic(args: argparse.Namespace, config) -> int:
     # Dimensions given on the command line are pins; the chooser picks the rest for each attempt.
-    pinned = {name: getattr(args, name) for name in ("dp", "fsdp", "tp", "pp") if getattr(args, name)}
+    pinned = {name: getattr(args, name) for name in PARALLEL_DEGREES if getattr(args, name)}
     controller, state = train_elastic(
         config, pinned, ScalingPolicy(args.min_ranks, args.max_ranks),
         FailurePolicy(max_failures=args.max_failures, backoff_s=args.backoff_s),

@@ -1,0 +1,136 @@
+"""The step runner of a pipeline: this rank's stages, driven by the plan's interpreter.
+
+Each stage has TP and FSDP2 inside it; FSDP2 accumulates unsharded gradients over every
+microbatch and reduces once after the plan (`defer_gradient_reduction` / `reduce_gradients_now`).
+Tied embeddings across stages are one logical parameter: after the plan the first stage's
+embedding and the last stage's copy each get the sum of both gradients. Every wait of the step
+is bounded by the pipeline timeout, so a stalled or dead peer becomes an error naming this rank.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from actors.model.init_weights import initialize_parameters
+from actors.model.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
+from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
+from actors.model.stage import RankStages, build_stage_on_meta, local_tensor, stage_global_names
+from actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail
+from actors.training.step_runner import loss_context, microbatch_loss
+from plans.config import TrainConfig
+from plans.layout.parallel_layout import RankCoords
+from plans.pipeline.plan import PipelinePlan
+
+_TIED_TAG = 2**30  # above every pipeline transfer's tag
+
+
+def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mesh: DeviceMesh,
+                      device: torch.device) -> RankStages:
+    """Only this rank's pipeline stages, each with TP and FSDP2 inside it."""
+    model_config, partition, layout = config.model, plan.partition, config.layout
+    last = partition.num_stages - 1
+    modules = {}
+    for stage in partition.stages_of_rank(pp_rank):
+        module = build_stage_on_meta(model_config, partition.stage_layers[stage], stage == 0, stage == last)
+        parallelize(module, mesh, layout.tp, layout.data_parallel_size,
+                    tie_embeddings=model_config.tie_embeddings, pipeline=True)
+        module.to_empty(device=device)
+        initialize_parameters(module, config.seed, model_config.n_layers,
+                              stage_global_names(model_config, stage == 0, stage == last))
+        modules[stage] = module
+    return RankStages(model_config, modules, partition.num_stages)
+
+
+class PipelinedRunner:
+    def __init__(self, config: TrainConfig, plan: PipelinePlan, stages: RankStages, rank: int,
+                 device: torch.device, timeout_s: float):
+        self.config, self.plan, self.model = config, plan, stages
+        self.layout = config.layout
+        self.rank, self.coords, self.device = rank, self.layout.coords_of(rank), device
+        self.timeout_s = timeout_s
+        self.collective_timeout = timedelta(seconds=timeout_s)
+        self.pipeline_copies = (PipelineCopies((stages.tied_copy,)) if stages.tied_copy is not None
+                                else NO_PIPELINE_COPIES)
+        microbatch_size = config.global_batch // self.layout.data_parallel_size // config.microbatches
+        self.interpreter = PipelineRunner(
+            plan.schedule.ranks[self.coords.pp], stages.modules, num_stages=plan.partition.num_stages,
+            microbatches=config.microbatches, rank=rank, global_rank_of=self._global_rank_of,
+            activation_shape=(microbatch_size, config.seq_len, config.model.dim), dtype=torch.float32,
+            device=device, loss_fn=partial(microbatch_loss, microbatches=config.microbatches), timeout_s=timeout_s)
+
+    @classmethod
+    def build(cls, config: TrainConfig, plan: PipelinePlan, rank: int, mesh: DeviceMesh, device: torch.device,
+              timeout_s: float) -> "PipelinedRunner":
+        stages = build_rank_stages(config, plan, config.layout.coords_of(rank).pp, mesh, device)
+        return cls(config, plan, stages, rank, device, timeout_s)
+
+    def with_plan(self, plan: PipelinePlan) -> "PipelinedRunner":
+        """The same stages replaying another plan (one with the same stage cut)."""
+        return PipelinedRunner(self.config, plan, self.model, self.rank, self.device, self.timeout_s)
+
+    def _global_rank_of(self, pp_rank: int) -> int:
+        coords = self.coords
+        return self.layout.rank_of(RankCoords(pp=pp_rank, dp=coords.dp, fsdp=coords.fsdp, tp=coords.tp))
+
+    def forward_backward(self, inputs: list[torch.Tensor],
+                         targets: list[torch.Tensor]) -> tuple[torch.Tensor, StepRecord]:
+        for module in self.model.modules.values():
+            defer_gradient_reduction(module)
+        with loss_context(self.layout.tp):
+            loss, record = self.interpreter.run(inputs, targets)
+        for module in self.model.modules.values():
+            reduce_gradients_now(module)
+        self._sum_tied_gradients()
+        return loss, record
+
+    def wait(self, work, what: str) -> None:
+        wait_or_fail(work, self.timeout_s, f"rank {self.rank}", f"after its pipeline plan, in {what}")
+
+    @contextlib.contextmanager
+    def after_forward_backward(self) -> Iterator[None]:
+        try:
+            yield
+        except PipelineStepError:
+            raise
+        except Exception as error:
+            raise PipelineStepError(f"rank {self.rank} failed after its pipeline plan (gradient norm, optimizer "
+                                    f"or loss all-reduce): {type(error).__name__}: {error}") from error
+
+    def _sum_tied_gradients(self) -> None:
+        """The first stage's embedding and the last stage's copy are one parameter: each gets
+        the sum of both gradients (a + b on one side, b + a on the other: bit-identical)."""
+        original, copy = self.model.tied_original, self.model.tied_copy
+        if original is None and copy is None:
+            return
+        for param in (original, copy):
+            if param is not None:
+                _place_grad_like_param(param)
+        if original is not None and copy is not None:  # both stages on this rank (V placement)
+            total = local_tensor(original.grad) + local_tensor(copy.grad)
+            local_tensor(original.grad).copy_(total)
+            local_tensor(copy.grad).copy_(total)
+            return
+        mine = local_tensor((original if original is not None else copy).grad)
+        stage_ranks = self.plan.schedule.stage_ranks
+        peer = self._global_rank_of(stage_ranks[-1] if original is not None else stage_ranks[0])
+        theirs = torch.empty_like(mine)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine.contiguous(), peer, tag=_TIED_TAG),
+                                        dist.P2POp(dist.irecv, theirs, peer, tag=_TIED_TAG)])
+        for work in works:
+            self.wait(work, f"the tied-embedding gradient exchange with rank {peer}")
+        mine.add_(theirs)
+
+
+def _place_grad_like_param(param: torch.nn.Parameter) -> None:
+    """Give the gradient its parameter's placements. DTensor may leave a sharded parameter's
+    gradient replicated (the vocab-parallel embedding's is); the two tied copies must hold
+    matching local pieces to be summed element by element."""
+    grad = param.grad
+    if hasattr(grad, "redistribute") and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)

@@ -1,0 +1,57 @@
+"""The step runner without a pipeline: the whole model on this rank, gradients accumulated over
+the microbatches and reduced over data ranks once, on the last one."""
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from actors.model.init_weights import initialize_parameters
+from actors.model.parallelize import parallelize
+from actors.model.shards import NO_PIPELINE_COPIES
+from actors.model.transformer import Transformer, build_on_meta
+from actors.training.step_runner import loss_context, microbatch_loss
+from plans.config import TrainConfig
+
+
+class SingleStageRunner:
+    pipeline_copies = NO_PIPELINE_COPIES
+    collective_timeout = None
+
+    def __init__(self, model: Transformer, tp: int, microbatches: int, device: torch.device):
+        self.model = model
+        self.tp, self.microbatches, self.device = tp, microbatches, device
+
+    @classmethod
+    def build(cls, config: TrainConfig, mesh: DeviceMesh, device: torch.device) -> "SingleStageRunner":
+        """The whole model, with TP and FSDP2 applied from outside, then materialized and initialized."""
+        layout = config.layout
+        model = build_on_meta(config.model)
+        parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=config.model.tie_embeddings)
+        model.to_empty(device=device)
+        if config.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
+            # to_empty swaps each module's parameter separately, which unties shared ones.
+            model.output.weight = model.tok_embeddings.weight
+        initialize_parameters(model, config.seed, config.model.n_layers)
+        return cls(model, layout.tp, config.microbatches, device)
+
+    def forward_backward(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[torch.Tensor, None]:
+        sharded = hasattr(self.model, "set_requires_gradient_sync")
+        total_loss = torch.zeros((), device=self.device)
+        for index, (x, y) in enumerate(zip(inputs, targets)):
+            if sharded:  # reduce gradients once per step, on the last microbatch
+                self.model.set_requires_gradient_sync(index == len(inputs) - 1)
+            logits = self.model(x)
+            with loss_context(self.tp):
+                loss = microbatch_loss(logits, y, self.microbatches)
+                loss.backward()
+            total_loss += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
+        return total_loss, None
+
+    def wait(self, work, what: str) -> None:
+        work.wait()
+
+    def after_forward_backward(self) -> ContextManager[None]:
+        return contextlib.nullcontext()

@@ -1,0 +1,100 @@
+"""The one commit path (`Store.begin` -> PendingCheckpoint): shard names per rank, a commit that
+makes the checkpoint visible and moves LATEST, and nothing visible from a save that never
+commits, loses the race for its step, or wrote chunks that do not tile their tensor. Real local
+and in-memory fsspec stores."""
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+import torch
+
+from actors.checkpoint.manifest_io import read_manifest
+from actors.checkpoint.shard_writer import Piece, write_shard
+from actors.checkpoint.stored import StoredCheckpoint
+from cluster.storage.catalog import Catalog
+from cluster.storage.store import Store
+from plans.errors import CheckpointError
+
+ROWS, COLS = 6, 3
+METADATA = {"run": "r", "step": 4, "layout": {"dp": 1, "fsdp": 2, "tp": 1, "pp": 1}, "model_preset": "tiny"}
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path):
+    return Store(str(tmp_path / "store") if request.param == "local" else f"memory://pending-{uuid.uuid4().hex}")
+
+
+def _weight(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * 0.25 + step  # asymmetric rows
+
+
+def _write_ranks(pending, weight: torch.Tensor, rows_per_rank: tuple[int, ...] = (2, 4)) -> list:
+    """Each 'rank' writes its row block of `weight` into its own file; returns their chunks."""
+    fs, base = fsspec.core.url_to_fs(pending.url)
+    chunks, start = [], 0
+    for rank, rows in enumerate(rows_per_rank):
+        piece = Piece("w", "param", weight[start:start + rows], (ROWS, COLS), (start, 0))
+        chunks += write_shard(fs, base, pending.file_for(rank), [piece])
+        start += rows
+    return chunks
+
+
+def test_ranks_write_their_own_files_under_one_attempt_and_the_commit_makes_them_visible(store):
+    pending = store.begin("r", 4)
+    assert pending.url == store.checkpoint_url("r", 4) and pending.attempt.startswith("attempt-")
+    assert [pending.file_for(rank) for rank in (0, 3)] == [f"{pending.attempt}/rank-00000.safetensors",
+                                                           f"{pending.attempt}/rank-00003.safetensors"]
+    assert pending.file_for(1, stem="import") == f"{pending.attempt}/import-00001.safetensors"
+    assert store.begin("r", 4).attempt != pending.attempt  # every save writes under its own prefix
+    weight = _weight(4)
+    chunks = _write_ranks(pending, weight)
+    assert store.committed_steps("r") == [] and store.latest_step("r") is None  # written, not visible
+
+    url = pending.commit(chunks, METADATA)
+
+    assert url == pending.url and store.committed_steps("r") == [4] and store.latest_step("r") == 4
+    assert store.resolve("r").url == url
+    stored_chunks, metadata = read_manifest(url)
+    assert sorted(c.file for c in stored_chunks) == [pending.file_for(0), pending.file_for(1)]
+    assert metadata["step"] == 4 and metadata["format_version"] and metadata["model_preset"] == "tiny"
+    assert torch.equal(StoredCheckpoint(url).read_region("w", "param", (0, 0), (ROWS, COLS)), weight)
+
+
+def test_a_second_commit_of_the_same_step_is_refused_and_leaves_the_first(store):
+    first = store.begin("r", 4)
+    url = first.commit(_write_ranks(first, _weight(4)), METADATA)
+    second = store.begin("r", 4)
+    chunks = _write_ranks(second, _weight(40))
+    with pytest.raises(CheckpointError, match="another writer committed this checkpoint first"):
+        second.commit(chunks, METADATA)
+    assert {c.file.split("/")[0] for c in read_manifest(url)[0]} == {first.attempt}
+    assert store.latest_step("r") == 4
+    assert torch.equal(StoredCheckpoint(url).read_region("w", "param", (0, 0), (ROWS, COLS)), _weight(4))
+    assert [leftover.path.rsplit("/", 1)[-1] for leftover in Catalog(store).leftovers("r")] == [second.attempt]
+
+
+def test_a_save_that_dies_before_its_commit_leaves_only_a_leftover(store):
+    committed = store.begin("r", 2)
+    committed.commit(_write_ranks(committed, _weight(2)), dict(METADATA, step=2))
+    crashed = store.begin("r", 4)
+    _write_ranks(crashed, _weight(4))  # every shard written, then the writer died: no commit
+
+    assert store.committed_steps("r") == [2] and store.latest_step("r") == 2
+    with pytest.raises(CheckpointError, match="no committed checkpoint at that step"):
+        store.resolve("r@4")
+    catalog = Catalog(store)
+    assert [e.step for e in catalog.checkpoints("r")] == [2]
+    assert [(leftover.step, leftover.path.rsplit("/", 1)[-1]) for leftover in catalog.leftovers("r")] == \
+        [(4, crashed.attempt)]
+
+
+@pytest.mark.parametrize("rows_per_rank, problem", [((2, 3), "chunks hold 15 elements"),
+                                                    ((4, 4), "lies outside the global shape")])
+def test_chunks_that_do_not_tile_their_tensor_are_never_committed(store, rows_per_rank, problem):
+    pending = store.begin("r", 4)
+    chunks = _write_ranks(pending, torch.zeros(8, COLS), rows_per_rank)
+    with pytest.raises(CheckpointError, match=problem):
+        pending.commit(chunks, METADATA)
+    assert store.committed_steps("r") == [] and store.latest_step("r") is None
