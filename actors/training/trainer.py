@@ -17,7 +17,6 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from actors.checkpoint.async_save import AsyncSaver
 from actors.checkpoint.load import HandoverGroups, load_rank_shard
-
 from actors.checkpoint.save import save_rank_shard
 from actors.model.parallelize import clip_grad_norm
 from actors.model.shards import is_primary_replica

@@ -271,35 +271,21 @@ class _Run:
                 self.backward_done[slot] = 1 if kind is Kind.B else 2
 
     def _handoff(self, rank: int, step: int, action: Action) -> None:
-        owner, microbatches = self.schedule.stage_ranks, self.schedule.microbatches
-        forward = action.kind is Kind.HANDOFF_F
-        target = action.stage + (1 if forward else -1)
-        slot = self._slot(rank, step, action, action.stage, action.microbatch)
-        if slot is None or self._slot(rank, step, action, target, action.microbatch) is None:
+        target = self._delivered(rank, step, action, "hands off")
+        if target is None:
             return
-        produced = self.forward_done[slot] if forward else self.backward_done[slot]
-        if not produced or owner[action.stage] != rank:
-            self._violate(f"hands off stage {action.stage}'s result before this rank computed it", rank, step, action)
+        owner = self.schedule.stage_ranks
         if owner[target] != rank:
             self._violate(f"stage {target} is on rank {owner[target]}, not here: use SEND/RECV", rank, step, action)
-        arrived = self.input_arrived if forward else self.grad_arrived
-        target_slot = target * microbatches + action.microbatch
-        if arrived[target_slot]:
-            self._violate(f"stage {target} mb {action.microbatch} receives its data twice", rank, step, action)
-        arrived[target_slot] = 1
+        self._arrive(target, rank, step, action)
 
     def _transfer(
         self, sender: int, send_step: int, send: Action, receiver: int, recv_step: int, recv: Action
     ) -> None:
-        owner, microbatches = self.schedule.stage_ranks, self.schedule.microbatches
-        forward = send.kind is Kind.SEND_F
-        target = send.stage + (1 if forward else -1)
-        slot = self._slot(sender, send_step, send, send.stage, send.microbatch)
-        if slot is None or self._slot(sender, send_step, send, target, send.microbatch) is None:
+        target = self._delivered(sender, send_step, send, "sends")
+        if target is None:
             return
-        produced = self.forward_done[slot] if forward else self.backward_done[slot]
-        if not produced or owner[send.stage] != sender:
-            self._violate(f"sends stage {send.stage}'s result before this rank computed it", sender, send_step, send)
+        owner = self.schedule.stage_ranks
         if owner[target] != receiver:
             self._violate(
                 f"stage {target} lives on rank {owner[target]}, but this sends it to rank {receiver}",
@@ -307,15 +293,31 @@ class _Run:
             )
         if (recv.stage, recv.microbatch) != (target, send.microbatch):
             self._violate(
-                f"FIFO channel rank {sender} -> rank {receiver} ({'forward' if forward else 'backward'}) "
+                f"FIFO channel rank {sender} -> rank {receiver} ({'forward' if _forward(send) else 'backward'}) "
                 f"pairs it with rank {sender} step {send_step} {send}, which carries stage "
                 f"{target} mb {send.microbatch}; order the RECVs like the peer's SENDs",
                 receiver, recv_step, recv,
             )
-        arrived = self.input_arrived if forward else self.grad_arrived
-        target_slot = target * microbatches + send.microbatch
+        self._arrive(target, sender, send_step, send)
+
+    def _delivered(self, rank: int, step: int, action: Action, verb: str) -> int | None:
+        """What a hand-off and a send both require: the stage's result exists, computed on this
+        rank. Returns the stage it goes to (None if either stage is out of range, reported)."""
+        target = action.stage + (1 if _forward(action) else -1)
+        slot = self._slot(rank, step, action, action.stage, action.microbatch)
+        if slot is None or self._slot(rank, step, action, target, action.microbatch) is None:
+            return None
+        produced = self.forward_done[slot] if _forward(action) else self.backward_done[slot]
+        if not produced or self.schedule.stage_ranks[action.stage] != rank:
+            self._violate(f"{verb} stage {action.stage}'s result before this rank computed it", rank, step, action)
+        return target
+
+    def _arrive(self, target: int, rank: int, step: int, action: Action) -> None:
+        """The target stage's input (forward) or output gradient (backward) arrives: exactly once."""
+        arrived = self.input_arrived if _forward(action) else self.grad_arrived
+        target_slot = target * self.schedule.microbatches + action.microbatch
         if arrived[target_slot]:
-            self._violate(f"stage {target} mb {send.microbatch} receives its data twice", sender, send_step, send)
+            self._violate(f"stage {target} mb {action.microbatch} receives its data twice", rank, step, action)
         arrived[target_slot] = 1
 
     def _check_completeness(self) -> None:
@@ -328,3 +330,8 @@ class _Run:
                 self._violate(f"stage {stage} mb {mb} never runs B (or I)")
             elif self.backward_done[slot] == 2 and not self.weight_done[slot]:
                 self._violate(f"stage {stage} mb {mb} runs I but never its W")
+
+
+def _forward(action: Action) -> bool:
+    """Whether a transfer or hand-off carries an activation (forward) or a gradient (backward)."""
+    return action.kind in (Kind.SEND_F, Kind.RECV_F, Kind.HANDOFF_F)
