@@ -64,6 +64,14 @@ class TrainConfig:
     # None means collective_timeout_s.
     stage_layout: tuple[int, ...] | None = None
     pipeline_timeout_s: float | None = None
+    # Resources per rank (None: an equal share of the cluster's CPUs, at most one; one GPU where
+    # the cluster has GPUs). start_timeout_s bounds each start-up wait (placement group granted,
+    # actors alive); call_timeout_s bounds any one call on the ranks (a step, a load, a save), a
+    # backstop behind the ranks' own collective and storage timeouts (docs/decisions.md).
+    cpus_per_rank: float | None = None
+    gpus_per_rank: float | None = None
+    start_timeout_s: float = 60.0
+    call_timeout_s: float = 3600.0
 
     def __post_init__(self):
         if self.stage_layout is not None and not isinstance(self.stage_layout, tuple):
@@ -123,6 +131,16 @@ class TrainConfig:
         if self.pipeline_timeout_s is not None and self.pipeline_timeout_s <= 0:
             raise ConfigError("pipeline_timeout_s", self.pipeline_timeout_s, "must be positive (or unset for collective_timeout_s)",
                               "set it to e.g. 300")
+        for name in ("cpus_per_rank", "gpus_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (value < 0 or (value > 0 and value < 1e-4)):
+                raise ConfigError(name, value, "must be 0 or at least 0.0001 (Ray's resource grain)",
+                                  f"pass --{name.replace('_', '-')} 0.5, or leave it unset for the default")
+        if self.cpus_per_rank == 0 and not self.gpus_per_rank:
+            raise ConfigError("cpus_per_rank", 0, "a CPU rank needs some CPU", "leave --cpus-per-rank unset, or pass e.g. 0.5")
+        for name in ("start_timeout_s", "call_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, getattr(self, name), "must be positive", "set it to e.g. 60")
         return self
 
     def _validate_pipeline(self) -> None:

@@ -15,6 +15,9 @@ class ConfigError(RayshardError, ValueError):
         self.field, self.value, self.constraint, self.fix = field, value, constraint, fix
         super().__init__(f"{field}={value!r}: {constraint}. Fix: {fix}")
 
+    def __reduce__(self):  # raised on a rank, it must reach the driver whole (pickle calls cls(*args))
+        return type(self), (self.field, self.value, self.constraint, self.fix)
+
 
 class ScheduleError(RayshardError, ValueError):
     """A pipeline schedule cannot be built or is invalid for the given sizes."""
@@ -22,3 +25,46 @@ class ScheduleError(RayshardError, ValueError):
 
 class CheckpointError(RayshardError):
     """A checkpoint is missing, incomplete, corrupt or does not match the model."""
+
+
+class ResourcesUnavailable(RayshardError):
+    """The cluster did not grant the ranks' resources (or start their actors) within the bound."""
+
+
+class StepFailed(RuntimeError):
+    """One or more ranks failed a call (or did not answer in time); the message lists each rank's
+    own error. causes: rank -> the exception the rank raised, where it reached the driver intact;
+    tracebacks: rank -> the remote traceback text (shown with RAYSHARD_DEBUG=1)."""
+
+    def __init__(self, method: str, failures: dict[int, str], silent: list[int], dead_ranks: list[int] = (),
+                 causes: dict[int, BaseException] | None = None, tracebacks: dict[int, str] | None = None,
+                 waited_s: float | None = None):
+        self.failures, self.silent, self.dead_ranks = failures, list(silent), sorted(dead_ranks)
+        self.causes, self.tracebacks = dict(causes or {}), dict(tracebacks or {})
+        if failures:
+            lines = [f"{method} failed on {len(failures)} rank(s):"]
+        else:
+            lines = [f"{method}: no rank answered within {waited_s:g} s" if waited_s is not None else f"{method} failed:"]
+        lines += [f"  rank {rank}: {message}" for rank, message in sorted(failures.items())]
+        if self.silent:
+            lines.append(f"  no answer yet from rank(s) {self.silent}")
+        super().__init__("\n".join(lines))
+
+    def first_cause(self, kinds: tuple[type[BaseException], ...]) -> tuple[int, BaseException] | None:
+        """The lowest rank whose own error is one of `kinds`, with that error."""
+        for rank in sorted(self.causes):
+            if isinstance(self.causes[rank], kinds):
+                return rank, self.causes[rank]
+        return None
+
+
+def from_rank(error: BaseException, rank: int, remote_traceback: str = "") -> BaseException:
+    """Mark an exception a rank raised (unwrapped from Ray's RayTaskError) with its rank, so the
+    CLI can prefix its message with it and show the remote traceback on request."""
+    error.rayshard_rank = rank
+    error.remote_traceback = remote_traceback
+    return error
+
+
+def rank_of(error: BaseException) -> int | None:
+    return getattr(error, "rayshard_rank", None)

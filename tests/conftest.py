@@ -31,7 +31,7 @@ def rank_pool(ray_session):
     tests pay the process start and torch import once instead of once per run."""
     from cluster.run.rank_group import start_actors
 
-    placement, actors = start_actors(8)
+    placement, actors = start_actors(8, start_timeout_s=600)  # eight torch imports on a loaded 2-core machine
     yield actors
     for actor in actors:
         ray_session.kill(actor)

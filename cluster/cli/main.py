@@ -13,6 +13,7 @@ import importlib
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable
 
 from cluster.cli import catalog as catalog_cli
@@ -20,7 +21,7 @@ from cluster.cli import ckpt as ckpt_cli
 from cluster.cli import layout as layout_cli
 from cluster.cli import plan as plan_cli
 from cluster.cli import train as train_cli
-from plans.errors import RayshardError
+from plans.errors import RayshardError, StepFailed, from_rank, rank_of
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,24 +49,62 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(command_of(args)(args) or 0)
+    except StepFailed as failed:
+        # A rank's own error of the user's making reads as if the driver had raised it.
+        first = failed.first_cause((RayshardError,) + _storage_errors())
+        if first is not None:
+            rank, cause = first
+            return _report(from_rank(cause, rank, failed.tracebacks.get(rank, "")))
+        print(f"rayshard: training stopped: {failed}", file=sys.stderr)
+        for rank, text in sorted(failed.tracebacks.items())[:1]:  # unexpected: a short traceback
+            print(f"rank {rank}, last frames (RAYSHARD_DEBUG=1 shows them all):\n"
+                  + (text if _debug() else _short_traceback(text)), file=sys.stderr)
+        return 1
     except RayshardError as error:
-        print(f"rayshard: error: {error}", file=sys.stderr)
-        return 2
+        return _report(error)
     except BrokenPipeError:  # `rayshard ... | head`: the reader left; not an error of ours
         # Python would complain again flushing stdout at exit (as its docs advise, point it at devnull).
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except _storage_errors() as error:
-        if os.environ.get("RAYSHARD_DEBUG") or _from_ray(error):
-            raise  # Ray's errors (a failed task, a timeout) carry their own cause and traceback
-        # s3fs turns S3 failures into OSError once its retries are spent; a user needs the object
-        # and the reason, not a botocore traceback (which never holds credentials either way).
-        print(f"rayshard: error: storage request failed: {type(error).__name__}: {_without_userinfo(_first_line(error))}. "
-              "Fix: check the store URL, its credentials and endpoint (AWS_ENDPOINT_URL) and the network, then run "
-              "the command again; nothing partial is visible (a checkpoint commits only with its manifest). "
-              "RAYSHARD_DEBUG=1 shows the traceback", file=sys.stderr)
-        return 3
+        if _from_ray(error):
+            raise  # Ray's own errors (a lost node, a timeout) carry their own cause and traceback
+        return _report(error)
+
+
+def _report(error: BaseException) -> int:
+    """One line on stderr, prefixed with the rank that raised it; the traceback (the remote one for
+    a rank's error) only with RAYSHARD_DEBUG=1. Exit 2 for input and checkpoint errors, 3 for storage."""
+    rank = rank_of(error)
+    if _debug():
+        remote = getattr(error, "remote_traceback", "")
+        if remote:
+            print(_without_userinfo(remote), file=sys.stderr)
+        else:
+            traceback.print_exception(error, file=sys.stderr)
+    prefix = "rayshard: error: " + (f"rank {rank}: " if rank is not None else "")
+    if isinstance(error, RayshardError):
+        print(f"{prefix}{_without_userinfo(str(error))}", file=sys.stderr)
+        return 2
+    # s3fs turns S3 failures into OSError once its retries are spent; a user needs the object
+    # and the reason, not a botocore traceback (which never holds credentials either way).
+    print(f"{prefix}storage request failed: {type(error).__name__}: {_without_userinfo(_first_line(error))}. "
+          "Fix: check the store URL, its credentials and endpoint (AWS_ENDPOINT_URL) and the network, then run "
+          "the command again; nothing partial is visible (a checkpoint commits only with its manifest). "
+          "RAYSHARD_DEBUG=1 shows the traceback", file=sys.stderr)
+    return 3
+
+
+def _debug() -> bool:
+    return os.environ.get("RAYSHARD_DEBUG", "") not in ("", "0")
+
+
+def _short_traceback(text: str, frames: int = 3) -> str:
+    """The last `frames` frames and the error line of a traceback text."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("File ")]
+    return "\n".join(lines[starts[-frames]:] if len(starts) >= frames else lines[-2 * frames - 1:])
 
 
 def _from_ray(error: BaseException) -> bool:

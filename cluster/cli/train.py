@@ -36,6 +36,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layers per pipeline stage (pp x vpp counts), e.g. 1,3; default: an even cut")
     parser.add_argument("--pipeline-timeout", type=float, metavar="SECONDS",
                         help="fail a pipeline step whose transfer waits longer than this (default: the collective timeout)")
+    parser.add_argument("--cpus-per-rank", type=float, metavar="N",
+                        help="CPUs each rank asks Ray for (default: an equal share of the cluster's CPUs, at most 1)")
+    parser.add_argument("--gpus-per-rank", type=float, metavar="N",
+                        help="GPUs each rank asks Ray for (default: 1 where the cluster has GPUs, else 0: CPU ranks)")
+    parser.add_argument("--start-timeout", type=float, metavar="SECONDS",
+                        help="fail when the ranks' resources are not granted, or their actors not alive, within this "
+                             "(default 60; each start-up wait has this bound)")
+    parser.add_argument("--call-timeout", type=float, metavar="SECONDS",
+                        help="fail a step, load or save that some rank has not answered within this (default 3600)")
     parser.add_argument("--seed", type=int, metavar="N")
     parser.add_argument("--lr", type=float, metavar="LR", help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, metavar="N")
@@ -61,5 +70,4 @@ def register(commands) -> None:
     elastic.add_argument("--max-failures", type=int, default=3, metavar="N")
     elastic.add_argument("--backoff-s", type=float, default=1.0, metavar="S", help="first restart delay (doubles)")
     elastic.add_argument("--memory-gib", type=float, default=64.0, metavar="GIB", help="memory budget per rank")
-    elastic.add_argument("--cpus-per-rank", type=float, default=1.0, metavar="N", help="on CPU clusters: CPUs per rank")
     parser.set_defaults(run_command="cluster.cli.commands.train:run_train")

@@ -109,7 +109,8 @@ class AsyncCheckpointer:
     def wait(self) -> None:
         """Block until the pending save is committed (or raise its failure)."""
         if self.pending is not None:
-            ray.get(self.pending.requests)
+            # Bounded like every rank call (RankGroup.call_timeout_s); the staging copy is short.
+            ray.get(self.pending.requests, timeout=getattr(self.group, "call_timeout_s", None))
             self._begin_commit(_statuses(self.group.call("save_status", True)))
         self._finish_commit(block=True)
 

@@ -45,6 +45,9 @@ class RunResult:
 class WorkerGroup(Protocol):
     def available_ranks(self) -> int: ...
 
+    # Optional: capacity() -> str, what the cluster offers and why ("2 ranks (2 CPUs / 1 CPU per
+    # rank)"), named in the controller's messages while it waits.
+
     def run(self, layout: ParallelLayout, should_resize: Callable[[], bool]) -> RunResult:
         """Start ranks on `layout`, resume from the latest checkpoint if any, train until done,
         a failure, or should_resize() says so after a checkpoint; always tear down."""
@@ -104,10 +107,15 @@ class Controller:
         available = self.group.available_ranks()
         ranks = self.scaling_policy.ranks_to_use(available)
         if ranks is None:
-            self._waiting_since = self._waiting_since if self._waiting_since is not None else self.clock()
+            offered = self._capacity() or f"{available} ranks"
+            if self._waiting_since is None:  # never wait silently: say what for, and how long at most
+                self._waiting_since = self.clock()
+                self.log(f"[controller] waiting up to {self.wait_for_ranks_s:.0f}s for min_ranks="
+                         f"{self.scaling_policy.min_ranks}: the cluster offers {offered}")
             if self.clock() - self._waiting_since > self.wait_for_ranks_s:
-                self._enter(State.ERRORED, f"only {available} ranks available for {self.wait_for_ranks_s:.0f}s; "
-                                           f"min_ranks={self.scaling_policy.min_ranks}")
+                self._enter(State.ERRORED, f"only {offered} available for {self.wait_for_ranks_s:.0f}s; "
+                                           f"min_ranks={self.scaling_policy.min_ranks}. Fix: add nodes, lower "
+                                           "--min-ranks, or lower --cpus-per-rank")
                 return
             self.sleep(self.poll_s)
             return
@@ -118,6 +126,11 @@ class Controller:
             self.log("[controller] layout choice:\n  " + choice.explain().replace("\n", "\n  "))
         self._enter(State.RUNNING, f"{available} ranks available, running {self.layout.describe()} "
                                    f"on {self.layout.world_size}")
+
+    def _capacity(self) -> str:
+        """The worker group's own account of what the cluster offers, where it gives one."""
+        describe = getattr(self.group, "capacity", None)
+        return describe() if callable(describe) else ""
 
     def _should_grow(self, layout: ParallelLayout) -> bool:
         """More ranks are usable than the running layout uses, and the layout chooser would

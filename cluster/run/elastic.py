@@ -10,6 +10,7 @@ policy decides whether to go again. More ranks appearing triggers a resize at th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from math import prod
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -19,26 +20,45 @@ from cluster.run.rank_group import StepFailed, connect_ray
 from cluster.run.train import train
 from plans.config import TrainConfig
 from plans.elastic import FailurePolicy, ScalingPolicy
-from plans.layout.parallel_layout import ParallelLayout
+from plans.errors import ConfigError, ResourcesUnavailable
+from plans.layout.parallel_layout import PARALLEL_DEGREES, ParallelLayout
+from plans.layout.resources import equal_cpu_share, rank_bundle, ranks_offered
 from plans.layout.chooser import Workload, choose_layout
 
-# What a rank losing its process or node, or an unrecoverable step, looks like from the driver.
-RANK_FAILURES = (RayActorError, RayTaskError, GetTimeoutError, StepFailed)
+# What a rank losing its process or node, an unrecoverable step, or ranks the cluster did not
+# grant in time (ResourcesUnavailable: the policy decides whether to wait again) look like.
+RANK_FAILURES = (RayActorError, RayTaskError, GetTimeoutError, StepFailed, ResourcesUnavailable)
 
 
 @dataclass
 class TrainingWorkerGroup:
     config: TrainConfig
-    cpus_per_rank: float = 1.0
+    # Ranks the pinned dimensions need: with no --cpus-per-rank, each rank gets an equal share of
+    # the CPUs over this many ranks (at most one CPU), as a non-elastic job does over its world.
+    wanted_ranks: int = 1
+
+    def rank_bundle(self, world: int | None = None) -> dict[str, float]:
+        """CPU ranks: a share fixed over wanted_ranks, so the rank count follows from the CPUs.
+        GPU ranks: the count follows from the GPUs; the CPUs are shared over the world started."""
+        cluster, cpus, gpus = ray.cluster_resources(), self.config.cpus_per_rank, self.config.gpus_per_rank
+        bundle = rank_bundle(cluster, self.wanted_ranks, cpus, gpus)
+        return rank_bundle(cluster, world, cpus, gpus) if "GPU" in bundle and world else bundle
 
     def available_ranks(self) -> int:
-        resources = ray.cluster_resources()
-        if resources.get("GPU", 0) >= 1:
-            return int(resources["GPU"])
-        return int(resources.get("CPU", 0) // self.cpus_per_rank)
+        cluster, bundle = ray.cluster_resources(), self.rank_bundle()
+        if "GPU" in bundle:
+            return ranks_offered(cluster, {"GPU": bundle["GPU"]})[0]
+        return ranks_offered(cluster, bundle)[0]
+
+    def capacity(self) -> str:
+        """What the cluster offers, and why: '2 ranks (2 CPUs / 1 CPU per rank)'."""
+        offered, why = ranks_offered(ray.cluster_resources(), self.rank_bundle())
+        return f"{offered} ranks ({why})"
 
     def run(self, layout: ParallelLayout, should_resize) -> RunResult:
-        config = replace(self.config, layout=layout, resume="auto")
+        bundle = self.rank_bundle(layout.world_size)
+        config = replace(self.config, layout=layout, resume="auto", cpus_per_rank=bundle.get("CPU", 0),
+                         gpus_per_rank=bundle.get("GPU", 0))
         try:
             result = train(config, stop_after_checkpoint=lambda step: should_resize())
         except RANK_FAILURES as error:
@@ -52,20 +72,41 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:300]
 
 
-def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_rank_bytes: float, ranks_per_node: int):
+def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_rank_bytes: float, ranks_per_node: int,
+                       capacity=lambda: ""):
     work = Workload(config.global_batch, config.seq_len, config.microbatches)
+    needed = pinned_ranks(pinned)
 
     def choose(ranks: int):
+        if ranks < needed:  # say what is missing: ranks, not memory
+            offered = capacity() or f"{ranks} ranks"
+            raise ConfigError("layout", ", ".join(f"{k}={v}" for k, v in pinned.items()),
+                              f"the pinned dimensions need {needed} ranks but the cluster offers {offered}",
+                              f"pass --cpus-per-rank {_share_for(needed):g} or less (or leave it unset), add nodes, "
+                              "or pin fewer dimensions")
         return choose_layout(ranks, config.model, work, memory_per_rank_bytes, ranks_per_node=ranks_per_node,
                              pinned=pinned)
 
     return choose
 
 
+def pinned_ranks(pinned: dict[str, int]) -> int:
+    return prod(value for name, value in pinned.items() if name in PARALLEL_DEGREES and value)
+
+
+def _share_for(ranks: int) -> float:
+    return equal_cpu_share(ray.cluster_resources().get("CPU", 0), ranks) if ray.is_initialized() else 1.0 / ranks
+
+
 def train_elastic(config: TrainConfig, pinned: dict[str, int], scaling: ScalingPolicy, failure: FailurePolicy,
-                  memory_per_rank_bytes: float = 64 * 2**30, ranks_per_node: int = 8, cpus_per_rank: float = 1.0):
+                  memory_per_rank_bytes: float = 64 * 2**30, ranks_per_node: int = 8, cpus_per_rank: float | None = None):
+    """cpus_per_rank: overrides config.cpus_per_rank (None: the config's; unset there, an equal
+    share of the CPUs over max(min_ranks, the ranks the pinned dimensions need), at most one)."""
     connect_ray()
-    group = TrainingWorkerGroup(config, cpus_per_rank)
-    controller = Controller(group, layout_chooser_for(config, pinned, memory_per_rank_bytes, ranks_per_node),
+    if cpus_per_rank is not None:
+        config = replace(config, cpus_per_rank=cpus_per_rank)
+    group = TrainingWorkerGroup(config, max(scaling.min_ranks, pinned_ranks(pinned)))
+    controller = Controller(group, layout_chooser_for(config, pinned, memory_per_rank_bytes, ranks_per_node,
+                                                      group.capacity),
                             failure_policy=failure, scaling_policy=scaling)
     return controller, controller.run()

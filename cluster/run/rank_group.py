@@ -1,6 +1,8 @@
 """A group of RankActors: one placement-group bundle per rank, one process group over them."""
 from __future__ import annotations
 
+import re
+import sys
 import time
 
 import ray
@@ -10,8 +12,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank import RankActor
 from plans.config import TrainConfig
-from plans.errors import ConfigError
+from plans.errors import ConfigError, RayshardError, ResourcesUnavailable, StepFailed, from_rank
+from plans.layout.resources import GRAIN, not_ready_failure, placement_failure, rank_bundle
 from plans.pipeline.plan import build_pipeline_plan
+
+__all__ = ["RankGroup", "StepFailed", "connect_ray", "start_actors", "bundle_for_rank"]
+
+DEFAULT_START_TIMEOUT_S = 60.0
 
 
 def connect_ray() -> None:
@@ -21,67 +28,109 @@ def connect_ray() -> None:
                  configure_logging=True)
 
 
-def bundle_for_rank(world_size: int) -> dict[str, float]:
-    """A GPU per rank where the cluster has GPUs, else an equal fractional share of the CPUs."""
-    resources = ray.cluster_resources()
-    if resources.get("GPU", 0) >= 1:
-        return {"GPU": 1, "CPU": min(1.0, resources.get("CPU", 1) / world_size)}
-    share = min(1.0, resources.get("CPU", 1) / world_size)
-    return {"CPU": max(0.01, round(share, 2))}
+def bundle_for_rank(world_size: int, cpus_per_rank: float | None = None,
+                    gpus_per_rank: float | None = None) -> dict[str, float]:
+    """A GPU per rank where the cluster has GPUs, else an equal share of the CPUs that fits
+    (plans/layout/resources.py); explicit per-rank amounts win."""
+    return rank_bundle(ray.cluster_resources(), world_size, cpus_per_rank, gpus_per_rank)
 
 
-def start_actors(world: int, setup_timeout_s: float = 600.0):
-    """One RankActor per rank in a fresh placement group. Returns (placement group, actors)."""
-    bundle = bundle_for_rank(world)
-    if "GPU" in bundle and ray.cluster_resources().get("GPU", 0) < world:
-        raise ConfigError("layout", f"{world} ranks",
-                          f"needs {world} GPUs but the Ray cluster has {ray.cluster_resources().get('GPU', 0):g}",
-                          "lower the parallel degrees or add GPU nodes")
+def start_actors(world: int, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, cpus_per_rank: float | None = None,
+                 gpus_per_rank: float | None = None, log=print):
+    """One RankActor per rank in a fresh placement group, waiting at most start_timeout_s for the
+    group and again for the actors to come alive. Returns (placement group, actors); raises
+    ResourcesUnavailable naming what was asked for and what the cluster has."""
+    bundle = bundle_for_rank(world, cpus_per_rank, gpus_per_rank)
+    total = ray.cluster_resources()
+    if any(round(total.get(kind, 0) * GRAIN) < world * round(amount * GRAIN) for kind, amount in bundle.items()):
+        # Never wait silently: an autoscaler may still add nodes, so wait the bound, but say so.
+        log(f"waiting up to {start_timeout_s:g} s for {world} ranks x {bundle}: more than the cluster's "
+            f"{ {kind: total.get(kind, 0) for kind in bundle} } in total")
     placement = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
-    ray.get(placement.ready(), timeout=setup_timeout_s)
+    ready, _ = ray.wait([placement.ready()], timeout=start_timeout_s)
+    if not ready:
+        free = ray.available_resources()
+        remove_placement_group(placement)
+        raise ResourcesUnavailable(placement_failure(world, bundle, free, ray.cluster_resources(), start_timeout_s))
     actors = [
         RankActor.options(
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank),
         ).remote()
         for rank in range(world)
     ]
+    try:
+        _wait_alive(actors, start_timeout_s)
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(placement)
+        raise
     return placement, actors
+
+
+def _wait_alive(actors: list, timeout_s: float) -> None:
+    pending = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(actors)}
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError as error:
+            raise ResourcesUnavailable(f"rank actor {pending[ref]} died while starting: {_root_message(error)}. "
+                                       "Fix: check the actor's log (`ray logs`) and the worker's environment") from None
+    not_ready = sorted(rank for ref, rank in pending.items() if ref not in ready)
+    if not_ready:
+        raise ResourcesUnavailable(not_ready_failure(not_ready, len(actors), timeout_s))
 
 
 # After a rank's process dies, its peers are stuck in collectives with it until their own
 # timeout (minutes); waiting the full grace for their errors would only delay recovery.
 DEAD_RANK_GRACE_S = 2.0
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-class StepFailed(RuntimeError):
-    """One or more ranks failed a call; the message lists each rank's own error."""
-
-    def __init__(self, method: str, failures: dict[int, str], silent: list[int], dead_ranks: list[int] = ()):
-        self.failures, self.silent, self.dead_ranks = failures, list(silent), sorted(dead_ranks)
-        lines = [f"{method} failed on {len(failures)} rank(s):"]
-        lines += [f"  rank {rank}: {message}" for rank, message in sorted(failures.items())]
-        if silent:
-            lines.append(f"  no answer yet from rank(s) {silent}")
-        super().__init__("\n".join(lines))
+def user_error_kinds() -> tuple[type[BaseException], ...]:
+    """Errors of the user's making (input, checkpoint, storage): one line each, no traceback."""
+    botocore = sys.modules.get("botocore.exceptions")
+    kinds = (RayshardError, OSError)
+    return kinds if botocore is None else kinds + (botocore.BotoCoreError, botocore.ClientError)
 
 
-def _root_message(error: Exception) -> str:
-    """The rank's own error message, without Ray's wrapping and traceback."""
+def _cause(error: BaseException) -> BaseException | None:
+    """The exception the rank itself raised, when it reached the driver (it pickles)."""
     cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) and not isinstance(error, RayActorError) else None
+
+
+def _remote_traceback(error: BaseException) -> str:
+    """The rank's traceback as Ray formats it (first line: the actor call), without colour codes."""
+    text = ANSI.sub("", str(error)).strip()
+    return text if text.startswith("Traceback") else f"Traceback (most recent call last), on the rank:\n{text}"
+
+
+def _root_message(error: BaseException) -> str:
+    """The rank's own error message, without Ray's wrapping and traceback."""
+    cause = _cause(error)
     if cause is not None:
         return f"{type(cause).__name__}: {cause}"
-    return str(error).strip().splitlines()[-1]
+    return ANSI.sub("", str(error)).strip().splitlines()[-1]
 
 
 class RankGroup:
     """The ranks of one training layout. Owns its actors, or borrows live ones (a pool in
-    tests; survivors after a failure) and leaves them alive on shutdown."""
+    tests; survivors after a failure) and leaves them alive on shutdown.
 
-    def __init__(self, config: TrainConfig, actors: list | None = None, setup_timeout_s: float = 600.0):
+    Every wait on the ranks is bounded (docs/decisions.md lists them): start-up by the config's
+    start_timeout_s, set-up by that plus the collective timeout, and any other call by
+    call_timeout_s. A rank's own error of the user's making (RayshardError, storage) is raised as
+    itself, marked with its rank (plans/errors.from_rank); anything else becomes StepFailed."""
+
+    def __init__(self, config: TrainConfig, actors: list | None = None):
         world = config.layout.world_size
         if actors is None:
-            self.placement, self.actors, self.owned = *start_actors(world, setup_timeout_s), True
+            self.placement, self.actors = start_actors(world, config.start_timeout_s, config.cpus_per_rank,
+                                                       config.gpus_per_rank)
+            self.owned = True
         else:
             if len(actors) < world:
                 raise ConfigError("layout", config.layout.describe(), f"needs {world} ranks but {len(actors)} actors were given",
@@ -91,54 +140,71 @@ class RankGroup:
         self.plan = (build_pipeline_plan(config.model, config.layout, config.schedule, config.microbatches,
                                          config.stage_layout) if config.layout.pp > 1 else None)
         self.step_grace_s = (config.pipeline_timeout_s or config.collective_timeout_s) + 10.0
+        self.call_timeout_s = config.call_timeout_s
         self.broken = False  # a call failed: ranks may be stuck in collectives
-        init_method = ray.get(self.actors[0].rendezvous_address.remote(), timeout=setup_timeout_s)
-        self.setup_info = ray.get([actor.setup.remote(config, rank, init_method, self.plan)
-                                   for rank, actor in enumerate(self.actors)], timeout=setup_timeout_s)
+        try:
+            init_method = self.call_each("rendezvous_address", [()], timeout=config.start_timeout_s,
+                                         actors=self.actors[:1])[0]
+            # Set-up joins the process group, which waits up to the collective timeout for every peer.
+            self.setup_info = self.call_each("setup", [(config, rank, init_method, self.plan) for rank in range(world)],
+                                             timeout=config.start_timeout_s + config.collective_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def call(self, method: str, *args, timeout: float | None = None) -> list:
-        """Call `method` on every rank at once; results in rank order."""
-        return self._get([getattr(actor, method).remote(*args) for actor in self.actors], timeout)
+        """Call `method` on every rank at once; results in rank order. The first rank error of
+        the user's making is raised as itself (with its rank), at once."""
+        return self.call_each(method, [args] * len(self.actors), timeout)
 
-    def call_reporting_failures(self, method: str, *args) -> list:
+    def call_each(self, method: str, per_rank_args: list[tuple], timeout: float | None = None,
+                  actors: list | None = None) -> list:
+        """Call `method` on every rank with that rank's own arguments; results in rank order."""
+        actors = self.actors if actors is None else actors
+        futures = {getattr(actor, method).remote(*args): rank for rank, (actor, args) in enumerate(zip(actors, per_rank_args))}
+        return self._gather(method, futures, timeout, first_user_error=True)
+
+    def call_reporting_failures(self, method: str, *args, timeout: float | None = None) -> list:
         """Like `call`, but when a rank fails, wait a grace period for the others' errors
         (a stalled peer makes its neighbours time out one after another) and raise one
         StepFailed naming every failed rank, instead of blocking on a rank that may never answer.
         A rank whose process died shortens the grace to DEAD_RANK_GRACE_S: its peers can only
         time out, and the group is lost anyway."""
-        pending = {getattr(actor, method).remote(*args): rank for rank, actor in enumerate(self.actors)}
-        results, failures, dead, deadline = {}, {}, [], None
+        futures = {getattr(actor, method).remote(*args): rank for rank, actor in enumerate(self.actors)}
+        return self._gather(method, futures, timeout, first_user_error=False)
+
+    def _gather(self, method: str, pending: dict, timeout: float | None, first_user_error: bool) -> list:
+        timeout = self.call_timeout_s if timeout is None else timeout
+        results, failures, causes, tracebacks, dead = {}, {}, {}, {}, []
+        started = time.monotonic()
+        deadline = started + timeout
         while pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 break
             rank = pending.pop(ready[0])
             try:
                 results[rank] = ray.get(ready[0])
             except Exception as error:  # RayTaskError wraps the rank's exception
-                failures[rank] = _root_message(error)
+                self.broken = True
+                cause = _cause(error)
+                if first_user_error and isinstance(cause, user_error_kinds()):
+                    raise from_rank(cause, rank, _remote_traceback(error)) from None
+                failures[rank], tracebacks[rank] = _root_message(error), _remote_traceback(error)
+                if cause is not None:
+                    causes[rank] = cause
                 grace = self.step_grace_s
                 if isinstance(error, RayActorError):
                     dead.append(rank)
                     grace = DEAD_RANK_GRACE_S
-                deadline = min(deadline or float("inf"), time.monotonic() + grace)
-        if failures:
+                # A plain call stops at the first failure; call_reporting_failures waits a grace
+                # for the other ranks' own errors.
+                deadline = min(deadline, time.monotonic() + (0.0 if first_user_error else grace))
+        if failures or pending:
             self.broken = True
-            raise StepFailed(method, failures, silent=sorted(pending.values()), dead_ranks=dead)
-        return [results[rank] for rank in range(len(self.actors))]
-
-    def call_each(self, method: str, per_rank_args: list[tuple], timeout: float | None = None) -> list:
-        """Call `method` on every rank with that rank's own arguments; results in rank order."""
-        return self._get([getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_rank_args)],
-                         timeout)
-
-    def _get(self, futures: list, timeout: float | None) -> list:
-        try:
-            return ray.get(futures, timeout=timeout)
-        except Exception:
-            self.broken = True
-            raise
+            raise StepFailed(method, failures, silent=sorted(pending.values()), dead_ranks=dead, causes=causes,
+                             tracebacks=tracebacks, waited_s=round(time.monotonic() - started, 1))
+        return [results[rank] for rank in sorted(results)]
 
     def shutdown(self) -> None:
         # After a failed call, ranks may sit in a collective until their timeout: owned actors

@@ -77,7 +77,11 @@ def train(config: TrainConfig, actors: list | None = None,
          f"({config.layout.world_size} ranks), steps {start_step}..{config.steps}, store {config.store}")
     started = time.perf_counter()
     group = RankGroup(config, actors)
-    group.call("configure_storage", store.storage_conf)  # actors reach the store as the driver does
+    try:  # actors reach the store as the driver does
+        group.call("configure_storage", store.storage_conf, timeout=config.start_timeout_s)
+    except BaseException:
+        group.shutdown()
+        raise
     _log(f"{config.layout.world_size} rank actors ready on {group.setup_info[0]['device']} "
          f"in {time.perf_counter() - started:.1f}s")
     result = TrainResult(config.run, start_step, resumed_from=parent)

@@ -16,9 +16,10 @@ Any dimension may be pinned by the user; the others are chosen around it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 
 from plans.errors import ConfigError
-from plans.layout.parallel_layout import ParallelLayout
+from plans.layout.parallel_layout import PARALLEL_DEGREES, ParallelLayout
 from plans.training.model_spec import ModelConfig, parameter_count
 
 BYTES_PER_PARAM_STATE = 16  # fp32 parameter + gradient + two AdamW moments
@@ -95,6 +96,11 @@ def choose_layout(ranks: int, model: ModelConfig, work: Workload, budget_bytes: 
     if ranks < 1:
         raise ConfigError("ranks", ranks, "need at least one rank", "start at least one worker")
     pinned = {k: v for k, v in (pinned or {}).items() if v}
+    needed = prod(v for k, v in pinned.items() if k in PARALLEL_DEGREES)
+    if needed > ranks:  # name the missing ranks, not a memory budget no layout was tried against
+        raise ConfigError("layout", ", ".join(f"{k}={v}" for k, v in pinned.items()),
+                          f"the pinned dimensions need {needed} ranks but only {ranks} are available",
+                          "add ranks (on a CPU cluster, lower --cpus-per-rank), or pin fewer dimensions")
     candidates, leanest = [], None
     for tp in _tp_candidates(model, ranks_per_node):
         for pp in range(1, min(model.n_layers // vpp, ranks) + 1):

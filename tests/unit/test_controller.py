@@ -91,3 +91,16 @@ def test_policies_are_pure_and_validated():
     assert scaling.should_grow(2, 3) and not scaling.should_grow(4, 9)
     with pytest.raises(ConfigError):
         ScalingPolicy(min_ranks=4, max_ranks=2)
+
+
+def test_waiting_for_ranks_is_announced_with_what_the_cluster_offers():
+    now, logs = [0.0], []
+    group = FakeGroup(1, [])
+    group.capacity = lambda: "1 ranks (1 CPUs / 1 CPU per rank)"
+    controller = Controller(group, choose=lambda n: ParallelLayout(dp=n), scaling_policy=ScalingPolicy(min_ranks=2),
+                            wait_for_ranks_s=10, poll_s=4, sleep=lambda s: now.__setitem__(0, now[0] + s),
+                            clock=lambda: now[0], log=logs.append)
+    assert controller.run() is State.ERRORED
+    waiting = [line for line in logs if "waiting up to 10s for min_ranks=2" in line]
+    assert len(waiting) == 1 and "the cluster offers 1 ranks (1 CPUs / 1 CPU per rank)" in waiting[0]
+    assert "1 CPU per rank" in controller.history[-1].detail and "Fix:" in controller.history[-1].detail

@@ -9,7 +9,6 @@ import yaml
 
 from cluster.run.controller import State
 from cluster.run.elastic import train_elastic
-from cluster.run.rank_group import StepFailed
 from cluster.run.train import train
 from plans.config import TrainConfig, with_overrides
 from plans.elastic import FailurePolicy, ScalingPolicy
@@ -30,7 +29,8 @@ OVERRIDES = {
     "warmup_steps": "optimizer.warmup_steps", "data": "data.source",
     "dp": "layout.dp", "fsdp": "layout.fsdp", "tp": "layout.tp", "pp": "layout.pp", "vpp": "layout.vpp",
     "stage_layout": "stage_layout", "pipeline_timeout": "pipeline_timeout_s",
-    "verify_resume": "verify_resume",
+    "verify_resume": "verify_resume", "cpus_per_rank": "cpus_per_rank", "gpus_per_rank": "gpus_per_rank",
+    "start_timeout": "start_timeout_s", "call_timeout": "call_timeout_s",
 }
 
 
@@ -60,11 +60,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.elastic:
         return _run_elastic(args, config)
 
-    try:
-        result = train(config, async_save=getattr(args, "async_save", False))
-    except StepFailed as failed:  # each rank's own error says where it stopped; a traceback adds nothing
-        print(f"rayshard: training stopped: {failed}", file=sys.stderr)
-        return 1
+    # A StepFailed (each rank's own error) and errors raised on ranks are reported by main.py.
+    result = train(config, async_save=getattr(args, "async_save", False))
     if result.checkpoints:
         print(f"latest checkpoint: {result.checkpoints[-1]}")
     return 0
@@ -76,8 +73,8 @@ def _run_elastic(args: argparse.Namespace, config) -> int:
     controller, state = train_elastic(
         config, pinned, ScalingPolicy(args.min_ranks, args.max_ranks),
         FailurePolicy(max_failures=args.max_failures, backoff_s=args.backoff_s),
-        memory_per_rank_bytes=args.memory_gib * 2**30, cpus_per_rank=args.cpus_per_rank)
+        memory_per_rank_bytes=args.memory_gib * 2**30)
     if state is State.ERRORED:
-        print(f"rayshard: error: elastic training stopped: {controller.history[-1].detail}")
+        print(f"rayshard: error: elastic training stopped: {controller.history[-1].detail}", file=sys.stderr)
         return 1
     return 0
