@@ -13,6 +13,7 @@ import fsspec
 import ray
 import torch
 
+from actors.training.reports import RankSetup, StepMetrics
 from actors.training.trainer import Trainer, WrapRunner
 from plans.config import TrainConfig
 
@@ -48,7 +49,7 @@ class RankActor:
             port = probe.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def setup(self, config: TrainConfig, rank: int, init_method: str, plan=None) -> dict:
+    def setup(self, config: TrainConfig, rank: int, init_method: str, plan=None) -> RankSetup:
         """plan: the run's PipelinePlan (pp > 1), shipped once and replayed every step."""
         self.shutdown()  # a reused actor leaves its previous group first
         # The GPU Ray assigned to this actor, if any (Ray narrows CUDA_VISIBLE_DEVICES to it); a
@@ -56,8 +57,7 @@ class RankActor:
         device = "cuda" if ray.get_gpu_ids() else "cpu"
         self.trainer = Trainer(config, rank, init_method, plan, device=device,
                                wrap_runner=wrap_runner_from_environment())
-        return {"rank": rank, "pid": os.getpid(), "device": str(self.trainer.device),
-                "data_fingerprint": self.trainer.data_fingerprint()}
+        return RankSetup(rank, os.getpid(), str(self.trainer.device), self.trainer.data_fingerprint())
 
     def configure_storage(self, conf: dict) -> None:
         """The driver's object-store options (endpoint, retries, timeouts, part size — never
@@ -69,7 +69,7 @@ class RankActor:
         fetches them once), sparing storage one manifest GET per rank."""
         return self.trainer.load(checkpoint_url, manifest)
 
-    def train_step(self) -> dict:
+    def train_step(self) -> StepMetrics:
         return self.trainer.train_step()
 
     def full_gradients(self) -> dict:

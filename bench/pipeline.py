@@ -120,9 +120,9 @@ def _rank_main(rank: int, config: TrainConfig, port: int, rounds: int, out_dir: 
             result["steps"].append(seconds)
             result["cpu"].append(cpu)
             if variant in ours:
-                result["plans"].append(metrics["pipeline"]["plan_seconds"])
-                result["waits"].append(metrics["pipeline"]["wait_seconds"])
-                result["actions"].append(metrics["pipeline"]["action_seconds"])
+                result["plans"].append(metrics.pipeline.plan_seconds)
+                result["waits"].append(metrics.pipeline.wait_seconds)
+                result["actions"].append([[*key, seconds] for key, seconds in metrics.pipeline.action_seconds.items()])
     trainer.shutdown()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -123,7 +123,7 @@ def run(args) -> None:
     group = RankGroup(config)
     group.call("configure_storage", store.storage_conf)
     group.call("train_step")  # AdamW moments exist from the first step: full-size checkpoints
-    fingerprint = group.setup_info[0]["data_fingerprint"]
+    fingerprint = group.setup_info[0].data_fingerprint
     times = {name: [] for name in ("save", "put", "load", "get", "async", "copy", "step", "step_during")}
     total_bytes = 0
     try:

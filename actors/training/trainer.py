@@ -23,6 +23,7 @@ from actors.model.shards import is_primary_replica
 from actors.pipeline.interpreter import StepRecord
 from actors.training.data import corpus_fingerprint, load_corpus, rank_batch
 from actors.training.pipelined import PipelinedRunner
+from actors.training.reports import StepMetrics
 from actors.training.single_stage import SingleStageRunner
 from actors.training.step_runner import StepRunner
 from plans.config import TrainConfig
@@ -113,8 +114,8 @@ class Trainer:
 
     # ---- training ---------------------------------------------------------------------------
 
-    def train_step(self) -> dict:
-        """One optimizer step on global batch number self.step; returns metrics."""
+    def train_step(self) -> StepMetrics:
+        """One optimizer step on global batch number self.step."""
         config, opt = self.config, self.config.optimizer
         started = time.perf_counter()
         lr = learning_rate(self.step, opt.lr, opt.min_lr, opt.warmup_steps, opt.decay_steps or config.steps)
@@ -128,12 +129,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             total_loss = self._mean_loss(total_loss)
         self.step += 1
-        metrics = {"step": self.step, "loss": total_loss.item(), "grad_norm": float(grad_norm), "lr": lr,
-                   "rank_seconds": time.perf_counter() - started}
-        if record is not None:
-            metrics["pipeline"] = {"plan_seconds": record.plan_seconds, "wait_seconds": record.wait_seconds,
-                                   "action_seconds": [[*key, seconds] for key, seconds in record.action_seconds.items()]}
-        return metrics
+        return StepMetrics(self.step, total_loss.item(), float(grad_norm), lr, time.perf_counter() - started, record)
 
     def _batch(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This data rank's microbatches of global batch number self.step."""

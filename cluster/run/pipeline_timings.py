@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import fsspec
 
@@ -20,6 +21,9 @@ from plans.errors import ConfigError
 from plans.layout.parallel_layout import RankCoords
 from plans.pipeline.schedules import schedule_spec
 from plans.pipeline.simulator import PipelineCosts, costs_from_measurements
+
+if TYPE_CHECKING:  # a rank's report; importing it would bring torch into `rayshard plan`
+    from actors.training.reports import StepMetrics
 
 FILE_NAME = "pipeline_timings.json"
 WARMUP_STEPS = 1
@@ -36,17 +40,17 @@ class PipelineTimings:
         self.plan_seconds: list[float] = []
         self.step_seconds: list[float] = []
 
-    def add(self, per_rank: list[dict], step_seconds: float) -> None:
+    def add(self, per_rank: list[StepMetrics], step_seconds: float) -> None:
         if not self.enabled:
             return
         self.seen += 1
         if self.seen <= WARMUP_STEPS:
             return
         self.step_seconds.append(step_seconds)
-        self.plan_seconds.append(max(metrics["pipeline"]["plan_seconds"] for metrics in per_rank))
+        self.plan_seconds.append(max(metrics.pipeline.plan_seconds for metrics in per_rank))
         for rank in self.representatives:
-            for kind, stage, microbatch, seconds in per_rank[rank]["pipeline"]["action_seconds"]:
-                self.samples.setdefault((kind, stage, microbatch), []).append(seconds)
+            for key, seconds in per_rank[rank].pipeline.action_seconds.items():
+                self.samples.setdefault(key, []).append(seconds)
 
     def to_dict(self) -> dict:
         config = self.config

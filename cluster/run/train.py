@@ -82,7 +82,7 @@ def train(config: TrainConfig, actors: list | None = None,
     except BaseException:
         group.shutdown()
         raise
-    _log(f"{config.layout.world_size} rank actors ready on {group.setup_info[0]['device']} "
+    _log(f"{config.layout.world_size} rank actors ready on {group.setup_info[0].device} "
          f"in {time.perf_counter() - started:.1f}s")
     result = TrainResult(config.run, start_step, resumed_from=parent)
     log = MetricsLog(store, config.run, start_step)
@@ -92,7 +92,7 @@ def train(config: TrainConfig, actors: list | None = None,
         log.flush()
         _log(f"checkpoint step {step} committed: {url}")
 
-    fingerprint = group.setup_info[0]["data_fingerprint"]
+    fingerprint = group.setup_info[0].data_fingerprint
     saver = (AsyncCheckpointer(group, store, config.run, config.layout.world_size,
                                lambda step, parent: checkpoint_metadata(config, step, parent, fingerprint), committed)
              if async_save else None)
@@ -118,15 +118,15 @@ def train(config: TrainConfig, actors: list | None = None,
             metrics = per_rank[0]
             seconds = time.perf_counter() - tick
             timings.add(per_rank, seconds)
-            done = metrics["step"]
-            result.losses[done] = metrics["loss"]
+            done = metrics.step
+            result.losses[done] = metrics.loss
             result.step_seconds.append(seconds)
-            record = {"step": done, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
+            record = {"step": done, "loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
                       "tokens_per_s": tokens_per_step / seconds, "step_s": seconds, "layout": str(config.layout),
                       "time": time.time()}
             log.append(record)
-            _log(f"step {done:>5}/{config.steps} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} "
-                 f"| lr {metrics['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s")
+            _log(f"step {done:>5}/{config.steps} | loss {metrics.loss:.4f} | grad_norm {metrics.grad_norm:.3f} "
+                 f"| lr {metrics.lr:.2e} | {record['tokens_per_s']:,.0f} tok/s")
             if saver is not None:
                 saver.poll()  # commits a finished background save; a failed one raises here
             if done == config.steps or (config.ckpt_every and done % config.ckpt_every == 0):
@@ -135,7 +135,7 @@ def train(config: TrainConfig, actors: list | None = None,
                     if done == config.steps or stop_after_checkpoint is not None:
                         saver.wait()
                 else:
-                    parent = save_checkpoint(group, store, config, done, parent, group.setup_info[0]["data_fingerprint"])
+                    parent = save_checkpoint(group, store, config, done, parent, group.setup_info[0].data_fingerprint)
                     committed(done, parent)
                 if done < config.steps and stop_after_checkpoint is not None and stop_after_checkpoint(done):
                     result.stopped_early = True

@@ -73,6 +73,6 @@ def load_and_save(config, source_url: str, actors, loaded: list | None = None) -
         if loaded is not None:
             loaded.extend(results)
         step = results[0]["step"]
-        return save_checkpoint(group, store, config, step, source_url, group.setup_info[0]["data_fingerprint"])
+        return save_checkpoint(group, store, config, step, source_url, group.setup_info[0].data_fingerprint)
     finally:
         group.shutdown()

@@ -1,0 +1,33 @@
+"""What a rank reports to the driver, as typed records (they cross the Ray boundary by value).
+
+One step's metrics carry the pipeline's own timings (`StepRecord`, the interpreter's record) when
+the rank runs a pipeline; the driver logs the first rank's numbers and feeds every rank's timings
+to the simulator's measured costs (`cluster/run/pipeline_timings.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.pipeline.interpreter import StepRecord
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """A rank that joined its process group and built its shard of the model."""
+
+    rank: int
+    pid: int
+    device: str
+    data_fingerprint: str  # of the corpus it read: every rank must have read the same one
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step as one rank saw it; loss and grad_norm are equal on every rank."""
+
+    step: int  # steps done after this one
+    loss: float
+    grad_norm: float
+    lr: float
+    rank_seconds: float
+    pipeline: StepRecord | None = None  # a pipeline rank's per-action timings; None without pp
