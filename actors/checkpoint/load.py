@@ -123,9 +123,8 @@ def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: se
     started = time.perf_counter()
     chunks, metadata = read_manifest(checkpoint_url, manifest)
     seconds["manifest"] = time.perf_counter() - started
-    first_chunk: dict[tuple[str, str], Chunk] = {}
-    for chunk in chunks:
-        first_chunk.setdefault((chunk.name, chunk.kind), chunk)
+    # Column-wise (a ChunkTable): a record for each tensor's first chunk, not one per chunk.
+    first_chunk: dict[tuple[str, str], Chunk] = chunks.first_of_each_tensor()
     check_matches(model, first_chunk, all_parameter_names, checkpoint_url)
     step = int(metadata["step"])
     for param in model.parameters():  # AdamW state must exist before it can be filled

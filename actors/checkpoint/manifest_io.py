@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import fsspec
 
-from plans.checkpoint.chunks import Chunk
+from plans.checkpoint.chunk_table import ChunkTable
 from plans.checkpoint.manifest import MANIFEST, decode_manifest
 from plans.checkpoint.object_keys import check_object_keys
 from plans.errors import CheckpointError
@@ -22,7 +22,7 @@ def manifest_bytes(checkpoint_url: str) -> bytes:
         raise CheckpointError(f"{checkpoint_url}/{MANIFEST} does not exist: not a committed checkpoint") from None
 
 
-def read_manifest(checkpoint_url: str, data: bytes | None = None) -> tuple[list[Chunk], dict]:
+def read_manifest(checkpoint_url: str, data: bytes | None = None) -> tuple[ChunkTable, dict]:
     """The chunks and metadata of a committed checkpoint (data: its manifest's bytes, if already
     fetched). Every path that opens a checkpoint for reading (loads, resume, offline reshard,
     digest, diff, export, verify, gc) comes through here, so this is where a manifest naming
@@ -30,5 +30,5 @@ def read_manifest(checkpoint_url: str, data: bytes | None = None) -> tuple[list[
     any shard byte is fetched."""
     where = f"{checkpoint_url}/{MANIFEST}"
     chunks, metadata = decode_manifest(manifest_bytes(checkpoint_url) if data is None else data, where)
-    check_object_keys((chunk.file for chunk in chunks), checkpoint_url)
+    check_object_keys(chunks.file_names(), checkpoint_url)  # each file once, not once per chunk
     return chunks, metadata

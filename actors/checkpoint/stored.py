@@ -14,6 +14,7 @@ import torch
 from actors.checkpoint.manifest_io import read_manifest
 from actors.checkpoint.partial_reads import PartialRead, check_partial_reads, mismatch_error
 from actors.checkpoint.read_executor import WINDOW_BYTES, Destination, execute_requests
+from plans.checkpoint.chunk_table import ChunkTable, as_table
 from plans.checkpoint.chunks import Chunk
 from plans.checkpoint.object_keys import check_object_keys
 from plans.checkpoint.reshard import ReadItem, Target, header_checks, index_chunks, plan_rank
@@ -24,13 +25,14 @@ class StoredCheckpoint:
     planned reads. The one read path shared by training loads, the offline reshard, the digest
     and the exporters."""
 
-    def __init__(self, url: str, chunks: list[Chunk] | None = None, metadata: dict | None = None,
+    def __init__(self, url: str, chunks: ChunkTable | list[Chunk] | None = None, metadata: dict | None = None,
                  keys_checked: bool = False):
         """keys_checked: the chunks came from `read_manifest` (which checks their object keys)."""
         if chunks is None:
             chunks, metadata = read_manifest(url)
-        elif not keys_checked:  # chunks decoded elsewhere get the same check as read_manifest's
-            check_object_keys((chunk.file for chunk in chunks), url)
+        chunks = as_table(chunks)  # columns: records are made only for the chunks a read touches
+        if not keys_checked:  # chunks decoded elsewhere get the same check as read_manifest's
+            check_object_keys(chunks.file_names(), url)
         self.url, self.chunks, self.metadata = url, chunks, metadata or {}
         self.partial_reads: list[PartialRead] = []  # parts of chunks read and not yet verified
         self.index = index_chunks(chunks)
@@ -74,8 +76,10 @@ class StoredCheckpoint:
 
     def read_chunk_whole(self, part: PartialRead) -> None:
         """Read the chunk a part belongs to whole, which checks its checksum as it lands."""
-        chunk = next(c for c in self.index[(part.name, part.kind)].chunks
-                     if (c.file, c.byte_start) == (part.file, part.chunk_start))
+        tensor = self.index[(part.name, part.kind)]
+        rows = tensor.rows[(self.chunks.byte_start[tensor.rows] == part.chunk_start)
+                           & (self.chunks.codes["file"][tensor.rows] == self.chunks.code("file", part.file))]
+        chunk = self.chunks.chunks_at(rows[:1])[0]
         self.read_region(chunk.name, chunk.kind, chunk.offsets, chunk.sizes)
 
     def read_region(self, name: str, kind: str, offsets: tuple, sizes: tuple) -> torch.Tensor:

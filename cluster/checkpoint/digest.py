@@ -36,12 +36,11 @@ class TensorDigest:
         return f"{self.sha256}  {self.kind:<10} {self.name}  {self.dtype}{list(self.shape)}"
 
 
-def _tensors(chunks: list[Chunk]) -> dict[tuple[str, str], list[Chunk]]:
-    by_tensor: dict[tuple[str, str], list[Chunk]] = {}
-    for chunk in chunks:
-        by_tensor.setdefault((chunk.name, chunk.kind), []).append(chunk)
+def _tensors(stored: StoredCheckpoint) -> dict[tuple[str, str], Chunk]:
+    """Each tensor's first chunk, by name then kind (column-wise: one record per tensor)."""
     kind_order = {kind: i for i, kind in enumerate(STATE_KINDS)}
-    return dict(sorted(by_tensor.items(), key=lambda item: (item[0][0], kind_order.get(item[0][1], 99), item[0][1])))
+    firsts = stored.chunks.first_of_each_tensor()
+    return dict(sorted(firsts.items(), key=lambda item: (item[0][0], kind_order.get(item[0][1], 99), item[0][1])))
 
 
 def row_blocks(group: list[Chunk], block_bytes: int) -> list[tuple[int, int]]:
@@ -99,18 +98,17 @@ def digest_checkpoint(url_or_stored: str | StoredCheckpoint, block_bytes: int = 
     if progress is not None and not progress.total:
         set_total(progress, stored_bytes(stored))
     digests = []
-    for (name, kind), group in _tensors(stored.chunks).items():
+    for (name, kind), first in _tensors(stored).items():
         hasher = hashlib.sha256()
         for block in stream_tensor(stored, name, kind, block_bytes):
             hasher.update(_bytes(block))
             advance(progress, block.numel() * block.element_size())
-        first = group[0]
         digests.append(TensorDigest(name, kind, first.dtype, first.global_shape, "sha256:" + hasher.hexdigest()))
     return digests
 
 
 def stored_bytes(stored: StoredCheckpoint) -> int:
-    return sum(c.byte_end - c.byte_start for c in stored.chunks)  # the chunks tile every tensor once
+    return stored.chunks.total_bytes()  # the chunks tile every tensor once
 
 
 def checkpoint_digest(digests: list[TensorDigest]) -> str:

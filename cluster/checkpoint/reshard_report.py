@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from plans.checkpoint.chunk_table import ChunkTable, as_table
 from plans.checkpoint.chunks import Chunk
 from plans.layout.parallel_layout import ParallelLayout
 from plans.checkpoint.model_check import check_against_own_model
@@ -13,13 +14,15 @@ from plans.checkpoint.regions import check_layout_fits, layout_targets
 MiB = 2**20
 
 
-def build_plan(chunks: list[Chunk], metadata: dict, layout: ParallelLayout, partition=None,
+def build_plan(chunks: ChunkTable | list[Chunk], metadata: dict, layout: ParallelLayout, partition=None,
                min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES, read_once: bool = True) -> tuple[LayoutPlan, float]:
     """(plan, seconds) for loading this checkpoint onto `layout`; metadata only, no data read."""
     started = time.perf_counter()
     model = check_against_own_model(chunks, metadata, metadata.get("run", "to plan"))
     check_layout_fits(model, layout)
-    kinds = [k for k in ("param", "exp_avg", "exp_avg_sq") if any(c.kind == k for c in chunks)]
+    chunks = as_table(chunks)  # columns: the plan makes records only for the chunks it reads
+    held = chunks.kinds()
+    kinds = [k for k in ("param", "exp_avg", "exp_avg_sq") if k in held]
     plan = plan_layout(chunks, layout_targets(model, layout, kinds, partition, read_once), min_segment_bytes)
     return plan, time.perf_counter() - started
 

@@ -52,22 +52,22 @@ def verify(url: str, deep: bool = False, progress=None, window_bytes: int = WIND
         except CheckpointError as error:
             report.problems.append(f"manifest: {error}")
     fs, base = fsspec.core.url_to_fs(url)
-    by_file: dict[str, list] = {}
-    for chunk in chunks:
-        by_file.setdefault(chunk.file, []).append(chunk)
-    report.files = len(by_file)
+    # Column-wise: per file, how many chunks and how far they reach (no record per chunk).
+    extents, counts = chunks.file_extents(), chunks.file_counts()
+    report.files = len(extents)
     sizes = {path[len(base) + 1:]: info["size"] for path, info in fs.find(base, detail=True).items()}
     readable = []
-    for file, members in sorted(by_file.items()):  # read_manifest refused keys outside the checkpoint
-        needed = max(c.byte_end for c in members)
+    for file, needed in sorted(extents.items()):  # read_manifest refused keys outside the checkpoint
         if file not in sizes:
-            report.problems.append(f"{file}: missing ({len(members)} chunks, {needed} bytes expected)")
+            report.problems.append(f"{file}: missing ({counts[file]} chunks, {needed} bytes expected)")
         elif sizes[file] < needed:
             report.problems.append(f"{file}: truncated: {sizes[file]} bytes, the manifest needs {needed}")
         else:
-            readable.append((file, members))
+            readable.append(file)
     if deep:
         # Each file's header (the bytes before its first chunk) and every chunk are read back.
+        rows = chunks.rows_by_file()
+        readable = [(file, chunks.chunks_at(rows[file])) for file in readable]
         set_total(progress, sum(_ranges_bytes(_ranges(members)) for _, members in readable))
         for file, members in readable:
             _check_file(fs, f"{base}/{file}", file, members, report, progress, window_bytes)

@@ -129,9 +129,7 @@ class Catalog:
                                                files[MANIFEST]["size"], 0, 0, None, None, "", len(readers.get(step, []))))
                 continue
             chunks, metadata = decoded
-            needed: dict[str, int] = {}
-            for chunk in chunks:
-                needed[chunk.file] = max(needed.get(chunk.file, 0), chunk.byte_end)
+            needed = chunks.file_extents()  # column-wise: no record per chunk
             status = _file_status(needed, {name: info["size"] for name, info in files.items()})
             layout = metadata.get("layout") or {}
             world = 1
@@ -173,7 +171,7 @@ class Catalog:
                 elif isinstance(decoded, Exception):
                     continue  # a damaged manifest is reported by ls/verify, never collected by guesswork
                 else:
-                    referenced, kind = {c.file.split("/", 1)[0] for c in decoded[0]}, "orphaned attempt"
+                    referenced, kind = {f.split("/", 1)[0] for f in decoded[0].file_names()}, "orphaned attempt"
                 groups: dict[str, list[dict]] = {}
                 for relative, info in files.items():
                     top = relative.split("/", 1)[0]

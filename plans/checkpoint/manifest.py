@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from plans.checkpoint.chunk_table import ChunkTable
 from plans.checkpoint.chunks import Chunk
 from plans.errors import CheckpointError
 
@@ -37,6 +38,8 @@ MANIFEST_SCHEMA = pa.schema([
     ("checksum", pa.string()),
     ("file_header", pa.string()),
 ])
+# Read as dictionaries: few distinct values, one per row otherwise.
+DICTIONARY_COLUMNS = ("name", "kind", "dtype", "file", "file_header")
 
 
 def chunk_key(name: str, kind: str, offsets: Sequence[int]) -> str:
@@ -44,11 +47,14 @@ def chunk_key(name: str, kind: str, offsets: Sequence[int]) -> str:
     return f"{kind}/{name}@{','.join(map(str, offsets))}"
 
 
-def encode_manifest(chunks: list[Chunk], metadata: dict) -> bytes:
-    # Column by column: a dict per row (dataclasses.asdict) cost ~15 us a chunk, 4-6 ms a commit
-    # on the presets (1 ms now).
-    table = pa.Table.from_pydict({name: [getattr(chunk, name) for chunk in chunks] for name in MANIFEST_SCHEMA.names},
-                                 schema=MANIFEST_SCHEMA)
+def encode_manifest(chunks: list[Chunk] | ChunkTable, metadata: dict) -> bytes:
+    if isinstance(chunks, ChunkTable):  # columns already: the gather of a large save
+        table = chunks.to_arrow(MANIFEST_SCHEMA)
+    else:
+        # Column by column: a dict per row (dataclasses.asdict) cost ~15 us a chunk, 4-6 ms a commit
+        # on the presets (1 ms now).
+        table = pa.Table.from_pydict({name: [getattr(chunk, name) for chunk in chunks] for name in MANIFEST_SCHEMA.names},
+                                     schema=MANIFEST_SCHEMA)
     document = dict(metadata, format_version=FORMAT_VERSION)
     table = table.replace_schema_metadata({METADATA_KEY: json.dumps(document, sort_keys=True).encode()})
     sink = io.BytesIO()
@@ -56,9 +62,16 @@ def encode_manifest(chunks: list[Chunk], metadata: dict) -> bytes:
     return sink.getvalue()
 
 
-def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], dict]:
+def decode_manifest(data: bytes, where: str = "manifest") -> tuple[ChunkTable, dict]:
+    """The chunks, as columns (`ChunkTable`: a Sequence of `Chunk` that makes records only for the
+    rows asked for), and the run metadata. String columns are read dictionary-encoded, so each
+    distinct name, kind, dtype and file is one Python string however many chunks name it."""
     try:
-        table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)  # small: threads only cost
+        # Threads only cost on the presets' small manifests; a 16k-rank one (826k rows) decodes in
+        # well under a second on one.
+        present = set(pq.ParquetFile(pa.BufferReader(data)).schema_arrow.names)  # format 1.0 has no file_header
+        table = pq.ParquetFile(pa.BufferReader(data), read_dictionary=[c for c in DICTIONARY_COLUMNS if c in present]
+                               ).read(use_threads=False)
     except Exception as error:  # pyarrow raises several types for damaged files
         raise CheckpointError(f"{where}: not a readable Parquet manifest ({error})") from error
     raw = (table.schema.metadata or {}).get(METADATA_KEY)
@@ -77,11 +90,4 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[list[Chunk], 
     if damaged:
         raise CheckpointError(f"{where}: the manifest's column(s) {', '.join(damaged)} are missing or hold nulls; "
                               "it is damaged. Fix: resume from another checkpoint")
-    columns = table.to_pydict()
-    headers = columns.get("file_header") or [""] * table.num_rows
-    # Column-wise into Chunks (a dict per row cost a small load ~3 ms for ~1300 rows).
-    return [Chunk(name, kind, dtype, tuple(shape), tuple(offsets), tuple(sizes), file, start, end, checksum, header or "")
-            for name, kind, dtype, shape, offsets, sizes, file, start, end, checksum, header in zip(
-                columns["name"], columns["kind"], columns["dtype"], columns["global_shape"], columns["offsets"],
-                columns["sizes"], columns["file"], columns["byte_start"], columns["byte_end"], columns["checksum"],
-                headers)], metadata
+    return ChunkTable.from_arrow(table), metadata

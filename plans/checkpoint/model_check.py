@@ -3,6 +3,7 @@ key, every unexpected key and every shape or dtype mismatch together, so one loo
 wrong, instead of a failure at the first tensor a reader happens to reach."""
 from __future__ import annotations
 
+from plans.checkpoint.chunk_table import ChunkTable
 from plans.checkpoint.chunks import Chunk
 from plans.errors import CheckpointError
 from plans.training.model_spec import ModelConfig, parameter_shapes
@@ -31,7 +32,7 @@ def raise_if_mismatched(expected: dict, found: dict, possible: set, where: str,
         raise CheckpointError("\n".join(lines))
 
 
-def check_against_own_model(chunks: list[Chunk], metadata: dict, where: str) -> ModelConfig:
+def check_against_own_model(chunks: ChunkTable | list[Chunk], metadata: dict, where: str) -> ModelConfig:
     """The manifest against the model its metadata records: every parameter, and every kind of
     state the checkpoint holds for any parameter (AdamW moments), with the recorded shapes and one
     dtype per kind. Offline tools (plan, reshard, export) read whole tensors by name; a manifest
@@ -44,7 +45,10 @@ def check_against_own_model(chunks: list[Chunk], metadata: dict, where: str) -> 
         raise CheckpointError(f"checkpoint {where}: its `model` metadata does not describe a model "
                               f"({type(error).__name__}: {error}); the manifest is damaged. "
                               "Fix: use another checkpoint of the run (`rayshard ckpt ls`)") from error
-    found = {(c.name, c.kind): (c.global_shape, c.dtype) for c in chunks}
+    # A ChunkTable answers column-wise (a record per tensor); a list is read record by record.
+    lasts = chunks.first_of_each_tensor(last=True) if isinstance(chunks, ChunkTable) else None
+    found = ({key: (c.global_shape, c.dtype) for key, c in lasts.items()} if lasts is not None
+             else {(c.name, c.kind): (c.global_shape, c.dtype) for c in chunks})
     dtypes = {kind: dtype for (_, kind), (_, dtype) in sorted(found.items())}
     expected = {(name, kind): (shape, dtypes[kind]) for name, shape in shapes.items() for kind in dtypes}
     raise_if_mismatched(expected, found, set(expected), where,
