@@ -20,7 +20,7 @@ from plans.config import TrainConfig
 # "module:function" naming a WrapRunner (`actors/training/trainer.py`) that each rank applies to
 # its step runner. Read from the actor's environment (Ray's runtime_env env_vars, or the
 # environment of the process that starts Ray), so a caller can change what a step does without
-# the product knowing what: tests install faults this way (`tests/faults.py`).
+# the product knowing what: tests install faults this way (`tests/rank_faults.py`).
 WRAP_RUNNER_ENV = "RAYSHARD_WRAP_RUNNER"
 
 

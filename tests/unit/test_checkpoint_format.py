@@ -153,10 +153,10 @@ def test_column_chunks_land_in_rows_of_a_wider_target(tmp_path, monkeypatch, dty
     short_reads: the system returns at most 7 bytes a call (as FUSE mounts and >2 GiB reads do)."""
     import os
 
-    from actors.checkpoint import read_executor as checkpoint_io
+    from actors.checkpoint import read_executor
     from actors.checkpoint.read_executor import _direct_buffer
 
-    monkeypatch.setattr(checkpoint_io, "CHECK_BLOCK_BYTES", 16)
+    monkeypatch.setattr(read_executor, "CHECK_BLOCK_BYTES", 16)
 
     if short_reads:
         def preadv_seven_bytes(descriptor, buffers, offset):  # any writable buffers, as os.preadv takes
@@ -165,7 +165,7 @@ def test_column_chunks_land_in_rows_of_a_wider_target(tmp_path, monkeypatch, dty
             first[:len(data)] = data
             return len(data)
 
-        monkeypatch.setattr(checkpoint_io.os, "preadv", preadv_seven_bytes)
+        monkeypatch.setattr(read_executor.os, "preadv", preadv_seven_bytes)
 
     whole = (torch.arange(torch.Size(shape).numel()) * 7 % 23 - 11).reshape(shape).to(dtype)
     cut = shape[-1] // 2 + 1  # uneven halves

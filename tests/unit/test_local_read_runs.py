@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from actors.checkpoint import read_executor as checkpoint_io
+from actors.checkpoint import read_executor
 from actors.checkpoint.read_executor import Destination, execute_requests
 from actors.checkpoint.shard_writer import Piece, encode_shard
 from plans.errors import CheckpointError
@@ -89,13 +89,13 @@ def _seven_bytes_a_call(monkeypatch):
         first[:len(data)] = data
         return len(data)
 
-    monkeypatch.setattr(checkpoint_io.os, "preadv", preadv_seven_bytes)
+    monkeypatch.setattr(read_executor.os, "preadv", preadv_seven_bytes)
 
 
 @pytest.mark.parametrize("block_bytes", [16, 1 << 20])
 @pytest.mark.parametrize("short_reads", [False, True])
 def test_every_kind_of_part_lands_bit_for_bit_in_one_plan(tmp_path, monkeypatch, block_bytes, short_reads):
-    monkeypatch.setattr(checkpoint_io, "CHECK_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(read_executor, "CHECK_BLOCK_BYTES", block_bytes)
     if short_reads:
         _seven_bytes_a_call(monkeypatch)
     _, chunks = _write(tmp_path)
@@ -113,7 +113,7 @@ def test_every_kind_of_part_lands_bit_for_bit_in_one_plan(tmp_path, monkeypatch,
 @pytest.mark.parametrize("block_bytes", [16, 1 << 20])
 @pytest.mark.parametrize("victim", ["a", "c", "d", "f"])
 def test_a_changed_byte_in_any_whole_chunk_names_that_tensor(tmp_path, monkeypatch, block_bytes, victim):
-    monkeypatch.setattr(checkpoint_io, "CHECK_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(read_executor, "CHECK_BLOCK_BYTES", block_bytes)
     data, chunks = _write(tmp_path)
     chunk = next(c for c in chunks if c.name == victim)
     changed = bytearray(data)
@@ -194,12 +194,12 @@ def test_random_plans_read_from_local_files_reproduce_every_target(case):
             chunks += written
     plan = plan_rank(index_chunks(chunks), list(wanted), headers=header_checks(chunks), min_segment_bytes=min_segment_bytes)
     by_item = {item: Destination(wanted[target], target.offsets) for target, items in plan.items.items() for item in items}
-    saved = checkpoint_io.CHECK_BLOCK_BYTES
-    checkpoint_io.CHECK_BLOCK_BYTES = block_bytes
+    saved = read_executor.CHECK_BLOCK_BYTES
+    read_executor.CHECK_BLOCK_BYTES = block_bytes
     try:
         execute_requests(fsspec.filesystem("file"), base, plan.requests, by_item)
     finally:
-        checkpoint_io.CHECK_BLOCK_BYTES = saved
+        read_executor.CHECK_BLOCK_BYTES = saved
         shutil.rmtree(base, ignore_errors=True)
     for target, tensor in wanted.items():
         region = tuple(slice(o, o + s) for o, s in zip(target.offsets, target.sizes))
@@ -218,7 +218,7 @@ def test_chunks_cut_along_two_trailing_dims_land_in_a_whole_target(tmp_path, mon
     (tmp_path / "f.safetensors").write_bytes(data)
     target, destination = Target("g", "param", (0, 0, 0), (2, 6, 4)), torch.full((2, 6, 4), -1.0)
     plan = plan_rank(index_chunks(chunks), [target], headers=header_checks(chunks))
-    assert all(checkpoint_io._direct_buffer(item, Destination(destination, (0, 0, 0))) is None for item in plan.items[target])
+    assert all(read_executor._direct_buffer(item, Destination(destination, (0, 0, 0))) is None for item in plan.items[target])
     execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests,
                      {item: Destination(destination, (0, 0, 0)) for item in plan.items[target]})
     assert torch.equal(destination, whole)
