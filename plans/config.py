@@ -15,6 +15,8 @@ from plans.pipeline.plan import stage_partition
 from plans.pipeline.schedules import build_schedule, schedule_spec
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+PRECISIONS = ("fp32", "bf16")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,17 @@ class TrainConfig:
     gpus_per_rank: float | None = None
     start_timeout_s: float = 60.0
     call_timeout_s: float = 3600.0
+    # Numerics and speed (docs/decisions.md, "Training at real precision"). precision "bf16":
+    # bf16 compute, float32 master weights, moments and gradient reduction; checkpoints always
+    # hold the float32 state. ac: activation checkpointing per transformer block ("selective"
+    # keeps matmul outputs and recomputes the rest). compile: torch.compile per block.
+    precision: str = "fp32"
+    ac: str = "none"
+    compile: bool = False
+    # Where step metrics go besides metrics.jsonl and the console: TensorBoard event files under
+    # the run directory; Weights & Biases (needs the wandb package) under this project name.
+    tensorboard: bool = False
+    wandb_project: str | None = None
 
     def __post_init__(self):
         if self.stage_layout is not None and not isinstance(self.stage_layout, tuple):
@@ -138,6 +151,11 @@ class TrainConfig:
                                   f"pass --{name.replace('_', '-')} 0.5, or leave it unset for the default")
         if self.cpus_per_rank == 0 and not self.gpus_per_rank:
             raise ConfigError("cpus_per_rank", 0, "a CPU rank needs some CPU", "leave --cpus-per-rank unset, or pass e.g. 0.5")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("precision", self.precision, f"must be one of {list(PRECISIONS)}", "pass --precision fp32 or bf16")
+        if self.ac not in ACTIVATION_CHECKPOINTING:
+            raise ConfigError("ac", self.ac, f"must be one of {list(ACTIVATION_CHECKPOINTING)}",
+                              "pass --ac none, full or selective")
         for name in ("start_timeout_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be positive", "set it to e.g. 60")

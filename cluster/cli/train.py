@@ -49,6 +49,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, metavar="LR", help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, metavar="N")
     parser.add_argument("--data", metavar="SOURCE", help="'stdlib', a file, directory, glob or fsspec URL")
+    speed = parser.add_argument_group("precision and speed")
+    speed.add_argument("--precision", choices=("fp32", "bf16"),
+                       help="bf16: bf16 compute with float32 master weights, moments and gradient reduction (default fp32)")
+    speed.add_argument("--ac", choices=("none", "full", "selective"),
+                       help="activation checkpointing per transformer block; selective keeps matmul outputs (default none)")
+    speed.add_argument("--compile", action="store_true", default=None, help="torch.compile each transformer block")
+    speed.add_argument("--tensorboard", action="store_true", default=None,
+                       help="write TensorBoard event files under the run directory (tensorboard/)")
+    speed.add_argument("--wandb-project", metavar="NAME", help="also log step metrics to Weights & Biases (needs wandb)")
 
 
 def _layer_counts(text: str) -> tuple[int, ...]:

@@ -31,6 +31,8 @@ OVERRIDES = {
     "stage_layout": "stage_layout", "pipeline_timeout": "pipeline_timeout_s",
     "verify_resume": "verify_resume", "cpus_per_rank": "cpus_per_rank", "gpus_per_rank": "gpus_per_rank",
     "start_timeout": "start_timeout_s", "call_timeout": "call_timeout_s",
+    "precision": "precision", "ac": "ac", "compile": "compile", "tensorboard": "tensorboard",
+    "wandb_project": "wandb_project",
 }
 
 
