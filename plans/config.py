@@ -173,6 +173,10 @@ class TrainConfig:
         if spec.fixed_vpp and lay.vpp != spec.default_vpp:
             raise ConfigError("layout.vpp", lay.vpp, f"the {spec.title} schedule runs exactly {spec.default_vpp} stage(s) per rank",
                               f"use --vpp {spec.default_vpp}, or interleaved1f1b for other vpp")
+        if self.compile and spec.splits_backward:
+            raise ConfigError("compile", True, f"the {spec.title} schedule splits each stage's backward into input and "
+                              "weight halves, which cannot see inside a compiled block's backward",
+                              "drop --compile, or use --schedule 1f1b, gpipe or interleaved1f1b")
         build_schedule(spec.name, lay.pp, self.microbatches, lay.vpp)  # ScheduleError names valid counts
         try:
             stage_partition(self.model, lay, spec.name, self.stage_layout)

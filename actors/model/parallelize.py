@@ -18,6 +18,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from actors.model.block_wrappers import wrap_blocks
+from actors.model.precision import fsdp_policy, uses_fsdp
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, is_primary_replica
 from plans.layout.parallel_layout import DATA_MESH_DIMS
 from plans.training.tp_plan import COLWISE, DEFAULT_TP_STYLES, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD
@@ -48,28 +50,36 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns=None) 
     parallelize_module(model, tp_mesh, plan)
 
 
-def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
+def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True,
+                        precision: str = "fp32") -> None:
     """FSDP2 per transformer block (so only one block is gathered at a time), then the root."""
+    policy = fsdp_policy(precision)
     blocks = getattr(model, "layers", {})
     for block in blocks.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size: int,
-                tie_embeddings: bool = False, pipeline: bool = False) -> nn.Module:
-    """pipeline: `model` is one stage of a pipeline. FSDP then keeps parameters gathered from
+                tie_embeddings: bool = False, pipeline: bool = False, precision: str = "fp32",
+                ac: str = "none", compile_blocks: bool = False) -> nn.Module:
+    """TP, then activation checkpointing and compile per block, then FSDP2 (torchtitan's order).
+
+    pipeline: `model` is one stage of a pipeline. FSDP then keeps parameters gathered from
     the first forward to the end of the step (as torchtitan does under PP): the schedule
     interleaves microbatches' forwards and backwards, and regathering per microbatch would
-    multiply the all-gathers by the microbatch count."""
+    multiply the all-gathers by the microbatch count.
+    precision "bf16": FSDP2 with bf16 parameters and float32 reduction, even over a one-rank data
+    mesh (`actors/model/precision.py` says why)."""
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
         if tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             # parallelize_module gives each module its own DTensor parameter; both are
             # Shard(0) over the vocabulary on the same mesh, so one can serve both again.
             model.output.weight = model.tok_embeddings.weight
-    if data_parallel_size > 1:
-        apply_data_parallel(model, mesh[DATA_MESH_DIMS], reshard_after_forward=not pipeline)
+    wrap_blocks(model, ac, compile_blocks)
+    if uses_fsdp(precision, data_parallel_size):
+        apply_data_parallel(model, mesh[DATA_MESH_DIMS], reshard_after_forward=not pipeline, precision=precision)
     return model
 
 

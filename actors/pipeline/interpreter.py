@@ -19,6 +19,7 @@ action, so the simulator can replay the plan with measured costs.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,7 +88,8 @@ class PipelineRunner:
 
     def __init__(self, actions: list[Action], stages: dict[int, nn.Module], *, num_stages: int, microbatches: int,
                  rank: int, global_rank_of: Callable[[int], int], activation_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device, loss_fn: Callable, timeout_s: float):
+                 dtype: torch.dtype, device: torch.device, loss_fn: Callable, timeout_s: float,
+                 recompute_stages: bool = False):
         self.actions = list(actions)
         self.stages = stages
         self.last_stage = num_stages - 1
@@ -98,6 +100,9 @@ class PipelineRunner:
         self.dtype, self.device = dtype, device
         self.loss_fn = loss_fn
         self.timeout_s = timeout_s
+        # Activation checkpointing at stage granularity (`pipelined.recomputes_stages`): F keeps
+        # only the stage input; the first backward action of the microbatch recomputes the stage.
+        self.recompute_stages = recompute_stages
         self._reset_step_state()
         # Runs of consecutive transfers, posted together: start index -> end index.
         self._comm_runs: dict[int, int] = {}
@@ -235,7 +240,7 @@ class PipelineRunner:
             if part.kind is Kind.F:
                 self._forward(part.stage, part.microbatch)
             elif part.kind is Kind.W:
-                backward_weight(self._pending_weights.pop((part.stage, part.microbatch)))
+                self._run_weight_backward(part.stage, part.microbatch)
             else:
                 self._backward(part.stage, part.microbatch, split=part.kind is Kind.I)
         self._record.action_seconds[(kind.value, action.stage, action.microbatch)] = time.perf_counter() - started
@@ -259,15 +264,34 @@ class PipelineRunner:
             self._stage_inputs[(stage, mb)] = inputs
         else:
             inputs = self._stage_inputs[(stage, mb)]
-        output = self.stages[stage](inputs)
+        with torch.no_grad() if self.recompute_stages else contextlib.nullcontext():
+            output = self._run_stage(stage, mb, inputs)
         if stage == self.last_stage:
-            output = self.loss_fn(output, self._targets[mb])
             self._loss += (output.full_tensor() if hasattr(output, "full_tensor") else output).detach()
         self._stage_outputs[(stage, mb)] = output
+
+    def _run_stage(self, stage: int, mb: int, inputs: torch.Tensor) -> torch.Tensor:
+        """The stage's output (the microbatch's loss on the last stage)."""
+        output = self.stages[stage](inputs)
+        return self.loss_fn(output, self._targets[mb]) if stage == self.last_stage else output
+
+    def _run_weight_backward(self, stage: int, mb: int) -> None:
+        pending = self._pending_weights.pop((stage, mb), None)
+        if pending is None:  # recomputing stages: the first stage's I had nothing to do
+            self._backward(stage, mb, split=False)
+        else:
+            backward_weight(pending)
 
     def _backward(self, stage: int, mb: int, split: bool) -> None:
         output = self._stage_outputs.pop((stage, mb))
         inputs = self._stage_inputs.pop((stage, mb))
+        if self.recompute_stages:
+            if split and stage == 0:
+                # Token ids have no gradient: I has nothing to compute. Put the input back for W,
+                # which recomputes the stage then (one recompute per microbatch either way).
+                self._stage_inputs[(stage, mb)], self._stage_outputs[(stage, mb)] = inputs, output
+                return
+            output = self._run_stage(stage, mb, inputs)  # the one recompute, with the graph kept
         grad = None if stage == self.last_stage else self._output_grads.pop((stage, mb))
         if split:
             input_grads, pending = backward_input([output], None if grad is None else [grad], [inputs])

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from actors.model.init_weights import initialize_parameters
 from actors.model.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
+from actors.model.precision import compute_dtype
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
 from actors.model.stage import RankStages, build_stage_on_meta, local_tensor, stage_global_names
 from actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail
@@ -26,6 +27,7 @@ from actors.training.step_runner import loss_context, microbatch_loss
 from plans.config import TrainConfig
 from plans.layout.parallel_layout import RankCoords
 from plans.pipeline.plan import PipelinePlan
+from plans.pipeline.schedules import schedule_spec
 
 _TIED_TAG = 2**30  # above every pipeline transfer's tag
 
@@ -35,16 +37,29 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
     """Only this rank's pipeline stages, each with TP and FSDP2 inside it."""
     model_config, partition, layout = config.model, plan.partition, config.layout
     last = partition.num_stages - 1
+    # Under a zero-bubble schedule the interpreter recomputes whole stages instead (`recomputes_stages`).
+    block_ac = "none" if recomputes_stages(config) else config.ac
     modules = {}
     for stage in partition.stages_of_rank(pp_rank):
         module = build_stage_on_meta(model_config, partition.stage_layers[stage], stage == 0, stage == last)
-        parallelize(module, mesh, layout.tp, layout.data_parallel_size,
-                    tie_embeddings=model_config.tie_embeddings, pipeline=True)
+        parallelize(module, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings,
+                    pipeline=True, precision=config.precision, ac=block_ac, compile_blocks=config.compile)
         module.to_empty(device=device)
         initialize_parameters(module, config.seed, model_config.n_layers,
                               stage_global_names(model_config, stage == 0, stage == last))
         modules[stage] = module
     return RankStages(model_config, modules, partition.num_stages)
+
+
+def recomputes_stages(config: TrainConfig) -> bool:
+    """Activation checkpointing under a schedule that splits the backward (I, then W later).
+
+    Per-block checkpointing recomputes a block once per autograd pass that reaches it: I and W
+    are two passes (W per weight group, even), so the forward would run again for W. Instead the
+    interpreter runs F without keeping activations and rebuilds the stage's graph once, at the
+    first of I/B/W; W then reuses the tensors I's pass kept (`actors/pipeline/interpreter.py`).
+    """
+    return config.ac != "none" and schedule_spec(config.schedule).splits_backward
 
 
 class PipelinedRunner:
@@ -61,8 +76,9 @@ class PipelinedRunner:
         self.interpreter = PipelineRunner(
             plan.schedule.ranks[self.coords.pp], stages.modules, num_stages=plan.partition.num_stages,
             microbatches=config.microbatches, rank=rank, global_rank_of=self._global_rank_of,
-            activation_shape=(microbatch_size, config.seq_len, config.model.dim), dtype=torch.float32,
-            device=device, loss_fn=partial(microbatch_loss, microbatches=config.microbatches), timeout_s=timeout_s)
+            activation_shape=(microbatch_size, config.seq_len, config.model.dim), dtype=compute_dtype(config.precision),
+            device=device, loss_fn=partial(microbatch_loss, microbatches=config.microbatches), timeout_s=timeout_s,
+            recompute_stages=recomputes_stages(config))
 
     @classmethod
     def build(cls, config: TrainConfig, plan: PipelinePlan, rank: int, mesh: DeviceMesh, device: torch.device,

@@ -26,10 +26,12 @@ class SingleStageRunner:
 
     @classmethod
     def build(cls, config: TrainConfig, mesh: DeviceMesh, device: torch.device) -> "SingleStageRunner":
-        """The whole model, with TP and FSDP2 applied from outside, then materialized and initialized."""
+        """The whole model, with TP, AC, compile and FSDP2 applied from outside, then materialized
+        and initialized."""
         layout = config.layout
         model = build_on_meta(config.model)
-        parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=config.model.tie_embeddings)
+        parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=config.model.tie_embeddings,
+                    precision=config.precision, ac=config.ac, compile_blocks=config.compile)
         model.to_empty(device=device)
         if config.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
             # to_empty swaps each module's parameter separately, which unties shared ones.

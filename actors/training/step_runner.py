@@ -57,8 +57,10 @@ class StepRunner(Protocol):
 
 
 def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, microbatches: int) -> torch.Tensor:
-    """Scaled by 1/microbatches: the microbatches' gradients then add up to the batch's."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / microbatches
+    """Scaled by 1/microbatches: the microbatches' gradients then add up to the batch's.
+    Computed in float32 whatever the logits' dtype (bf16 under mixed precision): the log-softmax
+    over a vocabulary in bf16 would lose the loss's last digits."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / microbatches
 
 
 def loss_context(tp: int) -> ContextManager:

@@ -22,6 +22,7 @@ from actors.model.parallelize import clip_grad_norm
 from actors.model.shards import is_primary_replica
 from actors.pipeline.interpreter import StepRecord
 from actors.training.data import corpus_fingerprint, load_corpus, rank_batch
+from actors.training.device_memory import device_name, peak_memory_bytes, reset_peak_memory
 from actors.training.pipelined import PipelinedRunner
 from actors.training.reports import StepMetrics
 from actors.training.single_stage import SingleStageRunner
@@ -121,6 +122,7 @@ class Trainer:
         lr = learning_rate(self.step, opt.lr, opt.min_lr, opt.warmup_steps, opt.decay_steps or config.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        reset_peak_memory(self.device)
         total_loss, record = self._forward_backward()
         with self.runner.after_forward_backward():
             grad_norm = clip_grad_norm(self.model.parameters(), opt.grad_clip, self.coord_map,
@@ -129,7 +131,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             total_loss = self._mean_loss(total_loss)
         self.step += 1
-        return StepMetrics(self.step, total_loss.item(), float(grad_norm), lr, time.perf_counter() - started, record)
+        return StepMetrics(self.step, total_loss.item(), float(grad_norm), lr, time.perf_counter() - started, record,
+                           tokens=config.global_batch // self.layout.data_parallel_size * config.seq_len,
+                           peak_memory_bytes=peak_memory_bytes(self.device), device_name=device_name(self.device))
 
     def _batch(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This data rank's microbatches of global batch number self.step."""

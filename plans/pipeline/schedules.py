@@ -298,6 +298,8 @@ class ScheduleSpec:
     # Most stage activations `rank` holds at once (see the module docstring).
     memory_bound: Callable[[int, int, int, int], int]
     aliases: tuple[str, ...] = ()
+    # The backward runs as I (input gradient) and W (weight gradients) actions: zero-bubble schedules.
+    splits_backward: bool = False
 
     @property
     def fixed_vpp(self) -> bool:
@@ -328,16 +330,16 @@ SPECS: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec(
             "zbh1", "ZB-H1", Placement.SINGLE, 1, zb_h1, _any_count, "any count >= 1",
-            lambda pp, vpp, m, rank: min(pp, m),
+            lambda pp, vpp, m, rank: min(pp, m), splits_backward=True,
         ),
         ScheduleSpec(
             "zbv", "ZB-V", Placement.V, 2, zb_v, _any_count, "any count >= 1",
-            lambda pp, vpp, m, rank: min(2 * pp, 2 * m),
+            lambda pp, vpp, m, rank: min(2 * pp, 2 * m), splits_backward=True,
         ),
         ScheduleSpec(
             "dualpipev", "DualPipeV", Placement.V, 2, dualpipe_v, _at_least_two_per_rank,
             "at least 2 * pp = {two_pp} microbatches",
-            lambda pp, vpp, m, rank: min(2 * pp + 1, 2 * m),
+            lambda pp, vpp, m, rank: min(2 * pp + 1, 2 * m), splits_backward=True,
         ),
     ]
 }
