@@ -14,6 +14,7 @@ in the backward; full AC keeps only each block's input.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -56,14 +57,44 @@ def checkpointed(forward: Callable, ac: str) -> Callable:
     raise ValueError(f"activation checkpointing {ac!r} is not none, full or selective")
 
 
+def compiled(forward: Callable) -> Callable:
+    """`torch.compile(forward)`, given a fresh tensor when the block's input is a view.
+
+    The first block's input under TP is `to_local()` of the vocab-parallel embedding's output: a
+    view of the DTensor's local tensor. AOTAutograd regenerates a view input from its base, and
+    the gradient then reaches the embedding's redistribute as a plain tensor, past DTensor's
+    `to_local` backward ("'Tensor' object has no attribute '_local_tensor'", torch 2.13, fp32 TP
+    without a cast in between). A copy of one block input per microbatch avoids it.
+    """
+    graph = torch.compile(forward)
+
+    def run(x: torch.Tensor, *args):
+        return graph(x.clone() if x._base is not None else x, *args)
+
+    return run
+
+
 def wrap_blocks(model: nn.Module, ac: str = "none", compile_blocks: bool = False) -> None:
     """Checkpoint and/or compile each transformer block of `model` (its `layers`) in place."""
     if ac == "none" and not compile_blocks:
         return
+    if ac == "selective" and compile_blocks:
+        # Dynamo warns (once per process, on every rank) that a selective policy under compile must
+        # not meet in-place ops; the reference blocks have none (tests/unit/test_activation_checkpointing.py
+        # checks the gradients are bit-equal to no AC).
+        logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
     for block in getattr(model, "layers", {}).values():
         forward = block.forward
-        if ac != "none":
-            forward = checkpointed(forward, ac)
-        if compile_blocks:
-            forward = torch.compile(forward)
+        if compile_blocks and ac == "full":
+            # Full AC around the compiled graph: inside it, a TP block's checkpoint region saves
+            # its DeviceMesh for the backward and AOTAutograd refuses (torch 2.13). Outside, the
+            # recompute runs the same compiled graph again.
+            forward = checkpointed(compiled(forward), ac)
+        else:
+            # Selective AC's policy must see each op, so it goes inside the compiled graph
+            # (torchtitan's order); dynamo traces it as a higher-order op.
+            if ac != "none":
+                forward = checkpointed(forward, ac)
+            if compile_blocks:
+                forward = compiled(forward)
         block.forward = forward

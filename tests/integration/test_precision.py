@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from actors.checkpoint.manifest_io import read_manifest
 from cluster.storage.store import Store
@@ -81,11 +82,23 @@ def test_activation_checkpointing_changes_no_bit(run_training, tmp_path, degrees
     assert losses["selective"] == losses["none"]
 
 
-def test_compile_matches_eager(run_training, tmp_path):
-    eager = run_training(_config(tmp_path / "eager", steps=3)).losses
-    compiled = run_training(_config(tmp_path / "compiled", steps=3, compile=True)).losses
+@pytest.mark.parametrize("degrees, schedule, ac, precision", [
+    pytest.param({}, "1f1b", "none", "fp32", id="one-rank"),
+    # The first block's input is a view under TP, and full AC must wrap the compiled graph.
+    pytest.param({"tp": 2}, "1f1b", "full", "fp32", id="tp2-full-ac"),
+    pytest.param({"tp": 2, "pp": 2}, "1f1b", "full", "fp32", id="tp2xpp2-1f1b-full-ac", marks=pytest.mark.slow),
+    pytest.param({"fsdp": 2, "tp": 2}, "1f1b", "selective", "bf16", id="fsdp2xtp2-bf16-selective", marks=pytest.mark.slow),
+    pytest.param({"dp": 2, "pp": 2}, "interleaved1f1b", "selective", "fp32", id="dp2xpp2-interleaved-selective",
+                 marks=pytest.mark.slow),
+])
+def test_compile_matches_eager(run_training, tmp_path, degrees, schedule, ac, precision):
+    layout = ParallelLayout(**degrees, vpp=2 if schedule == "interleaved1f1b" else 1)
+    common = dict(steps=3, schedule=schedule, ac=ac, precision=precision, microbatches=2)
+    eager = run_training(_config(tmp_path / "eager", layout, **common)).losses
+    compiled = run_training(_config(tmp_path / "compiled", layout, compile=True, **common)).losses
+    tolerance = 1e-5 if precision == "fp32" else BF16_RTOL
     for step, loss in eager.items():
-        assert math.isclose(compiled[step], loss, rel_tol=1e-5), (step, compiled[step], loss)
+        assert math.isclose(compiled[step], loss, rel_tol=tolerance), (step, compiled[step], loss)
 
 
 def test_bf16_checkpoint_holds_fp32_master_state_and_resumes(run_training, tmp_path):
@@ -103,3 +116,16 @@ def test_bf16_checkpoint_holds_fp32_master_state_and_resumes(run_training, tmp_p
                                  verify_resume=True))
     assert sorted(other.losses) == [4]
     assert _relative(other.losses[4], whole.losses[4]) <= FP32_RTOL
+
+
+def test_bf16_gradients_are_reduced_in_float32(rank_pool, tmp_path):
+    """Each rank's gradient is computed in bf16; the reduction over data ranks adds them in
+    float32, so the reduced gradient holds values bf16 cannot represent (a bf16 reduction would
+    round every element back onto bf16's grid)."""
+    from tests.integration.test_pipeline_numerics import one_step
+
+    _, gradients = one_step(rank_pool, _config(tmp_path, ParallelLayout(fsdp=2), precision="bf16", microbatches=1))
+    assert {gradient.dtype for gradient in gradients.values()} == {torch.float32}
+    off_grid = sum(int((gradient != gradient.bfloat16().float()).sum()) for gradient in gradients.values())
+    total = sum(gradient.numel() for gradient in gradients.values())
+    assert off_grid > total // 10, (off_grid, total)
