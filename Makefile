@@ -35,6 +35,11 @@ demo: $(STAMP)
 	@echo "== 5. loss continuity against the uninterrupted run, and the picture"
 	$(PY) -m cluster ckpt plot-resume --run $(DEMO_NAME) --run $(DEMO_NAME)-resumed --reference $(DEMO_NAME) \
 		--out runs/$(DEMO_NAME)-resume.png
+	@echo "== 6. the same checkpoint resumed in bf16 with selective activation checkpointing on fsdp2: checkpoints"
+	@echo "      hold the float32 master state, so precision is a choice at resume time too (steps 1-5 stay fp32:"
+	@echo "      their exact continuity across layouts above is what bf16's rounding would blur)"
+	$(PY) -m cluster train --config configs/demo.yaml --run $(DEMO_NAME)-bf16 --resume $(DEMO_NAME)@10 --steps 20 \
+		--dp 1 --fsdp 2 --tp 1 --precision bf16 --ac selective
 
 test: $(STAMP)
 	$(PY) -m pytest

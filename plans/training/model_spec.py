@@ -67,6 +67,12 @@ class ModelConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def model_differences(saved: ModelConfig, named: ModelConfig) -> list[str]:
+    """Each field where two models differ, as "field (saved -> named)"."""
+    return [f"{name} ({value!r} -> {getattr(named, name)!r})" for name, value in asdict(saved).items()
+            if getattr(named, name) != value]
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Tests: 4 layers so pp=4 works; asymmetric head counts exercise GQA grouping.
     "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=160,

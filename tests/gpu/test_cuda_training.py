@@ -104,3 +104,40 @@ def test_an_async_save_from_the_gpu_holds_the_state_of_its_step(runs):
     assert _losses(store, "gpu-async") == _losses(store, "gpu")
     for step in (CKPT_EVERY, STEPS):
         assert _digest(store, "gpu-async", step) == _digest(store, "gpu", step), step
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory):
+    """bf16 + compile + selective AC on the GPU, saved synchronously and asynchronously (the
+    async save stages through pinned host buffers on a side stream)."""
+    store = str(tmp_path_factory.mktemp("gpu-bf16"))
+    fast = ("--dp", "1", "--tp", "1", "--precision", "bf16", "--compile", "--ac", "selective")
+    logs = {"sync": _train(store, "bf16", *fast, gpu=True),
+            "async": _train(store, "bf16-async", *fast, "--async-save", gpu=True)}
+    return store, logs
+
+
+def test_bf16_compile_and_ac_train_on_the_gpu(bf16_runs, runs):
+    store, logs = bf16_runs
+    assert "rank actors ready on cuda:0" in logs["sync"]
+    losses, fp32 = _losses(store, "bf16"), _losses(runs[0], "gpu")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in losses:  # bf16 follows fp32 within bf16's rounding
+        assert losses[step] == pytest.approx(fp32[step], rel=5e-2), (step, losses[step], fp32[step])
+    assert losses != fp32
+
+
+def test_a_bf16_async_save_through_pinned_memory_holds_its_steps_state(bf16_runs):
+    store, _ = bf16_runs
+    assert _losses(store, "bf16-async") == _losses(store, "bf16")
+    for step in (CKPT_EVERY, STEPS):
+        assert _digest(store, "bf16-async", step) == _digest(store, "bf16", step), step
+
+
+def test_a_bf16_gpu_checkpoint_resumes_on_cpu_ranks_with_its_fp32_master_state(bf16_runs):
+    """The checkpoint holds float32 master weights and moments: CPU ranks on fsdp2 load them in
+    fp32 and the re-save's digests equal the checkpoint's (--verify-resume)."""
+    store, _ = bf16_runs
+    log = _train(store, "bf16-to-cpu", "--resume", f"bf16@{CKPT_EVERY}", "--dp", "1", "--fsdp", "2", "--tp", "1",
+                 "--precision", "fp32", "--verify-resume", gpu=False)
+    assert "resumed state verified" in log

@@ -9,6 +9,7 @@ import yaml
 
 from cluster.run.controller import State
 from cluster.run.elastic import train_elastic
+from cluster.run.resume_model import with_resumed_model
 from cluster.run.train import train
 from plans.config import TrainConfig, with_overrides
 from plans.elastic import FailurePolicy, ScalingPolicy
@@ -45,6 +46,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError("--config", path, "file not found", "pass an existing YAML file, e.g. configs/demo.yaml") from None
     if not isinstance(data, dict):
         raise ConfigError("--config", path, "the file must hold a YAML mapping", "see configs/demo.yaml for the shape")
+    # The user named the model: a flag, or a model section in a config file of their own (the
+    # embedded default config's `tiny` is not a choice). Otherwise a resume builds the checkpoint's.
+    named = bool(args.model) or (args.config is not None and "model" in data)
     if args.model:  # a preset on the command line replaces the file's model section entirely
         data["model"] = {"preset": args.model}
     config = TrainConfig.from_dict(data)
@@ -54,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if pipelined and args.schedule and args.vpp is None and "vpp" not in file_layout:
         # The schedule fixes how many stages a rank runs; don't make the user repeat it.
         overrides["layout.vpp"] = schedule_spec(args.schedule).default_vpp
-    return with_overrides(config, **overrides).validate()
+    return with_resumed_model(with_overrides(config, **overrides), named).validate()
 
 
 def run_train(args: argparse.Namespace) -> int:

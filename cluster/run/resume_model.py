@@ -1,0 +1,47 @@
+"""Which model a resume builds: the checkpoint's own, unless the user names one.
+
+A checkpoint's metadata records the whole model (every size, not only a preset name), so a run
+imported from Hugging Face with sizes no preset has, or trained with a config file the user no
+longer passes, resumes without repeating them. A model the user names must equal the
+checkpoint's; the refusal lists the fields that differ, before any actor starts.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from actors.checkpoint.manifest_io import read_manifest
+from cluster.storage.store import Store
+from plans.config import TrainConfig
+from plans.errors import ConfigError
+from plans.training.model_spec import ModelConfig, model_differences
+
+
+def checkpoint_model(config: TrainConfig, ref: str) -> tuple[str | None, ModelConfig] | None:
+    """The (preset name, model) recorded by the checkpoint `ref` names, or None when `ref` is
+    "auto" and the run has no checkpoint yet (it starts fresh)."""
+    store = Store(config.store)
+    if ref == "auto":
+        if not store.committed_steps(config.run):
+            return None
+        ref = "latest"
+    checkpoint = store.resolve(ref, current_run=config.run)
+    metadata = read_manifest(checkpoint.url)[1]
+    return metadata.get("model_preset"), ModelConfig.from_dict(metadata["model"]).validate()
+
+
+def with_resumed_model(config: TrainConfig, named: bool) -> TrainConfig:
+    """`config` with the model its resume will load. named: the user chose the model (a --model
+    flag or a model section in their own config file)."""
+    if not config.resume:
+        return config
+    found = checkpoint_model(config, config.resume)
+    if found is None:
+        return config
+    preset_name, saved = found
+    if not named:
+        return replace(config, model=saved, model_preset=preset_name or "custom")
+    differences = model_differences(saved, config.model)
+    if differences:
+        raise ConfigError("model", config.model_preset, f"differs from the checkpoint's model in {', '.join(differences)}",
+                          "leave the model out (a resume builds the checkpoint's own), or resume a checkpoint of this model")
+    return config
