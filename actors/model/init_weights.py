@@ -24,9 +24,12 @@ def _block_seed(seed: int, name: str, block: int) -> int:
 
 
 def init_std(name: str, shape: tuple[int, ...], n_layers: int) -> float | None:
-    """None means 'ones' (norm weights). Output projections are scaled down with depth (GPT-2)."""
+    """None means 'ones' (norm weights), 0.0 zeros (biases, as transformers starts them).
+    Output projections are scaled down with depth (GPT-2)."""
     if name.endswith("norm.weight"):
         return None
+    if name.endswith(".bias"):
+        return 0.0
     if name.endswith(("attention.wo.weight", "feed_forward.down.weight")):
         return 0.02 / math.sqrt(2 * n_layers)
     return 0.02
@@ -37,6 +40,8 @@ def global_rows(seed: int, name: str, shape: tuple[int, ...], std: float | None,
     row_shape = tuple(shape[1:])
     if std is None:
         return torch.ones((stop - start, *row_shape))
+    if std == 0.0:
+        return torch.zeros((stop - start, *row_shape))
     pieces = []
     for block in range(start // ROWS_PER_BLOCK, (stop - 1) // ROWS_PER_BLOCK + 1 if stop > start else 0):
         block_start = block * ROWS_PER_BLOCK

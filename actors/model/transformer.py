@@ -29,8 +29,12 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.heads_per_group = config.heads_per_group
+        self.sliding_window = config.sliding_window
         qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
-        self.qkv = nn.Linear(config.dim, qkv_rows, bias=False)
+        self.qkv = nn.Linear(config.dim, qkv_rows, bias=config.qkv_bias)  # Qwen2's q/k/v biases
+        # Qwen3: each query and key head is RMS-normalised over head_dim before RoPE.
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -40,11 +44,24 @@ class Attention(nn.Module):
         q = qkv[..., : self.heads_per_group, :].reshape(batch, seq, -1, self.head_dim)
         k = qkv[..., self.heads_per_group, :]
         v = qkv[..., self.heads_per_group + 1, :]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.sliding_window is not None and seq > self.sliding_window:
+            mask = sliding_window_mask(seq, self.sliding_window, x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def sliding_window_mask(seq: int, window: int, device) -> torch.Tensor:
+    """[seq, seq], True where query i may attend key j: j <= i and i - j < window (Mistral's
+    sliding window, as transformers masks it)."""
+    positions = torch.arange(seq, device=device)
+    distance = positions[:, None] - positions[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 class FeedForward(nn.Module):

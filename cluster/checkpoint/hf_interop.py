@@ -1,6 +1,7 @@
-"""Hugging Face interop: export a checkpoint as a `LlamaForCausalLM` directory, import one back.
+"""Hugging Face interop: export a checkpoint as a transformers directory of its family (Llama,
+Qwen2, Qwen3, Mistral: `plans/checkpoint/hf_families.py`), import one back.
 
-One mapping (`llama_mapping`) is written, in the export direction; import uses its derived inverse.
+One mapping per family (`hf_mapping`) is written, in the export direction; import uses its derived inverse.
 Export writes `config.json` and `model.safetensors` (or `model-0000i-of-0000n.safetensors` plus
 `model.safetensors.index.json` past `max_shard_bytes`), and, unless asked not to, the optimizer
 moments under the same names in `rayshard-optimizer/` (Hugging Face ignores the folder) and the
@@ -30,7 +31,8 @@ from plans.layout.parallel_layout import ParallelLayout
 from plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
 from plans.training.model_spec import ModelConfig, parameter_shapes
 from plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
-from plans.checkpoint.transforms import Alias, Cast, Mapping, MappingPlan, Meta, Rename, SplitRows
+from plans.checkpoint.hf_families import hf_config, hf_mapping, model_config_from_hf
+from plans.checkpoint.transforms import Cast, Mapping, MappingPlan, Meta
 
 CONFIG = "config.json"
 WEIGHTS = "model"
@@ -39,77 +41,6 @@ RUN_METADATA = "rayshard.json"
 DEFAULT_SHARD_BYTES = 2 * 2**30
 IMPORT_FILE_BYTES = 2 * 2**30
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
-
-
-def llama_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
-    """Our parameter names -> transformers' LlamaForCausalLM names (cast to `dtype` if given).
-
-    qkv rows are grouped per kv head g: [q heads g*r .. g*r+r-1, k_g, v_g] (r query heads per kv
-    head), so the split takes n_kv_heads groups of (r*head_dim, head_dim, head_dim) rows and
-    q_proj comes out in plain head order. gate_up interleaves (gate_j, up_j) per hidden unit:
-    ffn_dim groups of (1, 1) rows. RoPE already uses the rotate-half convention transformers
-    uses, so q and k rows need no permutation.
-    """
-    layer = "layers.{layer}."
-    hf_layer = "model.layers.{layer}."
-    rules = [
-        Rename("tok_embeddings.weight", "model.embed_tokens.weight"),
-        Rename(layer + "attention_norm.weight", hf_layer + "input_layernorm.weight"),
-        SplitRows(layer + "attention.qkv.weight",
-                  tuple(hf_layer + f"self_attn.{p}_proj.weight" for p in "qkv"),
-                  (model.heads_per_group * model.head_dim, model.head_dim, model.head_dim), model.n_kv_heads),
-        Rename(layer + "attention.wo.weight", hf_layer + "self_attn.o_proj.weight"),
-        Rename(layer + "ffn_norm.weight", hf_layer + "post_attention_layernorm.weight"),
-        SplitRows(layer + "feed_forward.gate_up.weight",
-                  (hf_layer + "mlp.gate_proj.weight", hf_layer + "mlp.up_proj.weight"), (1, 1), model.ffn_dim),
-        Rename(layer + "feed_forward.down.weight", hf_layer + "mlp.down_proj.weight"),
-        Rename("norm.weight", "model.norm.weight"),
-    ]
-    if model.tie_embeddings:
-        rules.append(Alias("lm_head.weight", of="model.embed_tokens.weight"))
-    else:
-        rules.append(Rename("output.weight", "lm_head.weight"))
-    if dtype and dtype != "float32":
-        rules.append(Cast("*", to=dtype, source="float32"))
-    return Mapping(tuple(rules))
-
-
-def hf_config(model: ModelConfig, dtype: str) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": model.vocab_size, "hidden_size": model.dim, "intermediate_size": model.ffn_dim,
-        "num_hidden_layers": model.n_layers, "num_attention_heads": model.n_heads,
-        "num_key_value_heads": model.n_kv_heads, "head_dim": model.head_dim,
-        "max_position_embeddings": model.max_seq_len, "rms_norm_eps": model.norm_eps,
-        # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta.
-        "rope_theta": model.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
-        "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "torch_dtype": dtype, "dtype": dtype,
-    }
-
-
-def model_config_from_hf(config: dict, where: str) -> ModelConfig:
-    """Our ModelConfig from a Llama config.json; refuses features our model does not have."""
-    if config.get("model_type") != "llama":
-        raise CheckpointError(f"{where}: model_type {config.get('model_type')!r} is not 'llama'; only Llama-style models import")
-    unsupported = [f"{key}={config[key]!r}" for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
-                   if key in config and config[key] != ok]
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        unsupported.append(f"rope_type={rope.get('rope_type', rope.get('type'))!r}")
-    heads = config["num_attention_heads"]
-    if config.get("head_dim") not in (None, config["hidden_size"] // heads):
-        unsupported.append(f"head_dim={config['head_dim']} (ours is hidden_size / num_attention_heads)")
-    if unsupported:
-        raise CheckpointError(f"{where}: this model uses {', '.join(unsupported)}, which rayshard's Llama model does not "
-                              "implement; importing it would change what the weights compute")
-    return ModelConfig(
-        vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=config.get("num_key_value_heads", heads), ffn_dim=config["intermediate_size"],
-        max_seq_len=config.get("max_position_embeddings", 2048),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-    ).validate()
 
 
 # ---- streaming a mapping plan -------------------------------------------------------------------
@@ -187,7 +118,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         metas = {name: Meta(chunks[0].global_shape, chunks[0].dtype)
                  for (name, k), chunks in stored.tensors().items() if k == kind}
         # Weights take the requested dtype; moments keep theirs (they are ours, not Hugging Face's).
-        plans.append((kind, metas, llama_mapping(model, dtype if kind == PARAM else None).plan(metas)))
+        plans.append((kind, metas, hf_mapping(model, dtype if kind == PARAM else None).plan(metas)))
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for *_, plan in plans for name, meta in plan.outputs.items()))
     fs, base = fsspec.core.url_to_fs(directory)
     fs.makedirs(base, exist_ok=True)
@@ -282,7 +213,7 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
         hf_dtypes = {t.dtype for t in tensors.values()}
         if len(hf_dtypes) != 1:
             raise CheckpointError(f"{directory} ({kind}): tensors mix dtypes {sorted(hf_dtypes)}; rayshard imports one dtype")
-        mapping = llama_mapping(model).inverse()
+        mapping = hf_mapping(model).inverse()
         source_dtype = hf_dtypes.pop()
         if source_dtype != dtype:  # e.g. bfloat16 weights trained on in float32
             mapping = Mapping(mapping.rules + (Cast("*", to=dtype, source=source_dtype),))

@@ -19,8 +19,15 @@ from dataclasses import asdict, dataclass, replace
 from plans.errors import ConfigError
 
 
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
+    """One decoder with the features of the families it can express (Hugging Face's names):
+    llama: the base; qwen2: q/k/v biases; qwen3: per-head RMSNorm of q and k, an explicit head
+    size; mistral: sliding-window attention. `family` names which Hugging Face class exports it."""
+
     vocab_size: int = 256
     dim: int = 64
     n_layers: int = 4
@@ -31,10 +38,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    family: str = "llama"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
+    head_size: int | None = None  # None: dim / n_heads
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size if self.head_size is not None else self.dim // self.n_heads
 
     @property
     def heads_per_group(self) -> int:
@@ -46,7 +58,16 @@ class ModelConfig:
             if getattr(self, field) < 1:
                 raise ConfigError(f"model.{field}", getattr(self, field), "must be positive",
                                   f"set model.{field} to 1 or more")
-        if self.dim % self.n_heads:
+        if self.family not in FAMILIES:
+            raise ConfigError("model.family", self.family, f"must be one of {list(FAMILIES)}",
+                              "pick the family whose Hugging Face class computes this model")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError("model.sliding_window", self.sliding_window, "must be positive (or unset)",
+                              "set it to the number of keys a query sees, or leave it unset")
+        if self.head_size is not None and self.head_size < 1:
+            raise ConfigError("model.head_size", self.head_size, "must be positive (or unset for dim / n_heads)",
+                              "set it to the per-head size, or leave it unset")
+        if self.head_size is None and self.dim % self.n_heads:
             raise ConfigError("model.n_heads", self.n_heads, f"must divide model.dim={self.dim}",
                               "choose n_heads so that dim / n_heads is a whole head size")
         if self.head_dim % 2:
@@ -105,6 +126,11 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         prefix = f"layers.{layer}."
         shapes[prefix + "attention_norm.weight"] = (config.dim,)
         shapes[prefix + "attention.qkv.weight"] = (qkv_rows, config.dim)
+        if config.qkv_bias:
+            shapes[prefix + "attention.qkv.bias"] = (qkv_rows,)
+        if config.qk_norm:
+            shapes[prefix + "attention.q_norm.weight"] = (hd,)
+            shapes[prefix + "attention.k_norm.weight"] = (hd,)
         shapes[prefix + "attention.wo.weight"] = (config.dim, config.n_heads * hd)
         shapes[prefix + "ffn_norm.weight"] = (config.dim,)
         shapes[prefix + "feed_forward.gate_up.weight"] = (2 * config.ffn_dim, config.dim)

@@ -47,4 +47,9 @@ def tp_split_dim(parameter_name: str) -> int | None:
     `layers.3.attention.wo.weight`), or None when every tp rank holds all of it."""
     module, _, leaf = parameter_name.rpartition(".")
     style = module_style(module)
-    return WEIGHT_SPLIT_DIM[style] if style is not None and leaf == "weight" else None
+    if style is None:
+        return None
+    if leaf == "weight":
+        return WEIGHT_SPLIT_DIM[style]
+    # A column-parallel Linear's bias follows its output rows; a row-parallel one's is whole.
+    return 0 if leaf == "bias" and style in (COLWISE, VOCAB_HEAD) else None

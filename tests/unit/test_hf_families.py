@@ -1,0 +1,105 @@
+"""Each Hugging Face family rayshard computes: a random transformers model of that family imports,
+exports back bit-identical with no training step, and our model computes its logits (fp32, 1e-5).
+
+Sizes are chosen to catch what a family changes: grouped-query attention (6 heads over 2 kv
+heads), a vocabulary that is no power of two (250), an explicit head size that is not
+hidden / heads (Qwen3), and a sliding window shorter than the sequence (Mistral).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from actors.checkpoint.stored import StoredCheckpoint
+from actors.model.transformer import Transformer
+from cluster.checkpoint.hf_interop import export_hf, import_hf
+from cluster.storage.store import Store
+from plans.errors import CheckpointError
+from plans.training.model_spec import parameter_shapes
+
+COMMON = dict(vocab_size=250, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
+}
+SEQ = 24  # longer than Mistral's window
+
+
+def hf_model(family: str, tied: bool, seed: int = 11):
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**COMMON, **extra, tie_word_embeddings=tied))
+    with torch.no_grad():  # transformers starts biases and norms at 0 and 1: make every tensor tell
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    return model.eval()
+
+
+def ours_from(url: str):
+    stored = StoredCheckpoint(url)
+    from plans.checkpoint.model_check import check_against_own_model
+
+    config = check_against_own_model(stored.chunks, stored.metadata, url)
+    model = Transformer(config)
+    state = {name: stored.read_region(name, "param", (0,) * len(shape), shape)
+             for name, shape in parameter_shapes(config).items()}
+    model.load_state_dict(state, strict=not config.tie_embeddings)
+    return config, model.eval()
+
+
+CASES = [pytest.param(family, tied, id=f"{family}-{'tied' if tied else 'untied'}")
+         for family in FAMILIES for tied in (False, True)]
+
+
+@pytest.mark.parametrize("family, tied", CASES)
+def test_import_computes_transformers_logits_and_exports_bit_identical(tmp_path, family, tied):
+    reference = hf_model(family, tied)
+    reference.save_pretrained(str(tmp_path / "hf"))
+    url = import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "imported", log=lambda *_: None)
+    config, ours = ours_from(url)
+    assert (config.family, config.tie_embeddings) == (family, tied)
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        difference = (ours(tokens) - reference(tokens).logits).abs().max().item()
+    assert difference <= 1e-5, difference
+
+    export_hf(url, str(tmp_path / "again"), include_optimizer=False, log=lambda *_: None)
+    again, original = load_file(str(tmp_path / "again" / "model.safetensors")), reference.state_dict()
+    if tied:
+        original = {name: value for name, value in original.items() if name != "lm_head.weight"}
+        again.pop("lm_head.weight", None)
+    assert set(again) == set(original)
+    for name, value in original.items():
+        assert torch.equal(again[name], value), name
+    exported = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert exported["model_type"] == family and exported["architectures"] == [type(reference).__name__]
+    loaded = type(reference).from_pretrained(str(tmp_path / "again"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, reference(tokens).logits)
+
+
+@pytest.mark.parametrize("family, change, field", [
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling.rope_type='linear'"),
+    ("llama", {"attention_bias": True}, "attention_bias=True"),
+    ("qwen3", {"attention_bias": True}, "attention_bias=True"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("gemma", {}, "model_type 'gemma' is not one rayshard computes"),
+])
+def test_a_config_rayshard_would_approximate_is_refused_naming_the_field(tmp_path, family, change, field):
+    base = family if family in FAMILIES else "llama"
+    hf_model(base, False).save_pretrained(str(tmp_path / "hf"))
+    settings = json.loads((tmp_path / "hf" / "config.json").read_text())
+    settings.update(change)
+    if family not in FAMILIES:
+        settings["model_type"] = family
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(CheckpointError, match=field.replace("(", r"\(").replace("[", r"\[")):
+        import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "refused", log=lambda *_: None)
