@@ -81,6 +81,8 @@ class TrainConfig:
     precision: str = "fp32"
     ac: str = "none"
     compile: bool = False
+    # Sequence parallelism with TP: norms and the residual stream split over the sequence.
+    sequence_parallel: bool = False
     # Where step metrics go besides metrics.jsonl and the console: TensorBoard event files under
     # the run directory; Weights & Biases (needs the wandb package) under this project name.
     tensorboard: bool = False
@@ -153,6 +155,12 @@ class TrainConfig:
             raise ConfigError("cpus_per_rank", 0, "a CPU rank needs some CPU", "leave --cpus-per-rank unset, or pass e.g. 0.5")
         if self.precision not in PRECISIONS:
             raise ConfigError("precision", self.precision, f"must be one of {list(PRECISIONS)}", "pass --precision fp32 or bf16")
+        if self.sequence_parallel and lay.tp == 1:
+            raise ConfigError("sequence_parallel", True, "splits the sequence over the tp ranks, and tp is 1",
+                              "add --tp 2 (or more), or drop --sp")
+        if self.sequence_parallel and self.seq_len % lay.tp:
+            raise ConfigError("seq_len", self.seq_len, f"must be a multiple of tp ({lay.tp}) under sequence parallelism",
+                              f"set --seq-len to a multiple of {lay.tp}")
         if self.ac not in ACTIVATION_CHECKPOINTING:
             raise ConfigError("ac", self.ac, f"must be one of {list(ACTIVATION_CHECKPOINTING)}",
                               "pass --ac none, full or selective")

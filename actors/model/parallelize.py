@@ -15,14 +15,34 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from actors.model.block_wrappers import wrap_blocks
 from actors.model.precision import fsdp_policy, uses_fsdp
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, is_primary_replica
 from plans.layout.parallel_layout import DATA_MESH_DIMS
-from plans.training.tp_plan import COLWISE, DEFAULT_TP_STYLES, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD
+from plans.training.tp_plan import (COLWISE, DEFAULT_TP_STYLES, GATHER_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE,
+                                    SEQUENCE_PARALLEL, VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
+                                    VOCAB_HEAD_FROM_SEQUENCE, with_sequence_parallel)
+
+class GatherSequence(ParallelStyle):
+    """The module's first input arrives split over the sequence (Shard(1)) and is all-gathered
+    into the whole sequence (a Replicate DTensor) before the module runs; other inputs (RoPE
+    tables) pass untouched. torch's `PrepareModuleInput` needs one layout per input, so one style
+    could not serve attention (x, cos, sin) and the feed-forward (x)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(module, args):
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return (x.redistribute(device_mesh, (Replicate(),)), *args[1:])
+
+        module.register_forward_pre_hook(gather)
+        return module
+
 
 # torch's ParallelStyle for each style of the plan (`plans/training/tp_plan.py`, which says why
 # each module gets its style).
@@ -31,8 +51,16 @@ TORCH_STYLES: dict[str, ParallelStyle] = {
     ROWWISE: RowwiseParallel(),
     VOCAB_EMBEDDING: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     VOCAB_HEAD: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    # Sequence parallelism: the residual stream is Shard(1) (the sequence) between the matmuls.
+    ROWWISE_TO_SEQUENCE: RowwiseParallel(output_layouts=Shard(1)),
+    VOCAB_EMBEDDING_TO_SEQUENCE: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    VOCAB_HEAD_FROM_SEQUENCE: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    SEQUENCE_PARALLEL: SequenceParallel(),
+    GATHER_SEQUENCE: GatherSequence(),
 }
 DEFAULT_TP_PLAN: dict[str, ParallelStyle] = {pattern: TORCH_STYLES[style] for pattern, style in DEFAULT_TP_STYLES.items()}
+SEQUENCE_PARALLEL_PLAN: dict[str, ParallelStyle] = {pattern: TORCH_STYLES[style] for pattern, style
+                                                    in with_sequence_parallel(DEFAULT_TP_STYLES).items()}
 
 
 def resolve_tp_plan(model: nn.Module, patterns: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -62,17 +90,20 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_for
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size: int,
                 tie_embeddings: bool = False, pipeline: bool = False, precision: str = "fp32",
-                ac: str = "none", compile_blocks: bool = False) -> nn.Module:
+                ac: str = "none", compile_blocks: bool = False, sequence_parallel: bool = False) -> nn.Module:
     """TP, then activation checkpointing and compile per block, then FSDP2 (torchtitan's order).
 
     pipeline: `model` is one stage of a pipeline. FSDP then keeps parameters gathered from
     the first forward to the end of the step (as torchtitan does under PP): the schedule
     interleaves microbatches' forwards and backwards, and regathering per microbatch would
     multiply the all-gathers by the microbatch count.
+    sequence_parallel: the TP plan's sequence-parallel form (`tp_plan.with_sequence_parallel`).
     precision "bf16": FSDP2 with bf16 parameters and float32 reduction, even over a one-rank data
     mesh (`actors/model/precision.py` says why)."""
     if tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], SEQUENCE_PARALLEL_PLAN if sequence_parallel else None)
+        if sequence_parallel:
+            model.sequence_shards = tp
         if tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             # parallelize_module gives each module its own DTensor parameter; both are
             # Shard(0) over the vocabulary on the same mesh, so one can serve both again.

@@ -101,12 +101,15 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # How many ranks split the residual stream over the sequence (sequence parallelism sets
+        # it): a later pipeline stage receives one shard but needs RoPE for the whole sequence.
+        self.sequence_shards = 1
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Tokens [batch, seq] -> logits; a pipeline stage (`actors/model/stage.py`) may lack the
         embedding (it then takes the residual stream [batch, seq, dim]) or the head (it then
         returns the residual stream)."""
-        seq = inputs.shape[1]
+        seq = inputs.shape[1] if self.tok_embeddings is not None else inputs.shape[1] * self.sequence_shards
         cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta, inputs.device)
         h = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
         for layer in self.layers.values():

@@ -43,12 +43,18 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
     for stage in partition.stages_of_rank(pp_rank):
         module = build_stage_on_meta(model_config, partition.stage_layers[stage], stage == 0, stage == last)
         parallelize(module, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings,
-                    pipeline=True, precision=config.precision, ac=block_ac, compile_blocks=config.compile)
+                    pipeline=True, precision=config.precision, ac=block_ac, compile_blocks=config.compile,
+                    sequence_parallel=config.sequence_parallel)
         module.to_empty(device=device)
         initialize_parameters(module, config.seed, model_config.n_layers,
                               stage_global_names(model_config, stage == 0, stage == last))
         modules[stage] = module
     return RankStages(model_config, modules, partition.num_stages)
+
+
+def stage_sequence_length(config: TrainConfig) -> int:
+    """Tokens per sequence in what stages exchange: a tp rank's shard under sequence parallelism."""
+    return config.seq_len // config.layout.tp if config.sequence_parallel else config.seq_len
 
 
 def recomputes_stages(config: TrainConfig) -> bool:
@@ -76,7 +82,8 @@ class PipelinedRunner:
         self.interpreter = PipelineRunner(
             plan.schedule.ranks[self.coords.pp], stages.modules, num_stages=plan.partition.num_stages,
             microbatches=config.microbatches, rank=rank, global_rank_of=self._global_rank_of,
-            activation_shape=(microbatch_size, config.seq_len, config.model.dim), dtype=compute_dtype(config.precision),
+            activation_shape=(microbatch_size, stage_sequence_length(config), config.model.dim),
+            dtype=compute_dtype(config.precision),
             device=device, loss_fn=partial(microbatch_loss, microbatches=config.microbatches), timeout_s=timeout_s,
             recompute_stages=recomputes_stages(config))
 

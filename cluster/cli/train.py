@@ -55,6 +55,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--ac", choices=("none", "full", "selective"),
                        help="activation checkpointing per transformer block; selective keeps matmul outputs (default none)")
     speed.add_argument("--compile", action="store_true", default=None, help="torch.compile each transformer block")
+    speed.add_argument("--sp", action="store_true", default=None,
+                       help="sequence parallelism with --tp: norms and the residual stream split over the sequence")
     speed.add_argument("--tensorboard", action="store_true", default=None,
                        help="write TensorBoard event files under the run directory (tensorboard/)")
     speed.add_argument("--wandb-project", metavar="NAME", help="also log step metrics to Weights & Biases (needs wandb)")

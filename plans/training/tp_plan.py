@@ -19,8 +19,18 @@ ROWWISE = "rowwise"                    # nn.Linear, input features split: weight
 VOCAB_EMBEDDING = "vocab_embedding"    # nn.Embedding split over the vocabulary (rows)
 VOCAB_HEAD = "vocab_head"              # column-parallel LM head whose logits stay vocab-sharded
 
+# Sequence parallelism (Megatron-LM's, torchtitan's): between the tensor-parallel matmuls the
+# residual stream stays split over the sequence, so norms run on 1/tp of the tokens and each
+# rank keeps 1/tp of those activations. Its styles are the TP styles with sequence-sharded ends:
+ROWWISE_TO_SEQUENCE = "rowwise_to_sequence"                # row-parallel, output reduce-scattered on the sequence
+VOCAB_EMBEDDING_TO_SEQUENCE = "vocab_embedding_to_sequence"
+VOCAB_HEAD_FROM_SEQUENCE = "vocab_head_from_sequence"      # gathers the sequence before the head
+SEQUENCE_PARALLEL = "sequence_parallel"                    # a norm computed on the sequence shard
+GATHER_SEQUENCE = "gather_sequence"                        # a module whose input is gathered from sequence shards
+
 # Which weight dimension each style splits; a parameter under no pattern is copied on every tp rank.
-WEIGHT_SPLIT_DIM = {COLWISE: 0, ROWWISE: 1, VOCAB_EMBEDDING: 0, VOCAB_HEAD: 0}
+WEIGHT_SPLIT_DIM = {COLWISE: 0, ROWWISE: 1, VOCAB_EMBEDDING: 0, VOCAB_HEAD: 0,
+                    ROWWISE_TO_SEQUENCE: 1, VOCAB_EMBEDDING_TO_SEQUENCE: 0, VOCAB_HEAD_FROM_SEQUENCE: 0}
 
 DEFAULT_TP_STYLES: dict[str, str] = {
     "tok_embeddings": VOCAB_EMBEDDING,
@@ -30,6 +40,28 @@ DEFAULT_TP_STYLES: dict[str, str] = {
     "layers.*.feed_forward.down": ROWWISE,
     "output": VOCAB_HEAD,
 }
+
+
+# The sequence-parallel form of each TP style whose end meets the residual stream.
+_TO_SEQUENCE = {ROWWISE: ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING: VOCAB_EMBEDDING_TO_SEQUENCE,
+                VOCAB_HEAD: VOCAB_HEAD_FROM_SEQUENCE}
+# What sequence parallelism adds for the reference model: its residual-stream norms, and the
+# blocks' two halves, whose column-parallel matmuls need the whole sequence.
+SEQUENCE_PARALLEL_ADDITIONS: dict[str, str] = {
+    "layers.*.attention_norm": SEQUENCE_PARALLEL,
+    "layers.*.ffn_norm": SEQUENCE_PARALLEL,
+    "norm": SEQUENCE_PARALLEL,
+    "layers.*.attention": GATHER_SEQUENCE,
+    "layers.*.feed_forward": GATHER_SEQUENCE,
+}
+
+
+def with_sequence_parallel(tp_styles: dict[str, str], additions: dict[str, str] = SEQUENCE_PARALLEL_ADDITIONS
+                           ) -> dict[str, str]:
+    """The TP plan with sequence parallelism, derived rather than written again: each style that
+    feeds or reads the residual stream takes its sequence-sharded form, and the norms and the
+    gathers are added. Weight split dims are unchanged, so checkpoints do not see SP."""
+    return {**{pattern: _TO_SEQUENCE.get(style, style) for pattern, style in tp_styles.items()}, **additions}
 
 
 def module_style(module_name: str, plan: dict[str, str] = DEFAULT_TP_STYLES) -> str | None:

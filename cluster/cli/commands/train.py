@@ -33,7 +33,7 @@ OVERRIDES = {
     "verify_resume": "verify_resume", "cpus_per_rank": "cpus_per_rank", "gpus_per_rank": "gpus_per_rank",
     "start_timeout": "start_timeout_s", "call_timeout": "call_timeout_s",
     "precision": "precision", "ac": "ac", "compile": "compile", "tensorboard": "tensorboard",
-    "wandb_project": "wandb_project",
+    "wandb_project": "wandb_project", "sp": "sequence_parallel",
 }
 
 
