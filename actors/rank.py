@@ -15,6 +15,7 @@ import torch
 
 from actors.training.reports import RankSetup, StepMetrics
 from actors.training.trainer import Trainer, WrapRunner
+from plans.checkpoint.chunk_table import ChunkTable
 from plans.config import TrainConfig
 
 # "module:function" naming a WrapRunner (`actors/training/trainer.py`) that each rank applies to
@@ -76,7 +77,7 @@ class RankActor:
         """Test support: loss and full gradients of the next step's batch, no optimizer step."""
         return self.trainer.full_gradients()
 
-    def save_shard(self, checkpoint_url: str, file: str) -> list[dict]:
+    def save_shard(self, checkpoint_url: str, file: str) -> ChunkTable:
         return self.trainer.save_shard(checkpoint_url, file)
 
     def stage_save(self, checkpoint_url: str, file: str) -> dict:

@@ -25,6 +25,7 @@ import torch
 from actors.checkpoint.save import pieces_to_write
 from actors.checkpoint.shard_writer import Piece, write_shard
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
+from plans.checkpoint.chunk_table import ChunkTable
 
 
 class AsyncSaver:
@@ -67,7 +68,7 @@ class BackgroundSave:
         live = pieces_to_write(model, optimizer, copies)  # references to the live tensors, no bytes yet
         keys = [(piece.name, piece.kind, tuple(piece.offsets)) for piece in live]
         saver._forget_except(keys)
-        self.rows: list[dict] | None = None
+        self.rows: ChunkTable | None = None  # the manifest rows written, as columns
         self.error: str | None = None
         self.copy_seconds = self.upload_seconds = None
         self.optimizer_wait_seconds = 0.0
@@ -96,9 +97,9 @@ class BackgroundSave:
             started = time.perf_counter()
             if pieces:
                 fs, base = fsspec.core.url_to_fs(checkpoint_url)
-                self.rows = [chunk.to_row() for chunk in write_shard(fs, base, file, pieces)]
+                self.rows = ChunkTable.from_chunks(write_shard(fs, base, file, pieces))
             else:
-                self.rows = []
+                self.rows = ChunkTable.from_chunks([])
             self.upload_seconds = time.perf_counter() - started
         except BaseException as error:  # reported to the driver, which decides what it means
             self.error = f"{self.where}: {type(error).__name__}: {error}"
@@ -125,7 +126,7 @@ class BackgroundSave:
         return pieces
 
     def status(self, wait: bool = False) -> dict:
-        """{"done", "rows", "error", timings}; wait=True blocks until the upload ends."""
+        """{"done", "rows" (a `ChunkTable`), "error", timings}; wait=True blocks until the upload ends."""
         if wait:
             self._done.wait()
         done = self._done.is_set()

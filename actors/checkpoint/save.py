@@ -12,6 +12,7 @@ import fsspec
 from actors.checkpoint.rank_pieces import local_tensor, rank_layout, replicated_dims, state_tensors, ties_embeddings
 from actors.checkpoint.shard_writer import Piece, write_shard
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, local_region
+from plans.checkpoint.chunk_table import ChunkTable
 from plans.checkpoint.regions import EMBEDDING
 from plans.checkpoint.replicas import pieces_written
 
@@ -36,11 +37,12 @@ def pieces_to_write(model, optimizer, copies: PipelineCopies = NO_PIPELINE_COPIE
 
 
 def save_rank_shard(model, optimizer, coords: dict[str, int], checkpoint_url: str, file: str,
-                    copies: PipelineCopies = NO_PIPELINE_COPIES) -> list[dict]:
-    """Stream this rank's share of the pieces to checkpoint_url/file; return their manifest rows.
+                    copies: PipelineCopies = NO_PIPELINE_COPIES) -> ChunkTable:
+    """Stream this rank's share of the pieces to checkpoint_url/file; return their manifest rows
+    as columns (a `ChunkTable`: the driver concatenates 16k ranks' columns, no record per chunk).
     `coords` is accepted for the caller's convenience; the rank's position is read off its meshes."""
     pieces = pieces_to_write(model, optimizer, copies)
     if not pieces:
-        return []
+        return ChunkTable.from_chunks([])
     fs, base = fsspec.core.url_to_fs(checkpoint_url)
-    return [chunk.to_row() for chunk in write_shard(fs, base, file, pieces)]
+    return ChunkTable.from_chunks(write_shard(fs, base, file, pieces))

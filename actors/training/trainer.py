@@ -27,6 +27,7 @@ from actors.training.pipelined import PipelinedRunner
 from actors.training.reports import StepMetrics
 from actors.training.single_stage import SingleStageRunner
 from actors.training.step_runner import StepRunner
+from plans.checkpoint.chunk_table import ChunkTable
 from plans.config import TrainConfig
 from plans.layout.parallel_layout import MESH_DIM_NAMES
 from plans.training.lr_schedule import learning_rate
@@ -174,7 +175,7 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def save_shard(self, checkpoint_url: str, file: str) -> list[dict]:
+    def save_shard(self, checkpoint_url: str, file: str) -> ChunkTable:
         return save_rank_shard(self.model, self.optimizer, self.coord_map, checkpoint_url, file, self.pipeline_copies)
 
     def load(self, checkpoint_url: str, manifest: bytes | None = None) -> dict:

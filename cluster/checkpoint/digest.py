@@ -15,11 +15,13 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from actors.checkpoint.stored import StoredCheckpoint
 from cluster.progress import advance, set_total
 from plans.checkpoint.chunks import STATE_KINDS, Chunk
+from plans.checkpoint.reshard import TableTensor
 
 BLOCK_BYTES = 64 * 2**20
 
@@ -43,17 +45,19 @@ def _tensors(stored: StoredCheckpoint) -> dict[tuple[str, str], Chunk]:
     return dict(sorted(firsts.items(), key=lambda item: (item[0][0], kind_order.get(item[0][1], 99), item[0][1])))
 
 
-def row_blocks(group: list[Chunk], block_bytes: int) -> list[tuple[int, int]]:
-    """[start, stop) row blocks covering the tensor, cut at chunk row boundaries when possible."""
-    first = group[0]
-    if not first.global_shape:
+def row_blocks(group: list[Chunk] | TableTensor, block_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) row blocks covering the tensor, cut at chunk row boundaries when possible.
+    group: the tensor's chunks, or its rows in the index (read column-wise: a 16k-rank tensor has
+    thousands of chunks, and a record each cost diff ~5 s before its first read)."""
+    shape, itemsize, starts, stops = _row_extents(group)
+    if not shape:
         return [(0, 1)]
-    rows = first.global_shape[0]
-    row_bytes = first.itemsize
-    for size in first.global_shape[1:]:
+    rows = shape[0]
+    row_bytes = itemsize
+    for size in shape[1:]:
         row_bytes *= size
     per_block = max(1, block_bytes // max(1, row_bytes))
-    boundaries = sorted({0, rows} | {c.offsets[0] for c in group} | {c.offsets[0] + c.sizes[0] for c in group})
+    boundaries = sorted({0, rows} | set(starts) | set(stops))
     blocks, start, last_fit = [], 0, 0
     for boundary in boundaries[1:]:
         if boundary - start <= per_block:
@@ -71,14 +75,29 @@ def row_blocks(group: list[Chunk], block_bytes: int) -> list[tuple[int, int]]:
     return blocks
 
 
+def _row_extents(group: list[Chunk] | TableTensor) -> tuple[tuple[int, ...], int, list[int], list[int]]:
+    """(global shape, item size, each chunk's first row, each chunk's end row)."""
+    if isinstance(group, TableTensor):
+        first = group.table.chunks_at(group.rows[:1])[0]
+        if not first.global_shape:
+            return (), first.itemsize, [], []
+        starts = group.table.boxes["offsets"][group.rows, 0]
+        stops = starts + group.table.boxes["sizes"][group.rows, 0]
+        return first.global_shape, first.itemsize, np.unique(starts).tolist(), np.unique(stops).tolist()
+    first = group[0]
+    if not first.global_shape:
+        return (), first.itemsize, [], []
+    return first.global_shape, first.itemsize, [c.offsets[0] for c in group], [c.offsets[0] + c.sizes[0] for c in group]
+
+
 def stream_tensor(stored: StoredCheckpoint, name: str, kind: str, block_bytes: int = BLOCK_BYTES,
                   blocks: list[tuple[int, int]] | None = None) -> Iterator[torch.Tensor]:
     """The global tensor as consecutive row blocks. Chunks taller than a block are read in parts;
     once the whole tensor has streamed by, their parts' checksums are combined and checked, so
     every byte is verified (before the caller's last step with the tensor, e.g. a digest)."""
-    group = stored.index[(name, kind)].chunks
-    shape = group[0].global_shape
-    for start, stop in blocks or row_blocks(group, block_bytes):
+    tensor = stored.index[(name, kind)]
+    shape = tensor.table.chunks_at(tensor.rows[:1])[0].global_shape
+    for start, stop in blocks or row_blocks(tensor, block_bytes):
         if not shape:
             yield stored.read_region(name, kind, (), ())
         else:
@@ -154,7 +173,7 @@ def diff_checkpoints(url_a: str, url_b: str, block_bytes: int = BLOCK_BYTES, pro
 
 def _numeric_difference(a_side: StoredCheckpoint, b_side: StoredCheckpoint, name: str, kind: str, block_bytes: int) -> str:
     count, largest, total = 0, 0.0, 0
-    blocks = row_blocks(a_side.index[(name, kind)].chunks, block_bytes)  # the same row blocks on both sides
+    blocks = row_blocks(a_side.index[(name, kind)], block_bytes)  # the same row blocks on both sides
     for a, b in zip(stream_tensor(a_side, name, kind, blocks=blocks), stream_tensor(b_side, name, kind, blocks=blocks)):
         count += int((a != b).sum())
         total += a.numel()

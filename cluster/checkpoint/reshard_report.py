@@ -4,12 +4,15 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
+
 from plans.checkpoint.chunk_table import ChunkTable, as_table
 from plans.checkpoint.chunks import Chunk
 from plans.layout.parallel_layout import ParallelLayout
 from plans.checkpoint.model_check import check_against_own_model
-from plans.checkpoint.reshard import DEFAULT_MIN_SEGMENT_BYTES, LayoutPlan, plan_layout
-from plans.checkpoint.regions import check_layout_fits, layout_targets
+from plans.checkpoint.layout_plan import LayoutPlan, plan_layout
+from plans.checkpoint.reshard import DEFAULT_MIN_SEGMENT_BYTES
+from plans.checkpoint.regions import check_layout_fits, layout_target_table
 
 MiB = 2**20
 
@@ -23,7 +26,8 @@ def build_plan(chunks: ChunkTable | list[Chunk], metadata: dict, layout: Paralle
     chunks = as_table(chunks)  # columns: the plan makes records only for the chunks it reads
     held = chunks.kinds()
     kinds = [k for k in ("param", "exp_avg", "exp_avg_sq") if k in held]
-    plan = plan_layout(chunks, layout_targets(model, layout, kinds, partition, read_once), min_segment_bytes)
+    # Columns end to end (targets, overlaps, requests): a 12,288-rank plan makes no record per piece.
+    plan = plan_layout(chunks, layout_target_table(model, layout, kinds, partition, read_once), min_segment_bytes)
     return plan, time.perf_counter() - started
 
 
@@ -38,9 +42,10 @@ def format_plan(plan: LayoutPlan, layout: ParallelLayout, source: str, metadata:
              f"  from {source_text} ({files} files, {plan.source_bytes / MiB:.2f} MiB) "
              f"to {layout.describe()} ({layout.world_size} ranks)",
              "  rank  coords                 pieces   needed MiB   read MiB   recv MiB  requests  files"]
-    ranks = plan.ranks
-    shown = ranks if len(ranks) <= show_ranks else sorted(ranks, key=lambda r: -r.bytes_read)[:5]
-    for rank_plan in shown:
+    world = len(plan.ranks)
+    shown = range(world) if world <= show_ranks else np.argsort(-plan.rank_bytes_read, kind="stable")[:5].tolist()
+    for rank in shown:
+        rank_plan = plan.ranks[rank]  # made for the ranks shown only
         c = layout.coords_of(rank_plan.rank)
         coords = f"pp{c.pp} dp{c.dp} fsdp{c.fsdp} tp{c.tp}"
         pieces = len(rank_plan.items) + len(rank_plan.received)
@@ -48,10 +53,10 @@ def format_plan(plan: LayoutPlan, layout: ParallelLayout, source: str, metadata:
         lines.append(f"  {rank_plan.rank:>4}  {coords:<22} {pieces:>6} {needed / MiB:>12.3f} "
                      f"{rank_plan.bytes_read / MiB:>10.3f} {rank_plan.bytes_received / MiB:>10.3f} "
                      f"{len(rank_plan.requests):>9} {rank_plan.files:>6}")
-    if len(ranks) > len(shown):
-        reads = [r.bytes_read / MiB for r in ranks]
-        requests = [len(r.requests) for r in ranks]
-        lines.append(f"  ... the 5 heaviest of {len(ranks)} ranks shown; read MiB per rank min {min(reads):.2f} "
+    if world > len(shown):
+        reads = (plan.rank_bytes_read / MiB).tolist()
+        requests = plan.rank_requests.tolist()
+        lines.append(f"  ... the 5 heaviest of {world} ranks shown; read MiB per rank min {min(reads):.2f} "
                      f"median {statistics.median(reads):.2f} max {max(reads):.2f}; requests per rank min {min(requests)} "
                      f"median {statistics.median(requests):g} max {max(requests)}")
     amplification = plan.bytes_read / plan.bytes_needed if plan.bytes_needed else 1.0

@@ -20,7 +20,7 @@ from cluster.run.async_save import AsyncCheckpointer
 from cluster.run.rank_group import RankGroup, connect_ray
 from cluster.run.resume_check import verify_resumed_state
 from cluster.storage.store import Store
-from plans.checkpoint.chunks import Chunk
+from plans.checkpoint.chunk_table import ChunkTable
 from plans.config import TrainConfig
 from plans.errors import ConfigError
 
@@ -153,7 +153,9 @@ def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: i
     """Every rank writes its chunks under a fresh attempt prefix; the manifest commits them."""
     pending = store.begin(config.run, step)
     calls = [(pending.url, pending.file_for(rank)) for rank in range(config.layout.world_size)]
-    chunks = [Chunk.from_row(row) for rows in group.call_each("save_shard", calls) for row in rows]
+    # Each rank answers with its rows as columns (a ChunkTable); concatenating columns keeps the
+    # driver free of a record per chunk (826k at 16k FSDP ranks: gather + check + encode ~1.7 s).
+    chunks = ChunkTable.concat(group.call_each("save_shard", calls))
     return pending.commit(chunks, checkpoint_metadata(config, step, parent, data_fingerprint))
 
 

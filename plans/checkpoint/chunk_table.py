@@ -66,7 +66,7 @@ class ChunkTable(Sequence):
         self.codes, self.values, self.dims, self.boxes = codes, values, dims, boxes
         self.ndim = dims["global_shape"]
         self.byte_start, self.byte_end = byte_start, byte_end
-        self._checksums = checksums  # a pyarrow string array, or a list of str
+        self._checksums = checksums  # a pyarrow string array, a list of str, or (unpickled) numpy bytes
         self._made: dict[int, Chunk] = {}
         self._code_of: dict[str, dict[str, int]] = {}
 
@@ -137,11 +137,13 @@ class ChunkTable(Sequence):
             codes[name] = encoded.indices.to_numpy().astype(np.int32)[raw]
             values[name] = encoded.dictionary.to_pylist()
         width = max(t.width for t in tables)
-        boxes = {name: np.concatenate([np.pad(t.boxes[name], ((0, 0), (0, width - t.width))) for t in tables])
-                 for name in BOX_COLUMNS}
-        checksums = []
-        for t in tables:
-            checksums += t.checksum_list()
+        boxes = {name: np.concatenate([t.boxes[name] if t.width == width else np.pad(t.boxes[name], ((0, 0), (0, width - t.width)))
+                                       for t in tables]) for name in BOX_COLUMNS}
+        # One Arrow string array, not a Python string per chunk (16k ranks: 826k of them).
+        if all(isinstance(t._checksums, np.ndarray) for t in tables):
+            checksums = pa.array(np.concatenate([t._checksums for t in tables]), pa.binary()).cast(pa.string())
+        else:
+            checksums = pa.concat_arrays([t.checksum_array() for t in tables])
         return cls(codes, values, {name: np.concatenate([t.dims[name] for t in tables]) for name in BOX_COLUMNS}, boxes,
                    np.concatenate([t.byte_start for t in tables]), np.concatenate([t.byte_end for t in tables]), checksums)
 
@@ -155,7 +157,7 @@ class ChunkTable(Sequence):
             keep = np.arange(self.width) < self.dims[name][:, None]
             columns[name] = pa.ListArray.from_arrays(offsets, pa.array(self.boxes[name][keep], pa.int64()))
         columns["byte_start"], columns["byte_end"] = pa.array(self.byte_start), pa.array(self.byte_end)
-        columns["checksum"] = pa.array(self._checksums, pa.string()) if isinstance(self._checksums, list) else self._checksums
+        columns["checksum"] = self.checksum_array()
         return pa.Table.from_pydict({name: columns[name] for name in schema.names}, schema=schema)
 
     # ---- records ----------------------------------------------------------------------------
@@ -189,9 +191,39 @@ class ChunkTable(Sequence):
     def __repr__(self) -> str:
         return f"ChunkTable({len(self)} chunks, {len(self.values['file'])} files)"
 
+    def __getstate__(self) -> dict:
+        """The columns only, packed (a rank ships its table to the driver through Ray, and 16k
+        ranks' tables are unpickled there): every integer column in one int64 matrix, checksums
+        in one fixed-width bytes array, records made and lookups cached left behind."""
+        width = self.width
+        columns = ([self.codes[name] for name in STRING_COLUMNS] + [self.dims[name] for name in BOX_COLUMNS]
+                   + [self.boxes[name][:, d] for name in BOX_COLUMNS for d in range(width)]
+                   + [self.byte_start, self.byte_end])
+        packed = np.array(columns, np.int64).reshape(len(columns), len(self))
+        return {"values": self.values, "width": width, "packed": packed,
+                "checksums": np.array(self.checksum_array().to_pylist(), np.bytes_)}
+
+    def __setstate__(self, state: dict) -> None:
+        packed, width, strings = state["packed"], state["width"], len(STRING_COLUMNS)
+        boxes_at = strings + len(BOX_COLUMNS)
+        self.codes = {name: packed[i] for i, name in enumerate(STRING_COLUMNS)}
+        self.dims = {name: packed[strings + i] for i, name in enumerate(BOX_COLUMNS)}
+        self.boxes = {name: packed[boxes_at + i * width:boxes_at + (i + 1) * width].T for i, name in enumerate(BOX_COLUMNS)}
+        self.values, self.ndim = state["values"], self.dims["global_shape"]
+        self.byte_start, self.byte_end = packed[-2], packed[-1]
+        self._checksums, self._made, self._code_of = state["checksums"], {}, {}
+
+    def checksum_array(self) -> pa.Array:
+        checksums = self._checksums
+        if isinstance(checksums, list):
+            return pa.array(checksums, pa.string())
+        if isinstance(checksums, np.ndarray):  # unpickled: fixed-width ASCII bytes
+            return pa.array(checksums, pa.binary()).cast(pa.string())
+        return checksums.combine_chunks() if isinstance(checksums, pa.ChunkedArray) else checksums
+
     def checksum_list(self) -> list[str]:
         if not isinstance(self._checksums, list):
-            self._checksums = self._checksums.to_pylist()
+            self._checksums = self.checksum_array().to_pylist()
         return self._checksums
 
     def chunks_at(self, rows: np.ndarray) -> list[Chunk]:
@@ -202,7 +234,7 @@ class ChunkTable(Sequence):
             picked = np.array(missing, np.int64)
             if isinstance(self._checksums, list):
                 sums = [self._checksums[r] for r in missing]
-            elif len(missing) * 8 > len(self):
+            elif len(missing) * 8 > len(self) or isinstance(self._checksums, np.ndarray):
                 sums = [self.checksum_list()[r] for r in missing]
             else:
                 sums = self._checksums.take(pa.array(picked)).to_pylist()
@@ -314,6 +346,11 @@ class FileHeaders(Mapping):
 
     def __contains__(self, file) -> bool:
         return self._code(file) is not None
+
+    def first_chunk_starts(self) -> np.ndarray:
+        """Per file code of the table: its header's end (the first chunk's start), -1 where the
+        manifest records no header."""
+        return self._first.copy()
 
     def __iter__(self):
         return (self._table.values["file"][c] for c in np.flatnonzero(self._first >= 0).tolist())

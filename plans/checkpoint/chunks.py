@@ -50,7 +50,10 @@ class Chunk:
         return row
 
     @classmethod
-    def from_row(cls, row: dict) -> "Chunk":
+    def from_row(cls, row: "dict | Chunk") -> "Chunk":
+        """A chunk from its manifest row; a `Chunk` (what iterating a `ChunkTable` of rows gives) as is."""
+        if isinstance(row, Chunk):
+            return row
         values = dict(row)
         for key in ("global_shape", "offsets", "sizes"):
             values[key] = tuple(int(v) for v in values[key])

@@ -24,8 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plans.checkpoint.replicas import read_once_readers
+import numpy as np
+
+from plans.checkpoint.replicas import read_once_readers, read_once_readers_by_copies
 from plans.checkpoint.reshard import Target
+from plans.checkpoint.target_table import READS_ITSELF, TargetTable
 from plans.errors import ConfigError
 from plans.layout.parallel_layout import ParallelLayout, RankCoords
 from plans.pipeline.partition import StagePartition
@@ -166,6 +169,90 @@ def layout_targets(model: ModelConfig, layout: ParallelLayout, kinds: Sequence[s
         targets.append([Target(region.name, kind, region.offsets, region.sizes, None if reader in (None, rank) else reader, itemsize)
                         for (region, kind), reader in zip(pieces, readers)])
     return targets
+
+
+def layout_target_table(model: ModelConfig, layout: ParallelLayout, kinds: Sequence[str],
+                        partition: StagePartition | None = None, read_once: bool = True,
+                        itemsize: int = 4) -> TargetTable:
+    """`layout_targets` as columns, without a record per piece (874k pieces at 12,288 ranks).
+
+    A stage's regions are computed for every (fsdp, tp) coordinate at once (`_grid_regions`:
+    `tensor_region`'s rules over arrays), and a read-once split once per (pp, fsdp, tp): the
+    split's salt and the readers' ranks do not depend on the dp coordinate, so every dp replica
+    gets the one `read_once_readers` computes for its dp-0 peer. Tests hold both functions to the
+    same rows on many layouts."""
+    if layout.pp > 1 and partition is None:
+        partition = pipeline_partition(model, layout)
+    shapes = _shapes(model)
+    names = list(shapes)
+    code_of = {name: code for code, name in enumerate(names)}
+    kinds = list(kinds)
+    width = max([1] + [len(shape) for shape in shapes.values()])
+    dp, fsdp, tp = layout.dp, layout.fsdp, layout.tp
+    columns: dict[str, list[np.ndarray]] = {key: [] for key in ("rank", "name", "kind", "ndim", "offsets", "sizes", "reader")}
+    for pp in range(layout.pp):
+        held = rank_tensor_names(model, layout, pp, partition)
+        if not held:
+            continue
+        grids = [_grid_regions(name, shapes[name], layout, width) for name, _ in held]
+        offsets = np.stack([g[0] for g in grids], axis=2)  # (fsdp, tp, regions, width)
+        sizes = np.stack([g[1] for g in grids], axis=2)
+        copies = [g[2] for g in grids]
+        ndim = np.array([len(shapes[name]) for name, _ in held], np.int64)
+        used = np.arange(width) < ndim[:, None]
+        numel = np.where(used, sizes, 1).prod(axis=3)  # (fsdp, tp, regions)
+        shape5 = (dp, fsdp, tp, len(held), len(kinds))
+        readers = np.full((fsdp, tp, len(held), len(kinds)), READS_ITSELF, np.int64)
+        if read_once and dp > 1:
+            for f in range(fsdp):
+                for t in range(tp):
+                    kept = np.flatnonzero(numel[f, t] > 0).tolist()
+                    pieces = [(r, kind) for r in kept for kind in range(len(kinds))]
+                    split = read_once_readers_by_copies([copies[r] for r, _ in pieces],
+                                                        [int(numel[f, t, r]) * itemsize for r, _ in pieces],
+                                                        layout, RankCoords(pp, 0, f, t))
+                    for (r, kind), reader in zip(pieces, split):
+                        readers[f, t, r, kind] = READS_ITSELF if reader is None else reader
+        ranks = layout.rank_of(RankCoords(pp, 0, 0, 0)) + np.arange(dp * fsdp * tp).reshape(dp, fsdp, tp)
+        rank = np.broadcast_to(ranks[:, :, :, None, None], shape5)
+        reader = np.where(readers[None] == rank, READS_ITSELF, readers[None])
+        keep = np.broadcast_to((numel > 0)[None, :, :, :, None], shape5)
+        columns["rank"].append(rank[keep])
+        columns["reader"].append(reader[keep])
+        name_codes = np.array([code_of[name] for name, _ in held], np.int32)
+        columns["name"].append(np.broadcast_to(name_codes[None, None, None, :, None], shape5)[keep])
+        columns["kind"].append(np.broadcast_to(np.arange(len(kinds), dtype=np.int32), shape5)[keep])
+        columns["ndim"].append(np.broadcast_to(ndim[None, None, None, :, None], shape5)[keep])
+        columns["offsets"].append(np.broadcast_to(offsets[None, :, :, :, None], (*shape5, width))[keep])
+        columns["sizes"].append(np.broadcast_to(sizes[None, :, :, :, None], (*shape5, width))[keep])
+    empty = {"rank": np.int64, "reader": np.int64, "name": np.int32, "kind": np.int32, "ndim": np.int64}
+    joined = {key: np.concatenate(parts) if parts else np.zeros(0, empty.get(key, np.int64)) for key, parts in columns.items()}
+    for key in ("offsets", "sizes"):
+        if not columns[key]:
+            joined[key] = np.zeros((0, width), np.int64)
+    return TargetTable(layout.world_size, names, kinds, joined["rank"], joined["name"], joined["kind"], joined["ndim"],
+                       joined["offsets"], joined["sizes"], joined["reader"], np.full(len(joined["rank"]), itemsize, np.int64))
+
+
+def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout,
+                  width: int) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """`tensor_region` for every (fsdp, tp) coordinate at once: offsets and sizes (fsdp, tp, width)."""
+    offsets = np.zeros((layout.fsdp, layout.tp, width), np.int64)
+    sizes = np.zeros((layout.fsdp, layout.tp, width), np.int64)
+    sizes[:, :, :len(shape)] = shape
+    split = tp_split_dim(name) if layout.tp > 1 else None
+    if split is not None:
+        block = shape[split] // layout.tp
+        offsets[:, :, split] = np.arange(layout.tp)[None, :] * block
+        sizes[:, :, split] = block
+    if layout.data_parallel_size > 1 and shape:
+        length = sizes[:, :, 0].copy()  # torch.chunk's cut of the tp-local piece (`chunk_bounds`)
+        size = -(-length // layout.fsdp)
+        start = np.minimum(length, size * np.arange(layout.fsdp)[:, None])
+        offsets[:, :, 0] += start
+        sizes[:, :, 0] = np.minimum(length, start + size) - start
+    replicated = (("dp",) if layout.dp > 1 else ()) + (("tp",) if layout.tp > 1 and split is None else ())
+    return offsets, sizes, replicated
 
 
 def check_layout_fits(model: ModelConfig, layout: ParallelLayout) -> None:

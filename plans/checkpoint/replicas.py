@@ -128,9 +128,16 @@ def read_once_readers(regions: Sequence, piece_bytes: Sequence[int], layout: Par
     """On load, the global rank that reads each piece (a `Region`) from storage for its replica
     group (None: not handed over, this rank reads it). Pieces listed in the same order on every
     replica; the split is `assign_readers`'."""
-    dims = [handover_dims(region.replicated_over) if layout.dp > 1 else () for region in regions]
+    return read_once_readers_by_copies([region.replicated_over for region in regions], piece_bytes, layout, coords)
+
+
+def read_once_readers_by_copies(replicated_over: Sequence[tuple[str, ...]], piece_bytes: Sequence[int],
+                                layout: ParallelLayout, coords: RankCoords) -> list[int | None]:
+    """`read_once_readers` given each piece's copy dims (a layout's targets as columns have no
+    `Region` records)."""
+    dims = [handover_dims(copies) if layout.dp > 1 else () for copies in replicated_over]
     shared = [i for i, handed in enumerate(dims) if handed]
-    readers: list[int | None] = [None] * len(regions)
+    readers: list[int | None] = [None] * len(dims)
     split = assign_readers([dims[i] for i in shared], [piece_bytes[i] for i in shared], layout, coords)
     for index, reader in zip(shared, split):
         readers[index] = reader

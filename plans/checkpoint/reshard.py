@@ -2,7 +2,8 @@
 
 Pure geometry over chunk metadata, no I/O and no process groups, so the same plan is printed by a
 dry run (`rayshard ckpt plan`), executed by every rank at load time (each plans only its own
-pieces), and executed by the offline `rayshard ckpt reshard`.
+pieces), and executed by the offline `rayshard ckpt reshard`. A dry run over a whole layout runs
+this geometry column-wise over every rank at once (`plans/checkpoint/layout_plan.py`).
 
 For one target region and one stored chunk of the same tensor the overlap is a box. Chunks are
 row-major, so a box that spans the chunk's full extent past dim 0 is one contiguous byte range
@@ -418,47 +419,3 @@ def plan_rank(index: Mapping[tuple[str, str], TensorChunks | TableTensor], targe
         parts += [headers[f] for f in sorted(partly_read) if f in headers]
     plan.requests = coalesce(parts, max_request_bytes)
     return plan
-
-
-@dataclass
-class LayoutPlan:
-    """Every target rank's reads, with the proof and the totals a dry run prints."""
-
-    ranks: list[RankReadPlan]
-    regions: int
-    source_bytes: int
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(r.bytes_read for r in self.ranks)
-
-    @property
-    def bytes_needed(self) -> int:
-        return sum(r.bytes_needed for r in self.ranks)
-
-    @property
-    def requests(self) -> int:
-        return sum(len(r.requests) for r in self.ranks)
-
-    @property
-    def bytes_received(self) -> int:
-        return sum(r.bytes_received for r in self.ranks)
-
-    def proof(self) -> str:
-        return (f"coverage proven: source chunks tile every tensor without overlap, and each of the "
-                f"{self.regions} target regions is covered by overlaps whose volumes sum to its own: "
-                f"every target element is read exactly once")
-
-
-def plan_layout(chunks: Sequence[Chunk], targets_per_rank: Sequence[Sequence[Target]],
-                min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES, check_sources: bool = True) -> LayoutPlan:
-    """Plan every target rank of a layout (targets from `plans.checkpoint.regions`)."""
-    chunks = as_table(chunks)
-    if check_sources:
-        check_chunks_disjoint_and_complete(chunks)
-    index = index_chunks(chunks)
-    headers = header_checks(chunks)
-    cache: dict = {}
-    ranks = [plan_rank(index, targets, rank, headers, min_segment_bytes, cache=cache)
-             for rank, targets in enumerate(targets_per_rank)]
-    return LayoutPlan(ranks, sum(len(t) for t in targets_per_rank), chunks.total_bytes())

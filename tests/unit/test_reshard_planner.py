@@ -77,9 +77,9 @@ def test_gaps_and_overlaps_are_reported():
 
 from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
 from plans.training.model_spec import ModelConfig, parameter_shapes  # noqa: E402
-from plans.checkpoint.reshard import plan_layout  # noqa: E402
+from plans.checkpoint.layout_plan import plan_layout  # noqa: E402
 from plans.checkpoint.writers import predicted_writes  # noqa: E402
-from plans.checkpoint.regions import layout_targets  # noqa: E402
+from plans.checkpoint.regions import layout_target_table, layout_targets  # noqa: E402
 
 
 @st.composite
@@ -120,8 +120,14 @@ def test_any_layout_to_any_layout_covers_exactly_and_reproduces_every_global_ten
         data, file_chunks = encode_shard(written, f"rank-{rank:05d}.safetensors")
         fs.pipe_file(f"{base}/rank-{rank:05d}.safetensors", data)
         chunks += file_chunks
-    plan = plan_layout(chunks, layout_targets(model, target, kinds), min_segment_bytes)  # proves coverage or raises
+    targets = layout_targets(model, target, kinds)
+    assert layout_target_table(model, target, kinds).as_lists() == targets  # the columns are the records
+    plan = plan_layout(chunks, targets, min_segment_bytes)  # proves coverage or raises
     assert plan.bytes_read >= plan.bytes_needed
+    # The column-wise totals are plan_rank's, rank by rank.
+    assert [(r.bytes_read, len(r.requests), r.files, r.bytes_needed, r.bytes_received) for r in plan.ranks] == list(zip(
+        plan.rank_bytes_read.tolist(), plan.rank_requests.tolist(), plan.rank_files.tolist(),
+        plan.rank_bytes_needed.tolist(), plan.rank_bytes_received.tolist()))
     from actors.checkpoint.read_executor import Destination, execute_requests
 
     read_by_rank = [{(t.name, t.kind, t.offsets, t.sizes) for t in r.items} for r in plan.ranks]

@@ -5,6 +5,8 @@ import argparse
 import datetime as dt
 import json
 
+import numpy as np
+
 from actors.checkpoint.manifest_io import read_manifest
 from cluster.checkpoint.verify import verify
 from cluster.cli.commands.checkpoint_refs import reading, resolve_checkpoint
@@ -61,13 +63,14 @@ def run_ls(args: argparse.Namespace) -> int:
 def run_show(args: argparse.Namespace) -> int:
     ref = resolve_checkpoint(args)  # reads the manifest only, no shard: no lease
     chunks, metadata = read_manifest(ref.url)
-    tensors = {(c.name, c.kind) for c in chunks}
-    files = {c.file for c in chunks}
-    total = sum(c.byte_end - c.byte_start for c in chunks)
+    # Column-wise (a 16k-rank manifest lists 826k chunks; a record each took 5.5 s).
+    tensors = len(np.unique(chunks.tensor_keys()))
+    files = len(chunks.file_names())
+    total = chunks.total_bytes()
     print(f"checkpoint {ref.url}")
     print(f"  run {metadata.get('run')} step {metadata.get('step')}  format {metadata.get('format_version')}")
     print(f"  layout {metadata.get('layout')}  model {metadata.get('model_preset')}")
-    print(f"  {len(tensors)} tensors (params and optimizer moments), {len(chunks)} chunks in {len(files)} files, "
+    print(f"  {tensors} tensors (params and optimizer moments), {len(chunks)} chunks in {files} files, "
           f"{total / 2**20:.2f} MiB")
     print(f"  parent {metadata.get('parent')}")
     if args.json:

@@ -31,7 +31,7 @@ def run_plan(args: argparse.Namespace) -> int:
     layout = _layout(args.to)
     partition = target_partition(metadata, layout, args.schedule, _stage_layout(args.stage_layout))
     plan, seconds = build_plan(chunks, metadata, layout, partition, int(args.min_segment_kib * 1024), read_once_for(ref.url))
-    for line in format_plan(plan, layout, ref.url, metadata, seconds, len({c.file for c in chunks}), args.show_ranks):
+    for line in format_plan(plan, layout, ref.url, metadata, seconds, len(chunks.file_names()), args.show_ranks):
         print(line)
     return 0
 
