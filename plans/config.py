@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from plans.errors import ConfigError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_spec import PRESETS, ModelConfig, preset
+from plans.pipeline.csv_order import parse_pipeline_csv
 from plans.pipeline.plan import stage_partition
 from plans.pipeline.schedules import build_schedule, schedule_spec
 
@@ -66,6 +67,9 @@ class TrainConfig:
     # None means collective_timeout_s.
     stage_layout: tuple[int, ...] | None = None
     pipeline_timeout_s: float | None = None
+    # A pipeline order from a file in torch.distributed.pipelining's CSV format (its cells, one
+    # tuple per rank; `plans/pipeline/csv_order.py`), run instead of a named schedule.
+    schedule_csv: tuple[tuple[str, ...], ...] | None = None
     # Resources per rank (None: an equal share of the cluster's CPUs, at most one; one GPU where
     # the cluster has GPUs). start_timeout_s bounds each start-up wait (placement group granted,
     # actors alive); call_timeout_s bounds any one call on the ranks (a step, a load, a save), a
@@ -91,6 +95,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.stage_layout is not None and not isinstance(self.stage_layout, tuple):
             object.__setattr__(self, "stage_layout", tuple(self.stage_layout))  # YAML gives a list
+        if self.schedule_csv is not None and not isinstance(self.schedule_csv, tuple):
+            object.__setattr__(self, "schedule_csv", tuple(tuple(row) for row in self.schedule_csv))
 
     def validate(self) -> "TrainConfig":
         self.model.validate()
@@ -169,8 +175,18 @@ class TrainConfig:
                 raise ConfigError(name, getattr(self, name), "must be positive", "set it to e.g. 60")
         return self
 
+    @property
+    def splits_backward(self) -> bool:
+        """The pipeline order runs each stage's backward as I and W (zero-bubble schedules)."""
+        if self.schedule_csv:
+            return parse_pipeline_csv(list(map(list, self.schedule_csv))).splits_backward
+        return schedule_spec(self.schedule).splits_backward
+
     def _validate_pipeline(self) -> None:
         """Schedule name, stages per rank, microbatch count and stage cut, checked up front."""
+        if self.schedule_csv:
+            self._validate_pipeline_order()
+            return
         lay = self.layout
         spec = schedule_spec(self.schedule)  # a typo fails even when pp == 1
         if lay.pp == 1:
@@ -192,6 +208,22 @@ class TrainConfig:
             if error.field != "layout":
                 raise
             raise ConfigError("stage_layout", self.stage_layout, error.constraint, error.fix) from None
+
+    def _validate_pipeline_order(self) -> None:
+        """A pipeline order from a file: its ranks, stages and microbatches must be the run's."""
+        lay, order = self.layout, parse_pipeline_csv(list(map(list, self.schedule_csv)))
+        if lay.pp == 1:
+            raise ConfigError("layout.pp", 1, "a schedule file orders pipeline stages, and pp is 1",
+                              f"set --pp {order.pp} (the file's rows), or drop --schedule-csv")
+        for name, ours, theirs in (("layout.pp", lay.pp, order.pp), ("layout.vpp", lay.vpp, order.vpp),
+                                   ("microbatches", self.microbatches, order.microbatches)):
+            if ours != theirs:
+                raise ConfigError(name, ours, f"the schedule file has {theirs}", f"set {name} to {theirs}, or edit the file")
+        if self.compile and order.splits_backward:
+            raise ConfigError("compile", True, "the schedule file splits backwards into I and W, which cannot see "
+                              "inside a compiled block's backward", "drop --compile, or write B instead of I/W")
+        order.placement  # raises, naming the placement, when layers cannot be cut for it
+        stage_partition(self.model, lay, "1f1b", self.stage_layout, self.schedule_csv)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -27,7 +27,6 @@ from actors.training.step_runner import loss_context, microbatch_loss
 from plans.config import TrainConfig
 from plans.layout.parallel_layout import RankCoords
 from plans.pipeline.plan import PipelinePlan
-from plans.pipeline.schedules import schedule_spec
 
 _TIED_TAG = 2**30  # above every pipeline transfer's tag
 
@@ -65,7 +64,7 @@ def recomputes_stages(config: TrainConfig) -> bool:
     interpreter runs F without keeping activations and rebuilds the stage's graph once, at the
     first of I/B/W; W then reuses the tensors I's pass kept (`actors/pipeline/interpreter.py`).
     """
-    return config.ac != "none" and schedule_spec(config.schedule).splits_backward
+    return config.ac != "none" and config.splits_backward
 
 
 class PipelinedRunner:

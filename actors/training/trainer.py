@@ -100,7 +100,7 @@ class Trainer:
         if self.layout.pp == 1:
             return SingleStageRunner.build(config, self.mesh, self.device)
         plan = plan or build_pipeline_plan(config.model, self.layout, config.schedule, config.microbatches,
-                                           config.stage_layout)
+                                           config.stage_layout, config.schedule_csv)
         return PipelinedRunner.build(config, plan, self.rank, self.mesh, self.device,
                                      config.pipeline_timeout_s or config.collective_timeout_s)
 

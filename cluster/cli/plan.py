@@ -42,6 +42,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                           "in --store, a run directory, or a pipeline_timings.json file; --schedule, --pp and "
                           "--microbatches default to the run's")
     schedule.add_argument("--store", default="./runs", metavar="URL", help="where --costs-from finds runs (default ./runs)")
+    schedule.add_argument("--from-csv", type=Path, metavar="FILE",
+                          help="a pipeline order in torch.distributed.pipelining's CSV format (one row per rank) "
+                               "instead of --schedule")
     schedule.add_argument("--png", type=Path, help="also draw a Gantt chart into this PNG file")
     schedule.add_argument("--json", type=Path, help="also write the lowered per-rank action lists as JSON")
     schedule.add_argument("--no-grid", action="store_true", help="skip the text grid")

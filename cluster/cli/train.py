@@ -34,6 +34,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         "(--vpp defaults to the schedule's: 2 for interleaved1f1b, zbv and dualpipev)")
     parser.add_argument("--stage-layout", type=_layer_counts, metavar="N,N,..",
                         help="layers per pipeline stage (pp x vpp counts), e.g. 1,3; default: an even cut")
+    parser.add_argument("--schedule-csv", metavar="FILE",
+                        help="run a pipeline order from a file (torch.distributed.pipelining's CSV: one row per rank) "
+                             "instead of --schedule; --pp, --vpp and --microbatches default to the file's")
     parser.add_argument("--pipeline-timeout", type=float, metavar="SECONDS",
                         help="fail a pipeline step whose transfer waits longer than this (default: the collective timeout)")
     parser.add_argument("--cpus-per-rank", type=float, metavar="N",

@@ -17,6 +17,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from plans.pipeline.actions import Kind  # noqa: E402
 from plans.pipeline.text_grid import stage_chunks  # noqa: E402
+from plans.pipeline.csv_order import CSV_SCHEDULE  # noqa: E402
 from plans.pipeline.schedules import schedule_spec  # noqa: E402
 from plans.pipeline.simulator import Simulation  # noqa: E402
 
@@ -94,8 +95,7 @@ def draw_schedule(simulation: Simulation, path: str | Path, title: str | None = 
         axes.spines[side].set_visible(False)
     axes.tick_params(axis="y", length=0)
 
-    spec = schedule_spec(schedule.name)
-    heading = title or spec.title
+    heading = title or (schedule_spec(schedule.name).title if schedule.name != CSV_SCHEDULE else "pipeline order from a file")
     axes.set_title(
         f"{heading}: pp={schedule.pp}"
         + (f", vpp={schedule.vpp}" if schedule.vpp > 1 else "")

@@ -138,7 +138,7 @@ class RankGroup:
             self.placement, self.actors, self.owned = None, list(actors[:world]), False
         # The pipeline plan is built, lowered and checked here, once, and shipped with setup.
         self.plan = (build_pipeline_plan(config.model, config.layout, config.schedule, config.microbatches,
-                                         config.stage_layout) if config.layout.pp > 1 else None)
+                                         config.stage_layout, config.schedule_csv) if config.layout.pp > 1 else None)
         self.step_grace_s = (config.pipeline_timeout_s or config.collective_timeout_s) + 10.0
         self.call_timeout_s = config.call_timeout_s
         self.broken = False  # a call failed: ranks may be stuck in collectives

@@ -11,12 +11,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plans.pipeline.actions import Schedule
+from plans.pipeline.csv_order import lowered_as_written, parse_pipeline_csv, schedule_of
 from plans.pipeline.checker import check
 from plans.layout.parallel_layout import ParallelLayout
 from plans.pipeline.lowering import lower
 from plans.training.model_spec import ModelConfig
 from plans.pipeline.partition import StagePartition, partition_layers
 from plans.pipeline.schedules import build_schedule, schedule_spec
+
+
+CsvRows = tuple[tuple[str, ...], ...]  # a pipeline order file's cells, one tuple per rank
 
 
 @dataclass(frozen=True)
@@ -30,22 +34,27 @@ class PipelinePlan:
 
 
 def stage_partition(model: ModelConfig, layout: ParallelLayout, schedule_name: str,
-                    stage_layout: Sequence[int] | None = None) -> StagePartition:
+                    stage_layout: Sequence[int] | None = None, csv_rows: CsvRows | None = None) -> StagePartition:
     """Layers per stage: balanced (every layer costs the same), or `stage_layout` layer counts.
 
     The embedding and head are left out of the balance: on the reference model a layer costs
-    far more than either, and an uneven cut is one `stage_layout` away.
+    far more than either, and an uneven cut is one `stage_layout` away. csv_rows: a pipeline
+    order from a file, whose stage placement decides (`plans/pipeline/csv_order.py`).
     """
-    spec = schedule_spec(schedule_name)
-    return partition_layers([1.0] * model.n_layers, layout.pp, layout.vpp, spec.placement,
+    placement = parse_pipeline_csv(list(map(list, csv_rows))).placement if csv_rows else schedule_spec(schedule_name).placement
+    return partition_layers([1.0] * model.n_layers, layout.pp, layout.vpp, placement,
                             layout=list(stage_layout) if stage_layout is not None else None)
 
 
 def build_pipeline_plan(model: ModelConfig, layout: ParallelLayout, schedule_name: str, microbatches: int,
-                        stage_layout: Sequence[int] | None = None) -> PipelinePlan:
-    """Generate, lower and check the schedule; raises ScheduleError/ConfigError with a fix."""
-    partition = stage_partition(model, layout, schedule_name, stage_layout)
-    compute = build_schedule(schedule_name, layout.pp, microbatches, layout.vpp)
-    lowered = lower(compute)
+                        stage_layout: Sequence[int] | None = None, csv_rows: CsvRows | None = None) -> PipelinePlan:
+    """Generate (or read from `csv_rows`), lower and check the schedule; raises
+    ScheduleError/ConfigError with a fix."""
+    partition = stage_partition(model, layout, schedule_name, stage_layout, csv_rows)
+    if csv_rows:
+        order = parse_pipeline_csv(list(map(list, csv_rows)))
+        lowered = lowered_as_written(order) if order.has_transfers else lower(schedule_of(order))
+    else:
+        lowered = lower(build_schedule(schedule_name, layout.pp, microbatches, layout.vpp))
     check(lowered).raise_if_failed()
     return PipelinePlan(lowered, partition)

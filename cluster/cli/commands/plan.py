@@ -7,6 +7,8 @@ from cluster.pictures.schedule_picture import draw_schedule
 from cluster.run.pipeline_timings import MeasuredCosts
 from plans.errors import ConfigError, ScheduleError
 from plans.pipeline.checker import check
+from plans.pipeline.csv_order import lowered_as_written, parse_pipeline_csv, schedule_of
+from cluster.run.pipeline_order_file import read_csv_rows
 from plans.pipeline.lowering import lower
 from plans.pipeline.partition import Placement, parse_layout, partition_layers
 from plans.pipeline.schedules import SPECS, build_schedule, memory_bounds, schedule_spec
@@ -32,6 +34,8 @@ def _prepare(name: str, args, measured=None) -> tuple[Simulation, object]:
 
 
 def run_schedule(args) -> int:
+    if args.from_csv:
+        return _run_schedule_file(args)
     measured = None
     if args.costs_from:
         measured = MeasuredCosts.load(args.costs_from, args.store)
@@ -87,6 +91,37 @@ def run_schedule(args) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(schedule.to_dict()))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _run_schedule_file(args) -> int:
+    """A pipeline order from a file (torch.distributed.pipelining's CSV): check, simulate, draw."""
+    order = parse_pipeline_csv(read_csv_rows(args.from_csv), str(args.from_csv))
+    lowered = lowered_as_written(order) if order.has_transfers else None
+    costs = PipelineCosts.parse(args.costs, len(order.stage_ranks), vpp=order.vpp)
+    if lowered is None:
+        lowered = lower(schedule_of(order), costs.duration)
+    print(f"{args.from_csv}: pp={order.pp}, vpp={order.vpp}, {order.microbatches} microbatches, "
+          f"{len(order.stage_ranks)} stages ({order.placement} placement); transfers "
+          + ("as written" if order.has_transfers else "derived by rayshard's lowering"))
+    report = check(lowered)
+    if not report.ok:
+        print(report.describe())
+        return 1
+    print("check: " + report.describe().split(": ", 1)[1] + " under blocking send/recv")
+    simulation = simulate(lowered, costs, comm=args.comm, checked=report)
+    print(f"step time {simulation.step_time:g} (compute alone {max(simulation.busy):g}); bubble fraction "
+          f"{simulation.bubble_fraction:.1%} = idle / (ranks x step time)")
+    if not args.no_grid:
+        print()
+        print(text_grid(simulation))
+        print(LEGEND)
+    if args.png:
+        print(f"wrote {draw_schedule(simulation, args.png)}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(lowered.to_dict()))
         print(f"wrote {args.json}")
     return 0
 

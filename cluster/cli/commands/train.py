@@ -9,12 +9,14 @@ import yaml
 
 from cluster.run.controller import State
 from cluster.run.elastic import train_elastic
+from cluster.run.pipeline_order_file import read_csv_rows
 from cluster.run.resume_model import with_resumed_model
 from cluster.run.train import train
 from plans.config import TrainConfig, with_overrides
 from plans.elastic import FailurePolicy, ScalingPolicy
 from plans.errors import ConfigError
 from plans.layout.parallel_layout import PARALLEL_DEGREES
+from plans.pipeline.csv_order import CSV_SCHEDULE, parse_pipeline_csv
 from plans.pipeline.schedules import schedule_spec
 
 
@@ -58,6 +60,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if pipelined and args.schedule and args.vpp is None and "vpp" not in file_layout:
         # The schedule fixes how many stages a rank runs; don't make the user repeat it.
         overrides["layout.vpp"] = schedule_spec(args.schedule).default_vpp
+    if args.schedule_csv:
+        # The file fixes ranks, stages per rank and microbatches: don't make the user repeat them.
+        rows = read_csv_rows(args.schedule_csv)
+        order = parse_pipeline_csv(list(map(list, rows)), args.schedule_csv)
+        overrides.update({"schedule_csv": rows, "schedule": CSV_SCHEDULE})
+        for key, flag, value in (("layout.pp", "pp", order.pp), ("layout.vpp", "vpp", order.vpp),
+                                 ("microbatches", "microbatches", order.microbatches)):
+            if getattr(args, flag) is None:
+                overrides[key] = value
     return with_resumed_model(with_overrides(config, **overrides), named).validate()
 
 
