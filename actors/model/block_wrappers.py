@@ -58,20 +58,10 @@ def checkpointed(forward: Callable, ac: str) -> Callable:
 
 
 def compiled(forward: Callable) -> Callable:
-    """`torch.compile(forward)`, given a fresh tensor when the block's input is a view.
-
-    The first block's input under TP is `to_local()` of the vocab-parallel embedding's output: a
-    view of the DTensor's local tensor. AOTAutograd regenerates a view input from its base, and
-    the gradient then reaches the embedding's redistribute as a plain tensor, past DTensor's
-    `to_local` backward ("'Tensor' object has no attribute '_local_tensor'", torch 2.13, fp32 TP
-    without a cast in between). A copy of one block input per microbatch avoids it.
-    """
-    graph = torch.compile(forward)
-
-    def run(x: torch.Tensor, *args):
-        return graph(x.clone() if x._base is not None else x, *args)
-
-    return run
+    """`torch.compile(forward)`. Its input must not be a view of a DTensor's local tensor (the
+    model copies the TP embedding's output, `actors/model/transformer.py`): AOTAutograd replays
+    a view input on its base and the gradient would bypass DTensor's `to_local` backward."""
+    return torch.compile(forward)
 
 
 def wrap_blocks(model: nn.Module, ac: str = "none", compile_blocks: bool = False) -> None:

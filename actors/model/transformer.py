@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.model.local_ops import rms_norm
 from actors.model.rope import apply_rope, rope_tables
 from plans.training.model_spec import ModelConfig
 
@@ -21,7 +22,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # A plain function of local tensors; under sequence parallelism it runs on the sequence
+        # shards through local_map (actors/model/local_ops.py).
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -112,6 +115,12 @@ class Transformer(nn.Module):
         seq = inputs.shape[1] if self.tok_embeddings is not None else inputs.shape[1] * self.sequence_shards
         cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta, inputs.device)
         h = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
+        if h._base is not None:
+            # Under TP the embedding's output is `to_local()` of a DTensor: a view of its local
+            # tensor. Gradients through such a view go astray in torch 2.13 where it meets a
+            # compiled block (AOTAutograd replays the view on its base) or local_map's
+            # to_local (the embedding's gradient came out wrong): one copy per microbatch.
+            h = h.clone()
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.output is None:
