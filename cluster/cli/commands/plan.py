@@ -82,16 +82,7 @@ def run_schedule(args) -> int:
         stages = ",".join(map(str, schedule.stages_of(rank)))
         print(f"  {rank:>4}  {stages:<10} {simulation.busy[rank]:>8g} {simulation.idle[rank]:>8g} "
               f"{simulation.peak_memory[rank]:>6g} {bounds[rank] * share:>6g}")
-    if not args.no_grid:
-        print()
-        print(text_grid(simulation))
-        print(LEGEND)
-    if args.png:
-        print(f"wrote {draw_schedule(simulation, args.png)}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(schedule.to_dict()))
-        print(f"wrote {args.json}")
+    _show(simulation, schedule, args)
     return 0
 
 
@@ -113,6 +104,12 @@ def _run_schedule_file(args) -> int:
     simulation = simulate(lowered, costs, comm=args.comm, checked=report)
     print(f"step time {simulation.step_time:g} (compute alone {max(simulation.busy):g}); bubble fraction "
           f"{simulation.bubble_fraction:.1%} = idle / (ranks x step time)")
+    _show(simulation, lowered, args)
+    return 0
+
+
+def _show(simulation: Simulation, schedule, args) -> None:
+    """The text grid, and the picture and action lists where asked for."""
     if not args.no_grid:
         print()
         print(text_grid(simulation))
@@ -121,9 +118,8 @@ def _run_schedule_file(args) -> int:
         print(f"wrote {draw_schedule(simulation, args.png)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(lowered.to_dict()))
+        args.json.write_text(json.dumps(schedule.to_dict()))
         print(f"wrote {args.json}")
-    return 0
 
 
 def run_compare(args) -> int:
