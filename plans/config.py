@@ -35,8 +35,13 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # "stdlib", a file, a directory, a glob, or an fsspec URL
+    source: str = "stdlib"  # "stdlib", a file, a directory, a glob, or an fsspec URL (or a prepared dataset's)
     max_bytes: int = 8_000_000
+    # A prepared dataset's URL (`rayshard data prepare --out`); training then reads its tokens.
+    dataset: str | None = None
+    # Batches of later steps each rank reads ahead in a background thread, and how long one may take.
+    prefetch_steps: int = 4
+    read_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,11 @@ class TrainConfig:
         if self.data.max_bytes < self.seq_len + 2:
             raise ConfigError("data.max_bytes", self.data.max_bytes, "the corpus must hold at least one sequence",
                               f"set data.max_bytes above {self.seq_len + 1}")
+        if self.data.prefetch_steps < 0:
+            raise ConfigError("data.prefetch_steps", self.data.prefetch_steps, "must be >= 0 (0 reads each batch when needed)",
+                              "set data.prefetch_steps to 0 or more")
+        if self.data.read_timeout_s <= 0:
+            raise ConfigError("data.read_timeout_s", self.data.read_timeout_s, "must be positive", "set it to e.g. 600")
         if self.collective_timeout_s <= 0:
             raise ConfigError("collective_timeout_s", self.collective_timeout_s, "must be positive", "set it to e.g. 300")
         if self.pipeline_timeout_s is not None and self.pipeline_timeout_s <= 0:

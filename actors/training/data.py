@@ -83,3 +83,10 @@ def rank_batch(corpus, seed, step, batch, seq_len, data_rank, data_ranks):
     per_rank = batch // data_ranks
     rows = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
     return inputs[rows], targets[rows]
+
+
+def row_hashes(inputs: torch.Tensor, targets: torch.Tensor) -> str:
+    """One short digest per sample (its seq_len + 1 token ids), comma-separated in row order: the
+    driver joins every data rank's into the global batch's hash (plans/data/batch_hash.py)."""
+    windows = torch.cat([inputs, targets[:, -1:]], dim=1).to(torch.int64).cpu().numpy()
+    return ",".join(hashlib.blake2b(row.astype("<i8").tobytes(), digest_size=8).hexdigest() for row in windows)

@@ -36,3 +36,6 @@ class StepMetrics:
     # the process's peak resident set so far (the OS keeps no per-step peak).
     peak_memory_bytes: int = 0
     device_name: str = "cpu"  # torch.cuda.get_device_name() on a GPU: the MFU table's key
+    # This rank's rows of the step's batch, one short digest per sample in row order; the driver
+    # joins the data ranks' into one hash of the global batch (plans/data/batch_hash.py).
+    batch_hash: str = ""

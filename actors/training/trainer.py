@@ -21,7 +21,8 @@ from actors.checkpoint.save import save_rank_shard
 from actors.model.parallelize import clip_grad_norm
 from actors.model.shards import is_primary_replica
 from actors.pipeline.interpreter import StepRecord
-from actors.training.data import corpus_fingerprint, load_corpus, rank_batch
+from actors.training.data import row_hashes
+from actors.training.dataset_source import open_training_data
 from actors.training.device_memory import device_name, peak_memory_bytes, reset_peak_memory
 from actors.training.pipelined import PipelinedRunner
 from actors.training.reports import StepMetrics
@@ -92,7 +93,8 @@ class Trainer:
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(param_groups_by_mesh(self.model.parameters()), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                            eps=opt.eps, weight_decay=opt.weight_decay, foreach=True)
-        self.corpus = load_corpus(config.data.source, config.data.max_bytes)
+        self.data = open_training_data(config, self.layout.data_rank_of(rank), self.layout.data_parallel_size)
+        self.batch_hash = ""  # this rank's rows of the last batch, one digest each (plans/data/batch_hash.py)
         self.step = 0  # steps completed: the data position and the lr schedule's state
 
     def _build_runner(self, plan: PipelinePlan | None) -> StepRunner:
@@ -134,13 +136,14 @@ class Trainer:
         self.step += 1
         return StepMetrics(self.step, total_loss.item(), float(grad_norm), lr, time.perf_counter() - started, record,
                            tokens=config.global_batch // self.layout.data_parallel_size * config.seq_len,
-                           peak_memory_bytes=peak_memory_bytes(self.device), device_name=device_name(self.device))
+                           peak_memory_bytes=peak_memory_bytes(self.device), device_name=device_name(self.device),
+                           batch_hash=self.batch_hash)
 
     def _batch(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This data rank's microbatches of global batch number self.step."""
         config = self.config
-        inputs, targets = rank_batch(self.corpus, config.seed, self.step, config.global_batch, config.seq_len,
-                                     self.layout.data_rank_of(self.rank), self.layout.data_parallel_size)
+        inputs, targets = self.data.rank_batch(self.step, self.layout.data_rank_of(self.rank), self.layout.data_parallel_size)
+        self.batch_hash = row_hashes(inputs, targets)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         return list(inputs.chunk(config.microbatches)), list(targets.chunk(config.microbatches))
 
@@ -186,7 +189,7 @@ class Trainer:
                 "partial_reads": result["partial_reads"]}
 
     def data_fingerprint(self) -> str:
-        return corpus_fingerprint(self.corpus)
+        return self.data.fingerprint()
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -25,6 +25,7 @@ from actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 from actors.checkpoint.stored import StoredCheckpoint
 from cluster.progress import advance, set_total
 from cluster.checkpoint.transform_exec import run_group
+from cluster.data.tokenizer import copy_tokenizer_files, tokenizer_url_of
 from plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
 from plans.errors import CheckpointError
 from plans.layout.parallel_layout import ParallelLayout
@@ -133,6 +134,9 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     fs.pipe_file(f"{base}/{CONFIG}", json.dumps(hf_config(model, out_dtype), indent=2).encode())
     fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
                                                        "weights_dtype": out_dtype}, indent=2, default=str).encode())
+    tokenizer_url = tokenizer_url_of(stored.metadata)  # the run's tokenizer travels with its weights
+    if tokenizer_url:
+        written += copy_tokenizer_files(tokenizer_url, directory)
     result = ExportResult(directory, written, sum(1 for _ in stored.tensors()), time.perf_counter() - started)
     log(f"exported {checkpoint_url} to {directory}: {len(written)} safetensors file(s) in {result.seconds:.1f}s")
     return result
@@ -246,6 +250,9 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
     metadata.update(run=run, step=step, model=model.to_dict(), layout=ParallelLayout().to_dict(),
                     parent=None, imported_from=directory, created_unix=time.time())
     metadata.setdefault("model_preset", None)
+    kept = f"{store.url}/{run}/tokenizer"  # its tokenizer stays with the run: `data prepare --tokenizer` reads it
+    if copy_tokenizer_files(directory, kept):
+        metadata["tokenizer_url"] = kept
     committed = pending.commit(chunks, metadata)
     log(f"imported {directory} as {run}@{step}: {committed}")
     return committed

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from cluster.cli import catalog as catalog_cli
 from cluster.cli import ckpt as ckpt_cli
+from cluster.cli import data as data_cli
 from cluster.cli import layout as layout_cli
 from cluster.cli import plan as plan_cli
 from cluster.cli import train as train_cli
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ray-orchestrated distributed training with reshardable checkpoints.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cli, plan_cli, layout_cli, ckpt_cli, catalog_cli):
+    for module in (train_cli, plan_cli, layout_cli, ckpt_cli, catalog_cli, data_cli):
         module.register(commands)
     return parser
 

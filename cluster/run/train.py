@@ -19,6 +19,7 @@ from cluster.storage import leases
 from cluster.run.async_save import AsyncCheckpointer
 from cluster.run.rank_group import RankGroup, connect_ray
 from cluster.run.resume_check import verify_resumed_state
+from cluster.data.training_data import check_training_data, dataset_record, step_batch_hash
 from cluster.storage.store import Store
 from plans.checkpoint.chunk_table import ChunkTable
 from plans.config import TrainConfig
@@ -68,6 +69,7 @@ def train(config: TrainConfig, actors: list | None = None,
         start_step, parent = int(metadata["step"]), resume.url
         _log(f"resuming from {resume.url} (step {start_step}, written by layout {metadata['layout']})")
         _warn_if_schedule_changed(metadata, config)
+    check_training_data(config, metadata if resume is not None else None, parent)  # before any rank starts
     if start_step >= config.steps:
         _log(f"nothing to do: the checkpoint is at step {start_step} and --steps is {config.steps}")
         return TrainResult(config.run, start_step, resumed_from=parent)
@@ -123,7 +125,7 @@ def train(config: TrainConfig, actors: list | None = None,
             result.step_seconds.append(seconds)
             record = {"step": done, "loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
                       "tokens_per_s": tokens_per_step / seconds, "step_s": seconds, "layout": str(config.layout),
-                      "time": time.time()}
+                      "time": time.time(), "batch_hash": step_batch_hash(per_rank, config.layout)}
             log.append(record)
             _log(f"step {done:>5}/{config.steps} | loss {metrics.loss:.4f} | grad_norm {metrics.grad_norm:.3f} "
                  f"| lr {metrics.lr:.2e} | {record['tokens_per_s']:,.0f} tok/s")
@@ -169,7 +171,7 @@ def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data
         "model": config.model.to_dict(),
         "config": json.loads(json.dumps(config.to_dict(), default=str)),
         "data_position": {"seed": config.seed, "next_step": step, "corpus": data_fingerprint,
-                          "source": config.data.source},
+                          "source": config.data.source, "dataset": dataset_record(config)},
         # No rank-local RNG stream survives a step: every random draw is seeded by (seed, step).
         "rng": {"scheme": "seeded-per-step", "seed": config.seed},
         "lr_schedule": {**_lr_schedule(config), "step": step},

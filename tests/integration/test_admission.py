@@ -22,9 +22,10 @@ def test_three_ranks_on_two_cpus_bounded_waits_and_one_line_rank_errors(tmp_path
     three = results["three_ranks"]
     assert three["code"] == 0, three["stderr"]
 
-    # 3 x 1 CPU on 2 CPUs: fails within the bound, in one line naming request, cluster and fix.
+    # 3 x 1 CPU on 2 CPUs: fails at the bound it names (--start-timeout 3), in one line naming
+    # request, cluster and fix. (Not timed here: tests never assert wall time.)
     short = results["too_many_cpus"]
-    assert short["code"] == 2 and short["seconds"] < 60, short
+    assert short["code"] == 2, short
     lines = short["stderr"].strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in short["stderr"], short["stderr"]
     assert "3 ranks x {1 CPU} were not granted within 3 s" in lines[0]
@@ -32,7 +33,10 @@ def test_three_ranks_on_two_cpus_bounded_waits_and_one_line_rank_errors(tmp_path
 
     other = results["other_model"]  # resuming another model: the list, no traceback
     assert other["code"] == 2 and "Traceback" not in other["stderr"], other["stderr"]
-    assert "missing keys" in other["stderr"] or "mismatches" in other["stderr"], other["stderr"]
+    lines = other["stderr"].strip().splitlines()
+    assert len(lines) == 1, other["stderr"]  # refused before any actor starts, naming each differing field
+    assert "model='small': differs from the checkpoint's model in dim (64 -> 512), n_layers (4 -> 8)" in lines[0]
+    assert "Fix: leave the model out" in lines[0]
 
     # --elastic with pinned dp2 x tp2 on 2 CPUs: the default share (0.5 CPU) offers the 4 ranks...
     assert results["elastic_default_share"]["code"] == 0, results["elastic_default_share"]["stderr"]

@@ -1,0 +1,74 @@
+"""Where a rank's batches come from: byte-level text (the default) or a prepared dataset.
+
+Both answer the same question — this data rank's rows of global batch `step` — as a pure function
+of (seed, step, the data), so the data position is the step on every layout.
+"""
+from __future__ import annotations
+
+import torch
+
+from actors.training.data import corpus_fingerprint, load_corpus, rank_batch
+from actors.training.data_prefetch import StepPrefetcher
+from actors.training.dataset_reader import PreparedDataset, holds_prepared_dataset
+from plans.config import TrainConfig
+from plans.data.compatibility import check_vocab_fits
+
+
+def prepared_dataset_url(config: TrainConfig) -> str | None:
+    """data.dataset, or data.source when it holds a prepared dataset (`--data URL`); None for text."""
+    if config.data.dataset:
+        return config.data.dataset
+    return config.data.source if holds_prepared_dataset(config.data.source) else None
+
+
+class ByteText:
+    """Byte-level tokens of text files: vocabulary 256, random windows per step."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.corpus = load_corpus(config.data.source, config.data.max_bytes)
+
+    def rank_batch(self, step: int, data_rank: int, data_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        return rank_batch(self.corpus, c.seed, step, c.global_batch, c.seq_len, data_rank, data_ranks)
+
+    def fingerprint(self) -> str:
+        return corpus_fingerprint(self.corpus)
+
+
+class DatasetBatches:
+    """Packed samples of a prepared dataset, this data rank's rows prefetched a few steps ahead.
+
+    The index is read at the first batch, not at setup: the driver hands the ranks its object-store
+    options (endpoint, retries) only after they are set up."""
+
+    def __init__(self, config: TrainConfig, url: str, data_rank: int, data_ranks: int):
+        self.config, self.url = config, url
+        self.data_rank, self.data_ranks = data_rank, data_ranks
+        self.dataset: PreparedDataset | None = None
+        self.prefetcher: StepPrefetcher | None = None
+
+    def _open(self) -> StepPrefetcher:
+        config = self.config
+        self.dataset = PreparedDataset(self.url, config.seq_len)
+        check_vocab_fits(config.model.vocab_size, self.dataset.meta.vocab_size, self.url)
+        dataset, data_rank, data_ranks = self.dataset, self.data_rank, self.data_ranks
+        return StepPrefetcher(lambda step: dataset.rank_windows(config.seed, step, config.global_batch, data_rank, data_ranks),
+                              config.data.prefetch_steps, config.data.read_timeout_s, self.url)
+
+    def rank_batch(self, step: int, data_rank: int, data_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert (data_rank, data_ranks) == (self.data_rank, self.data_ranks), "a rank's data slice is fixed at setup"
+        if self.prefetcher is None:
+            self.prefetcher = self._open()
+        windows = self.prefetcher.get(step)
+        return windows[:, :-1], windows[:, 1:]
+
+    def fingerprint(self) -> str:
+        # The dataset's identity (index and tokenizer hashes) is what checkpoints record and resumes
+        # compare; the driver reads it (cluster/data/training_data.py).
+        return f"dataset:{self.url}"
+
+
+def open_training_data(config: TrainConfig, data_rank: int, data_ranks: int) -> ByteText | DatasetBatches:
+    url = prepared_dataset_url(config)
+    return ByteText(config) if url is None else DatasetBatches(config, url, data_rank, data_ranks)

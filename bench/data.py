@@ -1,0 +1,141 @@
+"""Prepared data: tokenizing on Ray against plain `tokenizers`, and the loader's share of a step.
+
+  prepare   `rayshard data prepare` (Ray tasks over the files, shards + index committed) against a
+            plain single-process loop over the same files: read, `Tokenizer.encode_batch` with
+            TOKENIZERS_PARALLELISM=false (one core), ids to a uint16 array. Goal: ours / plain
+            >= 0.8 x the CPUs Ray uses.
+  loader    one rank training the `small` preset on the prepared dataset read from an S3 server
+            (moto, 127.0.0.1): the time a step waits for its batch (prefetch on, and off) over the
+            step's time. Goal < 2%.
+
+    .venv/bin/python bench/data.py [--mib 8] [--vocab 4096] [--steps 8]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import boto3  # noqa: E402
+import fsspec  # noqa: E402
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from actors.training.data import _stdlib_files  # noqa: E402
+from actors.training.trainer import Trainer  # noqa: E402
+from bench.storage import start_s3_server  # noqa: E402
+from cluster.data.documents import ReadOptions  # noqa: E402
+from cluster.data.prepare import prepare_dataset  # noqa: E402
+from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
+from cluster.storage import object_store  # noqa: E402
+from plans.config import DataConfig, TrainConfig  # noqa: E402
+from plans.training.model_spec import preset  # noqa: E402
+
+
+def corpus_files(mib: float) -> list[str]:
+    files, total = [], 0
+    for path in _stdlib_files():
+        files.append(path)
+        total += os.path.getsize(path)
+        if total >= mib * 2**20:
+            break
+    return files
+
+
+def plain_tokens_per_s(files: list[str], tokenizer_json: str) -> tuple[int, float]:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    started = time.perf_counter()
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokens = 0
+    for first in range(0, len(files), 256):
+        texts = [open(path, encoding="utf-8", errors="replace").read() for path in files[first:first + 256]]
+        for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
+            tokens += len(np.asarray(encoding.ids + [0], dtype=np.uint16))
+    return tokens, time.perf_counter() - started
+
+
+def loader_share(dataset_url: str, vocab: int, steps: int, prefetch: int) -> tuple[float, float]:
+    """(median seconds a step waited for its batch, median step seconds) on one rank."""
+    config = TrainConfig(model_preset="small", model=preset("small", vocab_size=vocab), global_batch=8, seq_len=256,
+                         steps=steps, data=DataConfig(dataset=dataset_url, prefetch_steps=prefetch)).validate()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    trainer = Trainer(config, 0, f"tcp://127.0.0.1:{port}")
+    waits: list[float] = []
+    fetch = trainer.data.rank_batch
+
+    def timed(*args):
+        started = time.perf_counter()
+        batch = fetch(*args)
+        waits.append(time.perf_counter() - started)
+        return batch
+
+    trainer.data.rank_batch = timed
+    step_seconds = []
+    try:
+        for _ in range(steps):
+            started = time.perf_counter()
+            trainer.train_step()
+            step_seconds.append(time.perf_counter() - started)
+    finally:
+        trainer.shutdown()
+    # The first step opens the index and warms up; medians of the rest.
+    return float(np.median(waits[1:])), float(np.median(step_seconds[1:]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=float, default=8.0, help="MiB of standard-library sources to tokenize")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    files = corpus_files(args.mib)
+    work = tempfile.mkdtemp(prefix="rayshard-bench-data-")
+    started = time.perf_counter()
+    tokenizer = train_tokenizer(files[: max(1, len(files) // 4)], args.vocab, ReadOptions(skip_bad=True))
+    save_tokenizer(tokenizer, f"{work}/tok")
+    tokenizer = load_tokenizer(f"{work}/tok")
+    print(f"tokenizer: {tokenizer.vocab_size} ids trained in {time.perf_counter() - started:.1f}s on a quarter of "
+          f"{len(files)} files ({sum(os.path.getsize(f) for f in files) / 2**20:.1f} MiB)")
+
+    plain_tokens, plain_s = plain_tokens_per_s(files, tokenizer.json_text)
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
+    cpus = int(ray.cluster_resources()["CPU"])
+    summary = prepare_dataset(files, tokenizer, f"{work}/ds", ReadOptions(skip_bad=True), log=lambda _: None)
+    ours = summary.tokens / summary.seconds
+    plain = plain_tokens / plain_s
+    print(f"prepare: plain {plain:,.0f} tokens/s ({plain_tokens:,} tokens, 1 core); ours {ours:,.0f} tokens/s "
+          f"({summary.tokens:,} tokens, {cpus} CPUs, {len(summary.skipped)} skipped) -> ours/plain {ours / plain:.2f} "
+          f"(goal >= {0.8 * cpus:.1f})")
+    ray.shutdown()
+
+    server, endpoint = start_s3_server()
+    try:
+        os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                           "AWS_ENDPOINT_URL": endpoint})
+        object_store.configure()
+        boto3.client("s3").create_bucket(Bucket="bench-data")
+        fs = fsspec.filesystem("s3")
+        local = fsspec.filesystem("file")
+        for path in local.find(f"{work}/ds"):
+            fs.pipe_file(f"bench-data/ds/{path[len(work) + 4:]}", local.cat_file(path))
+        for prefetch in (4, 0):
+            waited, step = loader_share("s3://bench-data/ds", tokenizer.vocab_size + (-tokenizer.vocab_size) % 8,
+                                        args.steps, prefetch)
+            print(f"loader (small preset, 1 rank, S3 at {endpoint}, prefetch {prefetch}): waited {waited * 1e3:.2f} ms "
+                  f"of a {step * 1e3:.0f} ms step -> {100 * waited / step:.2f}% (goal < 2%)")
+    finally:
+        server.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""`rayshard data ...`: what the data parsers (cluster/cli/data.py) run."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cluster.data.documents import ReadOptions
+from cluster.data.prepare import prepare_dataset
+from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from cluster.progress import byte_bar
+from cluster.run.rank_group import connect_ray
+from cluster.storage import object_store
+
+
+def _read_options(args: argparse.Namespace) -> ReadOptions:
+    return ReadOptions(field=args.field, column=args.column, skip_bad=args.skip_bad)
+
+
+def run_tokenizer_train(args: argparse.Namespace) -> int:
+    object_store.configure()
+    with byte_bar(args, "text read") as bar:
+        loaded = train_tokenizer(args.input, args.vocab_size, _read_options(args), progress=bar)
+    save_tokenizer(loaded, args.out)
+    print(f"tokenizer: {loaded.vocab_size} ids (end of document {loaded.eos_token!r} = {loaded.eos_id}), "
+          f"hash {loaded.hash}, written to {args.out}")
+    return 0
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    object_store.configure()
+    tokenizer = load_tokenizer(args.tokenizer)
+    connect_ray()
+    with byte_bar(args, "tokenized") as bar:
+        summary = prepare_dataset(args.input, tokenizer, args.out, _read_options(args), args.cpus_per_task,
+                                  args.task_timeout, progress=bar)
+    for line in summary.skipped:
+        print(f"skipped: {line}", file=sys.stderr)
+    print(summary.line())
+    return 0

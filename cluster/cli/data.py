@@ -1,0 +1,42 @@
+"""`rayshard data tokenizer train` and `rayshard data prepare`: tokenizers and prepared datasets."""
+from __future__ import annotations
+
+import argparse
+
+from cluster import progress
+from cluster.cli.groups import command_group
+
+
+def _input_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", nargs="+", required=True, metavar="URL",
+                        help="text, JSONL (.jsonl) or Parquet (.parquet) files, directories or globs; any fsspec URL")
+    parser.add_argument("--field", default="text", metavar="NAME", help="the JSONL field holding each document (default text)")
+    parser.add_argument("--column", default="text", metavar="NAME", help="the Parquet column holding each document (default text)")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="leave out bad input (non-UTF-8 text, empty files, missing fields, corrupt Parquet) and count it")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    data = command_group(commands, "data", help="tokenizers and prepared (tokenized) datasets",
+                         description="Train a tokenizer; tokenize corpora on Ray into token shards plus an index.")
+    tokenizer = data.add_parser("tokenizer", help="tokenizers", description="Hugging Face tokenizers.")
+    tokenizer_commands = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="TOKENIZER")
+    train = tokenizer_commands.add_parser("train", help="train a byte-level BPE on your text (nothing is downloaded)",
+                                          description="Train a byte-level BPE; writes tokenizer.json and tokenizer_config.json.")
+    train.add_argument("--vocab-size", type=int, required=True, metavar="N")
+    train.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json (an fsspec URL)")
+    _input_arguments(train)
+    progress.add_arguments(train)
+    train.set_defaults(run_command="cluster.cli.commands.data:run_tokenizer_train")
+
+    prepare = data.add_parser("prepare", help="tokenize corpora on Ray into token shards plus a Parquet index",
+                              description="Tokenize on Ray; write token shards and index.parquet (the commit) to --out.")
+    prepare.add_argument("--tokenizer", required=True, metavar="DIR",
+                         help="a tokenizer.json, a Hugging Face model directory, or a `data tokenizer train` --out")
+    prepare.add_argument("--out", required=True, metavar="URL", help="where the dataset goes (a directory, s3://...)")
+    prepare.add_argument("--cpus-per-task", type=float, default=1.0, metavar="N", help="CPUs each tokenizing task asks Ray for")
+    prepare.add_argument("--task-timeout", type=float, default=600.0, metavar="SECONDS",
+                         help="fail when no tokenizing task finishes within this")
+    _input_arguments(prepare)
+    progress.add_arguments(prepare)
+    prepare.set_defaults(run_command="cluster.cli.commands.data:run_prepare")

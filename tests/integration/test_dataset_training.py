@@ -1,0 +1,137 @@
+"""Training on a prepared dataset: a run on dp2 resumed on tp2 and on pp2 sees exactly the batches
+(per-step hashes of the global batch's token ids) of the uninterrupted run; a dataset that changed
+after the checkpoint, or a model too small for the tokenizer, is refused before any rank starts;
+the exported Hugging Face directory carries the tokenizer."""
+import json
+from dataclasses import replace
+import sysconfig
+from pathlib import Path
+
+import fsspec
+import pytest
+from transformers import AutoTokenizer
+
+from actors.checkpoint.stored import StoredCheckpoint
+from actors.training.dataset_reader import PreparedDataset
+from cluster.checkpoint.hf_interop import export_hf, import_hf
+from cluster.data.documents import ReadOptions
+from cluster.data.prepare import prepare_dataset
+from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from cluster.storage.store import Store
+from plans.config import DataConfig, OptimizerConfig
+from plans.data.errors import DatasetMismatch
+from plans.errors import ConfigError
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import preset
+from tests.conftest import small_config
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+MODULES = ("textwrap.py", "bisect.py", "colorsys.py", "keyword.py", "heapq.py")
+
+
+def _corpus(folder: Path, modules=MODULES) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in modules:
+        (folder / name).write_text((STDLIB / name).read_text()[:6000])
+    return sorted(str(folder / name) for name in modules)  # the order a glob of the folder gives
+
+
+@pytest.fixture(scope="module")
+def dataset(ray_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    inputs = _corpus(root / "text")
+    save_tokenizer(train_tokenizer(inputs, 300), str(root / "tok"))
+    tokenizer = load_tokenizer(str(root / "tok"))
+    prepare_dataset(inputs, tokenizer, str(root / "ds"), cpus_per_task=0)
+    return root, tokenizer
+
+
+def _config(store: Path, url: str, layout, **overrides):
+    optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, decay_steps=6)
+    values = dict(model=preset("tiny", vocab_size=320), data=DataConfig(dataset=url), optimizer=optimizer, steps=6)
+    values.update(overrides)
+    return small_config(store, layout, **values)
+
+
+def _hashes(store: Path, run: str) -> dict[int, str]:
+    lines = (store / "store" / run / "metrics.jsonl").read_text().splitlines()
+    return {record["step"]: record["batch_hash"] for record in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(run_training, dataset, tmp_path_factory):
+    root, _ = dataset
+    store = tmp_path_factory.mktemp("dataset-runs")
+    result = run_training(_config(store, str(root / "ds"), ParallelLayout(dp=2), run="ref", ckpt_every=3))
+    return store, result
+
+
+def test_resumes_on_tp2_and_pp2_see_the_uninterrupted_batches(run_training, dataset, uninterrupted):
+    root, _ = dataset
+    store, reference = uninterrupted
+    expected = _hashes(store, "ref")
+    assert sorted(expected) == list(range(1, 7)) and len(set(expected.values())) == 6 and all(expected.values())
+    # tp2 names the dataset as `--data URL` does (data.source); pp2 as data.dataset.
+    tp2 = run_training(_config(store, None, ParallelLayout(tp=2), run="tp2", resume="ref@3",
+                               data=DataConfig(source=str(root / "ds"))))
+    pp2 = run_training(_config(store, str(root / "ds"), ParallelLayout(pp=2), run="pp2", resume="ref@3"))
+    for run, result in (("tp2", tp2), ("pp2", pp2)):
+        hashes = _hashes(store, run)
+        assert {step: hashes[step] for step in (4, 5, 6)} == {step: expected[step] for step in (4, 5, 6)}, run
+        for step in (4, 5, 6):
+            assert result.losses[step] == pytest.approx(reference.losses[step], rel=1e-4), (run, step)
+
+
+def test_checkpoint_records_the_dataset_and_export_carries_the_tokenizer(dataset, uninterrupted, tmp_path):
+    root, tokenizer = dataset
+    store, reference = uninterrupted
+    checkpoint = reference.checkpoints[-1]
+    recorded = StoredCheckpoint(checkpoint).metadata["data_position"]["dataset"]
+    assert recorded["url"] == str(root / "ds") and recorded["tokenizer_hash"] == tokenizer.hash
+    export_hf(checkpoint, str(tmp_path / "hf"), log=lambda _: None)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf.encode("def heappush(heap, item):", add_special_tokens=False) == tokenizer.tokenizer.encode("def heappush(heap, item):").ids
+    imported = import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "imported", log=lambda _: None)
+    kept = StoredCheckpoint(imported).metadata["tokenizer_url"]
+    assert load_tokenizer(kept).hash == tokenizer.hash  # `data prepare --tokenizer` can use it
+
+
+def test_a_dataset_changed_after_the_checkpoint_is_refused(run_training, dataset, uninterrupted, tmp_path):
+    root, tokenizer = dataset
+    store, _ = uninterrupted
+    other = _corpus(tmp_path / "other", MODULES[:3])
+    prepare_dataset(other, tokenizer, str(tmp_path / "other-ds"), cpus_per_task=0)
+    with pytest.raises(DatasetMismatch) as error:
+        run_training(_config(store, str(tmp_path / "other-ds"), ParallelLayout(dp=2), run="changed", resume="ref@3"))
+    message = str(error.value)
+    assert "index hash" in message and str(tmp_path / "other-ds") in message and str(root / "ds") in message
+    # Back to text after a prepared dataset: the data would change, too.
+    with pytest.raises(DatasetMismatch, match="reads text"):
+        run_training(_config(store, None, ParallelLayout(dp=2), run="text", resume="ref@3"))
+
+
+def test_model_smaller_than_the_tokenizer_is_refused(run_training, dataset, tmp_path):
+    root, _ = dataset
+    with pytest.raises(ConfigError) as error:
+        run_training(_config(tmp_path, str(root / "ds"), ParallelLayout(), model=preset("tiny")))
+    assert "model.vocab_size=256" in str(error.value) and "(300)" in str(error.value)
+
+
+def test_training_reads_the_dataset_from_s3(run_training, dataset, uninterrupted, s3_store):
+    """The same inputs prepared on the S3 test server have the same identity, so the same batches."""
+    root, tokenizer = dataset
+    store, _ = uninterrupted
+    fs, bucket_root = fsspec.core.url_to_fs(s3_store)
+    for name in MODULES:
+        fs.pipe_file(f"{bucket_root}/text/{name}", (root / "text" / name).read_bytes())
+    summary = prepare_dataset([f"{s3_store}/text/*"], tokenizer, f"{s3_store}/ds", ReadOptions(), cpus_per_task=0)
+    assert summary.index_hash == load_index_hash(root / "ds")
+    config = replace(_config(store, f"{s3_store}/ds", ParallelLayout(dp=2), steps=2, run="s3"), store=s3_store)
+    run_training(config)
+    lines = fs.cat_file(f"{bucket_root}/s3/metrics.jsonl").decode().splitlines()
+    hashes = {r["step"]: r["batch_hash"] for r in map(json.loads, lines)}
+    assert hashes == {step: _hashes(store, "ref")[step] for step in (1, 2)}
+
+
+def load_index_hash(url) -> str:
+    return PreparedDataset(str(url), 32).meta.index_hash
