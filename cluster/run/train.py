@@ -20,10 +20,12 @@ from cluster.run.async_save import AsyncCheckpointer
 from cluster.run.rank_group import RankGroup, connect_ray
 from cluster.run.resume_check import verify_resumed_state
 from cluster.data.training_data import check_training_data, dataset_record, step_batch_hash
+from cluster.run.metrics_sinks import check_sinks, open_sinks
 from cluster.storage.store import Store
 from plans.checkpoint.chunk_table import ChunkTable
 from plans.config import TrainConfig
 from plans.errors import ConfigError
+from plans.training.flops import throughput
 
 
 @dataclass
@@ -70,6 +72,7 @@ def train(config: TrainConfig, actors: list | None = None,
         _log(f"resuming from {resume.url} (step {start_step}, written by layout {metadata['layout']})")
         _warn_if_schedule_changed(metadata, config)
     check_training_data(config, metadata if resume is not None else None, parent)  # before any rank starts
+    check_sinks(config)
     if start_step >= config.steps:
         _log(f"nothing to do: the checkpoint is at step {start_step} and --steps is {config.steps}")
         return TrainResult(config.run, start_step, resumed_from=parent)
@@ -87,11 +90,12 @@ def train(config: TrainConfig, actors: list | None = None,
     _log(f"{config.layout.world_size} rank actors ready on {group.setup_info[0].device} "
          f"in {time.perf_counter() - started:.1f}s")
     result = TrainResult(config.run, start_step, resumed_from=parent)
-    log = MetricsLog(store, config.run, start_step)
+    sinks = open_sinks(config, store, start_step)
 
     def committed(step: int, url: str) -> None:
         result.checkpoints.append(url)
-        log.flush()
+        for sink in sinks:
+            sink.flush()
         _log(f"checkpoint step {step} committed: {url}")
 
     fingerprint = group.setup_info[0].data_fingerprint
@@ -123,12 +127,19 @@ def train(config: TrainConfig, actors: list | None = None,
             done = metrics.step
             result.losses[done] = metrics.loss
             result.step_seconds.append(seconds)
+            speed = throughput(config.model, config.seq_len, tokens_per_step, seconds, config.layout.world_size,
+                               metrics.device_name, config.precision)
+            peaks = [rank.peak_memory_bytes for rank in per_rank]
             record = {"step": done, "loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
-                      "tokens_per_s": tokens_per_step / seconds, "step_s": seconds, "layout": str(config.layout),
+                      "tokens_per_s": speed.tokens_per_s, "tokens_per_s_per_rank": speed.tokens_per_s_per_rank,
+                      "tflops_per_rank": speed.tflops_per_rank, "mfu": speed.mfu, "device": metrics.device_name,
+                      "peak_memory_gib": max(peaks) / 2**30, "peak_memory_bytes_per_rank": peaks,
+                      "step_s": seconds, "layout": str(config.layout), "precision": config.precision,
                       "time": time.time(), "batch_hash": step_batch_hash(per_rank, config.layout)}
-            log.append(record)
+            for sink in sinks:
+                sink.append(record)
             _log(f"step {done:>5}/{config.steps} | loss {metrics.loss:.4f} | grad_norm {metrics.grad_norm:.3f} "
-                 f"| lr {metrics.lr:.2e} | {record['tokens_per_s']:,.0f} tok/s")
+                 f"| lr {metrics.lr:.2e} | {speed.describe()} | mem {record['peak_memory_gib']:.2f} GiB")
             if saver is not None:
                 saver.poll()  # commits a finished background save; a failed one raises here
             if done == config.steps or (config.ckpt_every and done % config.ckpt_every == 0):
@@ -144,7 +155,8 @@ def train(config: TrainConfig, actors: list | None = None,
                     _log(f"stopping after the checkpoint at step {done} as asked (resize)")
                     break
     finally:
-        log.flush()
+        for sink in sinks:
+            sink.flush()
         timings.write(store)
         group.shutdown()
     return result
@@ -193,20 +205,3 @@ def _warn_if_schedule_changed(metadata: dict, config: TrainConfig) -> None:
              + ", ".join(f"{k} ({saved[k]} -> {now[k]})" for k in changed)
              + "; the resumed run will not match an uninterrupted one. Pass the original values "
                "(e.g. --steps, or optimizer.decay_steps in the config) to continue the same schedule.")
-
-
-class MetricsLog:
-    """metrics.jsonl in the run directory: one line per step. On resume, lines at or past the
-    resume step are dropped, so the file always tells the history of the current timeline."""
-
-    def __init__(self, store: Store, run: str, start_step: int):
-        self.store, self.relative = store, f"{run}/metrics.jsonl"
-        existing = store.read_text(self.relative) or ""
-        self.lines = [line for line in existing.splitlines()
-                      if line.strip() and json.loads(line).get("step", 0) <= start_step]
-
-    def append(self, record: dict) -> None:
-        self.lines.append(json.dumps(record, sort_keys=True))
-
-    def flush(self) -> None:
-        self.store.write_text(self.relative, "\n".join(self.lines) + "\n")

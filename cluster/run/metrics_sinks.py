@@ -1,0 +1,96 @@
+"""Where each step's metrics go: metrics.jsonl in the run directory always, TensorBoard event
+files with --tensorboard, Weights & Biases with --wandb-project (when the package is installed).
+
+TensorBoard's writer appends to local files; on an object store the events are written to a
+local folder (./tensorboard/RUN) and copied to RUN/tensorboard/ in the store at every flush, so
+the run's directory holds them either way.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import tempfile
+
+from fsspec.implementations.local import LocalFileSystem
+from torch.utils.tensorboard import SummaryWriter
+
+from cluster.storage.store import Store
+from plans.config import TrainConfig
+from plans.errors import ConfigError
+
+# The numbers a step record carries that are worth a curve.
+SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_rank", "tflops_per_rank", "mfu",
+           "peak_memory_gib", "step_s")
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory: one line per step. On resume, lines at or past the
+    resume step are dropped, so the file always tells the history of the current timeline."""
+
+    def __init__(self, store: Store, run: str, start_step: int):
+        self.store, self.relative = store, f"{run}/metrics.jsonl"
+        existing = store.read_text(self.relative) or ""
+        self.lines = [line for line in existing.splitlines()
+                      if line.strip() and json.loads(line).get("step", 0) <= start_step]
+
+    def append(self, record: dict) -> None:
+        self.lines.append(json.dumps(record, sort_keys=True))
+
+    def flush(self) -> None:
+        self.store.write_text(self.relative, "\n".join(self.lines) + "\n")
+
+
+class TensorBoardSink:
+    def __init__(self, store: Store, run: str):
+        self.store, self.run = store, run
+        local = isinstance(store.fs, LocalFileSystem)
+        self.directory = (os.path.join(store.root, run, "tensorboard") if local
+                          else tempfile.mkdtemp(prefix=f"rayshard-tensorboard-{run}-"))
+        self.remote = None if local else f"{store.root}/{run}/tensorboard"
+        self.writer = SummaryWriter(self.directory)
+
+    def append(self, record: dict) -> None:
+        for key in SCALARS:
+            if record.get(key) is not None:
+                self.writer.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def flush(self) -> None:
+        self.writer.flush()
+        if self.remote is not None:
+            self.store.fs.put(self.directory + "/", self.remote, recursive=True)
+
+    @property
+    def where(self) -> str:
+        return self.remote and f"{self.store.url.rstrip('/')}/{self.run}/tensorboard" or self.directory
+
+
+class WandbSink:
+    def __init__(self, config: TrainConfig):
+        self.wandb = importlib.import_module("wandb")
+        self.session = self.wandb.init(project=config.wandb_project, name=config.run,
+                                       config=json.loads(json.dumps(config.to_dict(), default=str)), resume="allow")
+
+    def append(self, record: dict) -> None:
+        self.session.log({key: record[key] for key in SCALARS if record.get(key) is not None}, step=record["step"])
+
+    def flush(self) -> None:
+        pass
+
+
+def check_sinks(config: TrainConfig) -> None:
+    """Before any actor starts: a sink asked for must be available."""
+    if config.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb_project", config.wandb_project, "needs the wandb package, which is not installed",
+                          "pip install wandb (and log in), or drop --wandb-project")
+
+
+def open_sinks(config: TrainConfig, store: Store, start_step: int) -> list:
+    """metrics.jsonl first (it is what `ckpt plot-resume` and the tests read), then the others."""
+    sinks: list = [MetricsLog(store, config.run, start_step)]
+    if config.tensorboard:
+        sinks.append(TensorBoardSink(store, config.run))
+    if config.wandb_project:
+        sinks.append(WandbSink(config))
+    return sinks

@@ -1,0 +1,59 @@
+"""Model FLOPs per token and the device peaks MFU is measured against (torchtitan's way).
+
+FLOPs per token = 6 x (parameters - embedding parameters) + 12 x layers x heads x head_dim x
+sequence length: the forward and backward matmuls of every non-embedding weight, plus attention's
+scores and weighted sums (torchtitan's `get_nparams_and_flops`). The embedding lookup does no
+matmul; with tied embeddings the LM head shares its weight and is left out with it, as torchtitan
+does. These are model FLOPs: activation recomputation is work the hardware does on top, and MFU
+does not count it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plans.training.model_spec import ModelConfig, parameter_count
+
+# Dense peak TFLOP/s per device, (bf16, fp32) (fp32 without TF32, torch's default for matmuls).
+# Longer names first: "H100 NVL" and "H100 PCIe" must not match the SXM row.
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H200", 989.4, 66.9),
+    ("H100 NVL", 835.0, 60.0),
+    ("H100 PCIe", 756.0, 51.2),
+    ("H100", 989.4, 66.9),  # SXM
+    ("A100", 312.0, 19.5),
+)
+
+
+def flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    embedding = model.vocab_size * model.dim
+    return 6.0 * (parameter_count(model) - embedding) + 12.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """The device's dense peak for `precision`; None for a CPU or a device not in the table."""
+    for name, bf16, fp32 in PEAK_TFLOPS:
+        if name.lower() in device_name.lower():
+            return bf16 if precision == "bf16" else fp32
+    return None
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_s: float  # the whole job's
+    tokens_per_s_per_rank: float  # per device (every rank, tp and pp peers included, as torchtitan counts)
+    tflops_per_rank: float
+    mfu: float | None  # None where the device has no known peak (a CPU)
+
+    def describe(self) -> str:
+        mfu = f"mfu {self.mfu:.1%}" if self.mfu is not None else "mfu n/a"
+        return (f"{self.tokens_per_s:,.0f} tok/s ({self.tokens_per_s_per_rank:,.0f}/rank) | "
+                f"{self.tflops_per_rank:.3g} TFLOP/s/rank | {mfu}")
+
+
+def throughput(model: ModelConfig, seq_len: int, tokens: int, seconds: float, world_size: int,
+               device_name: str, precision: str) -> Throughput:
+    """`tokens` trained on in `seconds` by `world_size` ranks."""
+    per_rank = tokens / seconds / world_size
+    tflops = per_rank * flops_per_token(model, seq_len) / 1e12
+    peak = peak_tflops(device_name, precision)
+    return Throughput(tokens / seconds, per_rank, tflops, tflops / peak if peak else None)
