@@ -18,6 +18,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--microbatches", type=int, default=1, metavar="N")
     parser.add_argument("--memory-gib", type=float, default=80.0, metavar="GIB", help="memory budget per rank")
     parser.add_argument("--ranks-per-node", type=int, default=8, metavar="N", help="tp stays within a node")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="the memory estimate's compute dtype (master state is float32 either way)")
+    parser.add_argument("--ac", choices=("none", "full", "selective"), default="none",
+                        help="the activation checkpointing the memory estimate assumes")
     for name in PARALLEL_DEGREES:
         parser.add_argument(f"--{name}", type=int, metavar="N", help=f"pin {name}")
     parser.set_defaults(run_command="cluster.cli.commands.layout:run_layout")

@@ -74,7 +74,7 @@ def _first_line(error: BaseException) -> str:
 
 def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_rank_bytes: float, ranks_per_node: int,
                        capacity=lambda: ""):
-    work = Workload(config.global_batch, config.seq_len, config.microbatches)
+    work = Workload(config.global_batch, config.seq_len, config.microbatches, config.precision, config.ac)
     needed = pinned_ranks(pinned)
 
     def choose(ranks: int):

@@ -30,12 +30,15 @@ class Workload:
     global_batch: int
     seq_len: int
     microbatches: int = 1
+    precision: str = "fp32"  # "bf16": bf16 compute over float32 master state
+    ac: str = "none"  # activation checkpointing: "none", "full" or "selective"
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     model_state: float
     activations: float
+    assumes: str = "fp32, no activation recomputation"
 
     @property
     def total(self) -> float:
@@ -54,31 +57,49 @@ class LayoutChoice:
         gib = 2 ** 30
         lines = [f"layout {self.layout} ({self.layout.describe()}): {self.layout.world_size} of {self.ranks_available} ranks",
                  f"memory per rank ~ {self.estimate.total / gib:.2f} GiB (model state {self.estimate.model_state / gib:.2f}, "
-                 f"activations {self.estimate.activations / gib:.2f}) of {self.budget_bytes / gib:.2f} GiB budget"]
+                 f"activations {self.estimate.activations / gib:.2f}) of {self.budget_bytes / gib:.2f} GiB budget, "
+                 f"assuming {self.estimate.assumes}"]
         return "\n".join(lines + [f"- {reason}" for reason in self.reasons])
 
 
 def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) -> MemoryEstimate:
-    """A deliberately simple upper-ish estimate (fp32 training, no activation recomputation).
+    """A deliberately simple upper-ish estimate.
 
-    Model state: 16 bytes per parameter, split over tp and pp, and over fsdp for the sharded
-    part; FSDP also gathers one transformer block at a time. Activations: per layer and token,
-    about 4 bytes x (12 dim + 3 ffn) kept for backward (norms, qkv, attention output, SwiGLU),
-    for the microbatches in flight (up to pp for 1F1B-like schedules), over the layers a stage holds.
+    Model state: 16 bytes per parameter (float32 weight, gradient and two AdamW moments, in bf16
+    runs too: the master state stays float32), split over tp and pp, and over fsdp for the
+    sharded part; FSDP also gathers one transformer block at a time, in the compute dtype (bf16
+    runs always go through FSDP2, `actors/model/precision.py`). Activations: per layer and token,
+    about 12 dim + 3 ffn values kept for the backward (norms, qkv, attention output, SwiGLU), in
+    the compute dtype; with full AC only each block's input (dim values) plus one block being
+    recomputed; with selective AC the matmul and attention outputs (about 5 dim + 2 ffn) plus
+    the block input. Then the microbatches in flight (up to pp for 1F1B-like schedules) over the
+    layers a stage holds, and the last stage's logits (float32 for the loss, plus their gradient).
     """
+    itemsize = 2 if work.precision == "bf16" else 4
     params = parameter_count(model)
     per_model_shard = params / (layout.tp * layout.pp)
     block = (model.dim * (model.n_heads + 2 * model.n_kv_heads) * model.head_dim + model.dim * model.n_heads * model.head_dim
              + 3 * model.dim * model.ffn_dim) / layout.tp
-    gathered = 4 * block if layout.fsdp > 1 else 0
+    gathered = itemsize * block if layout.fsdp > 1 or work.precision == "bf16" else 0
     model_state = BYTES_PER_PARAM_STATE * per_model_shard / layout.fsdp + gathered
     rows = work.global_batch // layout.data_parallel_size // work.microbatches
     tokens = rows * work.seq_len
-    per_layer = 4 * tokens * (12 * model.dim + 3 * model.ffn_dim) / layout.tp
+    whole_block = itemsize * tokens * (12 * model.dim + 3 * model.ffn_dim) / layout.tp
+    block_input = itemsize * tokens * model.dim
     in_flight = min(layout.pp, work.microbatches) if layout.pp > 1 else 1
     layers_per_stage = -(-model.n_layers // layout.pp)
-    logits = 4 * tokens * model.vocab_size * 2 / layout.tp  # logits and their gradient, last stage
-    return MemoryEstimate(model_state, per_layer * layers_per_stage * in_flight + logits)
+    if work.ac == "full":
+        kept = (block_input * layers_per_stage) * in_flight + whole_block
+    elif work.ac == "selective":
+        kept = (itemsize * tokens * (5 * model.dim + 2 * model.ffn_dim) / layout.tp + block_input) * layers_per_stage * in_flight
+    else:
+        kept = whole_block * layers_per_stage * in_flight
+    logits = (itemsize + 4 + 4) * tokens * model.vocab_size / layout.tp  # logits, their float32 copy for the loss, gradient
+    if work.precision != "bf16":
+        logits = 8 * tokens * model.vocab_size / layout.tp  # the float32 logits are the copy
+    recompute = {"none": "no activation recomputation", "full": "full activation checkpointing",
+                 "selective": "selective activation checkpointing"}[work.ac]
+    return MemoryEstimate(model_state, kept + logits, f"{work.precision}, {recompute}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -10,7 +10,8 @@ from plans.training.model_spec import preset
 
 def run_layout(args: argparse.Namespace) -> int:
     pinned = {name: getattr(args, name) for name in PARALLEL_DEGREES if getattr(args, name)}
-    choice = choose_layout(args.ranks, preset(args.model), Workload(args.global_batch, args.seq_len, args.microbatches),
+    choice = choose_layout(args.ranks, preset(args.model), Workload(args.global_batch, args.seq_len, args.microbatches,
+                                                                       args.precision, args.ac),
                            args.memory_gib * 2 ** 30, ranks_per_node=args.ranks_per_node, pinned=pinned)
     print(choice.explain())
     return 0
