@@ -6,7 +6,7 @@ export RAY_AUTH_MODE ?= token
 export RAY_USAGE_STATS_ENABLED ?= 0
 DEMO_RUN ?= demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench mutate clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,9 +36,9 @@ demo: $(STAMP)
 	$(PY) -m cluster ckpt plot-resume --run $(DEMO_NAME) --run $(DEMO_NAME)-resumed --reference $(DEMO_NAME) \
 		--out runs/$(DEMO_NAME)-resume.png
 	@echo "== 6. the same checkpoint resumed in bf16 with selective activation checkpointing on fsdp2: checkpoints"
-	@echo "      hold the float32 master state, so precision is a choice at resume time too (steps 1-5 stay fp32:"
+	@echo "      hold the float32 master state, so precision is a choice at resume time too (stages 1-5 stay fp32:"
 	@echo "      their exact continuity across layouts above is what bf16's rounding would blur)"
-	$(PY) -m cluster train --config configs/demo.yaml --run $(DEMO_NAME)-bf16 --resume $(DEMO_NAME)@10 --steps 20 \
+	$(PY) -m cluster train --config configs/demo.yaml --run $(DEMO_NAME)-bf16 --resume $(DEMO_NAME)@10 --steps 30 \
 		--dp 1 --fsdp 2 --tp 1 --precision bf16 --ac selective
 
 test: $(STAMP)
@@ -46,6 +46,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/orchestration.py
+
+# Mutation testing of the modules that decide correctness, against their fast unit tests; prints
+# the score per module and every surviving mutant (docs/mutation-testing.md). Not part of `make
+# test`: CPU-heavy, so niced, one module and one worker at a time. MUTATE=checker (words of module
+# paths) runs some; MUTATE_ARGS=--report reprints the last scores, --survivors re-runs survivors.
+MUTATE ?=
+MUTATE_ARGS ?=
+mutate: $(STAMP)
+	nice -n 10 $(PY) tools/mutate.py $(MUTATE_ARGS) $(MUTATE)
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,6 +1,6 @@
 """Run elastic training on a multi-node local Ray cluster while injecting faults.
 
-    python tests/e2e/elastic_scenario.py OUT.json
+    python tests/e2e/elastic_scenario.py OUT.json [--small]
 
 A ray.cluster_utils.Cluster with a head and three worker nodes (2 logical CPUs each, one rank
 per CPU) starts the run on 8 ranks. The store is S3: a moto server on 127.0.0.1 behind the
@@ -12,6 +12,9 @@ what remains (and grow at a checkpoint when the node returns); every resume is v
 (`verify_resume`): the loaded state's digests must equal the checkpoint's.
 Writes the controller's history, the injected events, the run's metrics and the resume checks
 to OUT.json.
+
+--small: the default suite's representative: a head and one worker node (4 ranks), SMALL_STEPS
+steps, and one fault, a rank SIGKILLed after the first checkpoint.
 """
 from __future__ import annotations
 
@@ -38,13 +41,14 @@ from plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
 from plans.training.model_spec import preset  # noqa: E402
 
 STEPS, EVERY = 20, 2
+SMALL_STEPS = 6
 RUN = "elastic"
 # Every rank's shard upload of this step's first save is held by the proxy; the kill lands then.
 MID_SAVE_STEP = 6
 
 
-def scenario_config(store: str) -> TrainConfig:
-    return TrainConfig(model=preset("tiny"), steps=STEPS, ckpt_every=EVERY, global_batch=8, seq_len=32, seed=7,
+def scenario_config(store: str, steps: int = STEPS) -> TrainConfig:
+    return TrainConfig(model=preset("tiny"), steps=steps, ckpt_every=EVERY, global_batch=8, seq_len=32, seed=7,
                        optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3),
                        data=DataConfig(max_bytes=1_000_000), store=store, run=RUN, resume="auto",
                        verify_resume=True)
@@ -152,10 +156,23 @@ def inject_faults(cluster: Cluster, workers: list, proxy, store: str, events: li
             event.set()
 
 
-def main(out: str) -> None:
+def kill_one_rank(store: str, proxy, events: list) -> None:
+    """The small scenario's one fault: a rank SIGKILLed after checkpoint 2, before checkpoint 4."""
+    killed = threading.Event()
+    hold_uploads_until(proxy, 2 * EVERY, killed)
+    try:
+        wait_for_checkpoint(store, EVERY)
+        pid = rank_actor_pids()[-1]
+        os.kill(pid, signal.SIGKILL)
+        events.append({"event": "kill_rank", "pid": pid, "after_checkpoint": latest_step(store), "at": time.time()})
+    finally:
+        killed.set()
+
+
+def main(out: str, small: bool = False) -> None:
     server, proxy, store = start_s3()  # before the cluster: its nodes inherit the S3 environment
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(3)]
+    workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(1 if small else 3)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     events: list[dict] = []
@@ -163,14 +180,18 @@ def main(out: str) -> None:
 
     def run_training():
         outcome["controller"], outcome["state"] = train_elastic(
-            scenario_config(store), pinned={}, scaling=ScalingPolicy(min_ranks=2, max_ranks=8),
-            failure=FailurePolicy(max_failures=4, backoff_s=0.5))
+            scenario_config(store, SMALL_STEPS if small else STEPS), pinned={},
+            scaling=ScalingPolicy(min_ranks=2, max_ranks=4 if small else 8),
+            failure=FailurePolicy(max_failures=2 if small else 4, backoff_s=0.5))
 
     # Training runs in a thread: Cluster.add_node installs signal handlers, so faults are
     # injected from the main thread.
     trainer = threading.Thread(target=run_training, daemon=True)
     trainer.start()
-    inject_faults(cluster, workers, proxy, store, events)
+    if small:
+        kill_one_rank(store, proxy, events)
+    else:
+        inject_faults(cluster, workers, proxy, store, events)
     trainer.join(timeout=600)
     controller, state = outcome["controller"], outcome["state"]
     metrics = [json.loads(line) for line in Store(store).read_text(f"{RUN}/metrics.jsonl").splitlines() if line]
@@ -192,4 +213,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], small="--small" in sys.argv[2:])

@@ -12,26 +12,45 @@ import pytest
 
 from plans.layout.parallel_layout import ParallelLayout
 
-from tests.e2e.elastic_scenario import STEPS, scenario_config
-
-pytestmark = pytest.mark.slow  # a 3-node cluster with three injected faults: minutes on 2 cores
+from tests.e2e.elastic_scenario import EVERY, SMALL_STEPS, STEPS, scenario_config
 
 SCENARIO = Path(__file__).with_name("elastic_scenario.py")
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
-    root = tmp_path_factory.mktemp("elastic")
+def _run_scenario(root: Path, *flags: str) -> dict:
     out = root / "out.json"
-    done = subprocess.run([sys.executable, str(SCENARIO), str(out)],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, str(SCENARIO), str(out), *flags], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def test_a_rank_killed_on_a_small_cluster_is_replaced_and_the_run_resumes_from_latest(tmp_path):
+    """The default suite's elastic case: a head and a worker node, 4 ranks, one rank SIGKILLed
+    after checkpoint 2 (checkpoint 4 is held until then): the controller restarts on 4 ranks,
+    resumes from step 2 (verified tensor for tensor) and finishes; no step is logged twice."""
+    result = _run_scenario(tmp_path, "--small")
+    assert result["state"] == "finished" and result["latest_step"] == SMALL_STEPS
+    assert [e["event"] for e in result["events"]] == ["kill_rank"] and result["events"][0]["after_checkpoint"] == EVERY
+    states = [h["state"] for h in result["history"]]
+    assert states.count("restarting") == 1 and "resizing" not in states, result["history"]
+    running = [h["detail"].split("running ")[1] for h in result["history"] if h["state"] == "running"]
+    assert running == ["dp4 on 4", "dp4 on 4"], running
+    [check] = result["resume_checks"]
+    assert check["step"] == EVERY and check["equal"] and check["tensors"] > 0, check
+    assert [m["step"] for m in result["metrics"]] == list(range(1, SMALL_STEPS + 1))
+    redone = [m for m in result["metrics"] if m["time"] > result["events"][0]["at"]]
+    assert redone and redone[0]["step"] == EVERY + 1  # at most the steps since the last checkpoint are redone
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    return _run_scenario(tmp_path_factory.mktemp("elastic"))
 
 
 EVENTS = ["kill_rank", "kill_rank_mid_save", "remove_node", "add_node"]
 
 
+@pytest.mark.slow  # a 3-node cluster with three injected faults: minutes on 2 cores
 def test_rank_deaths_node_loss_and_growth_each_resume_from_latest(scenario):
     assert scenario["state"] == "finished" and scenario["latest_step"] == STEPS
     states = [h["state"] for h in scenario["history"]]
@@ -43,12 +62,14 @@ def test_rank_deaths_node_loss_and_growth_each_resume_from_latest(scenario):
     assert [e["event"] for e in scenario["events"]] == EVENTS
 
 
+@pytest.mark.slow  # a 3-node cluster with three injected faults: minutes on 2 cores
 def test_a_rank_killed_mid_save_leaves_latest_on_the_previous_checkpoint(scenario):
     mid_save = scenario["events"][1]
     assert "/checkpoints/step-00000006/attempt-" in mid_save["request"]
     assert mid_save["after_checkpoint"] == 4  # the dying save never became visible
 
 
+@pytest.mark.slow  # a 3-node cluster with three injected faults: minutes on 2 cores
 def test_every_resume_loaded_exactly_the_last_committed_checkpoint(scenario):
     checks = scenario["resume_checks"]
     # Two rank deaths, a node loss and a resize: four resumes, each verified tensor for tensor
@@ -59,6 +80,7 @@ def test_every_resume_loaded_exactly_the_last_committed_checkpoint(scenario):
     assert all(c["equal"] and c["tensors"] > 0 for c in checks), checks
 
 
+@pytest.mark.slow  # a 3-node cluster with three injected faults: minutes on 2 cores
 def test_one_timeline_and_losses_continue_an_uninterrupted_run(scenario, run_training, tmp_path):
     steps = [m["step"] for m in scenario["metrics"]]
     assert steps == list(range(1, STEPS + 1))  # work lost to a failure is redone once, not duplicated
@@ -70,6 +92,7 @@ def test_one_timeline_and_losses_continue_an_uninterrupted_run(scenario, run_tra
         assert math.isclose(record["loss"], reference.losses[record["step"]], rel_tol=1e-5), record
 
 
+@pytest.mark.slow  # a 3-node cluster with three injected faults: minutes on 2 cores
 def test_lost_work_is_at_most_the_steps_since_the_last_checkpoint(scenario):
     for event in scenario["events"][:3]:
         # The first step finished after the fault is the one right after LATEST at that moment.

@@ -79,19 +79,31 @@ def _wait_until_jobs_run(head, bin_dir, address, env, timeout=300):
     pytest.fail(f"the Ray job agent did not accept a job within {timeout} s; last answer:\n{probe.stdout[-2000:]}{probe.stderr[-2000:]}")
 
 
-def test_ray_job_submit_trains_and_commits_a_checkpoint(ray_head, tmp_path):
+def test_ray_job_submit_trains_commits_and_a_resubmission_resumes(ray_head, tmp_path):
+    """Two `ray job submit`s of one run name with `--resume auto`: the first starts fresh on dp2,
+    the second (more steps, on one rank) resumes the first one's LATEST."""
     address, env, _ = ray_head
     store = tmp_path / "store"
-    submit = subprocess.run(
-        [f"{os.path.dirname(sys.executable)}/ray", "job", "submit", "--address", address, "--working-dir", ".",
-         "--", "python", "-m", "cluster", "train", "--steps", "3", "--dp", "2", "--tp", "1",
-         "--global-batch", "4", "--seq-len", "32", "--store", str(store), "--run", "job"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
-    output = submit.stdout + submit.stderr
-    assert submit.returncode == 0, output
-    assert "succeeded" in output and "step     3/3" in output, output
+
+    def submit(steps: int, dp: int) -> str:
+        done = subprocess.run(
+            [f"{os.path.dirname(sys.executable)}/ray", "job", "submit", "--address", address, "--working-dir", ".",
+             "--", "python", "-m", "cluster", "train", "--steps", str(steps), "--dp", str(dp), "--tp", "1",
+             "--global-batch", "4", "--seq-len", "32", "--store", str(store), "--run", "job", "--resume", "auto"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output
+        assert "succeeded" in output, output
+        return output
+
+    first = submit(3, 2)
+    assert "step     3/3" in first and "resuming from" not in first, first
     assert (store / "job" / "checkpoints" / "step-00000003" / "manifest.parquet").exists()
     assert (store / "job" / "LATEST").read_text() == "step-00000003"
+    second = submit(5, 1)
+    assert re.search(r"resuming from \S+/job/checkpoints/step-00000003 \(step 3, written by layout", second), second
+    assert "step     4/5" in second and "step     5/5" in second and "step     1/5" not in second, second
+    assert (store / "job" / "LATEST").read_text() == "step-00000005"
 
 
 def _ray(*args, env, **kwargs):

@@ -7,7 +7,7 @@ from actors.checkpoint.manifest_io import read_manifest
 from cluster.checkpoint.digest import digest_checkpoint
 from plans.layout.parallel_layout import ParallelLayout
 
-# At least 8 layouts on 1..8 ranks; pipeline layouts join when pp training exists (PP_LAYOUTS).
+# At least 8 layouts on 1..8 ranks, data/tensor-parallel (LAYOUTS) and pipelines (PP_LAYOUTS).
 LAYOUTS = {
     "single": ParallelLayout(),
     "dp2": ParallelLayout(dp=2),
@@ -26,18 +26,6 @@ PP_LAYOUTS = {
     "dp2_pp2_tp2": ParallelLayout(dp=2, pp=2, tp=2),
     "pp4": ParallelLayout(pp=4),
 }
-
-
-def pipelines_train() -> bool:
-    """Whether this tree trains pp > 1 yet (the pipeline engineer's work lands separately)."""
-    from plans.config import TrainConfig
-
-    try:
-        TrainConfig(layout=ParallelLayout(pp=2), global_batch=8, microbatches=2).validate()
-        import actors.model.stage  # noqa: F401  (the pipeline stage runtime)
-    except Exception:
-        return False
-    return True
 
 
 def digests(url: str) -> dict:

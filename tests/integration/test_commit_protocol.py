@@ -109,8 +109,10 @@ def test_unrecoverable_errors_fail_cleanly_without_credentials_in_the_message(s3
     monkeypatch.setenv("RAYSHARD_S3_MAX_ATTEMPTS", "2")
     store = Store(s3_store)
     fault_proxy.add("error500", method="PUT")
-    with pytest.raises(Exception) as error:
+    with pytest.raises(OSError, match="We encountered an internal error") as error:
         store.commit("r", 2, b"two")
+    # Retried as configured, then given up: two attempts, not botocore's default and not forever.
+    assert "reached max retries: 2" in str(error.value.__cause__)
     text = "".join(str(e) for e in (error.value, error.value.__cause__, error.value.__context__))
     assert "testing-secret-do-not-log" not in text and "testing-key-id" not in text
     fault_proxy.clear()

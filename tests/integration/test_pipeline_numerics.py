@@ -2,8 +2,9 @@
 
 After one step the loss and every parameter's gradient equal a single rank's on the same global
 batch (torch.testing.assert_close's fp32 tolerances); over 20 steps the losses agree within 1e-5
-relative. The default run covers every schedule at least once, TP and DP combinations, tied
-embeddings and an uneven cut; `pytest -m slow` runs the whole matrix.
+relative. The default run covers every schedule at least once, TP, DP and FSDP combinations (pp4
+alone and with fsdp2), tied embeddings and an uneven cut; `pytest -m slow` runs the whole matrix:
+every schedule on pp 2 and 4, alone and with tp2, dp2 and fsdp2.
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def _full_matrix():
     cases = []
     for schedule in SCHEDULES:
         for pp in (2, 4):
-            for extra in ("", "tp2", "dp2"):
+            for extra in ("", "tp2", "dp2", "fsdp2"):
                 cases.append(_case(schedule, pp, extra, microbatches=8, layers=8, marks=pytest.mark.slow))
     return cases
 

@@ -3,9 +3,9 @@ completion order, with never more than the budget fetched and not yet consumed; 
 arrives as a value naming nothing secret; a consumer that stops early leaves nothing hanging."""
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
-import time
 
 import fsspec
 
@@ -69,7 +69,7 @@ def test_a_failed_get_arrives_as_a_value(s3_store):
     assert isinstance(got[requests[1]], FileNotFoundError)
 
 
-def test_a_consumer_that_stops_early_stops_the_fetching(s3_store):
+def test_a_consumer_that_stops_early_stops_the_fetching(s3_store, monkeypatch):
     store = Store(s3_store)
     data = _objects(store, {"c": 4 * MiB})
     requests = _requests(data, 16)  # 256 KiB each; the 1 MiB budget admits 4 before one is consumed
@@ -80,13 +80,24 @@ def test_a_consumer_that_stops_early_stops_the_fetching(s3_store):
         started.append(start)
         return await original(path, start=start, end=end, **kwargs)
 
+    producers = []  # the fetching coroutine's future, to wait for its end instead of sleeping
+    schedule = asyncio.run_coroutine_threadsafe
+
+    def recording(coroutine, loop):
+        future = schedule(coroutine, loop)
+        if getattr(coroutine, "__qualname__", "").endswith("fetch_all"):
+            producers.append(future)
+        return future
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", recording)
     store.fs._cat_file = counting
     try:
         arrivals = fetch_ranges(store.fs, f"{store.root}/ranges", requests, MiB, max_in_flight=2)
         request, blob = next(arrivals)
         assert blob == data["c"][request.byte_start:request.byte_end]
         arrivals.close()  # returns at once: nothing waits on budget the consumer will never give back
-        time.sleep(0.5)  # any GET the producer would still start has been started by now
+        (producer,) = producers
+        producer.result(timeout=120)  # the producer has ended: every GET it was going to start has returned
     finally:
         del store.fs._cat_file
     assert 1 <= len(started) <= 5 < len(requests)

@@ -20,11 +20,10 @@ from actors.checkpoint.manifest_io import read_manifest
 from plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.integration.reshard_helpers import (LAYOUTS, PP_LAYOUTS, chunk_fingerprint, digests, load_and_save,
-                                               pipelines_train, writer_rank)
+                                               writer_rank)
 
 SOURCE = ParallelLayout(dp=2, tp=2)
-PP_IN_MATRIX = pipelines_train()
-MATRIX = dict(LAYOUTS, **(PP_LAYOUTS if PP_IN_MATRIX else {}))
+MATRIX = dict(LAYOUTS, **PP_LAYOUTS)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,11 @@ def _training_config(tmp_path, layout, run):
 
 
 def _assert_written_as_predicted(url, layout):
+    """What the ranks wrote is what the offline planner predicts (two callers of one rule, which
+    tests/unit/test_writer_selection.py checks against hand-worked cases), and no region twice."""
     chunks, metadata = read_manifest(url)
+    regions = [(c.name, c.kind, c.offsets) for c in chunks]
+    assert len(regions) == len(set(regions))
     actual = {(c.name, c.kind, c.offsets, c.sizes, writer_rank(c.file)) for c in chunks}
     predicted = {(p.region.name, p.kind, p.region.offsets, p.region.sizes, rank)
                  for rank, pieces in enumerate(planned_writes(chunks, metadata, layout)) for p in pieces}
@@ -94,7 +97,7 @@ def test_reshard_on_ray_actors(source, ray_session):
     assert digests(result.url) == source_digests
 
 
-@pytest.mark.parametrize("name", ["fsdp3_tp2", "dp2_fsdp2_tp2"] + (["pp2_tp2", "pp2_vpp2"] if PP_IN_MATRIX else ["single"]))
+@pytest.mark.parametrize("name", ["fsdp3_tp2", "dp2_fsdp2_tp2", "pp2_tp2", "pp2_vpp2"])
 def test_load_and_save_in_training_actors_round_trips(source, rank_pool, tmp_path, name):
     store, url, source_digests = source
     there = load_and_save(_training_config(tmp_path, MATRIX[name], f"train-{name}"), url, rank_pool)
@@ -193,10 +196,7 @@ def test_full_matrix_offline(source, a, b):
 
 
 # Through training actors: 8 layouts on 1, 2, 4, 6 and 8 ranks covering dp, fsdp, tp, pp, vpp and mixes.
-TRAINING_MATRIX = [name for name in ("single", "dp2", "tp2", "pp2_vpp2", "pp2_tp2", "fsdp3_tp2", "dp2_fsdp2_tp2",
-                                     "dp2_pp2_tp2") if name in MATRIX]
-if len(TRAINING_MATRIX) < 8:  # no pipelines in this tree yet: fill with data/tensor-parallel layouts
-    TRAINING_MATRIX += [n for n in ("fsdp2", "fsdp6", "fsdp8") if n not in TRAINING_MATRIX][:8 - len(TRAINING_MATRIX)]
+TRAINING_MATRIX = ["single", "dp2", "tp2", "pp2_vpp2", "pp2_tp2", "fsdp3_tp2", "dp2_fsdp2_tp2", "dp2_pp2_tp2"]
 _saved_by_training: dict = {}
 
 
@@ -229,7 +229,6 @@ def tied_source(run_training, tmp_path_factory):
     return tied, run_training(small_config(root, ParallelLayout(tp=2), steps=1, run="tied", model=tied)).checkpoints[-1]
 
 
-@pytest.mark.skipif(not PP_IN_MATRIX, reason="pipeline training is not in this tree yet")
 @pytest.mark.parametrize("layout,schedule", [(ParallelLayout(pp=2), "1f1b"), (ParallelLayout(pp=2, vpp=2), "zbv")],
                          ids=["pp2-1f1b", "pp2-zbv"])
 def test_tied_embeddings_through_pipeline_layouts(tied_source, rank_pool, tmp_path, layout, schedule):

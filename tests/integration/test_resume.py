@@ -77,7 +77,7 @@ def test_mismatched_model_lists_missing_unexpected_and_shape_errors_together(run
     # A fifth layer the checkpoint lacks, no output.weight (tied), other ffn shapes: all three kinds
     # of problem, in one error.
     other = preset("tiny", tie_embeddings=True, ffn_dim=96, n_layers=5)
-    with pytest.raises(Exception) as error:
+    with pytest.raises(CheckpointError, match="does not match the model") as error:
         run_training(small_config(tmp_path, ParallelLayout(), steps=2, run="m", model=other, resume="latest"))
     message = str(error.value)
     assert "missing keys (18)" in message and "layers.4.attention.qkv.weight (param)" in message

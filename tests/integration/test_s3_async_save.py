@@ -4,7 +4,12 @@ at the next step with an error naming the rank and the object, and LATEST stays 
 checkpoint."""
 from __future__ import annotations
 
+import re
+import threading
+
 import pytest
+
+import cluster.run.train as train_module
 
 from actors.checkpoint.manifest_io import read_manifest
 from cluster.storage.store import Store
@@ -27,15 +32,28 @@ def sync_run(run_training, tmp_path_factory):
     return run_training(_config(root, DP2, steps=3, run="s", ckpt_every=1))
 
 
-def test_async_checkpoints_hold_their_step_while_training_goes_on(rank_pool, s3_store, fault_proxy, tmp_path, sync_run):
-    # Slow shard uploads: each save is still uploading while the next step runs.
-    slow = fault_proxy.add("delay", method="PUT", path=r"rank-0000\d\.safetensors", seconds=1.0)
+def test_async_checkpoints_hold_their_step_while_training_goes_on(rank_pool, s3_store, fault_proxy, tmp_path, sync_run,
+                                                                   monkeypatch):
+    # The shard uploads of step 1 are held at the proxy until the driver has logged step 2: if
+    # the save blocked training until its upload finished, step 2 could never run meanwhile and
+    # the hold would give up (False below) instead of being released.
+    step_2_done, released = threading.Event(), []
+    held = fault_proxy.add("delay", method="PUT", path=r"step-00000001/attempt-[0-9a-f]+/rank-0000\d\.safetensors",
+                           times=2, callback=lambda *_: released.append(step_2_done.wait(timeout=120)))
+    real_log = train_module._log
+
+    def log(message: str) -> None:
+        real_log(message)
+        if re.match(r"step\s+2/", message):
+            step_2_done.set()
+
+    monkeypatch.setattr(train_module, "_log", log)
     result = train(_config(tmp_path, DP2, steps=3, run="a", ckpt_every=1, store=s3_store), rank_pool, async_save=True)
-    assert slow.injected == 6
+    assert held.injected == 2 and released == [True, True]  # both ranks' step-1 uploads ran across step 2
     assert result.losses == sync_run.losses  # saving in the background changes nothing in training
     store = Store(s3_store)
     assert store.committed_steps("a") == [1, 2, 3] and store.latest_step("a") == 3
-    for ours, theirs in zip(result.checkpoints, sync_run.checkpoints):
+    for ours, theirs in zip(result.checkpoints, sync_run.checkpoints, strict=True):
         assert _checksums(ours) == _checksums(theirs)
     chunks, metadata = read_manifest(result.checkpoints[1])
     assert metadata["parent"] == result.checkpoints[0] and metadata["step"] == 2

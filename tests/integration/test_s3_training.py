@@ -62,8 +62,27 @@ def test_saves_and_loads_survive_throttling_resets_and_delays_bit_exact(run_trai
     assert all(rule.injected for rule in reads), [(r.fault, r.injected) for r in reads]
 
 
+def test_offline_reshard_on_s3_keeps_digests(run_training, s3_store, tmp_path):
+    """The default suite's offline reshard on S3: a one-layer model (few chunks: every chunk is a
+    request to a Python S3 server), dp2 -> tp2 in the driver, reading and writing through S3."""
+    from cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from plans.training.model_spec import preset
+    from tests.integration.reshard_helpers import digests
+
+    one_layer = preset("tiny", n_layers=1)
+    source = run_training(_config(tmp_path, ParallelLayout(dp=2), steps=1, run="small", store=s3_store,
+                                  model=one_layer)).checkpoints[-1]
+    store = Store(s3_store)
+    result = reshard_checkpoint(source, ParallelLayout(tp=2), store, "small-tp2", local=True, log=lambda *_: None)
+    assert result.url.startswith("s3://") and store.latest_step("small-tp2") == 1
+    assert digests(result.url) == digests(source)
+    chunks, metadata = read_manifest(result.url)
+    assert metadata["layout"] == ParallelLayout(tp=2).to_dict()
+    assert {c.file.rsplit("/", 1)[-1] for c in chunks} == {"rank-00000.safetensors", "rank-00001.safetensors"}
+
+
 # Slow: every chunk is a request to a Python S3 server (~800 for the tiny model); the default
-# suite's S3 reshard coverage is the resume onto another layout above.
+# suite's S3 reshard coverage is the resume onto another layout and the one-layer reshard above.
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [pytest.param(None, id="in-driver"), pytest.param(3, id="ray-workers")])
 def test_reshard_on_s3_keeps_digests_and_round_trips_bit_exact(run_training, s3_store, tmp_path, ray_session, workers):

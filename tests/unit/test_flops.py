@@ -11,7 +11,9 @@ def test_flops_per_token_of_the_tiny_model_by_hand():
     # tiny: vocab 256, dim 64, 4 layers, 4 heads (head_dim 16) over 2 kv heads, ffn 160, untied.
     per_layer = 2 * 64 + (4 + 2 * 2) * 16 * 64 + 64 * 64 + 2 * 160 * 64 + 64 * 160  # norms, qkv, wo, gate_up, down
     parameters = 256 * 64 + 4 * per_layer + 64 + 256 * 64  # embedding, layers, norm, head
-    assert flops_per_token(preset("tiny"), 32) == 6 * (parameters - 256 * 64) + 12 * 4 * 4 * 16 * 32
+    assert per_layer == 43_136 and parameters == 205_376
+    # 6 x 188,992 non-embedding parameters + 12 x 4 layers x 4 heads x 16 x 32 positions
+    assert flops_per_token(preset("tiny"), 32) == 6 * (parameters - 256 * 64) + 12 * 4 * 4 * 16 * 32 == 1_232_256
 
 
 def test_tied_embeddings_leave_the_shared_weight_out_once():
@@ -26,6 +28,17 @@ def test_tied_embeddings_leave_the_shared_weight_out_once():
 ])
 def test_peaks_by_device_name(name, precision, peak):
     assert peak_tflops(name, precision) == peak
+
+
+def test_mfu_by_hand():
+    # 1,232,256 FLOPs per token; 8 ranks train 4 x 10^9 tokens in 2 s: 2.5 x 10^8 tokens/s per rank,
+    # 308.064 TFLOP/s per rank, which is 31.1% of an H100's dense bf16 peak of 989.4.
+    speed = throughput(preset("tiny"), 32, tokens=4_000_000_000, seconds=2.0, world_size=8,
+                       device_name="NVIDIA H100 80GB HBM3", precision="bf16")
+    assert speed.tokens_per_s == 2_000_000_000 and speed.tokens_per_s_per_rank == 250_000_000
+    assert speed.tflops_per_rank == pytest.approx(308.064)
+    assert speed.mfu == pytest.approx(0.311364463, rel=1e-8)
+    assert speed.describe() == "2,000,000,000 tok/s (250,000,000/rank) | 308 TFLOP/s/rank | mfu 31.1%"
 
 
 def test_mfu_is_model_flops_per_device_over_the_peak():

@@ -1,10 +1,24 @@
 """The gradient norm, which scales every gradient when it clips, must not depend on the layout:
-only on the gradient values, however a layout cuts them into pieces and spreads them over ranks."""
+only on the gradient values, however a layout cuts them into pieces and spreads them over ranks.
+
+Checked through `clip_grad_norm` itself, on real gloo process groups (its all-reduce across ranks),
+against an exact reference that shares no code with it: the correctly rounded square root of the
+exact (math.fsum) sum of squares, rounded to float32."""
+from __future__ import annotations
+
+import math
 import random
+import socket
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from actors.model.parallelize import clip_grad_norm, squares_sum
+from actors.model.parallelize import clip_grad_norm
+
+WORLD = 4
+PARTITIONS = [(seed, layout) for seed in range(4) for layout in range(4)]
+PRIMARY = {"dp": 0, "fsdp": 0, "tp": 0}
 
 
 def _gradients(seed: int) -> list[torch.Tensor]:
@@ -15,48 +29,91 @@ def _gradients(seed: int) -> list[torch.Tensor]:
             for shape in shapes]
 
 
-def _as_layout_would_hold_them(gradients: list[torch.Tensor], seed: int) -> list[list[torch.Tensor]]:
-    """The same values cut into row pieces at random places and dealt to 1-4 ranks, each rank's
-    pieces in parameter order (as a dp/fsdp/tp layout would cut and place them)."""
+def _exact_norm(gradients: list[torch.Tensor]) -> torch.Tensor:
+    # A float32 value squared is exact in float64; fsum adds exactly; sqrt rounds once.
+    squares = [float(v) ** 2 for g in gradients for v in g.flatten().tolist()]
+    return torch.tensor(math.sqrt(math.fsum(squares)), dtype=torch.float64).float()
+
+
+def _deal(gradients: list[torch.Tensor], seed: int, ranks: int) -> list[list[torch.Tensor]]:
+    """The same values cut into row pieces at random places and dealt to the ranks, each rank's
+    pieces in parameter order (as a dp/fsdp/tp layout would cut and place them); a rank may get none."""
     rng = random.Random(seed)
-    ranks: list[list[torch.Tensor]] = [[] for _ in range(rng.randint(1, 4))]
+    dealt: list[list[torch.Tensor]] = [[] for _ in range(ranks)]
     for gradient in gradients:
         rows = gradient.shape[0]
         cuts = sorted(rng.sample(range(1, rows), min(rows - 1, rng.randint(0, 3))))
         for start, stop in zip([0, *cuts], [*cuts, rows]):
-            rng.choice(ranks).append(gradient[start:stop])
-    return ranks
+            dealt[rng.randrange(ranks)].append(gradient[start:stop].clone())
+    return dealt
 
 
-def _norm_across_ranks(ranks: list[list[torch.Tensor]]) -> torch.Tensor:
-    """What clip_grad_norm computes: each rank's float64 sum, all-reduced (in some rank order)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for pieces in ranks:
-        if pieces:
-            total = total + squares_sum(pieces)
-    return total.sqrt().float()
+def _clip_on_this_rank(pieces: list[torch.Tensor], coords: dict, max_norm: float):
+    parameters = [torch.nn.Parameter(torch.zeros(p.shape)) for p in pieces]
+    for parameter, piece in zip(parameters, pieces):
+        parameter.grad = piece.clone()
+    norm = clip_grad_norm(parameters, max_norm=max_norm, coords=coords)
+    return norm, [p.grad for p in parameters]
 
 
-def test_the_norm_is_the_same_however_a_layout_cuts_and_places_the_gradients():
-    # In float32 these partitions give norms up to a few ulp apart (checked by hand: summing
-    # `_foreach_norm(pieces)` in float32 fails this test for most seeds).
-    for seed in range(20):
-        gradients = _gradients(seed)
-        reference = _norm_across_ranks([gradients])
-        for layout in range(12):
-            ranks = _as_layout_would_hold_them(gradients, seed * 100 + layout)
-            assert torch.equal(_norm_across_ranks(ranks), reference), (seed, layout)
-            assert torch.equal(_norm_across_ranks(ranks[::-1]), reference), (seed, layout)
+def _rank(rank: int, port: int, results) -> None:
+    """Ranks 0-2 hold different pieces of the gradients (primary holders); rank 3 is a dp replica
+    of all of them (dp=1), whose copies the norm must not count again."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        outcome = {}
+        for seed, layout in PARTITIONS:
+            gradients = _gradients(seed)
+            if rank < WORLD - 1:
+                pieces, coords = _deal(gradients, seed * 100 + layout, WORLD - 1)[rank], PRIMARY
+            else:
+                pieces, coords = [g.clone() for g in gradients], {"dp": 1, "fsdp": 0, "tp": 0}
+            outcome[seed, layout] = (pieces, *_clip_on_this_rank(pieces, coords, max_norm=1.0))
+        results[rank] = outcome
+    finally:
+        dist.destroy_process_group()
 
 
-def test_clip_scales_every_gradient_by_the_same_float32_factor():
-    parameters = [torch.nn.Parameter(torch.zeros(g.shape)) for g in _gradients(3)]
-    for parameter, gradient in zip(parameters, _gradients(3)):
-        parameter.grad = gradient.clone()
-    norm = clip_grad_norm(parameters, max_norm=1.0, coords={"dp": 0, "fsdp": 0, "tp": 0})
-    assert norm.dtype == torch.float32
-    assert torch.equal(norm, _norm_across_ranks([_gradients(3)]))
-    scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
-    for parameter, gradient in zip(parameters, _gradients(3)):
-        assert torch.equal(parameter.grad, gradient * scale)
-    assert abs(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in parameters]))) - 1.0) < 1e-5
+def test_the_all_reduced_norm_is_the_exact_one_on_every_rank_however_a_layout_cuts_the_gradients():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(port, results), nprocs=WORLD)
+        outcome = dict(results)
+    for seed, layout in PARTITIONS:
+        reference = _exact_norm(_gradients(seed))
+        assert reference > 1.0  # so the clip scales, and a wrong norm shows in the gradients too
+        scale = torch.clamp(1.0 / (reference + 1e-6), max=1.0)
+        for rank in range(WORLD):
+            pieces, norm, clipped = outcome[rank][seed, layout]
+            assert norm.dtype == torch.float32
+            assert torch.equal(norm, reference), (seed, layout, rank, float(norm), float(reference))
+            assert all(torch.equal(c, p * scale) for c, p in zip(clipped, pieces)), (seed, layout, rank)
+
+
+def test_one_rank_without_a_process_group_clips_to_the_exact_norm():
+    gradients = _gradients(3)
+    norm, clipped = _clip_on_this_rank(gradients, PRIMARY, max_norm=1.0)
+    reference = _exact_norm(gradients)
+    assert norm.dtype == torch.float32 and torch.equal(norm, reference)
+    scale = torch.clamp(1.0 / (reference + 1e-6), max=1.0)
+    assert all(torch.equal(c, g * scale) for c, g in zip(clipped, gradients))
+    assert abs(float(_exact_norm(clipped)) - 1.0) < 1e-5
+
+
+def test_a_norm_under_the_limit_leaves_the_gradients_alone_and_max_norm_0_only_measures():
+    small = [g * 1e-4 for g in _gradients(5)]
+    assert _exact_norm(small) < 1.0
+    norm, clipped = _clip_on_this_rank(small, PRIMARY, max_norm=1.0)
+    assert torch.equal(norm, _exact_norm(small)) and all(torch.equal(c, g) for c, g in zip(clipped, small))
+    large = _gradients(5)
+    norm, clipped = _clip_on_this_rank(large, PRIMARY, max_norm=0.0)
+    assert torch.equal(norm, _exact_norm(large)) and all(torch.equal(c, g) for c, g in zip(clipped, large))
+
+
+def test_a_replica_counts_nothing_on_its_own():
+    gradients = _gradients(2)
+    norm, clipped = _clip_on_this_rank(gradients, {"dp": 0, "fsdp": 0, "tp": 1}, max_norm=1.0)
+    assert float(norm) == 0.0

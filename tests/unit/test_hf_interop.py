@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from safetensors.torch import load_file
 
@@ -14,8 +15,6 @@ from cluster.storage.store import Store
 from plans.errors import CheckpointError
 from plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -38,19 +38,30 @@ def test_pins_are_honoured_and_impossible_requests_say_why():
         choose_layout(8, preset("small"), Workload(16, 256), 1024)
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(1, 16), st.sampled_from([4, 8, 12, 16, 24]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 8]))
-def test_every_choice_is_a_valid_training_config(ranks, batch, microbatches, ranks_per_node):
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 16), st.sampled_from([4, 8, 12, 16, 24]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from([1, 2]))
+def test_every_choice_is_a_valid_training_config(ranks, batch, microbatches, ranks_per_node, vpp):
+    """80 GiB holds the small model on one rank, so a layout always exists: the chooser must find
+    one (a ConfigError fails this test), and every choice, pipelines included, must pass the
+    validation training applies."""
     model = preset("small")
-    try:
-        choice = choose_layout(ranks, model, Workload(batch, 64, microbatches), 80 * GIB, ranks_per_node=ranks_per_node)
-    except ConfigError:
-        return
+    choice = choose_layout(ranks, model, Workload(batch, 64, microbatches), 80 * GIB, ranks_per_node=ranks_per_node, vpp=vpp)
     layout = choice.layout
     assert layout.world_size <= ranks and layout.tp <= ranks_per_node
-    # The chosen layout passes the same validation training applies (pp aside, not yet trainable).
-    if layout.pp == 1:
-        TrainConfig(model=model, layout=layout, global_batch=batch, seq_len=64, microbatches=microbatches).validate()
+    assert batch % (layout.data_parallel_size * microbatches) == 0
+    schedule = "interleaved1f1b" if layout.vpp > 1 else "1f1b"
+    TrainConfig(model=model, layout=layout, global_batch=batch, seq_len=64, microbatches=microbatches,
+                schedule=schedule).validate()
+
+
+def test_pipelines_are_chosen_when_memory_needs_them_and_validate():
+    """A budget that only a pipeline meets: the choice has pp > 1 and trains as configured."""
+    model, work = preset("small"), Workload(16, 256, 8)
+    choice = choose_layout(4, model, work, estimate_memory(model, ParallelLayout(pp=4), work).total, ranks_per_node=1)
+    assert choice.layout.pp > 1 and choice.layout.tp == 1  # tp=1: one rank per node
+    assert f"pp={choice.layout.pp}" in choice.explain()
+    TrainConfig(model=model, layout=choice.layout, global_batch=16, seq_len=256, microbatches=8).validate()
 
 
 def test_plan_layout_cli(capsys):

@@ -76,10 +76,13 @@ def test_measured_costs_predict_other_schedules(tmp_path, capsys):
     assert "per-stage means rescaled to 4 stages" in out and "F=0.005 B=0.01" in out
 
 
-def test_costs_from_a_missing_run_says_where_it_looked(tmp_path):
+def test_costs_from_a_missing_run_says_where_it_looked(tmp_path, capsys):
     from cluster.cli.main import main
 
     assert main(["plan", "schedule", "--costs-from", "nope", "--store", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert f"no pipeline_timings.json found (looked at nope/pipeline_timings.json, {tmp_path}/nope/pipeline_timings.json)" in error
+    assert "Fix: name a run trained with --pp 2 or more" in error
 
 
 @pytest.mark.parametrize("schedule, vpp, expected", [

@@ -1,6 +1,12 @@
-import torch
+"""RoPE against references that do not share our code: Hugging Face Llama's rotation and tables
+(the convention our weights export to), and a rotation written out by hand."""
+import math
 
-from actors.model.rope import apply_rope, apply_rope_reference, rope_tables
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from actors.model.rope import apply_rope, rope_tables
 
 
 def _asymmetric_tables(seq, head_dim):
@@ -14,13 +20,21 @@ def _asymmetric_tables(seq, head_dim):
     return cos, sin
 
 
-def test_custom_backward_matches_autograd_on_reference_with_asymmetric_halves():
+def _hf_rope(x, cos, sin):
+    """transformers' Llama rotation of x [batch, seq, heads, head_dim] with tables [seq, head_dim]."""
+    rotated, _ = apply_rotary_pos_emb(x, x, cos[None], sin[None], unsqueeze_dim=2)
+    return rotated
+
+
+def test_forward_and_backward_match_hugging_face_with_asymmetric_halves():
     cos, sin = _asymmetric_tables(7, 8)
     x = torch.randn(2, 7, 3, 8, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(2, 7, 3, 8, dtype=torch.float64)
-    (grad_custom,) = torch.autograd.grad(apply_rope(x, cos, sin), x, upstream)
-    (grad_reference,) = torch.autograd.grad(apply_rope_reference(x, cos, sin), x, upstream)
-    torch.testing.assert_close(grad_custom, grad_reference, rtol=0, atol=1e-12)
+    ours, theirs = apply_rope(x, cos, sin), _hf_rope(x, cos, sin)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+    (grad_ours,) = torch.autograd.grad(ours, x, upstream)
+    (grad_theirs,) = torch.autograd.grad(theirs, x, upstream)
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=0, atol=1e-12)
 
 
 def test_custom_rope_passes_gradcheck():
@@ -29,11 +43,43 @@ def test_custom_rope_passes_gradcheck():
     assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (x,))
 
 
-def test_forward_matches_reference_and_rotation_preserves_norm():
-    cos, sin = rope_tables(16, 8, 10000.0)
-    x = torch.randn(2, 16, 4, 8)
-    out = apply_rope(x, cos, sin)
-    torch.testing.assert_close(out, apply_rope_reference(x, cos, sin))
-    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
-    # Position 0 is the identity rotation.
-    torch.testing.assert_close(out[:, 0], x[:, 0])
+def test_tables_equal_hugging_face_llamas():
+    head_dim, seq, theta = 8, 33, 500.0
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, rope_theta=theta)
+    assert config.head_dim == head_dim
+    hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, seq, head_dim), torch.arange(seq)[None])
+    cos, sin = rope_tables(seq, head_dim, theta)
+    # transformers computes in float32; ours in float64 then rounds: a few float32 ulp apart.
+    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-6)
+
+
+def test_tables_are_float64_angles_rounded_once():
+    """At position 4095 an angle computed in float32 is off by ~1e-4: the tables must come from
+    float64 angles (so every rank's tables are the same), here computed with Python floats."""
+    seq, head_dim, theta = 4096, 16, 10000.0
+    cos, sin = rope_tables(seq, head_dim, theta)
+    assert cos.shape == sin.shape == (seq, head_dim) and cos.dtype == sin.dtype == torch.float32
+    positions = [0, 1, 2, 1000, 4095]
+    angles = [[p * theta ** (-(2 * (i % (head_dim // 2))) / head_dim) for i in range(head_dim)] for p in positions]
+    expected_cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64).float()
+    expected_sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64).float()
+    torch.testing.assert_close(cos[positions], expected_cos, rtol=0, atol=1e-7)
+    torch.testing.assert_close(sin[positions], expected_sin, rtol=0, atol=1e-7)
+
+
+def test_tables_are_made_on_the_device_asked_for():
+    cos, sin = rope_tables(4, 8, 10000.0, device="meta")
+    assert cos.device.type == sin.device.type == "meta"
+
+
+def test_rotation_direction_by_hand():
+    """head_dim 2: the pair (a, b) at angle t becomes (a cos t - b sin t, b cos t + a sin t),
+    counter-clockwise, the direction Llama uses."""
+    theta, positions = 10000.0, 5
+    cos, sin = rope_tables(positions, 2, theta)
+    x = torch.tensor([1.0, 2.0]).expand(1, positions, 1, 2)
+    out = apply_rope(x, cos, sin)[0, :, 0]
+    expected = torch.tensor([[math.cos(p) - 2 * math.sin(p), 2 * math.cos(p) + math.sin(p)] for p in range(positions)])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.norm(dim=-1), x[0, :, 0].norm(dim=-1))

@@ -1,7 +1,6 @@
 """An async save's snapshot is the state of the step it was asked at, even when the copy is slower
 than the next forward/backward: the optimizer step waits for it (no Ray, no process group)."""
 import threading
-import time
 
 import torch
 
@@ -27,25 +26,34 @@ def _trained_model():
 def test_the_next_optimizer_step_waits_for_a_slow_snapshot(tmp_path, monkeypatch):
     model, optimizer = _trained_model()
     expected = {(name, kind): checksum(t.detach().contiguous().numpy().tobytes()) for name, kind, t in state_tensors(model, optimizer)}
-    release = threading.Event()
+    release, copy_held = threading.Event(), threading.Event()
     saver = async_save.AsyncSaver()
     real_buffer = saver._host_buffer
 
     def slow_buffer(key, tensor):
-        release.wait(timeout=30)  # the copy cannot start until the test says so
+        copy_held.set()
+        release.wait(timeout=60)  # the copy cannot go on until the test says so
         return real_buffer(key, tensor)
 
     monkeypatch.setattr(saver, "_host_buffer", slow_buffer)
+    # Pre-hooks run in the order registered: one before the saver's, one after it (which runs
+    # only once the saver's hook lets the step through).
+    step_started, step_let_through = threading.Event(), threading.Event()
+    optimizer.register_step_pre_hook(lambda *_: step_started.set())
     save = saver.start(model, optimizer, str(tmp_path / "ckpt"), "attempt-a/rank-00000.safetensors", 0)
+    optimizer.register_step_pre_hook(lambda *_: step_let_through.set())
     model(torch.randn(8, 16)).square().mean().backward()  # the next step's forward and backward run meanwhile
     stepper = threading.Thread(target=optimizer.step)
     stepper.start()
-    time.sleep(0.3)
-    assert stepper.is_alive()  # held by the pre-hook: the copy has not happened yet
+    assert copy_held.wait(timeout=60) and step_started.wait(timeout=60)
+    # The copy is held and the step has begun: a saver that did not hold the step would let it
+    # through at once (within microseconds); this waits a generous half second for that to show.
+    assert not step_let_through.wait(timeout=0.5)
     release.set()
-    stepper.join(timeout=30)
+    stepper.join(timeout=60)
+    assert not stepper.is_alive() and step_let_through.is_set()
     status = save.status(wait=True)
-    assert status["error"] is None and status["optimizer_wait_seconds"] > 0.2
+    assert status["error"] is None and status["optimizer_wait_seconds"] > 0
     chunks = [Chunk.from_row(row) for row in status["rows"]]
     (tmp_path / "ckpt" / "manifest.parquet").write_bytes(encode_manifest(chunks, {"step": 2}))
     stored, _ = read_manifest(str(tmp_path / "ckpt"))

@@ -83,7 +83,11 @@ def test_transpose_cast_drop_add_and_their_inverses():
     mapping = Mapping((Transpose("w"), Cast("w", to="float64", source="float32"),
                        Drop("buffer", shape=(2,), dtype="float32", fill=1.5), Add("extra", (2,), "float32", 0.0)))
     out = _apply(mapping, {"w": w, "buffer": torch.full((2,), 1.5)})
-    assert out["w"].shape == (4, 3) and out["w"].dtype == torch.float64 and "buffer" not in out
+    # w is [[0, .5, 1, 1.5], [2, 2.5, 3, 3.5], [4, 4.5, 5, 5.5]]; its transpose, written out by hand
+    # (a reshape to (4, 3) has the right shape and round-trips too, but reads [[0, .5, 1], ...]).
+    transposed = torch.tensor([[0.0, 2.0, 4.0], [0.5, 2.5, 4.5], [1.0, 3.0, 5.0], [1.5, 3.5, 5.5]], dtype=torch.float64)
+    assert torch.equal(out["w"], transposed) and "buffer" not in out
+    assert out["w"].is_contiguous()  # written to safetensors as is
     assert torch.equal(out["extra"], torch.zeros(2))
     back = _apply(mapping.inverse(), out)
     assert torch.equal(back["w"], w) and torch.equal(back["buffer"], torch.full((2,), 1.5)) and "extra" not in back

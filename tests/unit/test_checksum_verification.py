@@ -1,0 +1,165 @@
+"""Every byte a load reads is verified, on every read path: here the object-store path of the read
+executor (whole requests, and parts bigger than the fetch window read in row blocks), through an
+fsspec memory filesystem, and the checksum functions against zlib's and crc32c's published values.
+(The local path: tests/unit/test_local_read_runs.py.)"""
+import re
+import uuid
+import zlib
+
+import fsspec
+import pytest
+import torch
+
+from actors.checkpoint import checksums
+from actors.checkpoint.checksums import algorithm_of, checksum, combine, matches, running_like
+from actors.checkpoint.read_executor import Destination, execute_requests
+from actors.checkpoint.shard_writer import Piece, encode_shard
+from plans.checkpoint.reshard import Target, header_checks, index_chunks, plan_rank
+from plans.errors import CheckpointError
+
+FILE = "attempt-x/rank-00000.safetensors"
+# Whole requests; parts bigger than the window, read in row blocks of 2 rows (a: 40 bytes a row).
+WINDOWS = [2**20, 96]
+
+
+def _values(shape, salt):
+    count = torch.Size(shape).numel()
+    return (torch.arange(count, dtype=torch.float64) * (7 + salt) % 101 - 50 + salt / 8).reshape(shape).float()
+
+
+WHOLE = {"a": _values((6, 10), 1), "b": _values((5,), 2), "e": _values((8, 4), 3)}
+
+
+def _store():
+    """The shard in a fresh memory:// store: (filesystem, base, file bytes, chunks)."""
+    pieces = [Piece("a", "param", WHOLE["a"], (6, 10), (0, 0)), Piece("b", "param", WHOLE["b"], (5,), (0,)),
+              Piece("e", "param", WHOLE["e"], (8, 4), (0, 0))]
+    data, chunks = encode_shard(pieces, FILE)
+    fs, base = fsspec.core.url_to_fs(f"memory://verify-{uuid.uuid4().hex}")
+    fs.pipe_file(f"{base}/{FILE}", data)
+    return fs, base, data, chunks
+
+
+def _plan(chunks):
+    """a and b read whole; e read in part (rows 2..6), so its header is checked and the part reported."""
+    wanted = {Target("a", "param", (0, 0), (6, 10)): torch.full((6, 10), -1.0),
+              Target("b", "param", (0,), (5,)): torch.full((5,), -1.0),
+              Target("e", "param", (2, 0), (4, 4)): torch.full((4, 4), -1.0)}
+    plan = plan_rank(index_chunks(chunks), list(wanted), headers=header_checks(chunks), min_segment_bytes=1 << 20)
+    by_item = {item: Destination(wanted[target], target.offsets) for target, items in plan.items.items() for item in items}
+    return plan, wanted, by_item
+
+
+def _damaged(fs, base, data, at):
+    changed = bytearray(data)
+    changed[at] ^= 0x10
+    fs.pipe_file(f"{base}/{FILE}", bytes(changed))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_an_object_store_read_lands_bit_for_bit_and_reports_each_part(window):
+    fs, base, data, chunks = _store()
+    plan, wanted, by_item = _plan(chunks)
+    served, partial = [], []
+    read = execute_requests(fs, base, plan.requests, by_item, window_bytes=window, served=served.append, partial=partial)
+    for target, tensor in wanted.items():
+        region = tuple(slice(o, o + s) for o, s in zip(target.offsets, target.sizes))
+        assert torch.equal(tensor, WHOLE[target.name][region]), target
+    assert sorted(map(id, served)) == sorted(map(id, by_item))
+    assert read == sum(part.nbytes for request in plan.requests for part in request.parts)
+    # The one part of a chunk: its checksum is zlib's CRC32 of exactly the bytes it read.
+    (part,) = partial
+    e = next(c for c in chunks if c.name == "e")
+    assert (part.name, part.chunk_start, part.chunk_end, part.recorded) == ("e", e.byte_start, e.byte_end, e.checksum)
+    assert part.end - part.start == 4 * 4 * 4 and e.byte_start <= part.start < part.end <= e.byte_end
+    assert part.value == zlib.crc32(data[part.start:part.end])
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("victim, row", [("a", 0), ("a", 5), ("b", 0)])
+def test_a_changed_byte_in_a_whole_chunk_from_an_object_store_names_the_tensor(window, victim, row):
+    fs, base, data, chunks = _store()
+    chunk = next(c for c in chunks if c.name == victim)
+    row_bytes = (chunk.byte_end - chunk.byte_start) // (chunk.sizes[0] if victim == "a" else 1)
+    _damaged(fs, base, data, chunk.byte_start + row * row_bytes + 3)
+    plan, wanted, by_item = _plan(chunks)
+    with pytest.raises(CheckpointError, match=rf"^{base}/{FILE}: checksum mismatch for {victim} \(param\) at bytes "
+                                              rf"\[{chunk.byte_start}, {chunk.byte_end}\); the file changed or is corrupt"):
+        execute_requests(fs, base, plan.requests, by_item, window_bytes=window)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_changed_byte_in_a_part_changes_its_reported_checksum_not_the_load(window):
+    fs, base, data, chunks = _store()
+    e = next(c for c in chunks if c.name == "e")
+    _damaged(fs, base, data, e.byte_start + 3 * 16 + 1)  # row 3 of e, inside the part read
+    plan, _, by_item = _plan(chunks)
+    partial = []
+    execute_requests(fs, base, plan.requests, by_item, window_bytes=window, partial=partial)
+    (part,) = partial
+    assert part.value != zlib.crc32(data[part.start:part.end])  # the driver's combine then fails the chunk
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_changed_header_from_an_object_store_is_caught(window):
+    fs, base, data, chunks = _store()
+    _damaged(fs, base, data, 9)
+    plan, _, by_item = _plan(chunks)
+    with pytest.raises(CheckpointError, match="its safetensors header differs from the one recorded in the manifest"):
+        execute_requests(fs, base, plan.requests, by_item, window_bytes=window)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_short_object_names_the_bytes_it_could_not_supply(window):
+    fs, base, data, chunks = _store()
+    b = next(c for c in chunks if c.name == "b")
+    fs.pipe_file(f"{base}/{FILE}", data[:b.byte_start + 2])
+    plan, _, by_item = _plan(chunks)
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fs, base, plan.requests, by_item, window_bytes=window)
+    named = re.fullmatch(rf"{base}/{FILE}: expected bytes \[(\d+), (\d+)\) of (.+) but got (\d+) bytes; the shard is "
+                         r"missing or truncated\. Fix: restore the file, or resume from an earlier checkpoint", str(failed.value))
+    assert named, failed.value
+    start, end, what, got = int(named[1]), int(named[2]), named[3], int(named[4])
+    cut = b.byte_start + 2
+    assert start < end and end > cut and got == max(0, cut - start), failed.value  # the range the cut file lacks
+    assert all(f"{c.name} (param)" in what for c in chunks if start <= c.byte_start < end), what
+
+
+# --- the checksum functions ---------------------------------------------------------------------
+
+CHECK = b"123456789"  # the CRC catalogue's check input: CRC-32 cbf43926, CRC-32C e3069283
+
+
+def test_checksums_are_the_catalogue_values_and_print_as_eight_hex_digits():
+    assert checksum(CHECK) == "crc32:cbf43926" == f"crc32:{zlib.crc32(CHECK):08x}"
+    assert checksum(CHECK, "crc32c") == "crc32c:e3069283"
+    assert checksum(b"\x00" * 0) == "crc32:00000000"
+    assert checksum(b"a") == "crc32:e8b7be43"
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "crc32c"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_combining_parts_gives_the_whole(monkeypatch, algorithm, fast):
+    if not fast:
+        monkeypatch.setattr(checksums, "_crc32_combine", None)  # the pure-Python polynomial path
+    data = bytes(range(256)) * 5 + b"tail"
+    for cut in (0, 1, 7, 640, len(data) - 1, len(data)):
+        first, second = running_like(f"{algorithm}:0"), running_like(f"{algorithm}:0")
+        first.update(data[:cut])
+        second.update(data[cut:])
+        assert f"{algorithm}:{combine(algorithm, first.value, second.value, len(data) - cut):08x}" == checksum(data, algorithm)
+
+
+def test_matches_reads_the_algorithm_from_the_recorded_value_and_takes_buffers_in_order():
+    assert matches("crc32c:e3069283", [b"1234", b"56789"])
+    assert matches("crc32:cbf43926", [memoryview(b"12345"), b"6789"])
+    assert not matches("crc32:cbf43926", [b"56789", b"1234"])
+    assert not matches("crc32c:cbf43926", [CHECK])
+
+
+def test_an_unknown_algorithm_is_named_with_the_ones_we_know():
+    assert algorithm_of("crc32c:00000000") == "crc32c" and algorithm_of("crc32:1") == "crc32"
+    with pytest.raises(CheckpointError, match=r"^shard.safetensors: checksum 'sha1:abc' uses 'sha1', which this rayshard "
+                                              r"cannot verify \(it knows crc32, crc32c\); upgrade rayshard to read it$"):
+        running_like("sha1:abc", "shard.safetensors")

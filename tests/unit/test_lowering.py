@@ -1,0 +1,92 @@
+"""Lowering, by its exact output on small schedules (checked by hand against the rule: a transfer
+happens when its producer finishes, a rank whose neighbour would send at the same moment receives
+first) and by its exact refusals."""
+import pytest
+
+from plans.errors import ScheduleError
+from plans.pipeline.actions import Action, Kind, Schedule
+from plans.pipeline.checker import check
+from plans.pipeline.lowering import lower
+from plans.pipeline.schedules import build_schedule
+
+F, B = Kind.F, Kind.B
+
+
+def _text(schedule: Schedule) -> list[list[str]]:
+    return [[str(action) for action in actions] for actions in schedule.ranks]
+
+
+def test_1f1b_on_two_ranks_receives_first_where_both_would_send():
+    lowered = lower(build_schedule("1f1b", 2, 3))
+    assert check(lowered).ok
+    assert _text(lowered) == [
+        ["F(stage=0, mb=0)", "SEND_F(stage=0, mb=0, to rank 1)", "F(stage=0, mb=1)", "SEND_F(stage=0, mb=1, to rank 1)",
+         "RECV_B(stage=0, mb=0, from rank 1)", "B(stage=0, mb=0)", "F(stage=0, mb=2)", "SEND_F(stage=0, mb=2, to rank 1)",
+         "RECV_B(stage=0, mb=1, from rank 1)", "B(stage=0, mb=1)", "RECV_B(stage=0, mb=2, from rank 1)", "B(stage=0, mb=2)"],
+        # rank 1 takes mb 1's input before sending mb 0's gradient back: rank 0 sends it first.
+        ["RECV_F(stage=1, mb=0, from rank 0)", "F(stage=1, mb=0)", "RECV_F(stage=1, mb=1, from rank 0)", "B(stage=1, mb=0)",
+         "SEND_B(stage=1, mb=0, to rank 0)", "F(stage=1, mb=1)", "B(stage=1, mb=1)", "RECV_F(stage=1, mb=2, from rank 0)",
+         "SEND_B(stage=1, mb=1, to rank 0)", "F(stage=1, mb=2)", "B(stage=1, mb=2)", "SEND_B(stage=1, mb=2, to rank 0)"],
+    ]
+
+
+def test_zbv_hands_off_between_the_two_stages_of_one_rank():
+    lowered = lower(build_schedule("zbv", 2, 2))
+    assert lowered.stage_ranks == (0, 1, 1, 0) and check(lowered).ok
+    assert _text(lowered) == [
+        ["F(stage=0, mb=0)", "SEND_F(stage=0, mb=0, to rank 1)", "F(stage=0, mb=1)", "SEND_F(stage=0, mb=1, to rank 1)",
+         "RECV_F(stage=3, mb=0, from rank 1)", "F(stage=3, mb=0)", "I(stage=3, mb=0)", "SEND_B(stage=3, mb=0, to rank 1)",
+         "RECV_F(stage=3, mb=1, from rank 1)", "W(stage=3, mb=0)", "F(stage=3, mb=1)", "I(stage=3, mb=1)",
+         "SEND_B(stage=3, mb=1, to rank 1)", "RECV_B(stage=0, mb=0, from rank 1)", "W(stage=3, mb=1)", "I(stage=0, mb=0)",
+         "W(stage=0, mb=0)", "RECV_B(stage=0, mb=1, from rank 1)", "I(stage=0, mb=1)", "W(stage=0, mb=1)"],
+        ["RECV_F(stage=1, mb=0, from rank 0)", "F(stage=1, mb=0)", "RECV_F(stage=1, mb=1, from rank 0)",
+         "HANDOFF_F(stage=1, mb=0)", "F(stage=2, mb=0)", "SEND_F(stage=2, mb=0, to rank 0)", "F(stage=1, mb=1)",
+         "HANDOFF_F(stage=1, mb=1)", "F(stage=2, mb=1)", "RECV_B(stage=2, mb=0, from rank 0)",
+         "SEND_F(stage=2, mb=1, to rank 0)", "I(stage=2, mb=0)", "HANDOFF_B(stage=2, mb=0)", "W(stage=2, mb=0)",
+         "I(stage=1, mb=0)", "RECV_B(stage=2, mb=1, from rank 0)", "SEND_B(stage=1, mb=0, to rank 0)", "W(stage=1, mb=0)",
+         "I(stage=2, mb=1)", "HANDOFF_B(stage=2, mb=1)", "W(stage=2, mb=1)", "I(stage=1, mb=1)",
+         "SEND_B(stage=1, mb=1, to rank 0)", "W(stage=1, mb=1)"],
+    ]
+
+
+def test_inputs_are_received_in_the_order_they_were_sent_whatever_order_the_consumer_runs_them():
+    # Rank 1 runs mb 1 before mb 0: both inputs are received up front, in the sender's order.
+    schedule = Schedule("h", 2, 1, 2, (0, 1), [
+        [Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1)],
+        [Action(F, 1, 1), Action(F, 1, 0), Action(B, 1, 0), Action(B, 1, 1)]])
+    lowered = lower(schedule)
+    assert check(lowered).ok
+    assert _text(lowered)[1] == [
+        "RECV_F(stage=1, mb=0, from rank 0)", "RECV_F(stage=1, mb=1, from rank 0)", "F(stage=1, mb=1)", "F(stage=1, mb=0)",
+        "B(stage=1, mb=0)", "SEND_B(stage=1, mb=0, to rank 0)", "B(stage=1, mb=1)", "SEND_B(stage=1, mb=1, to rank 0)"]
+
+
+def test_an_output_nobody_consumes_is_still_sent_when_it_is_produced():
+    lowered = lower(Schedule("h", 2, 1, 1, (0, 1), [[Action(F, 0, 0)], []]))
+    assert _text(lowered) == [["F(stage=0, mb=0)", "SEND_F(stage=0, mb=0, to rank 1)"], ["RECV_F(stage=1, mb=0, from rank 0)"]]
+    assert "stage 1 mb 0 never runs F" in [str(v) for v in check(lowered).violations]
+
+
+@pytest.mark.parametrize("ranks, microbatches, message", [
+    ([[Action(F, 0, 0), Action(F, 0, 0)], []], 1,
+     "F(stage=0, mb=0) appears twice. Fix: run each (stage, microbatch) once per kind"),
+    ([[Action(F, 0, 1)], []], 1,
+     "F(stage=0, mb=1) is outside the schedule's 2 stages and 1 microbatches. Fix: generate actions within those ranges"),
+    ([[Action(F, 2, 0)], []], 1,
+     "F(stage=2, mb=0) is outside the schedule's 2 stages and 1 microbatches. Fix: generate actions within those ranges"),
+    ([[Action(B, 0, 0), Action(F, 0, 0)], [Action(F, 1, 0), Action(B, 1, 0)]], 1,
+     "schedule 'h' cannot run even with free communication: every rank left waits for an input no rank will produce "
+     "first:\n  rank 0 at step 0: B(stage=0, mb=0)\n  rank 1 at step 0: F(stage=1, mb=0)\nFix: reorder the compute lists "
+     "so each input is produced before it is needed"),
+])
+def test_schedules_lowering_cannot_run_are_refused_with_the_reason(ranks, microbatches, message):
+    with pytest.raises(ScheduleError) as refused:
+        lower(Schedule("h", 2, 1, microbatches, (0, 1), ranks))
+    assert str(refused.value) == message
+
+
+def test_a_lowered_schedule_is_not_lowered_again():
+    with pytest.raises(ScheduleError) as refused:
+        lower(lower(build_schedule("1f1b", 2, 2)))
+    assert str(refused.value) == ("schedule '1f1b' already holds communication actions. Fix: lower the compute-only "
+                                  "schedule from plans.pipeline.schedules.build_schedule")
