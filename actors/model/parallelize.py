@@ -170,6 +170,13 @@ def clip_grad_norm(parameters, max_norm: float, coords: dict[str, int], timeout:
     copies: the rank's pipeline copies (a tied embedding's last-stage copy): counted by the first stage.
     """
     with_grads = [p for p in parameters if p.grad is not None]
+    for param in with_grads:
+        # A gradient left Partial (sequence-parallel norm weights without FSDP to reduce them:
+        # each tp rank holds its tokens' share) is summed over its mesh first; its local piece is
+        # not the gradient, and counting the pieces would give sum |p_i|^2, not |sum p_i|^2.
+        grad = param.grad
+        if hasattr(grad, "placements") and any(placement.is_partial() for placement in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
     grads = [p.grad for p in with_grads]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     squared = torch.zeros((), dtype=torch.float64, device=local[0].device if local else None)

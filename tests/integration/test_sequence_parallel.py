@@ -42,6 +42,23 @@ def test_ten_steps_follow_tp_without_sp(run_training, tmp_path):
         assert math.isclose(sequence[step], loss, rel_tol=1e-5), (step, sequence[step], loss)
 
 
+def test_sp_without_fsdp_clips_by_the_true_gradient_norm(run_training, tmp_path):
+    """tp-only fp32 has no FSDP to reduce the norm weights' Partial gradients: the gradient norm
+    must still be |sum of the parts|, the same as without sp."""
+    import json
+
+    layout = ParallelLayout(tp=2)
+    norms = {}
+    for name, sp in (("plain", False), ("sp", True)):
+        run_training(_config(tmp_path / name, layout, steps=3, run=name, sequence_parallel=sp))
+        lines = (tmp_path / name / "store" / name / "metrics.jsonl").read_text().split()
+        norms[name] = [json.loads(line)["grad_norm"] for line in (tmp_path / name / "store" / name / "metrics.jsonl")
+                       .read_text().splitlines() if line.strip()]
+        assert lines
+    for plain, sequence in zip(norms["plain"], norms["sp"]):
+        assert math.isclose(sequence, plain, rel_tol=1e-6), norms
+
+
 def test_sp_needs_tp_and_a_sequence_it_can_split(tmp_path):
     with pytest.raises(ConfigError, match="sequence_parallel=True: splits the sequence over the tp ranks, and tp is 1"):
         _config(tmp_path, ParallelLayout(), sequence_parallel=True)
