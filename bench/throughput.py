@@ -2,20 +2,27 @@
 
 What a user would pick instead: `transformers.LlamaForCausalLM` of the same sizes, trained in a
 plain single-process loop with the same batch, sequence length, optimizer (AdamW, foreach, the
-same hyperparameters, gradient clipping at 1.0) and precision. For bf16 the plain loop runs
-under `torch.autocast(bfloat16)` over float32 weights (the usual single-device recipe); rayshard
-runs FSDP2's bf16 parameters with float32 reduction over its one-rank mesh (decision 57).
+same hyperparameters, gradient clipping at 1.0), precision, activation checkpointing and
+compile. For bf16 the plain loop runs under `torch.autocast(bfloat16)` over float32 weights (the
+usual single-device recipe); rayshard runs FSDP2's bf16 parameters with float32 reduction over
+its one-rank mesh (decision 57). AC in the plain loop is transformers' own
+`activation_checkpointing_enable` per decoder layer (non-reentrant; selective passes the same
+op-level policy as ours through its `context_fn`); compile is `torch.compile(model)`, whole.
 Both run in this process, one rank, alternating step by step after warm-up, and the median step
 time of each gives tokens/s, model TFLOP/s and MFU (torchtitan's FLOPs per token; `mfu n/a` on a
 CPU). Prints ours/HF: goal >= 1.0 on CPU (small preset), >= 1.3 and MFU >= 40% on one GPU.
 
     .venv/bin/python bench/throughput.py [--preset small] [--precision fp32|bf16] [--ac none|full|selective]
                                          [--compile] [--batch 4] [--seq-len 128] [--steps 6] [--device cpu|cuda]
+
+On cuda the preset defaults to `1b` when plans/training/model_spec.py has one (else `medium`,
+and the bench says so); the CPU default is `small`.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import socket
 import statistics
@@ -26,12 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: E402
 
+from actors.model.block_wrappers import SAVED_OPS  # noqa: E402
 from actors.training.trainer import Trainer  # noqa: E402
 from plans.checkpoint.hf_families import hf_config  # noqa: E402
 from plans.config import OptimizerConfig, TrainConfig  # noqa: E402
 from plans.training.flops import throughput  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
+from plans.training.model_spec import PRESETS, preset  # noqa: E402
 
 WARMUP = 2
 
@@ -40,6 +49,11 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def _saves_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective AC as ours does it (actors/model/block_wrappers.py): keep matmul and attention outputs."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class HuggingFaceLoop:
@@ -54,6 +68,11 @@ class HuggingFaceLoop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
                                            weight_decay=opt.weight_decay, foreach=True)
         self.config, self.device = config, device
+        if config.ac != "none":
+            options = {"use_reentrant": False}
+            if config.ac == "selective":
+                options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _saves_matmuls)
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
         generator = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(0, config.model.vocab_size, (config.global_batch, config.seq_len + 1),
                                     generator=generator).to(device)
@@ -65,7 +84,7 @@ class HuggingFaceLoop:
         precision = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.precision == "bf16"
                      else contextlib.nullcontext())
         with precision:
-            logits = self.model(input_ids=inputs).logits
+            logits = self.model(input_ids=inputs, use_cache=False).logits  # training: no KV cache
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optimizer.grad_clip, foreach=True)
@@ -86,7 +105,7 @@ def _timed(step) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="small")
+    parser.add_argument("--preset", help="model preset (default: small on cpu, 1b on cuda where one exists)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--ac", choices=("none", "full", "selective"), default="none")
     parser.add_argument("--compile", action="store_true")
@@ -95,6 +114,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps of each, after warm-up")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    if args.preset is None:
+        args.preset = "small" if args.device == "cpu" else "1b" if "1b" in PRESETS else "medium"
+        if args.device == "cuda" and args.preset != "1b":
+            print("note: plans/training/model_spec.py has no ~1B preset ('1b'); running 'medium' instead")
     torch.set_num_threads(1)
     config = TrainConfig(model_preset=args.preset, model=preset(args.preset), global_batch=args.batch, seq_len=args.seq_len,
                          steps=WARMUP + args.steps, precision=args.precision, ac=args.ac, compile=args.compile,

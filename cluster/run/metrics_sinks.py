@@ -2,8 +2,10 @@
 files with --tensorboard, Weights & Biases with --wandb-project (when the package is installed).
 
 TensorBoard's writer appends to local files; on an object store the events are written to a
-local folder (./tensorboard/RUN) and copied to RUN/tensorboard/ in the store at every flush, so
-the run's directory holds them either way.
+local temporary folder and copied to RUN/tensorboard/ in the store at every flush (each
+checkpoint and the end of the run), so the run's directory holds them either way. A resumed run
+hides the abandoned steps past its checkpoint from TensorBoard (`purge_step`), as metrics.jsonl
+drops their lines.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import tempfile
 
 from fsspec.implementations.local import LocalFileSystem
@@ -41,15 +44,24 @@ class MetricsLog:
     def flush(self) -> None:
         self.store.write_text(self.relative, "\n".join(self.lines) + "\n")
 
+    def close(self) -> None:
+        self.flush()
+
+    @property
+    def where(self) -> str:
+        return f"{self.store.url.rstrip('/')}/{self.relative}"
+
 
 class TensorBoardSink:
-    def __init__(self, store: Store, run: str):
+    def __init__(self, store: Store, run: str, start_step: int = 0):
         self.store, self.run = store, run
         local = isinstance(store.fs, LocalFileSystem)
         self.directory = (os.path.join(store.root, run, "tensorboard") if local
                           else tempfile.mkdtemp(prefix=f"rayshard-tensorboard-{run}-"))
         self.remote = None if local else f"{store.root}/{run}/tensorboard"
-        self.writer = SummaryWriter(self.directory)
+        # The first step this run logs is start_step + 1: events of an earlier attempt at or past it
+        # belong to the abandoned timeline (purge_step=None on a fresh run: nothing to hide).
+        self.writer = SummaryWriter(self.directory, purge_step=start_step + 1 if start_step else None)
 
     def append(self, record: dict) -> None:
         for key in SCALARS:
@@ -60,6 +72,12 @@ class TensorBoardSink:
         self.writer.flush()
         if self.remote is not None:
             self.store.fs.put(self.directory + "/", self.remote, recursive=True)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.flush()  # the last upload, after close wrote everything
+        if self.remote is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
     @property
     def where(self) -> str:
@@ -76,7 +94,14 @@ class WandbSink:
         self.session.log({key: record[key] for key in SCALARS if record.get(key) is not None}, step=record["step"])
 
     def flush(self) -> None:
-        pass
+        pass  # wandb uploads in its own process
+
+    def close(self) -> None:
+        self.session.finish()
+
+    @property
+    def where(self) -> str:
+        return f"W&B project {self.session.project}, run {self.session.name}"
 
 
 def check_sinks(config: TrainConfig) -> None:
@@ -90,7 +115,7 @@ def open_sinks(config: TrainConfig, store: Store, start_step: int) -> list:
     """metrics.jsonl first (it is what `ckpt plot-resume` and the tests read), then the others."""
     sinks: list = [MetricsLog(store, config.run, start_step)]
     if config.tensorboard:
-        sinks.append(TensorBoardSink(store, config.run))
+        sinks.append(TensorBoardSink(store, config.run, start_step))
     if config.wandb_project:
         sinks.append(WandbSink(config))
     return sinks

@@ -91,6 +91,7 @@ def train(config: TrainConfig, actors: list | None = None,
          f"in {time.perf_counter() - started:.1f}s")
     result = TrainResult(config.run, start_step, resumed_from=parent)
     sinks = open_sinks(config, store, start_step)
+    _log("metrics: " + ", ".join(sink.where for sink in sinks))
 
     def committed(step: int, url: str) -> None:
         result.checkpoints.append(url)
@@ -117,7 +118,6 @@ def train(config: TrainConfig, actors: list | None = None,
                     check = verify_resumed_state(group, store, config.run, start_step, resume.url, str(config.layout))
                 _log(f"resumed state verified: {check.tensors} tensors, digests equal to the checkpoint's "
                      f"({check.digest[:19]}...)")
-        tokens_per_step = config.global_batch * config.seq_len
         for step in range(start_step, config.steps):
             tick = time.perf_counter()
             per_rank = group.call_reporting_failures("train_step")
@@ -127,11 +127,14 @@ def train(config: TrainConfig, actors: list | None = None,
             done = metrics.step
             result.losses[done] = metrics.loss
             result.step_seconds.append(seconds)
-            speed = throughput(config.model, config.seq_len, tokens_per_step, seconds, config.layout.world_size,
+            # As the ranks counted them: a data rank's tp and pp peers count the same tokens.
+            tokens = (sum(rank.tokens for rank in per_rank) // (config.layout.tp * config.layout.pp)
+                      or config.global_batch * config.seq_len)
+            speed = throughput(config.model, config.seq_len, tokens, seconds, config.layout.world_size,
                                metrics.device_name, config.precision)
             peaks = [rank.peak_memory_bytes for rank in per_rank]
             record = {"step": done, "loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
-                      "tokens_per_s": speed.tokens_per_s, "tokens_per_s_per_rank": speed.tokens_per_s_per_rank,
+                      "tokens": tokens, "tokens_per_s": speed.tokens_per_s, "tokens_per_s_per_rank": speed.tokens_per_s_per_rank,
                       "tflops_per_rank": speed.tflops_per_rank, "mfu": speed.mfu, "device": metrics.device_name,
                       "peak_memory_gib": max(peaks) / 2**30, "peak_memory_bytes_per_rank": peaks,
                       "step_s": seconds, "layout": str(config.layout), "precision": config.precision,
@@ -156,7 +159,7 @@ def train(config: TrainConfig, actors: list | None = None,
                     break
     finally:
         for sink in sinks:
-            sink.flush()
+            sink.close()
         timings.write(store)
         group.shutdown()
     return result

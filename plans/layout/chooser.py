@@ -67,20 +67,26 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
 
     Model state: 16 bytes per parameter (float32 weight, gradient and two AdamW moments, in bf16
     runs too: the master state stays float32), split over tp and pp, and over fsdp for the
-    sharded part; FSDP also gathers one transformer block at a time, in the compute dtype (bf16
-    runs always go through FSDP2, `actors/model/precision.py`). Activations: per layer and token,
-    about 12 dim + 3 ffn values kept for the backward (norms, qkv, attention output, SwiGLU), in
-    the compute dtype; with full AC only each block's input (dim values) plus one block being
-    recomputed; with selective AC the matmul and attention outputs (about 5 dim + 2 ffn) plus
-    the block input. Then the microbatches in flight (up to pp for 1F1B-like schedules) over the
-    layers a stage holds, and the last stage's logits (float32 for the loss, plus their gradient).
+    sharded part. Where FSDP2 wraps the model (data ranks > 1, and every bf16 run:
+    `actors/model/precision.py`) it also holds working copies of parameters in the compute dtype
+    (bf16 on top of the float32 master): one transformer block at a time plus the root's
+    embedding, final norm and head (FSDP2 keeps the root gathered from forward to backward), or
+    the whole stage under a pipeline (stages keep their parameters gathered across microbatches).
+    Activations: per layer and token, about 12 dim + 3 ffn values kept for the backward (norms,
+    qkv, attention output, SwiGLU), in the compute dtype; with full AC only each block's input
+    (dim values) plus one block being recomputed; with selective AC the matmul and attention
+    outputs (about 5 dim + 2 ffn) plus the block input. Then the microbatches in flight (up to
+    pp for 1F1B-like schedules) over the layers a stage holds, and the last stage's logits
+    (float32 for the loss, plus their gradient).
     """
     itemsize = 2 if work.precision == "bf16" else 4
     params = parameter_count(model)
     per_model_shard = params / (layout.tp * layout.pp)
-    block = (model.dim * (model.n_heads + 2 * model.n_kv_heads) * model.head_dim + model.dim * model.n_heads * model.head_dim
-             + 3 * model.dim * model.ffn_dim) / layout.tp
-    gathered = itemsize * block if layout.fsdp > 1 or work.precision == "bf16" else 0
+    root = (model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) + model.dim) / layout.tp
+    block = (params / layout.tp - root) / model.n_layers
+    gathered = 0.0
+    if layout.data_parallel_size > 1 or work.precision == "bf16":  # FSDP2's working copies
+        gathered = itemsize * (per_model_shard if layout.pp > 1 else block + root)
     model_state = BYTES_PER_PARAM_STATE * per_model_shard / layout.fsdp + gathered
     rows = work.global_batch // layout.data_parallel_size // work.microbatches
     tokens = rows * work.seq_len

@@ -2,10 +2,14 @@
 
 FLOPs per token = 6 x (parameters - embedding parameters) + 12 x layers x heads x head_dim x
 sequence length: the forward and backward matmuls of every non-embedding weight, plus attention's
-scores and weighted sums (torchtitan's `get_nparams_and_flops`). The embedding lookup does no
-matmul; with tied embeddings the LM head shares its weight and is left out with it, as torchtitan
-does. These are model FLOPs: activation recomputation is work the hardware does on top, and MFU
-does not count it.
+scores and weighted sums (torchtitan's `get_num_flop_per_token`, now `get_nparams_and_flops`).
+Embedding parameters are excluded as torchtitan excludes them (it subtracts the parameters of its
+`nn.Embedding` children): the lookup does no matmul. The untied LM head is a matmul and counts;
+with tied embeddings the head shares the embedding's weight, which torchtitan counts once and
+subtracts, so the head's matmul drops out with it, and here too. torchtitan's head width is
+dim // n_heads; ours is the configured head_dim, which equals it except in families that set it
+apart (Qwen3). These are model FLOPs: activation recomputation is work the hardware does on top,
+and MFU does not count it.
 """
 from __future__ import annotations
 
