@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from plans.errors import ConfigError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_spec import PRESETS, ModelConfig, preset
-from plans.pipeline.csv_order import parse_pipeline_csv
+from plans.pipeline.csv_order import pipeline_order
 from plans.pipeline.plan import stage_partition
 from plans.pipeline.schedules import build_schedule, schedule_spec
 
@@ -195,7 +195,7 @@ class TrainConfig:
     def splits_backward(self) -> bool:
         """The pipeline order runs each stage's backward as I and W (zero-bubble schedules)."""
         if self.schedule_csv:
-            return parse_pipeline_csv(list(map(list, self.schedule_csv))).splits_backward
+            return pipeline_order(self.schedule_csv).splits_backward
         return schedule_spec(self.schedule).splits_backward
 
     def _validate_pipeline(self) -> None:
@@ -227,7 +227,7 @@ class TrainConfig:
 
     def _validate_pipeline_order(self) -> None:
         """A pipeline order from a file: its ranks, stages and microbatches must be the run's."""
-        lay, order = self.layout, parse_pipeline_csv(list(map(list, self.schedule_csv)))
+        lay, order = self.layout, pipeline_order(self.schedule_csv)
         if lay.pp == 1:
             raise ConfigError("layout.pp", 1, "a schedule file orders pipeline stages, and pp is 1",
                               f"set --pp {order.pp} (the file's rows), or drop --schedule-csv")

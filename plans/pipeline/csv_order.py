@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from plans.errors import ScheduleError
 from plans.pipeline.actions import COMM_KINDS, Action, Kind, Schedule
@@ -61,8 +62,15 @@ class CsvOrder:
         return any(action.kind in (Kind.I, Kind.W) for actions in self.ranks for action in actions)
 
 
-def parse_pipeline_csv(rows: list[list[str]], where: str = "schedule CSV") -> CsvOrder:
-    """`rows`: the file's cells, one list per rank (csv.reader's output)."""
+@lru_cache(maxsize=16)
+def pipeline_order(rows: tuple[tuple[str, ...], ...]) -> CsvOrder:
+    """A run's pipeline order (its config's cells), parsed once: validation, the plan, the stage
+    cut and the step runner all ask for it."""
+    return parse_pipeline_csv(rows)
+
+
+def parse_pipeline_csv(rows, where: str = "schedule CSV") -> CsvOrder:
+    """`rows`: the file's cells, one sequence per rank (csv.reader's output)."""
     rows = [list(row) for row in rows]
     while rows and not any(cell.strip() for cell in rows[-1]):
         rows.pop()  # a trailing newline

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plans.pipeline.actions import Schedule
-from plans.pipeline.csv_order import lowered_as_written, parse_pipeline_csv, schedule_of
+from plans.pipeline.csv_order import lowered_as_written, pipeline_order, schedule_of
 from plans.pipeline.checker import check
 from plans.layout.parallel_layout import ParallelLayout
 from plans.pipeline.lowering import lower
@@ -41,7 +41,7 @@ def stage_partition(model: ModelConfig, layout: ParallelLayout, schedule_name: s
     far more than either, and an uneven cut is one `stage_layout` away. csv_rows: a pipeline
     order from a file, whose stage placement decides (`plans/pipeline/csv_order.py`).
     """
-    placement = parse_pipeline_csv(list(map(list, csv_rows))).placement if csv_rows else schedule_spec(schedule_name).placement
+    placement = pipeline_order(csv_rows).placement if csv_rows else schedule_spec(schedule_name).placement
     return partition_layers([1.0] * model.n_layers, layout.pp, layout.vpp, placement,
                             layout=list(stage_layout) if stage_layout is not None else None)
 
@@ -52,7 +52,7 @@ def build_pipeline_plan(model: ModelConfig, layout: ParallelLayout, schedule_nam
     ScheduleError/ConfigError with a fix."""
     partition = stage_partition(model, layout, schedule_name, stage_layout, csv_rows)
     if csv_rows:
-        order = parse_pipeline_csv(list(map(list, csv_rows)))
+        order = pipeline_order(csv_rows)
         lowered = lowered_as_written(order) if order.has_transfers else lower(schedule_of(order))
     else:
         lowered = lower(build_schedule(schedule_name, layout.pp, microbatches, layout.vpp))

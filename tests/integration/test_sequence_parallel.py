@@ -51,10 +51,9 @@ def test_sp_without_fsdp_clips_by_the_true_gradient_norm(run_training, tmp_path)
     norms = {}
     for name, sp in (("plain", False), ("sp", True)):
         run_training(_config(tmp_path / name, layout, steps=3, run=name, sequence_parallel=sp))
-        lines = (tmp_path / name / "store" / name / "metrics.jsonl").read_text().split()
-        norms[name] = [json.loads(line)["grad_norm"] for line in (tmp_path / name / "store" / name / "metrics.jsonl")
-                       .read_text().splitlines() if line.strip()]
-        assert lines
+        lines = (tmp_path / name / "store" / name / "metrics.jsonl").read_text().splitlines()
+        norms[name] = [json.loads(line)["grad_norm"] for line in lines if line.strip()]
+    assert len(norms["plain"]) == len(norms["sp"]) == 3, norms
     for plain, sequence in zip(norms["plain"], norms["sp"]):
         assert math.isclose(sequence, plain, rel_tol=1e-6), norms
 

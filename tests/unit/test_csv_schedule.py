@@ -98,7 +98,8 @@ def test_plan_schedule_from_csv_checks_and_simulates(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pp=2, vpp=2, 4 microbatches, 4 stages (v placement); transfers as written" in out
     assert "bubble fraction" in out
-    broken = [row for row in csv.reader(open(tmp_path / "zbv.csv"))]
+    with open(tmp_path / "zbv.csv", newline="") as handle:
+        broken = list(csv.reader(handle))
     broken[0] = [cell for cell in broken[0] if cell != "0SEND_F1"]
     with open(tmp_path / "broken.csv", "w", newline="") as handle:
         csv.writer(handle).writerows(broken)

@@ -63,7 +63,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.schedule_csv:
         # The file fixes ranks, stages per rank and microbatches: don't make the user repeat them.
         rows = read_csv_rows(args.schedule_csv)
-        order = parse_pipeline_csv(list(map(list, rows)), args.schedule_csv)
+        order = parse_pipeline_csv(rows, args.schedule_csv)
         overrides.update({"schedule_csv": rows, "schedule": CSV_SCHEDULE})
         for key, flag, value in (("layout.pp", "pp", order.pp), ("layout.vpp", "vpp", order.vpp),
                                  ("microbatches", "microbatches", order.microbatches)):
