@@ -85,9 +85,20 @@ def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_r
                               f"pass --cpus-per-rank {_share_for(needed):g} or less (or leave it unset), add nodes, "
                               "or pin fewer dimensions")
         return choose_layout(ranks, config.model, work, memory_per_rank_bytes, ranks_per_node=ranks_per_node,
-                             pinned=pinned)
+                             pinned=pinned, vpp=config.layout.vpp, accepts=lambda layout: runs_on(config, layout))
 
     return choose
+
+
+def runs_on(config: TrainConfig, layout: ParallelLayout) -> bool:
+    """Whether the run's settings validate on `layout`: a recovery must never pick a layout that
+    the run's own validation would then refuse (sequence parallelism on tp 1, a pipeline order from
+    a file on another pp, a schedule on a vpp it does not run)."""
+    try:
+        replace(config, layout=layout, world_size=None).validate()
+    except ConfigError:
+        return False
+    return True
 
 
 def pinned_ranks(pinned: dict[str, int]) -> int:

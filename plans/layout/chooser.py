@@ -15,6 +15,7 @@ Any dimension may be pinned by the user; the others are chosen around it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
 
@@ -118,8 +119,13 @@ def _tp_candidates(model: ModelConfig, ranks_per_node: int) -> list[int]:
 
 
 def choose_layout(ranks: int, model: ModelConfig, work: Workload, budget_bytes: float,
-                  ranks_per_node: int = 8, pinned: dict[str, int] | None = None, vpp: int = 1) -> LayoutChoice:
-    """The preferred layout on at most `ranks` ranks. Raises ConfigError when nothing fits."""
+                  ranks_per_node: int = 8, pinned: dict[str, int] | None = None, vpp: int = 1,
+                  accepts: Callable[[ParallelLayout], bool] | None = None) -> LayoutChoice:
+    """The preferred layout on at most `ranks` ranks. Raises ConfigError when nothing fits.
+
+    accepts: the run's own rules beyond the model's and the batch's (elastic passes "the run's
+    config validates on this layout": sequence parallelism needs tp > 1, a pipeline order read
+    from a file its own pp and vpp, Qwen3's q/k norms tp 1); a layout it refuses is never chosen."""
     if ranks < 1:
         raise ConfigError("ranks", ranks, "need at least one rank", "start at least one worker")
     pinned = {k: v for k, v in (pinned or {}).items() if v}
@@ -128,7 +134,7 @@ def choose_layout(ranks: int, model: ModelConfig, work: Workload, budget_bytes: 
         raise ConfigError("layout", ", ".join(f"{k}={v}" for k, v in pinned.items()),
                           f"the pinned dimensions need {needed} ranks but only {ranks} are available",
                           "add ranks (on a CPU cluster, lower --cpus-per-rank), or pin fewer dimensions")
-    candidates, leanest = [], None
+    candidates, leanest, refused = [], None, 0
     for tp in _tp_candidates(model, ranks_per_node):
         for pp in range(1, min(model.n_layers // vpp, ranks) + 1):
             for data in _divisors(work.global_batch):
@@ -138,6 +144,9 @@ def choose_layout(ranks: int, model: ModelConfig, work: Workload, budget_bytes: 
                     layout = ParallelLayout(dp=data // fsdp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp if pp > 1 else 1)
                     if any(getattr(layout, k) != v for k, v in pinned.items()):
                         continue
+                    if accepts is not None and not accepts(layout):
+                        refused += 1
+                        continue
                     estimate = estimate_memory(model, layout, work)
                     if leanest is None or estimate.total < leanest.total:
                         leanest = estimate
@@ -146,8 +155,12 @@ def choose_layout(ranks: int, model: ModelConfig, work: Workload, budget_bytes: 
                         candidates.append(((-round(useful, 9), pp, tp, fsdp), layout, estimate))
     if not candidates:
         pins = f" with {pinned}" if pinned else ""
-        leanest_text = (f"the leanest valid layout needs ~{leanest.total / 2**30:.2f} GiB per rank" if leanest
-                        else "no layout meets the model's constraints and the batch divisibility at all")
+        if leanest is not None:
+            leanest_text = f"the leanest valid layout needs ~{leanest.total / 2**30:.2f} GiB per rank"
+        elif refused:
+            leanest_text = f"the run's settings refuse all {refused} layouts that meet the model and the batch"
+        else:
+            leanest_text = "no layout meets the model's constraints and the batch divisibility at all"
         raise ConfigError("layout", f"{ranks} ranks",
                           f"no layout of up to {ranks} ranks{pins} fits {budget_bytes / 2**30:.2f} GiB per rank ({leanest_text})",
                           "add ranks or memory, shorten sequences or batches, use more microbatches, or unpin dimensions")
