@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from plans.pipeline.actions import Schedule
+from plans.pipeline.csv_order import CSV_SCHEDULE
 from plans.config import TrainConfig
 from plans.errors import ConfigError
 from plans.layout.parallel_layout import RankCoords
@@ -109,8 +110,14 @@ class MeasuredCosts:
         return cls(url, record["schedule"], int(layout["pp"]), int(layout.get("vpp", 1)), int(record["microbatches"]),
                    read_durations(record), float(record["median_plan_seconds"]), float(record["median_step_seconds"]))
 
+    @property
+    def trained_from_file(self) -> bool:
+        """The run executed a pipeline order read from a file (`train --schedule-csv`)."""
+        return self.schedule == CSV_SCHEDULE
+
     def same_plan(self, schedule: Schedule) -> bool:
-        return (schedule_spec(self.schedule).name == schedule.name and schedule.pp == self.pp
+        name = CSV_SCHEDULE if self.trained_from_file else schedule_spec(self.schedule).name
+        return (name == schedule.name and schedule.pp == self.pp
                 and schedule.vpp == self.vpp and schedule.microbatches == self.microbatches)
 
     def costs_for(self, schedule: Schedule) -> PipelineCosts:

@@ -39,10 +39,15 @@ def run_schedule(args) -> int:
     measured = None
     if args.costs_from:
         measured = MeasuredCosts.load(args.costs_from, args.store)
+        if measured.trained_from_file and args.schedule is None:
+            raise ConfigError("--costs-from", args.costs_from, "trained a pipeline order read from a file (--schedule-csv), "
+                              "which has no schedule name to rebuild", "pass that file with --from-csv (the costs then "
+                              "come from the run), or name a schedule with --schedule to compare against it")
         args.schedule = args.schedule or measured.schedule
         args.pp = args.pp or measured.pp
         args.microbatches = args.microbatches or measured.microbatches
-        if args.vpp is None and schedule_spec(args.schedule).name == schedule_spec(measured.schedule).name:
+        if (args.vpp is None and not measured.trained_from_file
+                and schedule_spec(args.schedule).name == schedule_spec(measured.schedule).name):
             args.vpp = measured.vpp
     missing = [flag for flag, value in (("--schedule", args.schedule), ("--pp", args.pp),
                                         ("--microbatches", args.microbatches)) if value is None]
@@ -90,7 +95,9 @@ def _run_schedule_file(args) -> int:
     """A pipeline order from a file (torch.distributed.pipelining's CSV): check, simulate, draw."""
     order = parse_pipeline_csv(read_csv_rows(args.from_csv), str(args.from_csv))
     lowered = lowered_as_written(order) if order.has_transfers else None
-    costs = PipelineCosts.parse(args.costs, len(order.stage_ranks), vpp=order.vpp)
+    measured = MeasuredCosts.load(args.costs_from, args.store) if args.costs_from else None
+    costs = (measured.costs_for(schedule_of(order)) if measured is not None
+             else PipelineCosts.parse(args.costs, len(order.stage_ranks), vpp=order.vpp))
     if lowered is None:
         lowered = lower(schedule_of(order), costs.duration)
     print(f"{args.from_csv}: pp={order.pp}, vpp={order.vpp}, {order.microbatches} microbatches, "
@@ -101,6 +108,8 @@ def _run_schedule_file(args) -> int:
         print(report.describe())
         return 1
     print("check: " + report.describe().split(": ", 1)[1] + " under blocking send/recv")
+    if measured is not None:
+        print(measured.describe(schedule_of(order)))
     simulation = simulate(lowered, costs, comm=args.comm, checked=report)
     print(f"step time {simulation.step_time:g} (compute alone {max(simulation.busy):g}); bubble fraction "
           f"{simulation.bubble_fraction:.1%} = idle / (ranks x step time)")
