@@ -80,6 +80,9 @@ def train(config: TrainConfig, actors: list | None = None,
     connect_ray()
     _log(f"run {config.run!r}: model {config.model_preset}, layout {config.layout.describe()} "
          f"({config.layout.world_size} ranks), steps {start_step}..{config.steps}, store {config.store}")
+    if config.ac == "selective" and config.layout.pp > 1 and config.splits_backward:
+        _log("note: --ac selective under a schedule that splits the backward into I and W recomputes each "
+             "stage whole, once per microbatch, as --ac full does (docs/decisions.md 58)")
     started = time.perf_counter()
     group = RankGroup(config, actors)
     try:  # actors reach the store as the driver does

@@ -38,6 +38,7 @@ class CsvOrder:
     stage_ranks: tuple[int, ...]
     microbatches: int
     has_transfers: bool
+    source: str = "schedule CSV"  # the file's name, for errors found after parsing
 
     @property
     def pp(self) -> int:
@@ -108,7 +109,8 @@ def parse_pipeline_csv(rows, where: str = "schedule CSV") -> CsvOrder:
                                     f"{owner.get(action.stage)}. Fix: move the action to that rank's row")
     microbatches = 1 + max(part.microbatch for actions in ranks for action in actions for part in action.parts())
     _check_each_microbatch_once(ranks, stages, microbatches, where)
-    return CsvOrder(tuple(tuple(a) for a in ranks), tuple(owner[s] for s in range(stages)), microbatches, transfers)
+    return CsvOrder(tuple(tuple(a) for a in ranks), tuple(owner[s] for s in range(stages)), microbatches, transfers,
+                    where)
 
 
 def _check_each_microbatch_once(ranks: list[list[Action]], stages: int, microbatches: int, where: str) -> None:
@@ -176,7 +178,7 @@ def lowered_as_written(order: CsvOrder) -> Schedule:
                 peer_stage = {Kind.SEND_F: action.stage + 1, Kind.RECV_F: action.stage - 1,
                               Kind.SEND_B: action.stage - 1, Kind.RECV_B: action.stage + 1}[action.kind]
                 if not 0 <= peer_stage <= last or owner[peer_stage] == rank:
-                    raise ScheduleError(f"schedule CSV: rank {rank} has {action.kind.value} for stage {action.stage}, "
+                    raise ScheduleError(f"{order.source}: rank {rank} has {action.kind.value} for stage {action.stage}, "
                                         f"but {'no stage' if not 0 <= peer_stage <= last else 'the same rank'} is on the "
                                         "other end. Fix: drop it")
                 lowered.append(Action(action.kind, action.stage, action.microbatch, owner[peer_stage]))

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plans.pipeline.actions import Schedule
-from plans.pipeline.csv_order import lowered_as_written, pipeline_order, schedule_of
+from plans.errors import ScheduleError
+from plans.pipeline.csv_order import CsvOrder, lowered_as_written, pipeline_order, schedule_of
 from plans.pipeline.checker import check
 from plans.layout.parallel_layout import ParallelLayout
 from plans.pipeline.lowering import lower
@@ -46,14 +47,28 @@ def stage_partition(model: ModelConfig, layout: ParallelLayout, schedule_name: s
                             layout=list(stage_layout) if stage_layout is not None else None)
 
 
+def lowered_order(order: CsvOrder) -> Schedule:
+    """A pipeline order from a file, lowered: its own transfers where it writes them, else ours."""
+    return lowered_as_written(order) if order.has_transfers else lower(schedule_of(order))
+
+
+def check_order_file(order: CsvOrder) -> None:
+    """Lower and check a file's order before a run starts, so a deadlock or a missing transfer is
+    named with the file (the run's config keeps only the cells)."""
+    try:
+        check(lowered_order(order)).raise_if_failed()
+    except ScheduleError as error:
+        message = str(error)
+        raise ScheduleError(message if message.startswith(order.source) else f"{order.source}: {message}") from None
+
+
 def build_pipeline_plan(model: ModelConfig, layout: ParallelLayout, schedule_name: str, microbatches: int,
                         stage_layout: Sequence[int] | None = None, csv_rows: CsvRows | None = None) -> PipelinePlan:
     """Generate (or read from `csv_rows`), lower and check the schedule; raises
     ScheduleError/ConfigError with a fix."""
     partition = stage_partition(model, layout, schedule_name, stage_layout, csv_rows)
     if csv_rows:
-        order = pipeline_order(csv_rows)
-        lowered = lowered_as_written(order) if order.has_transfers else lower(schedule_of(order))
+        lowered = lowered_order(pipeline_order(csv_rows))
     else:
         lowered = lower(build_schedule(schedule_name, layout.pp, microbatches, layout.vpp))
     check(lowered).raise_if_failed()

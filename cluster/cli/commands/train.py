@@ -17,6 +17,7 @@ from plans.elastic import FailurePolicy, ScalingPolicy
 from plans.errors import ConfigError
 from plans.layout.parallel_layout import PARALLEL_DEGREES
 from plans.pipeline.csv_order import CSV_SCHEDULE, parse_pipeline_csv
+from plans.pipeline.plan import check_order_file
 from plans.pipeline.schedules import schedule_spec
 
 
@@ -64,6 +65,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         # The file fixes ranks, stages per rank and microbatches: don't make the user repeat them.
         rows = read_csv_rows(args.schedule_csv)
         order = parse_pipeline_csv(rows, args.schedule_csv)
+        check_order_file(order)  # a deadlock is named with the file, before any rank starts
         overrides.update({"schedule_csv": rows, "schedule": CSV_SCHEDULE})
         for key, flag, value in (("layout.pp", "pp", order.pp), ("layout.vpp", "vpp", order.vpp),
                                  ("microbatches", "microbatches", order.microbatches)):
