@@ -13,10 +13,10 @@ time of each gives tokens/s, model TFLOP/s and MFU (torchtitan's FLOPs per token
 CPU). Prints ours/HF: goal >= 1.0 on CPU (small preset), >= 1.3 and MFU >= 40% on one GPU.
 
     .venv/bin/python bench/throughput.py [--preset small] [--precision fp32|bf16] [--ac none|full|selective]
-                                         [--compile] [--batch 4] [--seq-len 128] [--steps 6] [--device cpu|cuda]
+                                         [--compile] [--batch 4] [--seq-len N] [--steps 6] [--device cpu|cuda]
 
-On cuda the preset defaults to `1b` when plans/training/model_spec.py has one (else `medium`,
-and the bench says so); the CPU default is `small`.
+On cuda the preset defaults to `1b` (Llama 3.2 1B's shape) and sequences to 2048 tokens; on the
+CPU to `small` and 128 tokens.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from actors.training.trainer import Trainer  # noqa: E402
 from plans.checkpoint.hf_families import hf_config  # noqa: E402
 from plans.config import OptimizerConfig, TrainConfig  # noqa: E402
 from plans.training.flops import throughput  # noqa: E402
-from plans.training.model_spec import PRESETS, preset  # noqa: E402
+from plans.training.model_spec import preset  # noqa: E402
 
 WARMUP = 2
 
@@ -110,14 +110,14 @@ def main() -> None:
     parser.add_argument("--ac", choices=("none", "full", "selective"), default="none")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128 on cpu, 2048 on cuda)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps of each, after warm-up")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     if args.preset is None:
-        args.preset = "small" if args.device == "cpu" else "1b" if "1b" in PRESETS else "medium"
-        if args.device == "cuda" and args.preset != "1b":
-            print("note: plans/training/model_spec.py has no ~1B preset ('1b'); running 'medium' instead")
+        args.preset = "small" if args.device == "cpu" else "1b"
+    if args.seq_len is None:
+        args.seq_len = 128 if args.device == "cpu" else 2048
     torch.set_num_threads(1)
     config = TrainConfig(model_preset=args.preset, model=preset(args.preset), global_batch=args.batch, seq_len=args.seq_len,
                          steps=WARMUP + args.steps, precision=args.precision, ac=args.ac, compile=args.compile,

@@ -44,9 +44,10 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         # [.., groups, heads_per_group + 2, head_dim]: per kv group, its q heads then k then v.
         qkv = self.qkv(x).view(batch, seq, -1, self.heads_per_group + 2, self.head_dim)
-        q = qkv[..., : self.heads_per_group, :].reshape(batch, seq, -1, self.head_dim)
-        k = qkv[..., self.heads_per_group, :]
-        v = qkv[..., self.heads_per_group + 1, :]
+        # split, not indexing: an index's backward zero-fills the whole fused gradient once per
+        # piece; split's backward is one concatenation (bench/RESULTS.md, throughput).
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=-2)
+        q, k, v = q.reshape(batch, seq, -1, self.head_dim), k.squeeze(-2), v.squeeze(-2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -74,9 +75,11 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Rows interleave (gate_j, up_j), so a row shard holds whole hidden units.
-        gate_up = self.gate_up(x).unflatten(-1, (-1, 2))
-        return self.down(F.silu(gate_up[..., 0]) * gate_up[..., 1])
+        # Rows interleave (gate_j, up_j), so a row shard holds whole hidden units. One copy
+        # de-interleaves them: SiLU and the product on stride-2 views, and the backward's
+        # zero-filled gradient of each view, cost more than the copy (bench/RESULTS.md, throughput).
+        gate, up = self.gate_up(x).unflatten(-1, (-1, 2)).transpose(-1, -2).contiguous().unbind(-2)
+        return self.down(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

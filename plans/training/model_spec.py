@@ -105,6 +105,10 @@ PRESETS: dict[str, ModelConfig] = {
     # I/O): about 150M parameters, 1.7 GiB with AdamW moments.
     "medium": ModelConfig(vocab_size=256, dim=1024, n_layers=12, n_heads=16, n_kv_heads=4, ffn_dim=3072,
                           max_seq_len=1024),
+    # GPU benchmarks (bench/throughput.py --device cuda): Llama 3.2 1B's shape, about 1.24B
+    # parameters with the tied embedding; never built on the CPU machines.
+    "1b": ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                      max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
     # Planning only: a 405B-shaped model (never instantiated here).
     "405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                         ffn_dim=53248, max_seq_len=8192, rope_theta=500000.0),
