@@ -35,7 +35,7 @@ from plans.pipeline.partition import StagePartition
 from plans.pipeline.plan import stage_partition
 from plans.pipeline.schedules import schedule_for_vpp
 from plans.training.model_spec import ModelConfig, parameter_shapes
-from plans.training.tp_plan import tp_split_dim
+from plans.training.tp_plan import split_dim_under
 
 EMBEDDING = "tok_embeddings.weight"
 HEAD_ONLY = ("norm.weight", "output.weight")
@@ -82,9 +82,19 @@ def _shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _names_by_layer(model: ModelConfig) -> dict[int, tuple[str, ...]]:
     layers: dict[int, list[str]] = {}
     for name in _shapes(model):
-        if name.startswith("layers."):
+        if model.user is not None:
+            part = model.user.stage_of(name)
+            if isinstance(part, int):
+                layers.setdefault(part, []).append(name)
+        elif name.startswith("layers."):
             layers.setdefault(int(name.split(".")[1]), []).append(name)
     return {layer: tuple(names) for layer, names in layers.items()}
+
+
+@lru_cache(maxsize=64)
+def _user_part(model: ModelConfig, part: str) -> tuple[str, ...]:
+    """A user model's parameters that only the first or the last stage holds (`ModelPlan`)."""
+    return tuple(name for name in _shapes(model) if model.user.stage_of(name) == part)
 
 
 def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
@@ -97,6 +107,13 @@ def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
     first = partition.embedding_stage in stages
     last = partition.head_stage in stages
     names: list[tuple[str, bool]] = []
+    if model.user is not None:  # untied: the plan's first-stage, block and last-stage parameters
+        by_layer = _names_by_layer(model)
+        names += [(name, False) for name in _user_part(model, "first")] if first else []
+        for layer in partition.layers_of_rank(pp_rank):
+            names += [(name, False) for name in by_layer.get(layer, ())]
+        names += [(name, False) for name in _user_part(model, "last")] if last else []
+        return names
     if first:
         names.append((EMBEDDING, False))
     by_layer = _names_by_layer(model)
@@ -109,10 +126,12 @@ def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
     return names
 
 
-def tensor_region(name: str, shape: tuple[int, ...], layout: ParallelLayout, coords: RankCoords) -> Region:
-    """Where rank `coords` sits in tensor `name` (any pp coordinate that holds it)."""
+def tensor_region(name: str, shape: tuple[int, ...], layout: ParallelLayout, coords: RankCoords,
+                  tp_styles: tuple[tuple[str, str], ...] | None = None) -> Region:
+    """Where rank `coords` sits in tensor `name` (any pp coordinate that holds it); tp_styles: the
+    model's tp plan (`ModelConfig.tp_styles`; None: the reference model's)."""
     offsets, sizes = [0] * len(shape), list(shape)
-    split = tp_split_dim(name) if layout.tp > 1 else None
+    split = split_dim_under(name, tp_styles or ModelConfig().tp_styles) if layout.tp > 1 else None
     if split is not None:
         block = shape[split] // layout.tp
         offsets[split], sizes[split] = coords.tp * block, block
@@ -143,7 +162,7 @@ def _rank_regions_cached(model, layout, coords, partition) -> tuple[Region, ...]
     shapes = _shapes(model)
     regions = []
     for name, tied in rank_tensor_names(model, layout, coords.pp, partition):
-        region = tensor_region(name, shapes[name], layout, coords)
+        region = tensor_region(name, shapes[name], layout, coords, model.tp_styles)
         if tied:
             region = Region(region.name, region.global_shape, region.offsets, region.sizes,
                             region.replicated_over, tied_copy=True)
@@ -194,7 +213,7 @@ def layout_target_table(model: ModelConfig, layout: ParallelLayout, kinds: Seque
         held = rank_tensor_names(model, layout, pp, partition)
         if not held:
             continue
-        grids = [_grid_regions(name, shapes[name], layout, width) for name, _ in held]
+        grids = [_grid_regions(name, shapes[name], layout, width, model.tp_styles) for name, _ in held]
         offsets = np.stack([g[0] for g in grids], axis=2)  # (fsdp, tp, regions, width)
         sizes = np.stack([g[1] for g in grids], axis=2)
         copies = [g[2] for g in grids]
@@ -234,13 +253,13 @@ def layout_target_table(model: ModelConfig, layout: ParallelLayout, kinds: Seque
                        joined["offsets"], joined["sizes"], joined["reader"], np.full(len(joined["rank"]), itemsize, np.int64))
 
 
-def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout,
-                  width: int) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout, width: int,
+                  tp_styles: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """`tensor_region` for every (fsdp, tp) coordinate at once: offsets and sizes (fsdp, tp, width)."""
     offsets = np.zeros((layout.fsdp, layout.tp, width), np.int64)
     sizes = np.zeros((layout.fsdp, layout.tp, width), np.int64)
     sizes[:, :, :len(shape)] = shape
-    split = tp_split_dim(name) if layout.tp > 1 else None
+    split = split_dim_under(name, tp_styles) if layout.tp > 1 else None
     if split is not None:
         block = shape[split] // layout.tp
         offsets[:, :, split] = np.arange(layout.tp)[None, :] * block

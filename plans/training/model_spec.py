@@ -17,9 +17,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from plans.errors import ConfigError
+from plans.training.model_plan import UserModel
+from plans.training.tp_plan import DEFAULT_TP_STYLES
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+USER_FAMILY = "user"  # a model built by the user's factory (`--model-factory`); see plans/training/model_plan.py
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,19 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
     head_size: int | None = None  # None: dim / n_heads
+    # A user's model (family "user"): its factory, plan and recorded parameters. The sizes above
+    # then say only what the rest of rayshard asks of any model: vocab_size, dim (what pipeline
+    # stages exchange), n_layers (blocks) and max_seq_len; the attention fields are unused.
+    user: UserModel | None = None
+
+    def __post_init__(self):
+        if isinstance(self.user, dict):  # from JSON metadata
+            object.__setattr__(self, "user", UserModel(**self.user))
+
+    @property
+    def tp_styles(self) -> tuple[tuple[str, str], ...]:
+        """The model's tensor-parallel plan as ordered (pattern, style) pairs."""
+        return self.user.plan.tp_styles if self.user is not None else _REFERENCE_TP_PAIRS
 
     @property
     def head_dim(self) -> int:
@@ -58,6 +74,11 @@ class ModelConfig:
             if getattr(self, field) < 1:
                 raise ConfigError(f"model.{field}", getattr(self, field), "must be positive",
                                   f"set model.{field} to 1 or more")
+        if self.user is not None or self.family == USER_FAMILY:
+            if self.user is None or self.family != USER_FAMILY:
+                raise ConfigError("model.family", self.family, "a user model needs family 'user' and its factory record",
+                                  "build the model with --model-factory package.module:function")
+            return self
         if self.family not in FAMILIES:
             raise ConfigError("model.family", self.family, f"must be one of {list(FAMILIES)}",
                               "pick the family whose Hugging Face class computes this model")
@@ -86,6 +107,9 @@ class ModelConfig:
     def from_dict(cls, data: dict) -> "ModelConfig":
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+_REFERENCE_TP_PAIRS = tuple(DEFAULT_TP_STYLES.items())
 
 
 def model_differences(saved: ModelConfig, named: ModelConfig) -> list[str]:
@@ -120,6 +144,8 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Global name -> global shape of every trainable parameter, in module order."""
+    if config.user is not None:
+        return config.user.shapes
     hd, qkv_rows = config.head_dim, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
     for layer in range(config.n_layers):
