@@ -111,3 +111,26 @@ def test_the_plan_record_is_pure_data():
     assert plan.tp_styles == (("a", COLWISE),) and plan.first_stage == ("x",)
     assert hash(plan) == hash(ModelPlan.from_dict(json.loads(json.dumps({"tp_styles": [["a", COLWISE]],
                                                                           "first_stage": ["x"]}))))
+
+
+def _cli_config(tmp_path, model_section, *flags):
+    from cluster.cli.commands.train import config_from_args
+    from cluster.cli.main import build_parser
+
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {json.dumps(model_section)}\nlayout: {{dp: 2, tp: 2}}\nstore: {tmp_path}/store\n")
+    return config_from_args(build_parser().parse_args(["train", "--config", str(path), *flags]))
+
+
+def test_a_config_files_model_factory_and_the_flag_build_the_same_model(tmp_path):
+    from_file = _cli_config(tmp_path, {"factory": FACTORY})
+    from_flag = _cli_config(tmp_path, {"preset": "tiny"}, "--model-factory", FACTORY)
+    assert from_file.model == from_flag.model == describe_factory(FACTORY)
+    assert from_file.model_preset == FACTORY
+
+
+def test_a_factory_beside_preset_sizes_or_a_preset_flag_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"model=\['dim'\]: sets preset fields beside a factory"):
+        _cli_config(tmp_path, {"factory": FACTORY, "dim": 32})
+    with pytest.raises(ConfigError, match=r"--model-factory='examples.gpt2.model:tiny_gpt2': names a second model"):
+        _cli_config(tmp_path, {"preset": "tiny"}, "--model", "tiny", "--model-factory", FACTORY)
