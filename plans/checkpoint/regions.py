@@ -34,6 +34,7 @@ from plans.layout.parallel_layout import ParallelLayout, RankCoords
 from plans.pipeline.partition import StagePartition
 from plans.pipeline.plan import stage_partition
 from plans.pipeline.schedules import schedule_for_vpp
+from plans.training.model_plan import check_tp_divides
 from plans.training.model_spec import ModelConfig, parameter_shapes
 from plans.training.tp_plan import split_dim_under
 
@@ -276,11 +277,14 @@ def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout, wid
 
 def check_layout_fits(model: ModelConfig, layout: ParallelLayout) -> None:
     """The model-shape constraints a layout must meet to hold this model (the same ones training checks)."""
-    for what, count in (("the number of kv heads", model.n_kv_heads), ("model.ffn_dim", model.ffn_dim),
-                        ("model.vocab_size", model.vocab_size)):
-        if count % layout.tp:
-            divisors = [d for d in range(1, count + 1) if count % d == 0]
-            raise ConfigError("tp", layout.tp, f"must divide {what} ({count})", f"use tp in {divisors}")
+    if model.user is not None:  # a user model: each parameter tp splits, from its record
+        check_tp_divides(model.user, layout.tp)
+    else:
+        for what, count in (("the number of kv heads", model.n_kv_heads), ("model.ffn_dim", model.ffn_dim),
+                            ("model.vocab_size", model.vocab_size)):
+            if count % layout.tp:
+                divisors = [d for d in range(1, count + 1) if count % d == 0]
+                raise ConfigError("tp", layout.tp, f"must divide {what} ({count})", f"use tp in {divisors}")
     if layout.pp * layout.vpp > model.n_layers:
         raise ConfigError("pp", layout.pp, f"pp*vpp = {layout.pp * layout.vpp} stages exceed the model's {model.n_layers} layers",
                           "lower pp or vpp")

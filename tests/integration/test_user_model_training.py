@@ -6,6 +6,7 @@ The bigger matrix (fsdp, pp x tp, interleaved stages, the reverse resume) runs u
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import yaml
@@ -78,6 +79,23 @@ def test_a_reshard_to_pp2_and_back_through_training_actors_is_bit_exact(rank_poo
     back = load_and_save(_config(root, ParallelLayout(dp=2, tp=2), run="back"), there, rank_pool)
     assert chunk_fingerprint(back) == chunk_fingerprint(source)
 
+
+@pytest.mark.parametrize("layout", [ParallelLayout(pp=2, tp=2), ParallelLayout(fsdp=4)], ids=["pp2_tp2", "fsdp4"])
+def test_an_offline_reshard_there_and_back_is_bit_exact_without_the_users_code(dp2_tp2, layout, monkeypatch):
+    """The offline planner reads shapes, tp splits and stage parts from the checkpoint's record:
+    the factory's module is made unimportable and the round trip still holds."""
+    from cluster.checkpoint.offline_reshard import reshard_checkpoint
+
+    root, _ = dp2_tp2
+    store = Store(str(root / "store"))
+    source = store.resolve("src@3").url
+    monkeypatch.setitem(sys.modules, "examples.gpt2.model", None)  # import now raises ImportError
+    name = "x".join(f"{k}{v}" for k, v in layout.to_dict().items() if v > 1)
+    there = reshard_checkpoint(source, layout, store, f"off-{name}", local=True, log=lambda *_: None).url
+    assert digests(there) == digests(source)
+    back = reshard_checkpoint(there, ParallelLayout(dp=2, tp=2), store, f"back-{name}", local=True,
+                              log=lambda *_: None).url
+    assert chunk_fingerprint(back) == chunk_fingerprint(source)
 
 def test_the_factorys_own_criterion_is_the_loss_under_tp(run_training, one_rank, tmp_path):
     """The criterion is kept apart from the model: the example's doubled cross-entropy, run on
