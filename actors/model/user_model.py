@@ -92,20 +92,3 @@ def build_user_on_meta(user: UserModel) -> FactoryModel:
         raise ConfigError("model.factory", user.factory, f"now builds other parameters than recorded: {differing}",
                           "resume with the factory code the checkpoint was trained with")
     return made
-
-
-def carve_stage(model: nn.Module, plan: ModelPlan, layers: range, first: bool, last: bool) -> nn.Module:
-    """One pipeline stage of a user model: blocks outside `layers` removed (the ModuleDict keeps
-    global indices, so parameter names stay global), the first stage's modules set to None on
-    later stages and the last stage's on earlier ones (the forward skips what is None)."""
-    blocks = model.get_submodule(plan.blocks)
-    for index in list(blocks.keys()):
-        if int(index) not in layers:
-            del blocks[index]
-    for names, keep in ((plan.first_stage, first), (plan.last_stage, last)):
-        if keep:
-            continue
-        for name in names:
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, None)
-    return model

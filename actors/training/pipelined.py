@@ -21,8 +21,8 @@ from actors.model.init_weights import initialize_parameters
 from actors.model.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
 from actors.model.precision import compute_dtype
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
-from actors.model.stage import RankStages, build_stage_on_meta, local_tensor, stage_global_names
-from actors.model.user_model import build_user_on_meta, carve_stage
+from actors.model.stage import RankStages, build_stage_on_meta, carve_stage, local_tensor, stage_global_names
+from actors.model.user_model import build_user_on_meta
 from actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail
 from actors.training.step_runner import loss_context, microbatch_loss
 from plans.config import TrainConfig
@@ -48,7 +48,7 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
             module = build_stage_on_meta(model_config, layers, first, is_last)
         parallelize(module, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings,
                     pipeline=True, precision=config.precision, ac=block_ac, compile_blocks=config.compile,
-                    sequence_parallel=config.sequence_parallel, plan=user.plan if user is not None else None)
+                    sequence_parallel=config.sequence_parallel, plan=model_config.plan)
         module.to_empty(device=device)
         initialize_parameters(module, config.seed, model_config.n_layers,
                               stage_global_names(model_config, stage == 0, stage == last))

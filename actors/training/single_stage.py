@@ -37,7 +37,7 @@ class SingleStageRunner:
         model = made.module if made is not None else build_on_meta(config.model)
         parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=config.model.tie_embeddings,
                     precision=config.precision, ac=config.ac, compile_blocks=config.compile,
-                    sequence_parallel=config.sequence_parallel, plan=user.plan if user is not None else None)
+                    sequence_parallel=config.sequence_parallel, plan=config.model.plan)
         model.to_empty(device=device)
         if config.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
             # to_empty swaps each module's parameter separately, which unties shared ones.

@@ -34,12 +34,11 @@ from plans.layout.parallel_layout import ParallelLayout, RankCoords
 from plans.pipeline.partition import StagePartition
 from plans.pipeline.plan import stage_partition
 from plans.pipeline.schedules import schedule_for_vpp
-from plans.training.model_plan import check_tp_divides
+from plans.training.model_plan import check_tp_divides, stage_part
 from plans.training.model_spec import ModelConfig, parameter_shapes
 from plans.training.tp_plan import split_dim_under
 
 EMBEDDING = "tok_embeddings.weight"
-HEAD_ONLY = ("norm.weight", "output.weight")
 
 
 @dataclass(frozen=True)
@@ -80,22 +79,20 @@ def _shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 @lru_cache(maxsize=64)
-def _names_by_layer(model: ModelConfig) -> dict[int, tuple[str, ...]]:
-    layers: dict[int, list[str]] = {}
+def _stage_parts(model: ModelConfig) -> tuple[tuple[str, ...], dict[int, tuple[str, ...]], tuple[str, ...]]:
+    """The parameters only the first stage holds, each block's, and those only the last stage
+    holds, as the model's plan cuts them (`ModelPlan.first_stage`, `blocks`, `last_stage`)."""
+    plan = model.plan
+    first, layers, last = [], {}, []
     for name in _shapes(model):
-        if model.user is not None:
-            part = model.user.stage_of(name)
-            if isinstance(part, int):
-                layers.setdefault(part, []).append(name)
-        elif name.startswith("layers."):
-            layers.setdefault(int(name.split(".")[1]), []).append(name)
-    return {layer: tuple(names) for layer, names in layers.items()}
-
-
-@lru_cache(maxsize=64)
-def _user_part(model: ModelConfig, part: str) -> tuple[str, ...]:
-    """A user model's parameters that only the first or the last stage holds (`ModelPlan`)."""
-    return tuple(name for name in _shapes(model) if model.user.stage_of(name) == part)
+        part = stage_part(plan, name)
+        if part == "first":
+            first.append(name)
+        elif part == "last":
+            last.append(name)
+        else:
+            layers.setdefault(part, []).append(name)
+    return tuple(first), {layer: tuple(names) for layer, names in layers.items()}, tuple(last)
 
 
 def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
@@ -107,23 +104,14 @@ def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
     stages = partition.stages_of_rank(pp_rank)
     first = partition.embedding_stage in stages
     last = partition.head_stage in stages
-    names: list[tuple[str, bool]] = []
-    if model.user is not None:  # untied: the plan's first-stage, block and last-stage parameters
-        by_layer = _names_by_layer(model)
-        names += [(name, False) for name in _user_part(model, "first")] if first else []
-        for layer in partition.layers_of_rank(pp_rank):
-            names += [(name, False) for name in by_layer.get(layer, ())]
-        names += [(name, False) for name in _user_part(model, "last")] if last else []
-        return names
-    if first:
-        names.append((EMBEDDING, False))
-    by_layer = _names_by_layer(model)
+    first_only, by_layer, last_only = _stage_parts(model)
+    names: list[tuple[str, bool]] = [(name, False) for name in first_only] if first else []
     for layer in partition.layers_of_rank(pp_rank):
         names += [(name, False) for name in by_layer.get(layer, ())]
     if last:
         if model.tie_embeddings and not first:
             names.append((EMBEDDING, True))
-        names += [(name, False) for name in HEAD_ONLY if name in shapes]
+        names += [(name, False) for name in last_only]
     return names
 
 

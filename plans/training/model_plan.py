@@ -96,16 +96,20 @@ class UserModel:
         return len({name[len(prefix):].split(".")[0] for name, _, _ in self.parameters if name.startswith(prefix)})
 
     def stage_of(self, name: str) -> str | int:
-        """"first", "last", or the block index a parameter belongs to (its pipeline stage's part)."""
-        prefix = self.plan.blocks + "."
-        if name.startswith(prefix):
-            return int(name[len(prefix):].split(".")[0])
-        if _under(name, self.plan.first_stage):
-            return "first"
-        if _under(name, self.plan.last_stage):
-            return "last"
-        raise ConfigError("model.plan", name, "is in no block and in neither first_stage nor last_stage",
-                          "list the module holding it in the plan's first_stage or last_stage")
+        return stage_part(self.plan, name)
+
+
+def stage_part(plan: ModelPlan, name: str) -> str | int:
+    """"first", "last", or the block index a parameter belongs to (its pipeline stage's part)."""
+    prefix = plan.blocks + "."
+    if name.startswith(prefix):
+        return int(name[len(prefix):].split(".")[0])
+    if _under(name, plan.first_stage):
+        return "first"
+    if _under(name, plan.last_stage):
+        return "last"
+    raise ConfigError("model.plan", name, "is in no block and in neither first_stage nor last_stage",
+                      "list the module holding it in the plan's first_stage or last_stage")
 
 
 def _under(name: str, modules: tuple[str, ...]) -> bool:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from plans.errors import ConfigError
-from plans.training.model_plan import UserModel
-from plans.training.tp_plan import DEFAULT_TP_STYLES
+from plans.training.model_plan import ModelPlan, UserModel
+from plans.training.tp_plan import DEFAULT_TP_STYLES, SEQUENCE_PARALLEL_ADDITIONS
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -56,9 +56,16 @@ class ModelConfig:
             object.__setattr__(self, "user", UserModel(**self.user))
 
     @property
+    def plan(self) -> ModelPlan:
+        """The model's parallelize plan: a user's, or the built-in families' (`REFERENCE_PLAN`)."""
+        if self.user is not None:
+            return self.user.plan
+        return replace(REFERENCE_PLAN, hidden_size=self.dim, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+
+    @property
     def tp_styles(self) -> tuple[tuple[str, str], ...]:
         """The model's tensor-parallel plan as ordered (pattern, style) pairs."""
-        return self.user.plan.tp_styles if self.user is not None else _REFERENCE_TP_PAIRS
+        return self.user.plan.tp_styles if self.user is not None else REFERENCE_PLAN.tp_styles
 
     @property
     def head_dim(self) -> int:
@@ -109,7 +116,9 @@ class ModelConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-_REFERENCE_TP_PAIRS = tuple(DEFAULT_TP_STYLES.items())
+# The built-in families' plan, the same record a user's factory returns (sizes come from the config).
+REFERENCE_PLAN = ModelPlan(tp_styles=DEFAULT_TP_STYLES, sequence_parallel=SEQUENCE_PARALLEL_ADDITIONS, blocks="layers",
+                           first_stage=("tok_embeddings",), last_stage=("norm", "output"))
 
 
 def model_differences(saved: ModelConfig, named: ModelConfig) -> list[str]:

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from actors.model.user_model import FactoryModel, carve_stage, describe_factory
+from actors.model.stage import carve_stage
+from actors.model.user_model import FactoryModel, describe_factory
 from examples.gpt2.model import GPT2, gpt2_plan, tiny_gpt2
 from plans.checkpoint.regions import rank_regions
 from plans.config import TrainConfig
