@@ -180,6 +180,9 @@ class TrainConfig:
             raise ConfigError("layout.tp", lay.tp, "does not yet split a model with per-head q/k norms (Qwen3): "
                               "their weights' gradients would stay per-rank partial sums",
                               "use --tp 1 with dp, fsdp and pp for Qwen3 models")
+        if self.sequence_parallel and m.user is not None and not m.user.plan.sequence_parallel:
+            raise ConfigError("sequence_parallel", True, f"the plan of {m.user.factory} declares no sequence parallelism",
+                              "add its norms and sequence gathers to the plan's sequence_parallel, or drop --sp")
         if self.sequence_parallel and lay.tp == 1:
             raise ConfigError("sequence_parallel", True, "splits the sequence over the tp ranks, and tp is 1",
                               "add --tp 2 (or more), or drop --sp")

@@ -64,18 +64,22 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, max_seq_len: int):
+    """positions=False drops the learned positions (what `--sp` needs: see SEQUENCE_PARALLEL_ADDITIONS)."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, max_seq_len: int, positions: bool = True):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)          # tokens
-        self.wpe = nn.Embedding(max_seq_len, dim)    # learned positions
+        self.wpe = nn.Embedding(max_seq_len, dim) if positions else None  # learned positions
         self.blocks = nn.ModuleDict({str(i): Block(dim, heads, 4 * dim) for i in range(layers)})
         self.norm = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # untied (user models do not tie yet)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wte is not None:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.wte(x) + self.wpe(positions)
+            tokens = x
+            x = self.wte(tokens)
+            if self.wpe is not None:
+                x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks.values():
             x = block(x)
         if self.lm_head is None:
@@ -95,23 +99,32 @@ TP_STYLES = {
     "lm_head": VOCAB_HEAD,
 }
 # What --sp adds: the residual-stream norms on sequence shards, the sequence gathered before
-# each half's column-parallel matmuls.
+# each half's column-parallel matmuls. Only for the model without learned positions: under --sp
+# the embedding's output is this rank's sequence shard, and single-device code cannot know which
+# positions to add to it, so `tiny_gpt2`'s plan declares no sequence parallelism (--sp is refused).
 SEQUENCE_PARALLEL_ADDITIONS = {
     "blocks.*.attn_norm": SEQUENCE_PARALLEL, "blocks.*.mlp_norm": SEQUENCE_PARALLEL, "norm": SEQUENCE_PARALLEL,
     "blocks.*.attn": GATHER_SEQUENCE, "blocks.*.mlp": GATHER_SEQUENCE,
 }
 
 
-def gpt2_plan(dim: int, vocab: int, max_seq_len: int) -> ModelPlan:
-    return ModelPlan(tp_styles=TP_STYLES, sequence_parallel=SEQUENCE_PARALLEL_ADDITIONS, blocks="blocks",
-                     first_stage=("wte", "wpe"), last_stage=("norm", "lm_head"),
-                     hidden_size=dim, vocab_size=vocab, max_seq_len=max_seq_len)
+def gpt2_plan(dim: int, vocab: int, max_seq_len: int, positions: bool = True) -> ModelPlan:
+    return ModelPlan(tp_styles=TP_STYLES, sequence_parallel={} if positions else SEQUENCE_PARALLEL_ADDITIONS,
+                     blocks="blocks", first_stage=("wte", "wpe") if positions else ("wte",),
+                     last_stage=("norm", "lm_head"), hidden_size=dim, vocab_size=vocab, max_seq_len=max_seq_len)
 
 
 def tiny_gpt2() -> FactoryModel:
     """Byte-level vocabulary, 4 blocks (so pp=4 can cut it), 4 heads of 16."""
     vocab, dim, max_seq_len = 256, 64, 256
     return FactoryModel(GPT2(vocab, dim, layers=4, heads=4, max_seq_len=max_seq_len), gpt2_plan(dim, vocab, max_seq_len))
+
+
+def tiny_gpt2_without_positions() -> FactoryModel:
+    """`tiny_gpt2` with no learned positions (the causal mask alone orders tokens): it trains with --sp."""
+    vocab, dim, max_seq_len = 256, 64, 256
+    return FactoryModel(GPT2(vocab, dim, layers=4, heads=4, max_seq_len=max_seq_len, positions=False),
+                        gpt2_plan(dim, vocab, max_seq_len, positions=False))
 
 
 def doubled_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

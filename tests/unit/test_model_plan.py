@@ -135,3 +135,10 @@ def test_a_factory_beside_preset_sizes_or_a_preset_flag_is_refused(tmp_path):
         _cli_config(tmp_path, {"factory": FACTORY, "dim": 32})
     with pytest.raises(ConfigError, match=r"--model-factory='examples.gpt2.model:tiny_gpt2': names a second model"):
         _cli_config(tmp_path, {"preset": "tiny"}, "--model", "tiny", "--model-factory", FACTORY)
+
+
+def test_sp_on_a_plan_that_declares_none_is_refused_naming_the_factory():
+    model = describe_factory(FACTORY)
+    with pytest.raises(ConfigError, match=r"sequence_parallel=True: the plan of examples.gpt2.model:tiny_gpt2 declares no"):
+        TrainConfig(model=model, layout=ParallelLayout(tp=2), global_batch=8, seq_len=32,
+                    sequence_parallel=True).validate()
