@@ -122,9 +122,30 @@ REFERENCE_PLAN = ModelPlan(tp_styles=DEFAULT_TP_STYLES, sequence_parallel=SEQUEN
 
 
 def model_differences(saved: ModelConfig, named: ModelConfig) -> list[str]:
-    """Each field where two models differ, as "field (saved -> named)"."""
-    return [f"{name} ({value!r} -> {getattr(named, name)!r})" for name, value in asdict(saved).items()
-            if getattr(named, name) != value]
+    """Each field where two models differ, as "field (saved -> named)"; a user model by its
+    factory, plan and parameters (their values would fill the line)."""
+    differences = []
+    for name in saved.__dataclass_fields__:
+        value, other = getattr(saved, name), getattr(named, name)
+        if value == other:
+            continue
+        if name == "user":
+            differences += _user_differences(value, other)
+        else:
+            differences.append(f"{name} ({value!r} -> {other!r})")
+    return differences
+
+
+def _user_differences(saved: UserModel | None, named: UserModel | None) -> list[str]:
+    if saved is None or named is None:
+        return [f"factory ({saved and saved.factory!r} -> {named and named.factory!r})"]
+    differences = [f"factory ({saved.factory!r} -> {named.factory!r})"] if saved.factory != named.factory else []
+    if saved.plan != named.plan:
+        differences.append("plan")
+    changed = sorted(set(saved.parameters) ^ set(named.parameters))
+    if changed:
+        differences.append(f"parameters ({len(changed)} differ, e.g. {changed[0][0]})")
+    return differences
 
 
 PRESETS: dict[str, ModelConfig] = {

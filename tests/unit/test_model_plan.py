@@ -142,3 +142,16 @@ def test_sp_on_a_plan_that_declares_none_is_refused_naming_the_factory():
     with pytest.raises(ConfigError, match=r"sequence_parallel=True: the plan of examples.gpt2.model:tiny_gpt2 declares no"):
         TrainConfig(model=model, layout=ParallelLayout(tp=2), global_batch=8, seq_len=32,
                     sequence_parallel=True).validate()
+
+
+def test_a_resume_naming_the_same_factory_finds_no_difference_and_another_is_listed_briefly(monkeypatch):
+    from plans.training.model_spec import model_differences
+    import examples.gpt2.model as example
+
+    saved = ModelConfig.from_dict(json.loads(json.dumps(describe_factory(FACTORY).to_dict())))
+    assert model_differences(saved, describe_factory(FACTORY)) == []
+    monkeypatch.setattr(example, "odd_gpt2", _odd_gpt2, raising=False)
+    differences = model_differences(saved, describe_factory("examples.gpt2.model:odd_gpt2"))
+    assert differences[:4] == ["vocab_size (256 -> 250)", "dim (64 -> 48)", "n_layers (4 -> 2)", "max_seq_len (256 -> 64)"]
+    assert differences[4:6] == ["factory ('examples.gpt2.model:tiny_gpt2' -> 'examples.gpt2.model:odd_gpt2')", "plan"]
+    assert differences[6].startswith("parameters (")
