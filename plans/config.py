@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from plans.errors import ConfigError
 from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_plan import check_tp_divides
 from plans.training.model_spec import PRESETS, ModelConfig, preset
 from plans.pipeline.csv_order import pipeline_order
 from plans.pipeline.plan import stage_partition
@@ -110,13 +111,15 @@ class TrainConfig:
             raise ConfigError("world_size", self.world_size,
                               f"must equal dp*fsdp*tp*pp = {lay.dp}*{lay.fsdp}*{lay.tp}*{lay.pp} = {lay.world_size}",
                               "change --world-size or the parallel degrees so they agree")
-        if m.n_kv_heads % lay.tp:
+        if m.user is not None:
+            check_tp_divides(m.user, lay.tp)
+        elif m.n_kv_heads % lay.tp:
             raise ConfigError("layout.tp", lay.tp, f"must divide the number of kv heads ({m.n_kv_heads})",
                               f"use --tp in {_divisors(m.n_kv_heads)}")
-        if m.ffn_dim % lay.tp:
+        if m.user is None and m.ffn_dim % lay.tp:
             raise ConfigError("layout.tp", lay.tp, f"must divide model.ffn_dim ({m.ffn_dim})",
                               f"use --tp in {_divisors(m.ffn_dim)}")
-        if m.vocab_size % lay.tp:
+        if m.user is None and m.vocab_size % lay.tp:
             raise ConfigError("layout.tp", lay.tp, f"must divide model.vocab_size ({m.vocab_size}) for the vocab-parallel embedding",
                               f"use --tp in {_divisors(m.vocab_size)}")
         if lay.pp * lay.vpp > m.n_layers:
@@ -177,6 +180,9 @@ class TrainConfig:
             raise ConfigError("layout.tp", lay.tp, "does not yet split a model with per-head q/k norms (Qwen3): "
                               "their weights' gradients would stay per-rank partial sums",
                               "use --tp 1 with dp, fsdp and pp for Qwen3 models")
+        if self.sequence_parallel and m.user is not None and not m.user.plan.sequence_parallel:
+            raise ConfigError("sequence_parallel", True, f"the plan of {m.user.factory} declares no sequence parallelism",
+                              "add its norms and sequence gathers to the plan's sequence_parallel, or drop --sp")
         if self.sequence_parallel and lay.tp == 1:
             raise ConfigError("sequence_parallel", True, "splits the sequence over the tp ranks, and tp is 1",
                               "add --tp 2 (or more), or drop --sp")

@@ -64,8 +64,8 @@ def compiled(forward: Callable) -> Callable:
     return torch.compile(forward)
 
 
-def wrap_blocks(model: nn.Module, ac: str = "none", compile_blocks: bool = False) -> None:
-    """Checkpoint and/or compile each transformer block of `model` (its `layers`) in place."""
+def wrap_blocks(model: nn.Module, ac: str = "none", compile_blocks: bool = False, blocks_attr: str = "layers") -> None:
+    """Checkpoint and/or compile each block of `model` (the ModuleDict `blocks_attr`) in place."""
     if ac == "none" and not compile_blocks:
         return
     if ac == "selective" and compile_blocks:
@@ -73,7 +73,7 @@ def wrap_blocks(model: nn.Module, ac: str = "none", compile_blocks: bool = False
         # not meet in-place ops; the reference blocks have none (tests/unit/test_activation_checkpointing.py
         # checks the gradients are bit-equal to no AC).
         logging.getLogger("torch._higher_order_ops.wrap").setLevel(logging.ERROR)
-    for block in getattr(model, "layers", {}).values():
+    for block in getattr(model, blocks_attr, {}).values():
         forward = block.forward
         if compile_blocks and ac == "full":
             # Full AC around the compiled graph: inside it, a TP block's checkpoint region saves

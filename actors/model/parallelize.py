@@ -23,7 +23,9 @@ from actors.model.block_wrappers import wrap_blocks
 from actors.model.precision import fsdp_policy, uses_fsdp
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, is_primary_replica
 from plans.layout.parallel_layout import DATA_MESH_DIMS
-from plans.training.tp_plan import (COLWISE, DEFAULT_TP_STYLES, GATHER_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE,
+from plans.training.model_plan import ModelPlan
+from plans.training.model_spec import REFERENCE_PLAN
+from plans.training.tp_plan import (COLWISE, GATHER_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE,
                                     SEQUENCE_PARALLEL, VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
                                     VOCAB_HEAD_FROM_SEQUENCE, with_sequence_parallel)
 
@@ -58,9 +60,6 @@ TORCH_STYLES: dict[str, ParallelStyle] = {
     SEQUENCE_PARALLEL: SequenceParallel(),
     GATHER_SEQUENCE: GatherSequence(),
 }
-DEFAULT_TP_PLAN: dict[str, ParallelStyle] = {pattern: TORCH_STYLES[style] for pattern, style in DEFAULT_TP_STYLES.items()}
-SEQUENCE_PARALLEL_PLAN: dict[str, ParallelStyle] = {pattern: TORCH_STYLES[style] for pattern, style
-                                                    in with_sequence_parallel(DEFAULT_TP_STYLES).items()}
 
 
 def resolve_tp_plan(model: nn.Module, patterns: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -73,16 +72,22 @@ def resolve_tp_plan(model: nn.Module, patterns: dict[str, ParallelStyle]) -> dic
     return resolved
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns=None) -> None:
-    plan = resolve_tp_plan(model, DEFAULT_TP_PLAN if patterns is None else patterns)
-    parallelize_module(model, tp_mesh, plan)
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns: dict[str, ParallelStyle]) -> None:
+    parallelize_module(model, tp_mesh, resolve_tp_plan(model, patterns))
+
+
+def torch_plan(styles: tuple[tuple[str, str], ...], sequence_parallel: bool,
+               additions: tuple[tuple[str, str], ...]) -> dict[str, ParallelStyle]:
+    """A model plan's tp styles (`plans/training/model_plan.py`) as torch's ParallelStyles."""
+    named = with_sequence_parallel(dict(styles), dict(additions)) if sequence_parallel else dict(styles)
+    return {pattern: TORCH_STYLES[style] for pattern, style in named.items()}
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True,
-                        precision: str = "fp32") -> None:
+                        precision: str = "fp32", blocks_attr: str = "layers") -> None:
     """FSDP2 per transformer block (so only one block is gathered at a time), then the root."""
     policy = fsdp_policy(precision)
-    blocks = getattr(model, "layers", {})
+    blocks = getattr(model, blocks_attr, {})
     for block in blocks.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -90,7 +95,8 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_for
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size: int,
                 tie_embeddings: bool = False, pipeline: bool = False, precision: str = "fp32",
-                ac: str = "none", compile_blocks: bool = False, sequence_parallel: bool = False) -> nn.Module:
+                ac: str = "none", compile_blocks: bool = False, sequence_parallel: bool = False,
+                plan: ModelPlan = REFERENCE_PLAN) -> nn.Module:
     """TP, then activation checkpointing and compile per block, then FSDP2 (torchtitan's order).
 
     pipeline: `model` is one stage of a pipeline. FSDP then keeps parameters gathered from
@@ -99,18 +105,21 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size:
     multiply the all-gathers by the microbatch count.
     sequence_parallel: the TP plan's sequence-parallel form (`tp_plan.with_sequence_parallel`).
     precision "bf16": FSDP2 with bf16 parameters and float32 reduction, even over a one-rank data
-    mesh (`actors/model/precision.py` says why)."""
+    mesh (`actors/model/precision.py` says why).
+    plan: the model's plan, data (`ModelConfig.plan`): its tp styles (sequence-parallel form
+    derived, not repeated) and its blocks, the unit of AC, compile and FSDP2."""
     if tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], SEQUENCE_PARALLEL_PLAN if sequence_parallel else None)
+        apply_tensor_parallel(model, mesh["tp"], torch_plan(plan.tp_styles, sequence_parallel, plan.sequence_parallel))
         if sequence_parallel:
             model.sequence_shards = tp
         if tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             # parallelize_module gives each module its own DTensor parameter; both are
             # Shard(0) over the vocabulary on the same mesh, so one can serve both again.
             model.output.weight = model.tok_embeddings.weight
-    wrap_blocks(model, ac, compile_blocks)
+    wrap_blocks(model, ac, compile_blocks, plan.blocks)
     if uses_fsdp(precision, data_parallel_size):
-        apply_data_parallel(model, mesh[DATA_MESH_DIMS], reshard_after_forward=not pipeline, precision=precision)
+        apply_data_parallel(model, mesh[DATA_MESH_DIMS], reshard_after_forward=not pipeline, precision=precision,
+                            blocks_attr=plan.blocks)
     return model
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from actors.model.transformer import Transformer, build_on_meta
+from plans.training.model_plan import ModelPlan
 from plans.training.model_spec import ModelConfig
 
 TIED_NAME = "tok_embeddings.weight"
@@ -28,15 +29,23 @@ TIED_COPY_NAME = "output.weight"
 
 def build_stage_on_meta(config: ModelConfig, layers: range, first: bool, last: bool) -> Transformer:
     """The parts of the model one stage runs, without storage."""
-    model = build_on_meta(config)
-    for index in list(model.layers.keys()):
+    return carve_stage(build_on_meta(config), config.plan, layers, first, last)
+
+
+def carve_stage(model: nn.Module, plan: ModelPlan, layers: range, first: bool, last: bool) -> nn.Module:
+    """One pipeline stage of any model (its plan says which parts): blocks outside `layers` removed (the ModuleDict keeps
+    global indices, so parameter names stay global), the first stage's modules set to None on
+    later stages and the last stage's on earlier ones (the forward skips what is None)."""
+    blocks = model.get_submodule(plan.blocks)
+    for index in list(blocks.keys()):
         if int(index) not in layers:
-            del model.layers[index]
-    if not first:
-        model.tok_embeddings = None
-    if not last:
-        model.norm = None
-        model.output = None
+            del blocks[index]
+    for names, keep in ((plan.first_stage, first), (plan.last_stage, last)):
+        if keep:
+            continue
+        for name in names:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, None)
     return model
 
 

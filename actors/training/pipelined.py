@@ -21,7 +21,8 @@ from actors.model.init_weights import initialize_parameters
 from actors.model.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
 from actors.model.precision import compute_dtype
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
-from actors.model.stage import RankStages, build_stage_on_meta, local_tensor, stage_global_names
+from actors.model.stage import RankStages, build_stage_on_meta, carve_stage, local_tensor, stage_global_names
+from actors.model.user_model import build_user_on_meta
 from actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail
 from actors.training.step_runner import loss_context, microbatch_loss
 from plans.config import TrainConfig
@@ -38,12 +39,16 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
     last = partition.num_stages - 1
     # Under a zero-bubble schedule the interpreter recomputes whole stages instead (`recomputes_stages`).
     block_ac = "none" if recomputes_stages(config) else config.ac
-    modules = {}
+    modules, user = {}, model_config.user
     for stage in partition.stages_of_rank(pp_rank):
-        module = build_stage_on_meta(model_config, partition.stage_layers[stage], stage == 0, stage == last)
+        layers, first, is_last = partition.stage_layers[stage], stage == 0, stage == last
+        if user is not None:
+            module = carve_stage(build_user_on_meta(user).module, user.plan, layers, first, is_last)
+        else:
+            module = build_stage_on_meta(model_config, layers, first, is_last)
         parallelize(module, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings,
                     pipeline=True, precision=config.precision, ac=block_ac, compile_blocks=config.compile,
-                    sequence_parallel=config.sequence_parallel)
+                    sequence_parallel=config.sequence_parallel, plan=model_config.plan)
         module.to_empty(device=device)
         initialize_parameters(module, config.seed, model_config.n_layers,
                               stage_global_names(model_config, stage == 0, stage == last))
@@ -78,12 +83,16 @@ class PipelinedRunner:
         self.pipeline_copies = (PipelineCopies((stages.tied_copy,)) if stages.tied_copy is not None
                                 else NO_PIPELINE_COPIES)
         microbatch_size = config.global_batch // self.layout.data_parallel_size // config.microbatches
+        # A user model's own loss (the factory's; it runs where the last stage runs).
+        user = config.model.user
+        criterion = build_user_on_meta(user).loss if user is not None else None
         self.interpreter = PipelineRunner(
             plan.schedule.ranks[self.coords.pp], stages.modules, num_stages=plan.partition.num_stages,
             microbatches=config.microbatches, rank=rank, global_rank_of=self._global_rank_of,
             activation_shape=(microbatch_size, stage_sequence_length(config), config.model.dim),
             dtype=compute_dtype(config.precision),
-            device=device, loss_fn=partial(microbatch_loss, microbatches=config.microbatches), timeout_s=timeout_s,
+            device=device, loss_fn=partial(microbatch_loss, microbatches=config.microbatches, criterion=criterion),
+            timeout_s=timeout_s,
             recompute_stages=recomputes_stages(config))
 
     @classmethod

@@ -6,12 +6,14 @@ import contextlib
 from typing import ContextManager
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from actors.model.init_weights import initialize_parameters
 from actors.model.parallelize import parallelize
 from actors.model.shards import NO_PIPELINE_COPIES
-from actors.model.transformer import Transformer, build_on_meta
+from actors.model.transformer import build_on_meta
+from actors.model.user_model import Criterion, build_user_on_meta
 from actors.training.step_runner import loss_context, microbatch_loss
 from plans.config import TrainConfig
 
@@ -20,25 +22,28 @@ class SingleStageRunner:
     pipeline_copies = NO_PIPELINE_COPIES
     collective_timeout = None
 
-    def __init__(self, model: Transformer, tp: int, microbatches: int, device: torch.device):
+    def __init__(self, model: nn.Module, tp: int, microbatches: int, device: torch.device,
+                 criterion: Criterion | None = None):
         self.model = model
         self.tp, self.microbatches, self.device = tp, microbatches, device
+        self.criterion = criterion  # a user model's own loss; None: cross-entropy
 
     @classmethod
     def build(cls, config: TrainConfig, mesh: DeviceMesh, device: torch.device) -> "SingleStageRunner":
         """The whole model, with TP, AC, compile and FSDP2 applied from outside, then materialized
         and initialized."""
-        layout = config.layout
-        model = build_on_meta(config.model)
+        layout, user = config.layout, config.model.user
+        made = build_user_on_meta(user) if user is not None else None
+        model = made.module if made is not None else build_on_meta(config.model)
         parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=config.model.tie_embeddings,
                     precision=config.precision, ac=config.ac, compile_blocks=config.compile,
-                    sequence_parallel=config.sequence_parallel)
+                    sequence_parallel=config.sequence_parallel, plan=config.model.plan)
         model.to_empty(device=device)
         if config.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
             # to_empty swaps each module's parameter separately, which unties shared ones.
             model.output.weight = model.tok_embeddings.weight
         initialize_parameters(model, config.seed, config.model.n_layers)
-        return cls(model, layout.tp, config.microbatches, device)
+        return cls(model, layout.tp, config.microbatches, device, made.loss if made is not None else None)
 
     def forward_backward(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[torch.Tensor, None]:
         sharded = hasattr(self.model, "set_requires_gradient_sync")
@@ -48,7 +53,7 @@ class SingleStageRunner:
                 self.model.set_requires_gradient_sync(index == len(inputs) - 1)
             logits = self.model(x)
             with loss_context(self.tp):
-                loss = microbatch_loss(logits, y, self.microbatches)
+                loss = microbatch_loss(logits, y, self.microbatches, self.criterion)
                 loss.backward()
             total_loss += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
         return total_loss, None

@@ -9,7 +9,7 @@ change never changes the numbers (torchtitan's `model_parts` serve the same purp
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import ContextManager, Protocol
 
@@ -56,10 +56,15 @@ class StepRunner(Protocol):
         ...
 
 
-def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, microbatches: int) -> torch.Tensor:
+def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, microbatches: int,
+                    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Scaled by 1/microbatches: the microbatches' gradients then add up to the batch's.
     Computed in float32 whatever the logits' dtype (bf16 under mixed precision): the log-softmax
-    over a vocabulary in bf16 would lose the loss's last digits."""
+    over a vocabulary in bf16 would lose the loss's last digits.
+    criterion: a user model's own (logits, targets) -> mean loss, kept apart from the model; it
+    runs under the same `loss_context` (vocab-sharded logits under tp). None: cross-entropy."""
+    if criterion is not None:
+        return criterion(logits.float(), targets) / microbatches
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / microbatches
 
 

@@ -27,7 +27,7 @@ from cluster.progress import advance, set_total
 from cluster.checkpoint.transform_exec import run_group
 from cluster.data.tokenizer import copy_tokenizer_files, tokenizer_url_of
 from plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
-from plans.errors import CheckpointError
+from plans.errors import CheckpointError, ConfigError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
 from plans.training.model_spec import ModelConfig, parameter_shapes
@@ -112,6 +112,9 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     started = time.perf_counter()
     stored = StoredCheckpoint(checkpoint_url)
     model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
+    if model.user is not None:
+        raise ConfigError("checkpoint", checkpoint_url, f"holds a user model ({model.user.factory}) with no Hugging Face "
+                          "mapping", "export a model of a built-in family; user models' HF mappings are not supported yet")
     stored_kinds = {kind for _, kind in stored.index}
     kinds = [PARAM] + ([k for k in MOMENTS if k in stored_kinds] if include_optimizer else [])
     plans = []

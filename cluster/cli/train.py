@@ -14,6 +14,9 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: configs/demo.yaml embedded defaults)")
     parser.add_argument("--model", metavar="PRESET", help="model preset: tiny | small")
+    parser.add_argument("--model-factory", metavar="PACKAGE.MODULE:FUNCTION",
+                        help="your own model: a function returning the module and its plan "
+                             "(e.g. examples.gpt2.model:tiny_gpt2; README, 'Bring your own model')")
     parser.add_argument("--run", metavar="NAME", help="run name within the store")
     parser.add_argument("--store", metavar="URL", help="store URL: a directory, file://, s3://bucket/prefix, memory://")
     for name in LAYOUT_DEGREES:

@@ -34,11 +34,11 @@ from plans.layout.parallel_layout import ParallelLayout, RankCoords
 from plans.pipeline.partition import StagePartition
 from plans.pipeline.plan import stage_partition
 from plans.pipeline.schedules import schedule_for_vpp
+from plans.training.model_plan import check_tp_divides, stage_part
 from plans.training.model_spec import ModelConfig, parameter_shapes
-from plans.training.tp_plan import tp_split_dim
+from plans.training.tp_plan import split_dim_under
 
 EMBEDDING = "tok_embeddings.weight"
-HEAD_ONLY = ("norm.weight", "output.weight")
 
 
 @dataclass(frozen=True)
@@ -79,12 +79,20 @@ def _shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 @lru_cache(maxsize=64)
-def _names_by_layer(model: ModelConfig) -> dict[int, tuple[str, ...]]:
-    layers: dict[int, list[str]] = {}
+def _stage_parts(model: ModelConfig) -> tuple[tuple[str, ...], dict[int, tuple[str, ...]], tuple[str, ...]]:
+    """The parameters only the first stage holds, each block's, and those only the last stage
+    holds, as the model's plan cuts them (`ModelPlan.first_stage`, `blocks`, `last_stage`)."""
+    plan = model.plan
+    first, layers, last = [], {}, []
     for name in _shapes(model):
-        if name.startswith("layers."):
-            layers.setdefault(int(name.split(".")[1]), []).append(name)
-    return {layer: tuple(names) for layer, names in layers.items()}
+        part = stage_part(plan, name)
+        if part == "first":
+            first.append(name)
+        elif part == "last":
+            last.append(name)
+        else:
+            layers.setdefault(part, []).append(name)
+    return tuple(first), {layer: tuple(names) for layer, names in layers.items()}, tuple(last)
 
 
 def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
@@ -96,23 +104,23 @@ def rank_tensor_names(model: ModelConfig, layout: ParallelLayout, pp_rank: int,
     stages = partition.stages_of_rank(pp_rank)
     first = partition.embedding_stage in stages
     last = partition.head_stage in stages
-    names: list[tuple[str, bool]] = []
-    if first:
-        names.append((EMBEDDING, False))
-    by_layer = _names_by_layer(model)
+    first_only, by_layer, last_only = _stage_parts(model)
+    names: list[tuple[str, bool]] = [(name, False) for name in first_only] if first else []
     for layer in partition.layers_of_rank(pp_rank):
         names += [(name, False) for name in by_layer.get(layer, ())]
     if last:
         if model.tie_embeddings and not first:
             names.append((EMBEDDING, True))
-        names += [(name, False) for name in HEAD_ONLY if name in shapes]
+        names += [(name, False) for name in last_only]
     return names
 
 
-def tensor_region(name: str, shape: tuple[int, ...], layout: ParallelLayout, coords: RankCoords) -> Region:
-    """Where rank `coords` sits in tensor `name` (any pp coordinate that holds it)."""
+def tensor_region(name: str, shape: tuple[int, ...], layout: ParallelLayout, coords: RankCoords,
+                  tp_styles: tuple[tuple[str, str], ...] | None = None) -> Region:
+    """Where rank `coords` sits in tensor `name` (any pp coordinate that holds it); tp_styles: the
+    model's tp plan (`ModelConfig.tp_styles`; None: the reference model's)."""
     offsets, sizes = [0] * len(shape), list(shape)
-    split = tp_split_dim(name) if layout.tp > 1 else None
+    split = split_dim_under(name, tp_styles or ModelConfig().tp_styles) if layout.tp > 1 else None
     if split is not None:
         block = shape[split] // layout.tp
         offsets[split], sizes[split] = coords.tp * block, block
@@ -143,7 +151,7 @@ def _rank_regions_cached(model, layout, coords, partition) -> tuple[Region, ...]
     shapes = _shapes(model)
     regions = []
     for name, tied in rank_tensor_names(model, layout, coords.pp, partition):
-        region = tensor_region(name, shapes[name], layout, coords)
+        region = tensor_region(name, shapes[name], layout, coords, model.tp_styles)
         if tied:
             region = Region(region.name, region.global_shape, region.offsets, region.sizes,
                             region.replicated_over, tied_copy=True)
@@ -194,7 +202,7 @@ def layout_target_table(model: ModelConfig, layout: ParallelLayout, kinds: Seque
         held = rank_tensor_names(model, layout, pp, partition)
         if not held:
             continue
-        grids = [_grid_regions(name, shapes[name], layout, width) for name, _ in held]
+        grids = [_grid_regions(name, shapes[name], layout, width, model.tp_styles) for name, _ in held]
         offsets = np.stack([g[0] for g in grids], axis=2)  # (fsdp, tp, regions, width)
         sizes = np.stack([g[1] for g in grids], axis=2)
         copies = [g[2] for g in grids]
@@ -234,13 +242,13 @@ def layout_target_table(model: ModelConfig, layout: ParallelLayout, kinds: Seque
                        joined["offsets"], joined["sizes"], joined["reader"], np.full(len(joined["rank"]), itemsize, np.int64))
 
 
-def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout,
-                  width: int) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout, width: int,
+                  tp_styles: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """`tensor_region` for every (fsdp, tp) coordinate at once: offsets and sizes (fsdp, tp, width)."""
     offsets = np.zeros((layout.fsdp, layout.tp, width), np.int64)
     sizes = np.zeros((layout.fsdp, layout.tp, width), np.int64)
     sizes[:, :, :len(shape)] = shape
-    split = tp_split_dim(name) if layout.tp > 1 else None
+    split = split_dim_under(name, tp_styles) if layout.tp > 1 else None
     if split is not None:
         block = shape[split] // layout.tp
         offsets[:, :, split] = np.arange(layout.tp)[None, :] * block
@@ -257,11 +265,14 @@ def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout,
 
 def check_layout_fits(model: ModelConfig, layout: ParallelLayout) -> None:
     """The model-shape constraints a layout must meet to hold this model (the same ones training checks)."""
-    for what, count in (("the number of kv heads", model.n_kv_heads), ("model.ffn_dim", model.ffn_dim),
-                        ("model.vocab_size", model.vocab_size)):
-        if count % layout.tp:
-            divisors = [d for d in range(1, count + 1) if count % d == 0]
-            raise ConfigError("tp", layout.tp, f"must divide {what} ({count})", f"use tp in {divisors}")
+    if model.user is not None:  # a user model: each parameter tp splits, from its record
+        check_tp_divides(model.user, layout.tp)
+    else:
+        for what, count in (("the number of kv heads", model.n_kv_heads), ("model.ffn_dim", model.ffn_dim),
+                            ("model.vocab_size", model.vocab_size)):
+            if count % layout.tp:
+                divisors = [d for d in range(1, count + 1) if count % d == 0]
+                raise ConfigError("tp", layout.tp, f"must divide {what} ({count})", f"use tp in {divisors}")
     if layout.pp * layout.vpp > model.n_layers:
         raise ConfigError("pp", layout.pp, f"pp*vpp = {layout.pp * layout.vpp} stages exceed the model's {model.n_layers} layers",
                           "lower pp or vpp")

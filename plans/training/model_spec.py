@@ -17,9 +17,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from plans.errors import ConfigError
+from plans.training.model_plan import ModelPlan, UserModel
+from plans.training.tp_plan import DEFAULT_TP_STYLES, SEQUENCE_PARALLEL_ADDITIONS
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+USER_FAMILY = "user"  # a model built by the user's factory (`--model-factory`); see plans/training/model_plan.py
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,26 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
     head_size: int | None = None  # None: dim / n_heads
+    # A user's model (family "user"): its factory, plan and recorded parameters. The sizes above
+    # then say only what the rest of rayshard asks of any model: vocab_size, dim (what pipeline
+    # stages exchange), n_layers (blocks) and max_seq_len; the attention fields are unused.
+    user: UserModel | None = None
+
+    def __post_init__(self):
+        if isinstance(self.user, dict):  # from JSON metadata
+            object.__setattr__(self, "user", UserModel(**self.user))
+
+    @property
+    def plan(self) -> ModelPlan:
+        """The model's parallelize plan: a user's, or the built-in families' (`REFERENCE_PLAN`)."""
+        if self.user is not None:
+            return self.user.plan
+        return replace(REFERENCE_PLAN, hidden_size=self.dim, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+
+    @property
+    def tp_styles(self) -> tuple[tuple[str, str], ...]:
+        """The model's tensor-parallel plan as ordered (pattern, style) pairs."""
+        return self.user.plan.tp_styles if self.user is not None else REFERENCE_PLAN.tp_styles
 
     @property
     def head_dim(self) -> int:
@@ -58,6 +81,11 @@ class ModelConfig:
             if getattr(self, field) < 1:
                 raise ConfigError(f"model.{field}", getattr(self, field), "must be positive",
                                   f"set model.{field} to 1 or more")
+        if self.user is not None or self.family == USER_FAMILY:
+            if self.user is None or self.family != USER_FAMILY:
+                raise ConfigError("model.family", self.family, "a user model needs family 'user' and its factory record",
+                                  "build the model with --model-factory package.module:function")
+            return self
         if self.family not in FAMILIES:
             raise ConfigError("model.family", self.family, f"must be one of {list(FAMILIES)}",
                               "pick the family whose Hugging Face class computes this model")
@@ -88,10 +116,36 @@ class ModelConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+# The built-in families' plan, the same record a user's factory returns (sizes come from the config).
+REFERENCE_PLAN = ModelPlan(tp_styles=DEFAULT_TP_STYLES, sequence_parallel=SEQUENCE_PARALLEL_ADDITIONS, blocks="layers",
+                           first_stage=("tok_embeddings",), last_stage=("norm", "output"))
+
+
 def model_differences(saved: ModelConfig, named: ModelConfig) -> list[str]:
-    """Each field where two models differ, as "field (saved -> named)"."""
-    return [f"{name} ({value!r} -> {getattr(named, name)!r})" for name, value in asdict(saved).items()
-            if getattr(named, name) != value]
+    """Each field where two models differ, as "field (saved -> named)"; a user model by its
+    factory, plan and parameters (their values would fill the line)."""
+    differences = []
+    for name in saved.__dataclass_fields__:
+        value, other = getattr(saved, name), getattr(named, name)
+        if value == other:
+            continue
+        if name == "user":
+            differences += _user_differences(value, other)
+        else:
+            differences.append(f"{name} ({value!r} -> {other!r})")
+    return differences
+
+
+def _user_differences(saved: UserModel | None, named: UserModel | None) -> list[str]:
+    if saved is None or named is None:
+        return [f"factory ({saved and saved.factory!r} -> {named and named.factory!r})"]
+    differences = [f"factory ({saved.factory!r} -> {named.factory!r})"] if saved.factory != named.factory else []
+    if saved.plan != named.plan:
+        differences.append("plan")
+    changed = sorted(set(saved.parameters) ^ set(named.parameters))
+    if changed:
+        differences.append(f"parameters ({len(changed)} differ, e.g. {changed[0][0]})")
+    return differences
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -124,6 +178,8 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Global name -> global shape of every trainable parameter, in module order."""
+    if config.user is not None:
+        return config.user.shapes
     hd, qkv_rows = config.head_dim, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
     for layer in range(config.n_layers):

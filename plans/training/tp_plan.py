@@ -73,15 +73,27 @@ def module_style(module_name: str, plan: dict[str, str] = DEFAULT_TP_STYLES) -> 
     return None
 
 
-@lru_cache(maxsize=4096)
+ALL_STYLES = frozenset({COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING_TO_SEQUENCE,
+                        VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, GATHER_SEQUENCE})
+
+
 def tp_split_dim(parameter_name: str) -> int | None:
-    """The dimension tensor parallelism splits this parameter along (global name, e.g.
-    `layers.3.attention.wo.weight`), or None when every tp rank holds all of it."""
+    """The dimension tensor parallelism splits this parameter of the reference model along
+    (global name, e.g. `layers.3.attention.wo.weight`), or None when every tp rank holds all of it."""
+    return split_dim_under(parameter_name, _DEFAULT_PAIRS)
+
+
+_DEFAULT_PAIRS = tuple(DEFAULT_TP_STYLES.items())
+
+
+@lru_cache(maxsize=8192)
+def split_dim_under(parameter_name: str, styles: tuple[tuple[str, str], ...]) -> int | None:
+    """`tp_split_dim` under any plan's styles (ordered (pattern, style) pairs: a user model's)."""
     module, _, leaf = parameter_name.rpartition(".")
-    style = module_style(module)
+    style = module_style(module, dict(styles))
     if style is None:
         return None
     if leaf == "weight":
-        return WEIGHT_SPLIT_DIM[style]
+        return WEIGHT_SPLIT_DIM.get(style)  # sequence-parallel styles split no weight
     # A column-parallel Linear's bias follows its output rows; a row-parallel one's is whole.
     return 0 if leaf == "bias" and style in (COLWISE, VOCAB_HEAD) else None

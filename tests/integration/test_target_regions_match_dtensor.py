@@ -31,12 +31,15 @@ def fake_world():
         from actors.checkpoint.rank_pieces import replicated_dims
         from actors.model.transformer import build_on_meta
         from actors.model.parallelize import parallelize
+        from actors.model.user_model import build_user_on_meta
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
         try:
             mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
-            model = build_on_meta(model_config)
-            parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings)
+            user = model_config.user
+            model = build_user_on_meta(user).module if user is not None else build_on_meta(model_config)
+            parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings,
+                        plan=model_config.plan)
             return {name: (getattr(p, "placements", None), tuple(p.device_mesh.mesh_dim_names) if hasattr(p, "device_mesh") else (),
                            tuple(p.device_mesh.shape) if hasattr(p, "device_mesh") else (), replicated_dims(p, layout))
                     for name, p in model.named_parameters()}
@@ -47,9 +50,15 @@ def fake_world():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-@pytest.mark.parametrize("tied", [False, True])
-def test_every_rank_region_matches_dtensor(fake_world, layout, tied):
-    model = preset("tiny", tie_embeddings=tied)
+@pytest.mark.parametrize("model_name", ["untied", "tied", "user"])
+def test_every_rank_region_matches_dtensor(fake_world, layout, model_name):
+    """"user": the GPT-2 example's own plan (examples/gpt2), predicted from its checkpoint record."""
+    if model_name == "user":
+        from actors.model.user_model import describe_factory
+
+        model = describe_factory("examples.gpt2.model:tiny_gpt2")
+    else:
+        model = preset("tiny", tie_embeddings=model_name == "tied")
     placements = fake_world(layout, model)
     shapes = parameter_shapes(model)
     assert set(placements) == set(shapes)
@@ -62,7 +71,7 @@ def test_every_rank_region_matches_dtensor(fake_world, layout, tied):
             else:
                 coordinate = [getattr(coords, dim) for dim in dims]
                 sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, spec)
-            predicted = tensor_region(name, shape, layout, coords)
+            predicted = tensor_region(name, shape, layout, coords, model.tp_styles)
             if torch.Size(sizes).numel() == 0:
                 assert torch.Size(predicted.sizes).numel() == 0, (name, rank)
                 continue

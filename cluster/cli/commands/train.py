@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
+from actors.model.user_model import describe_factory
 from cluster.run.controller import State
 from cluster.run.elastic import train_elastic
 from cluster.run.pipeline_order_file import read_csv_rows
@@ -51,10 +53,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError("--config", path, "the file must hold a YAML mapping", "see configs/demo.yaml for the shape")
     # The user named the model: a flag, or a model section in a config file of their own (the
     # embedded default config's `tiny` is not a choice). Otherwise a resume builds the checkpoint's.
-    named = bool(args.model) or (args.config is not None and "model" in data)
+    named = bool(args.model) or bool(args.model_factory) or (args.config is not None and "model" in data)
+    if args.model and args.model_factory:
+        raise ConfigError("--model-factory", args.model_factory, "names a second model beside --model",
+                          "pass either a preset (--model) or your own model (--model-factory)")
     if args.model:  # a preset on the command line replaces the file's model section entirely
         data["model"] = {"preset": args.model}
+    model_section = data.get("model")
+    factory = args.model_factory or (model_section.pop("factory", None) if isinstance(model_section, dict) else None)
+    if factory and model_section and args.model_factory is None and set(model_section) - {"preset"}:
+        raise ConfigError("model", sorted(model_section), "sets preset fields beside a factory",
+                          "a factory's model has its own sizes: keep only `factory` in the model section")
+    if factory:
+        data.pop("model", None)
     config = TrainConfig.from_dict(data)
+    if factory:  # the user's own model, described on the meta device (actors/model/user_model.py)
+        config = replace(config, model=describe_factory(factory), model_preset=factory)
     overrides = {field: getattr(args, flag) for flag, field in OVERRIDES.items() if flag != "model"}
     file_layout = data.get("layout") or {}
     pipelined = (args.pp if args.pp is not None else file_layout.get("pp", 1)) > 1

@@ -1,0 +1,1 @@
+"""Users' own models trained through rayshard (`--model-factory`)."""

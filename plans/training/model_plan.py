@@ -1,0 +1,172 @@
+"""A model's parallelize plan as data, and what a checkpoint records of a user's model.
+
+A user brings single-device code (`--model-factory package.module:function`, `examples/`); the
+factory returns the module and a `ModelPlan`: which modules tensor parallelism splits and how
+(module-name patterns -> style names of `plans/training/tp_plan.py`), what sequence parallelism
+adds, which ModuleDict holds the blocks (the unit of FSDP, activation checkpointing and pipeline
+cuts) and which modules run before and after them (the first and the last pipeline stage).
+
+The driver builds the factory's module on the meta device once and records a `UserModel`: the
+factory path, the plan, and every parameter's global shape and tp split dimension. Planners
+(resharding, layout checks, offline tools) read that record from checkpoint metadata and never
+import the user's code; only the ranks do, to build their shards.
+
+Pure: no torch modules here, only names and shapes.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from plans.errors import ConfigError
+from plans.training.tp_plan import ALL_STYLES, split_dim_under
+
+CROSS_ENTROPY = "cross_entropy"  # the built-in criterion: vocab-parallel under tp (`loss_parallel`)
+
+
+def _pairs(mapping) -> tuple[tuple[str, str], ...]:
+    items = mapping.items() if isinstance(mapping, dict) else mapping
+    return tuple((str(pattern), str(style)) for pattern, style in items)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """tp_styles: module-name pattern (fnmatch, global names) -> style name; dicts are accepted
+    and kept as ordered pairs (the record is hashable and the first matching pattern wins).
+    sequence_parallel: what `--sp` adds to the tp plan (norms, gathers); the tp styles take their
+    sequence-sharded forms by themselves (`tp_plan.with_sequence_parallel`).
+    blocks: the attribute holding an nn.ModuleDict of blocks keyed by global index "0".."n-1".
+    first_stage / last_stage: modules only the first / last pipeline stage runs; the stage that
+    lacks one finds it set to None, and the model's forward must then skip it (torchtitan's
+    convention): without the first stage's modules it takes the residual stream, without the
+    last stage's it returns it.
+    hidden_size: the width of the residual stream pipeline stages exchange.
+    loss: the criterion's name (the built-in "cross_entropy", or the user function's path)."""
+
+    tp_styles: tuple[tuple[str, str], ...] = ()
+    blocks: str = "layers"
+    first_stage: tuple[str, ...] = ()
+    last_stage: tuple[str, ...] = ()
+    sequence_parallel: tuple[tuple[str, str], ...] = ()
+    hidden_size: int = 0
+    vocab_size: int = 0
+    max_seq_len: int = 0
+    loss: str = CROSS_ENTROPY
+
+    def __post_init__(self):
+        object.__setattr__(self, "tp_styles", _pairs(self.tp_styles))
+        object.__setattr__(self, "sequence_parallel", _pairs(self.sequence_parallel))
+        object.__setattr__(self, "first_stage", tuple(self.first_stage))
+        object.__setattr__(self, "last_stage", tuple(self.last_stage))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelPlan":
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """What a checkpoint records of a model built by a user's factory: enough to plan with (the
+    shapes and split dims) and to build it again on the ranks (the factory path)."""
+
+    factory: str
+    plan: ModelPlan
+    # (global name, global shape, tp split dim or -1 for none), in module order.
+    parameters: tuple[tuple[str, tuple[int, ...], int], ...] = field(default=())
+
+    def __post_init__(self):
+        if isinstance(self.plan, dict):
+            object.__setattr__(self, "plan", ModelPlan.from_dict(self.plan))
+        object.__setattr__(self, "parameters", tuple((str(n), tuple(int(s) for s in shape), int(split))
+                                                      for n, shape, split in self.parameters))
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, shape, _ in self.parameters}
+
+    def split_dim(self, name: str) -> int | None:
+        for parameter, _, split in self.parameters:
+            if parameter == name:
+                return None if split < 0 else split
+        return None
+
+    @property
+    def n_blocks(self) -> int:
+        prefix = self.plan.blocks + "."
+        return len({name[len(prefix):].split(".")[0] for name, _, _ in self.parameters if name.startswith(prefix)})
+
+    def stage_of(self, name: str) -> str | int:
+        return stage_part(self.plan, name)
+
+
+def stage_part(plan: ModelPlan, name: str) -> str | int:
+    """"first", "last", or the block index a parameter belongs to (its pipeline stage's part)."""
+    prefix = plan.blocks + "."
+    if name.startswith(prefix):
+        return int(name[len(prefix):].split(".")[0])
+    if _under(name, plan.first_stage):
+        return "first"
+    if _under(name, plan.last_stage):
+        return "last"
+    raise ConfigError("model.plan", name, "is in no block and in neither first_stage nor last_stage",
+                      "list the module holding it in the plan's first_stage or last_stage")
+
+
+def _under(name: str, modules: tuple[str, ...]) -> bool:
+    return any(name == module or name.startswith(module + ".") for module in modules)
+
+
+def recorded_parameters(plan: ModelPlan, shapes: dict[str, tuple[int, ...]]
+                        ) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+    """Each parameter with the dimension the plan's tp styles split (-1: copied on every tp rank)."""
+    styles = plan.tp_styles
+    out = []
+    for name, shape in shapes.items():
+        split = split_dim_under(name, styles)
+        out.append((name, tuple(shape), -1 if split is None else split))
+    return tuple(out)
+
+
+def validate_plan(plan: ModelPlan, module_names: list[str], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Before any rank starts: every pattern names a module, every style is known, the blocks
+    are a run of global indices, and every parameter belongs to a pipeline part."""
+    for section, pairs in (("tp_styles", plan.tp_styles), ("sequence_parallel", plan.sequence_parallel)):
+        for pattern, style in pairs:
+            if style not in ALL_STYLES:
+                raise ConfigError(f"model plan {section}[{pattern!r}]", style, f"is not a style; known: {sorted(ALL_STYLES)}",
+                                  "use one of the known style names")
+            if not fnmatch.filter(module_names, pattern):
+                raise ConfigError(f"model plan {section}", pattern, "matches no module of the model",
+                                  "fix the pattern (global module names such as 'blocks.*.attn.qkv') or drop it")
+    if plan.blocks not in module_names:
+        raise ConfigError("model plan blocks", plan.blocks, "is not a module of the model",
+                          "name the nn.ModuleDict attribute holding the blocks")
+    blocks = sorted({int(n.split(".")[1]) for n in module_names if n.startswith(plan.blocks + ".") and
+                     n.split(".")[1].isdigit()})
+    if not blocks or blocks != list(range(len(blocks))):
+        raise ConfigError("model plan blocks", plan.blocks, f"holds keys {blocks}, not 0..n-1",
+                          "key the blocks' ModuleDict by global index: str(i) for i in range(n_layers)")
+    for name in plan.first_stage + plan.last_stage:
+        if name not in module_names:
+            raise ConfigError("model plan first_stage/last_stage", name, "is not a module of the model",
+                              "name the modules that run before and after the blocks")
+    for positive in ("hidden_size", "vocab_size", "max_seq_len"):
+        if getattr(plan, positive) < 1:
+            raise ConfigError(f"model plan {positive}", getattr(plan, positive), "must be positive",
+                              f"set {positive} in the plan the factory returns")
+    record = UserModel("check", plan, recorded_parameters(plan, shapes))
+    for name in shapes:
+        record.stage_of(name)
+
+
+def check_tp_divides(user: UserModel, tp: int) -> None:
+    """Every parameter tp splits must split evenly: DTensor would cut unevenly, and the layout-free
+    checkpoint regions assume equal blocks."""
+    if tp == 1:
+        return
+    for name, shape, split in user.parameters:
+        if split >= 0 and (split >= len(shape) or shape[split] % tp):
+            raise ConfigError("layout.tp", tp, f"cannot split parameter {name} of shape {list(shape)} along dim {split}",
+                              f"use a --tp that divides {shape[split] if split < len(shape) else 'it'}, "
+                              "or leave its module out of the plan's tp_styles")
+
