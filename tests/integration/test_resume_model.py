@@ -55,6 +55,13 @@ def test_a_named_model_that_differs_lists_the_fields(imported_store):
         config_from_args(_args(imported_store, "--resume", "latest", "--model", "tiny"))
 
 
+def test_a_config_file_naming_only_model_preset_is_a_named_model(imported_store, tmp_path):
+    # A top-level `model_preset:` is a choice as much as a model section: refused, not replaced.
+    (tmp_path / "mine.yaml").write_text("model_preset: tiny\n")
+    with pytest.raises(ConfigError, match=r"model='tiny': differs from the checkpoint's model in vocab_size"):
+        config_from_args(_args(imported_store, "--resume", "latest", "--config", str(tmp_path / "mine.yaml")))
+
+
 def test_auto_on_a_fresh_run_keeps_the_configured_model(tmp_path):
     config = config_from_args(_args(str(tmp_path / "empty"), "--resume", "auto"))
     assert config.model_preset == "tiny" and config.model.dim == 64

@@ -51,9 +51,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError("--config", path, "file not found", "pass an existing YAML file, e.g. configs/demo.yaml") from None
     if not isinstance(data, dict):
         raise ConfigError("--config", path, "the file must hold a YAML mapping", "see configs/demo.yaml for the shape")
-    # The user named the model: a flag, or a model section in a config file of their own (the
-    # embedded default config's `tiny` is not a choice). Otherwise a resume builds the checkpoint's.
-    named = bool(args.model) or bool(args.model_factory) or (args.config is not None and "model" in data)
+    # The user named the model: a flag, or a model section (or a top-level `model_preset:`) in a
+    # config file of their own (the embedded default config's `tiny` is not a choice). Otherwise a
+    # resume builds the checkpoint's.
+    named = bool(args.model) or bool(args.model_factory) or (
+        args.config is not None and ("model" in data or "model_preset" in data))
     if args.model and args.model_factory:
         raise ConfigError("--model-factory", args.model_factory, "names a second model beside --model",
                           "pass either a preset (--model) or your own model (--model-factory)")
