@@ -74,7 +74,7 @@ def prepare_dataset(inputs: list[str], tokenizer: LoadedTokenizer, out_url: str,
     if fs.exists(f"{root}/{INDEX}"):
         raise RayshardError(f"{url} already holds a prepared dataset ({INDEX}). Fix: choose another --out, "
                             "or delete it first")
-    files = input_files(inputs)
+    files = input_files(inputs, options.max_bytes)
     workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
     units = plan_units(files, workers)
     if progress is not None:

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from actors.checkpoint.stored import StoredCheckpoint
 from actors.training.dataset_reader import PreparedDataset
 from cluster.checkpoint.hf_interop import export_hf, import_hf
+from cluster.cli.main import main
 from cluster.data.documents import ReadOptions
 from cluster.data.prepare import prepare_dataset
 from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -82,7 +83,7 @@ def test_resumes_on_tp2_and_pp2_see_the_uninterrupted_batches(run_training, data
             assert result.losses[step] == pytest.approx(reference.losses[step], rel=1e-4), (run, step)
 
 
-def test_checkpoint_records_the_dataset_and_export_carries_the_tokenizer(dataset, uninterrupted, tmp_path):
+def test_checkpoint_records_the_dataset_and_export_carries_the_tokenizer(dataset, uninterrupted, tmp_path, capsys):
     root, tokenizer = dataset
     store, reference = uninterrupted
     checkpoint = reference.checkpoints[-1]
@@ -91,6 +92,10 @@ def test_checkpoint_records_the_dataset_and_export_carries_the_tokenizer(dataset
     export_hf(checkpoint, str(tmp_path / "hf"), log=lambda _: None)
     hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert hf.encode("def heappush(heap, item):", add_special_tokens=False) == tokenizer.tokenizer.encode("def heappush(heap, item):").ids
+    # What `make demo` ends with: a line of text from the export through transformers alone.
+    assert main(["ckpt", "generate", str(tmp_path / "hf"), "--prompt", "def heap", "--max-new-tokens", "6"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("def heap") and len(hf.encode(line, add_special_tokens=False)) > len(hf.encode("def heap"))
     imported = import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "imported", log=lambda _: None)
     kept = StoredCheckpoint(imported).metadata["tokenizer_url"]
     assert load_tokenizer(kept).hash == tokenizer.hash  # `data prepare --tokenizer` can use it
