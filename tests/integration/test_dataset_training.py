@@ -140,3 +140,26 @@ def test_training_reads_the_dataset_from_s3(run_training, dataset, uninterrupted
 
 def load_index_hash(url) -> str:
     return PreparedDataset(str(url), 32).meta.index_hash
+
+
+def test_a_mixed_run_is_layout_independent_and_its_weights_are_recorded(run_training, dataset, uninterrupted, tmp_path):
+    """--data a=0.7,b=0.3: dp2 resumed on tp2 logs the uninterrupted run's batch hashes; the
+    checkpoint records both datasets and weights; a resume with other weights is refused."""
+    root, tokenizer = dataset
+    other = _corpus(tmp_path / "other", ("string.py", "fnmatch.py", "glob.py"))
+    prepare_dataset(other, tokenizer, str(tmp_path / "other-ds"), cpus_per_task=0)
+    mix = f"{root / 'ds'}=0.7,{tmp_path / 'other-ds'}=0.3"
+    source = DataConfig(source=mix)  # what `--data a=0.7,b=0.3` sets
+    reference = run_training(_config(tmp_path, None, ParallelLayout(dp=2), run="mix", steps=4, ckpt_every=2, data=source))
+    recorded = StoredCheckpoint(reference.checkpoints[0]).metadata["data_position"]["dataset"]
+    assert [(p["url"], p["weight"]) for p in recorded["mixture"]] == [(str(root / "ds"), 0.7), (str(tmp_path / "other-ds"), 0.3)]
+    assert recorded["mixture"][1]["index_hash"] == load_index_hash(tmp_path / "other-ds") != recorded["mixture"][0]["index_hash"]
+    run_training(_config(tmp_path, mix, ParallelLayout(tp=2), run="mix-tp2", steps=4, resume="mix@2"))
+    expected, resumed = _hashes(tmp_path, "mix"), _hashes(tmp_path, "mix-tp2")
+    assert {s: resumed[s] for s in (3, 4)} == {s: expected[s] for s in (3, 4)}
+    assert expected[1] != _hashes(uninterrupted[0], "ref")[1]  # the mix is not the first dataset alone (same seed)
+    reweighted = f"{root / 'ds'}=0.5,{tmp_path / 'other-ds'}=0.5"
+    with pytest.raises(DatasetMismatch) as error:
+        run_training(_config(tmp_path, reweighted, ParallelLayout(dp=2), run="mix-other", steps=4, resume="mix@2"))
+    assert f"{root / 'ds'}=0.7" in str(error.value) and f"{root / 'ds'}=0.5" in str(error.value)
+
