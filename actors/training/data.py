@@ -16,7 +16,7 @@ import fsspec
 import torch
 
 
-def _stdlib_files() -> list[str]:
+def stdlib_files() -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     found = []
     for directory, subdirs, files in os.walk(root):
@@ -27,7 +27,7 @@ def _stdlib_files() -> list[str]:
 
 def _source_files(source: str) -> list[str]:
     if source == "stdlib":
-        return _stdlib_files()
+        return stdlib_files()
     if "://" in source:
         fs, path = fsspec.core.url_to_fs(source)
         paths = fs.glob(path) if fs.isfile(path) is False and any(c in path for c in "*?[") else [path]

@@ -2,7 +2,8 @@
 
 Sample ids come from `plans/data/sample_order.py` (a pure function of seed, step and the sample
 count), so every layout reads the same samples for a step; the reads are ranged (`cat_ranges`,
-concurrent on S3), one or two per sample, and nothing else of the shards is fetched.
+concurrent on S3), one or two per sample, and nothing else of the shards is fetched. Every
+document a read holds whole is checked against the index's CRC32 (actors/training/document_checks.py).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import fsspec
 import numpy as np
 import torch
 
+from actors.training.document_checks import DocumentChecks
 from plans.data.dataset_index import INDEX, DatasetIdentity, decode_index
 from plans.data.packing import sample_count, sample_reads
 from plans.data.sample_order import batch_sample_ids
@@ -34,7 +36,8 @@ class PreparedDataset:
         except FileNotFoundError:
             raise ConfigError("data.dataset", url, f"holds no {INDEX} (no committed dataset)",
                               "pass the --out URL of a finished `rayshard data prepare`") from None
-        self.meta, _ = decode_index(data, f"{self.url}/{INDEX}")
+        self.meta, documents = decode_index(data, f"{self.url}/{INDEX}")
+        self.checks = DocumentChecks(documents, len(self.meta.shards))
         self.seq_len = seq_len
         self.samples = sample_count(self.meta.tokens, seq_len)
         if self.samples < 1:
@@ -63,11 +66,13 @@ class PreparedDataset:
         ends = [read.stop * itemsize for _, read in reads]
         blobs = self.fs.cat_ranges(paths, starts, ends, on_error="return")
         rows: list[list[np.ndarray]] = [[] for _ in ids]
-        for (row, _), path, start, end, blob in zip(reads, paths, starts, ends, blobs):
+        for (row, read), path, start, end, blob in zip(reads, paths, starts, ends, blobs):
             if isinstance(blob, BaseException) or len(blob) != end - start:
                 problem = (f"{type(blob).__name__}: {blob}" if isinstance(blob, BaseException)
                            else f"{len(blob)} bytes returned")
                 raise RayshardError(f"{path}: reading bytes [{start}, {end}) failed ({problem}); the dataset is "
                                     "incomplete or was changed. Fix: prepare it again, or check the store")
-            rows[row].append(np.frombuffer(blob, dtype=self.dtype))
+            tokens = np.frombuffer(blob, dtype=self.dtype)
+            self.checks.verify(read.shard, read.start, tokens, path)
+            rows[row].append(tokens)
         return np.stack([np.concatenate(parts) for parts in rows]).astype(np.int64)

@@ -10,15 +10,24 @@ import torch
 from actors.training.data import corpus_fingerprint, load_corpus, rank_batch
 from actors.training.data_prefetch import StepPrefetcher
 from actors.training.dataset_reader import PreparedDataset, holds_prepared_dataset
+from actors.training.mixed_dataset import MixedDataset
 from plans.config import TrainConfig
 from plans.data.compatibility import check_vocab_fits
+from plans.data.mixture import is_mixture, parse_mixture
 
 
 def prepared_dataset_url(config: TrainConfig) -> str | None:
-    """data.dataset, or data.source when it holds a prepared dataset (`--data URL`); None for text."""
+    """data.dataset, or data.source when it holds a prepared dataset (`--data URL`) or names weighted
+    ones (`--data a=0.7,b=0.3`); None for text."""
     if config.data.dataset:
         return config.data.dataset
-    return config.data.source if holds_prepared_dataset(config.data.source) else None
+    source = config.data.source
+    return source if is_mixture(source) or holds_prepared_dataset(source) else None
+
+
+def open_prepared(url: str, seq_len: int) -> PreparedDataset | MixedDataset:
+    """One dataset, or a weighted mixture of several (plans/data/mixture.py)."""
+    return MixedDataset(parse_mixture(url), seq_len) if is_mixture(url) else PreparedDataset(url, seq_len)
 
 
 class ByteText:
@@ -45,12 +54,12 @@ class DatasetBatches:
     def __init__(self, config: TrainConfig, url: str, data_rank: int, data_ranks: int):
         self.config, self.url = config, url
         self.data_rank, self.data_ranks = data_rank, data_ranks
-        self.dataset: PreparedDataset | None = None
+        self.dataset: PreparedDataset | MixedDataset | None = None
         self.prefetcher: StepPrefetcher | None = None
 
     def _open(self) -> StepPrefetcher:
         config = self.config
-        self.dataset = PreparedDataset(self.url, config.seq_len)
+        self.dataset = open_prepared(self.url, config.seq_len)
         check_vocab_fits(config.model.vocab_size, self.dataset.meta.vocab_size, self.url)
         dataset, data_rank, data_ranks = self.dataset, self.data_rank, self.data_ranks
         return StepPrefetcher(lambda step: dataset.rank_windows(config.seed, step, config.global_batch, data_rank, data_ranks),

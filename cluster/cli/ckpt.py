@@ -86,6 +86,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     progress.add_arguments(export)
     export.set_defaults(run_command="cluster.cli.commands.ckpt:run_export")
 
+    generate = group.add_parser("generate", help="a line of text from an exported directory, with transformers",
+                                description="AutoTokenizer + AutoModelForCausalLM.generate (sampled, seeded) on a `ckpt export` --out.")
+    generate.add_argument("directory", metavar="DIR", help="the --out of `ckpt export` (with its tokenizer)")
+    generate.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
+    generate.add_argument("--max-new-tokens", type=int, default=24, metavar="N")
+    generate.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (top-k 40)")
+    generate.set_defaults(run_command="cluster.cli.commands.ckpt:run_generate")
+
     importer = group.add_parser("import", help="make a checkpoint (RUN@STEP) from a Hugging Face Llama directory")
     importer.add_argument("directory", metavar="DIR")
     importer.add_argument("--run", required=True, metavar="NAME")

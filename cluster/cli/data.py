@@ -9,7 +9,9 @@ from cluster.cli.groups import command_group
 
 def _input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", nargs="+", required=True, metavar="URL",
-                        help="text, JSONL (.jsonl) or Parquet (.parquet) files, directories or globs; any fsspec URL")
+                        help="text, JSONL (.jsonl) or Parquet (.parquet) files, directories or globs; any fsspec URL; "
+                             "'stdlib' for this Python's standard library sources")
+    parser.add_argument("--max-bytes", type=int, metavar="N", help="only the first input files, in order, up to N bytes")
     parser.add_argument("--field", default="text", metavar="NAME", help="the JSONL field holding each document (default text)")
     parser.add_argument("--column", default="text", metavar="NAME", help="the Parquet column holding each document (default text)")
     parser.add_argument("--skip-bad", action="store_true",

@@ -54,7 +54,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, metavar="N")
     parser.add_argument("--lr", type=float, metavar="LR", help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, metavar="N")
-    parser.add_argument("--data", metavar="SOURCE", help="'stdlib', a file, directory, glob or fsspec URL")
+    parser.add_argument("--data", metavar="SOURCE", help="'stdlib', a file, directory, glob or fsspec URL; a prepared dataset's URL; "
+                        "or weighted datasets, URL=0.7,URL=0.3")
     speed = parser.add_argument_group("precision and speed")
     speed.add_argument("--precision", choices=("fp32", "bf16"),
                        help="bf16: bf16 compute with float32 master weights, moments and gradient reduction (default fp32)")

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from actors.training.data import stdlib_files
 from plans.data.errors import DataInputError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+STDLIB = "stdlib"  # an input that names the standard library's .py files, as `train --data stdlib` does
 
 
 @dataclass(frozen=True)
@@ -30,13 +34,19 @@ class ReadOptions:
     field: str = "text"   # the JSONL field that holds each document's text
     column: str = "text"  # the Parquet column that holds it
     skip_bad: bool = False
+    max_bytes: int | None = None  # only the first input files, in order, up to this many bytes (--max-bytes)
 
 
-def input_files(urls: list[str]) -> list[tuple[str, int]]:
+def input_files(urls: list[str], max_bytes: int | None = None) -> list[tuple[str, int]]:
     """(URL, size in bytes) of every file the inputs name (a file, a directory, a glob; any fsspec
-    URL), sorted within each input: the order documents take in a prepared dataset."""
+    URL; `stdlib`: this Python's standard library sources, the byte-level trainer's default corpus),
+    sorted within each input: the order documents take in a prepared dataset. max_bytes keeps the
+    first files whose sizes add up to it (at least one)."""
     found = []
     for url in urls:
+        if url == STDLIB:
+            found += [(path, os.path.getsize(path)) for path in stdlib_files()]
+            continue
         fs, path = fsspec.core.url_to_fs(url)
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         if any(c in path for c in "*?["):
@@ -51,6 +61,9 @@ def input_files(urls: list[str]) -> list[tuple[str, int]]:
         if not files:
             raise DataInputError(url, None, "no such file, directory or glob match", "pass existing files or URLs")
         found += [(p if protocol in ("file", "local") else f"{protocol}://{p}", size) for p, size in files]
+    if max_bytes is not None:
+        sizes = np.cumsum([size for _, size in found])
+        found = found[:max(1, int(np.searchsorted(sizes, max_bytes, side="right")))]
     return found
 
 

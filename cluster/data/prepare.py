@@ -1,7 +1,7 @@
-"""`rayshard data prepare`: input files tokenized on Ray into token shards plus a Parquet index,
-committed the way checkpoints are.
+"""`rayshard data prepare`: input files tokenized with Ray Data into token shards plus a Parquet
+index, committed the way checkpoints are.
 
-    shards and the tokenizer go under URL/attempt-<id>/   (Ray tasks, one per unit of input files)
+    shards and the tokenizer go under URL/attempt-<id>/   (Ray Data map_batches, one call per unit of input files)
     URL/index.parquet is created last, create-only        (the commit: a dataset exists once it does)
 
 A prepare that dies leaves only an attempt folder no index names; one that meets bad input removes
@@ -20,7 +20,8 @@ import pyarrow as pa
 import ray
 
 from cluster.data.documents import ReadOptions, input_files
-from cluster.data.prepare_task import UnitResult, tokenize_unit_remote
+from cluster.data.prepare_pipeline import run_units
+from cluster.data.prepare_task import UnitResult
 from cluster.data.tokenizer import LoadedTokenizer, save_tokenizer
 from cluster.storage import object_store
 from cluster.storage.object_store import create_only
@@ -73,18 +74,17 @@ def prepare_dataset(inputs: list[str], tokenizer: LoadedTokenizer, out_url: str,
     if fs.exists(f"{root}/{INDEX}"):
         raise RayshardError(f"{url} already holds a prepared dataset ({INDEX}). Fix: choose another --out, "
                             "or delete it first")
-    files = input_files(inputs)
+    files = input_files(inputs, options.max_bytes)
     workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
     units = plan_units(files, workers)
     if progress is not None:
         progress.reset(total=sum(size for _, size in files))
     attempt = f"attempt-{uuid.uuid4().hex[:12]}"
     dtype = token_dtype_for(tokenizer.vocab_size)
-    tokenizer_ref = ray.put(tokenizer.json_text)
-    log(f"preparing {len(files)} file(s) in {len(units)} task(s) on Ray ({workers} CPUs), tokens as {dtype}")
+    log(f"preparing {len(files)} file(s) in {len(units)} unit(s) with Ray Data ({workers} CPUs), tokens as {dtype}")
     try:
-        results = _run_units(units, files, tokenizer_ref, tokenizer.eos_id, dtype, url, attempt, options,
-                             cpus_per_task, max(2, 2 * workers), task_timeout_s, progress)
+        results = _run_units(units, files, tokenizer.json_text, tokenizer.eos_id, dtype, url, attempt, options,
+                             cpus_per_task, min(workers, len(units)), task_timeout_s, progress)
         bad = next((r.error for r in results if r.error is not None), None)
         if bad is not None:
             raise bad
@@ -104,38 +104,23 @@ def prepare_dataset(inputs: list[str], tokenizer: LoadedTokenizer, out_url: str,
                           meta.tokens * np.dtype(dtype).itemsize, skipped, time.perf_counter() - started, meta.index_hash)
 
 
-def _run_units(units, files, tokenizer_ref, eos_id, dtype, url, attempt, options, cpus_per_task, in_flight,
+def _run_units(units, files, tokenizer_json, eos_id, dtype, url, attempt, options, cpus_per_task, concurrency,
                task_timeout_s, progress) -> list[UnitResult]:
-    """Every unit's result in unit order; at most `in_flight` tasks queued at once; stops at the
-    first bad input unless skipping; fails when no task finishes within task_timeout_s."""
+    """Every unit's result in unit order, or only the first bad input's unit when not skipping."""
     sizes = dict(files)
     storage_conf = object_store.configure()  # the tasks reach the store as the driver does
-    remote = tokenize_unit_remote.options(num_cpus=cpus_per_task, max_retries=2)
-    waiting: dict = {}
     results: dict[int, UnitResult] = {}
-    next_unit = 0
-    while next_unit < len(units) or waiting:
-        while next_unit < len(units) and len(waiting) < in_flight:
-            ref = remote.remote(next_unit, units[next_unit], tokenizer_ref, eos_id, dtype, url,
-                                f"{attempt}/shard-{next_unit:05d}.tokens", options, storage_conf)
-            waiting[ref] = next_unit
-            next_unit += 1
-        done, _ = ray.wait(list(waiting), num_returns=1, timeout=task_timeout_s)
-        if not done:
-            for ref in waiting:
-                ray.cancel(ref, force=True)
-            raise RayshardError(f"no tokenization task finished within {task_timeout_s:g} s ({len(waiting)} running). "
-                                "Fix: check the cluster's CPUs and the input store, or raise --task-timeout")
-        for ref in done:
-            unit = waiting.pop(ref)
-            result = ray.get(ref)
-            results[unit] = result
+    stream = run_units(units, tokenizer_json, eos_id, dtype, url, attempt, options, storage_conf, cpus_per_task,
+                       concurrency, task_timeout_s)
+    try:
+        for result in stream:
+            results[result.unit] = result
             if progress is not None:
-                progress.update(sum(sizes[f] for f in units[unit]))
+                progress.update(sum(sizes[f] for f in units[result.unit]))
             if result.error is not None:
-                for other in waiting:
-                    ray.cancel(other, force=True)
                 return [result]
+    finally:
+        stream.close()  # stops the dataset's remaining units before the driver removes the attempt
     return [results[unit] for unit in range(len(units))]
 
 

@@ -1,7 +1,7 @@
-"""One unit of `data prepare`'s work, run as a Ray task: consecutive input files tokenized into one
+"""One unit of `data prepare`'s work, run inside Ray Data's map_batches: consecutive input files tokenized into one
 token shard, streamed (a batch of documents at a time), with one index row per document.
 
-Bad input does not raise through Ray (which would wrap it in its own error): the task returns it,
+Bad input does not raise through Ray (which would wrap it in its own error): the unit returns it,
 and the driver reports the first one or, under --skip-bad, counts what was left out.
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import fsspec
 import numpy as np
-import ray
 from tokenizers import Tokenizer
 
 from cluster.data.documents import ReadOptions, read_documents
@@ -87,5 +86,3 @@ def _write_batch(tokenizer: Tokenizer, batch, eos_id: int, token_dtype, out, res
         result.tokens.append(len(ids))
         result.crc32.append(zlib.crc32(data))
 
-
-tokenize_unit_remote = ray.remote(tokenize_unit)

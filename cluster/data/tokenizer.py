@@ -57,7 +57,7 @@ def train_tokenizer(inputs: list[str], vocab_size: int, options: ReadOptions = R
     skipped: list[str] = []
 
     def texts():
-        for url, _ in input_files(inputs):
+        for url, _ in input_files(inputs, options.max_bytes):
             for document in read_documents(url, options, skipped):
                 if progress is not None:
                     progress.update(len(document.text.encode()))

@@ -1,23 +1,31 @@
-"""The driver's side of training on a prepared dataset: checks before any rank starts, what a
-checkpoint records of the data, and one hash per step of the global batch.
+"""The driver's side of training on a prepared dataset (or a weighted mixture of several): checks
+before any rank starts, what a checkpoint records of the data, and one hash per step of the global
+batch.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from actors.training.dataset_reader import PreparedDataset
-from actors.training.dataset_source import prepared_dataset_url
+from actors.training.dataset_source import open_prepared, prepared_dataset_url
+from actors.training.mixed_dataset import MixedDataset
 from actors.training.reports import StepMetrics
 from plans.config import TrainConfig
 from plans.data.batch_hash import global_batch_hash
 from plans.data.compatibility import check_same_dataset, check_vocab_fits
 from plans.data.errors import DatasetMismatch
-from plans.data.dataset_index import DatasetIdentity
+from plans.data.mixture import mixture_record
 from plans.layout.parallel_layout import ParallelLayout
 
+# (dataset URL or mixture, seq_len) -> what checkpoints record: read from the index(es) when a run
+# starts (check_training_data), then reused by every save instead of re-reading the index.
+_records: dict[tuple[str, int], dict] = {}
 
-def training_dataset(config: TrainConfig) -> DatasetIdentity | None:
-    """The prepared dataset the run trains on (None: byte-level text), read from its index now."""
-    url = prepared_dataset_url(config)
-    return None if url is None else PreparedDataset(url, config.seq_len).identity()
+
+def _record_of(dataset: PreparedDataset | MixedDataset) -> dict:
+    if isinstance(dataset, MixedDataset):
+        return mixture_record(dataset.mixture, dataset.identities())
+    return dataset.identity().to_dict()
 
 
 def check_training_data(config: TrainConfig, resumed_metadata: dict | None, checkpoint_url: str | None) -> None:
@@ -30,16 +38,31 @@ def check_training_data(config: TrainConfig, resumed_metadata: dict | None, chec
                 f"{checkpoint_url} was trained on dataset {recorded.get('url')} (index hash {recorded.get('index_hash')}), "
                 f"but this run reads text from {config.data.source!r}. Fix: pass --data {recorded.get('url')}, or start a new --run")
         return
-    dataset = PreparedDataset(url, config.seq_len)
+    dataset = open_prepared(url, config.seq_len)
     check_vocab_fits(config.model.vocab_size, dataset.meta.vocab_size, url)
+    record = _records[(url, config.seq_len)] = _record_of(dataset)
     if recorded is not None:
-        check_same_dataset(recorded, dataset.identity(), checkpoint_url)
+        check_same_dataset(recorded, record, checkpoint_url)
+
+
+def with_resolved_dataset(config: TrainConfig) -> TrainConfig:
+    """data.dataset set when data.source names a prepared dataset (`--data URL`) or a mixture: the
+    driver decides text or dataset once, with its storage configured; ranks look no further."""
+    url = prepared_dataset_url(config)
+    if url is None or config.data.dataset:
+        return config
+    return replace(config, data=replace(config.data, dataset=url))
 
 
 def dataset_record(config: TrainConfig) -> dict | None:
-    """What checkpoint metadata's data_position records of a prepared dataset."""
-    identity = training_dataset(config)
-    return None if identity is None else identity.to_dict()
+    """What checkpoint metadata's data_position records of a prepared dataset (None: text)."""
+    url = prepared_dataset_url(config)
+    if url is None:
+        return None
+    key = (url, config.seq_len)
+    if key not in _records:
+        _records[key] = _record_of(open_prepared(url, config.seq_len))
+    return _records[key]
 
 
 def step_batch_hash(per_rank: list[StepMetrics], layout: ParallelLayout) -> str:

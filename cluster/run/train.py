@@ -19,7 +19,7 @@ from cluster.storage import leases
 from cluster.run.async_save import AsyncCheckpointer
 from cluster.run.rank_group import RankGroup, connect_ray
 from cluster.run.resume_check import verify_resumed_state
-from cluster.data.training_data import check_training_data, dataset_record, step_batch_hash
+from cluster.data.training_data import check_training_data, dataset_record, step_batch_hash, with_resolved_dataset
 from cluster.run.metrics_sinks import check_sinks, open_sinks
 from cluster.storage.store import Store
 from plans.checkpoint.chunk_table import ChunkTable
@@ -72,6 +72,7 @@ def train(config: TrainConfig, actors: list | None = None,
         _log(f"resuming from {resume.url} (step {start_step}, written by layout {metadata['layout']})")
         _warn_if_schedule_changed(metadata, config)
     check_training_data(config, metadata if resume is not None else None, parent)  # before any rank starts
+    config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
     check_sinks(config)
     if start_step >= config.steps:
         _log(f"nothing to do: the checkpoint is at step {start_step} and --steps is {config.steps}")

@@ -1,7 +1,7 @@
 """Whether a model and a checkpoint can train on a prepared dataset: checked before any rank starts."""
 from __future__ import annotations
 
-from plans.data.dataset_index import DatasetIdentity
+from plans.data.mixture import describe
 from plans.data.errors import DatasetMismatch
 from plans.errors import ConfigError
 
@@ -14,13 +14,23 @@ def check_vocab_fits(model_vocab_size: int, tokenizer_vocab_size: int, dataset_u
                           "or prepare the data with a smaller tokenizer")
 
 
-def check_same_dataset(recorded: dict, current: DatasetIdentity, checkpoint_url: str) -> None:
-    """recorded: the checkpoint's data_position["dataset"]. A checkpoint that recorded none (byte-level
-    text, or imported from Hugging Face) may start on any dataset: that is fine-tuning, not a resume
-    of the same data."""
-    for field, name in (("index_hash", "index hash"), ("tokenizer_hash", "tokenizer hash")):
-        if recorded.get(field) != getattr(current, field):
+def check_same_dataset(recorded: dict, current: dict, checkpoint_url: str) -> None:
+    """recorded: the checkpoint's data_position["dataset"]; current: this run's record of the same
+    shape (one dataset's identity, or a mixture's: plans/data/mixture.py). A checkpoint that recorded
+    none (byte-level text, or imported from Hugging Face) may start on any dataset: that is
+    fine-tuning, not a resume of the same data."""
+    if recorded.get("tokenizer_hash") != current.get("tokenizer_hash"):
+        raise DatasetMismatch(
+            f"dataset {current.get('url')} has tokenizer hash {current.get('tokenizer_hash')}, but {checkpoint_url} was "
+            f"trained on {recorded.get('url')} with tokenizer hash {recorded.get('tokenizer_hash')}; the data changed "
+            "after the checkpoint. Fix: resume with the dataset the checkpoint recorded, or start a new --run")
+    if recorded.get("index_hash") != current.get("index_hash"):
+        if "mixture" in recorded or "mixture" in current:
             raise DatasetMismatch(
-                f"dataset {current.url} has {name} {getattr(current, field)}, but {checkpoint_url} was trained on "
-                f"{recorded.get('url')} with {name} {recorded.get(field)}; the data changed after the checkpoint. "
-                "Fix: resume with the dataset the checkpoint recorded, or start a new --run")
+                f"this run reads {describe(current)}, but {checkpoint_url} was trained on {describe(recorded)}; "
+                "different datasets or weights change the sample order. Fix: resume with the checkpoint's "
+                f"--data {recorded.get('url')}, or start a new --run")
+        raise DatasetMismatch(
+            f"dataset {current.get('url')} has index hash {current.get('index_hash')}, but {checkpoint_url} was trained on "
+            f"{recorded.get('url')} with index hash {recorded.get('index_hash')}; the data changed after the checkpoint. "
+            "Fix: resume with the dataset the checkpoint recorded, or start a new --run")

@@ -87,6 +87,18 @@ def test_the_index_hash_is_the_content(ray_session, local_tokenizer, tmp_path):
     assert first.index_hash == again.index_hash != other.index_hash
 
 
+def test_stdlib_input_and_max_bytes(tmp_path):
+    """`--input stdlib` names the byte-level trainer's corpus; --max-bytes keeps its first files."""
+    from actors.training.data import stdlib_files
+    from cluster.data.documents import input_files
+
+    every = input_files(["stdlib"])
+    assert [url for url, _ in every] == stdlib_files() and all(size > 0 for _, size in every[:50])
+    first = input_files(["stdlib"], max_bytes=every[0][1] + every[1][1] + every[2][1])
+    assert first == every[:3]
+    assert input_files(["stdlib"], max_bytes=1) == every[:1]  # at least one file
+
+
 BAD_INPUTS = {
     "non-utf8.txt": (b"good line\nbad \xff byte\n", "non-utf8.txt, row 2: not UTF-8"),
     "empty.txt": (b"", "empty.txt: the file is empty"),

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from actors.checkpoint.stored import StoredCheckpoint
 from actors.training.dataset_reader import PreparedDataset
 from cluster.checkpoint.hf_interop import export_hf, import_hf
+from cluster.cli.main import main
 from cluster.data.documents import ReadOptions
 from cluster.data.prepare import prepare_dataset
 from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -82,7 +83,7 @@ def test_resumes_on_tp2_and_pp2_see_the_uninterrupted_batches(run_training, data
             assert result.losses[step] == pytest.approx(reference.losses[step], rel=1e-4), (run, step)
 
 
-def test_checkpoint_records_the_dataset_and_export_carries_the_tokenizer(dataset, uninterrupted, tmp_path):
+def test_checkpoint_records_the_dataset_and_export_carries_the_tokenizer(dataset, uninterrupted, tmp_path, capsys):
     root, tokenizer = dataset
     store, reference = uninterrupted
     checkpoint = reference.checkpoints[-1]
@@ -91,6 +92,10 @@ def test_checkpoint_records_the_dataset_and_export_carries_the_tokenizer(dataset
     export_hf(checkpoint, str(tmp_path / "hf"), log=lambda _: None)
     hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert hf.encode("def heappush(heap, item):", add_special_tokens=False) == tokenizer.tokenizer.encode("def heappush(heap, item):").ids
+    # What `make demo` ends with: a line of text from the export through transformers alone.
+    assert main(["ckpt", "generate", str(tmp_path / "hf"), "--prompt", "def heap", "--max-new-tokens", "6"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("def heap") and len(hf.encode(line, add_special_tokens=False)) > len(hf.encode("def heap"))
     imported = import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "imported", log=lambda _: None)
     kept = StoredCheckpoint(imported).metadata["tokenizer_url"]
     assert load_tokenizer(kept).hash == tokenizer.hash  # `data prepare --tokenizer` can use it
@@ -135,3 +140,26 @@ def test_training_reads_the_dataset_from_s3(run_training, dataset, uninterrupted
 
 def load_index_hash(url) -> str:
     return PreparedDataset(str(url), 32).meta.index_hash
+
+
+def test_a_mixed_run_is_layout_independent_and_its_weights_are_recorded(run_training, dataset, uninterrupted, tmp_path):
+    """--data a=0.7,b=0.3: dp2 resumed on tp2 logs the uninterrupted run's batch hashes; the
+    checkpoint records both datasets and weights; a resume with other weights is refused."""
+    root, tokenizer = dataset
+    other = _corpus(tmp_path / "other", ("string.py", "fnmatch.py", "glob.py"))
+    prepare_dataset(other, tokenizer, str(tmp_path / "other-ds"), cpus_per_task=0)
+    mix = f"{root / 'ds'}=0.7,{tmp_path / 'other-ds'}=0.3"
+    source = DataConfig(source=mix)  # what `--data a=0.7,b=0.3` sets
+    reference = run_training(_config(tmp_path, None, ParallelLayout(dp=2), run="mix", steps=4, ckpt_every=2, data=source))
+    recorded = StoredCheckpoint(reference.checkpoints[0]).metadata["data_position"]["dataset"]
+    assert [(p["url"], p["weight"]) for p in recorded["mixture"]] == [(str(root / "ds"), 0.7), (str(tmp_path / "other-ds"), 0.3)]
+    assert recorded["mixture"][1]["index_hash"] == load_index_hash(tmp_path / "other-ds") != recorded["mixture"][0]["index_hash"]
+    run_training(_config(tmp_path, mix, ParallelLayout(tp=2), run="mix-tp2", steps=4, resume="mix@2"))
+    expected, resumed = _hashes(tmp_path, "mix"), _hashes(tmp_path, "mix-tp2")
+    assert {s: resumed[s] for s in (3, 4)} == {s: expected[s] for s in (3, 4)}
+    assert expected[1] != _hashes(uninterrupted[0], "ref")[1]  # the mix is not the first dataset alone (same seed)
+    reweighted = f"{root / 'ds'}=0.5,{tmp_path / 'other-ds'}=0.5"
+    with pytest.raises(DatasetMismatch) as error:
+        run_training(_config(tmp_path, reweighted, ParallelLayout(dp=2), run="mix-other", steps=4, resume="mix@2"))
+    assert f"{root / 'ds'}=0.7" in str(error.value) and f"{root / 'ds'}=0.5" in str(error.value)
+

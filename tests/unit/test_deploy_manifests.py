@@ -223,7 +223,7 @@ def test_the_rayjob_runs_the_readme_command_on_the_policy_bucket(rendered):
 
 def test_every_manifest_uses_one_image_and_the_pinned_ray_version(rendered):
     pyproject = (REPO / "pyproject.toml").read_text()
-    ray_pin = re.search(r'"ray\[default\]==([\d.]+)"', pyproject).group(1)
+    ray_pin = re.search(r'"ray\[[a-z,]+\]==([\d.]+)"', pyproject).group(1)  # ray[default,data]==X
     version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert f"FROM rayproject/ray:{ray_pin}-" in dockerfile and "torch==2.13.0" in dockerfile

@@ -7,6 +7,7 @@ import json
 from actors.checkpoint.load import read_once_for
 from actors.checkpoint.manifest_io import read_manifest
 from cluster.checkpoint.digest import checkpoint_digest, diff_checkpoints, digest_checkpoint
+from cluster.checkpoint.hf_generate import generate_text  # imports transformers only when it runs
 from cluster.checkpoint.hf_interop import export_hf, import_hf
 from cluster.checkpoint.offline_reshard import reshard_checkpoint, target_partition
 from cluster.checkpoint.reshard_report import build_plan, format_plan
@@ -72,6 +73,12 @@ def run_export(args: argparse.Namespace) -> int:
     with reading(args) as (_, [ref]), byte_bar(args, "export") as bar:
         export_hf(ref.url, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_mib * 2**20),
                   include_optimizer=not args.no_optimizer, log=bar.write, progress=bar)
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    text = generate_text(args.directory, args.prompt, args.max_new_tokens, args.seed)
+    print(text.replace("\n", "\\n"))  # one line, whatever the model wrote
     return 0
 
 

@@ -13,7 +13,7 @@ from cluster.storage import object_store
 
 
 def _read_options(args: argparse.Namespace) -> ReadOptions:
-    return ReadOptions(field=args.field, column=args.column, skip_bad=args.skip_bad)
+    return ReadOptions(field=args.field, column=args.column, skip_bad=args.skip_bad, max_bytes=args.max_bytes)
 
 
 def run_tokenizer_train(args: argparse.Namespace) -> int:
