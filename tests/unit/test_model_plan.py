@@ -155,3 +155,15 @@ def test_a_resume_naming_the_same_factory_finds_no_difference_and_another_is_lis
     assert differences[:4] == ["vocab_size (256 -> 250)", "dim (64 -> 48)", "n_layers (4 -> 2)", "max_seq_len (256 -> 64)"]
     assert differences[4:6] == ["factory ('examples.gpt2.model:tiny_gpt2' -> 'examples.gpt2.model:odd_gpt2')", "plan"]
     assert differences[6].startswith("parameters (")
+
+
+def test_a_resume_naming_the_factory_takes_a_changed_hf_mapping_as_no_difference():
+    from plans.training.model_spec import model_differences
+
+    named = describe_factory(FACTORY)
+    assert named.user.plan.hf_mapping  # the example exports as GPT2LMHeadModel
+    before_the_mapping = replace(named, user=replace(named.user, plan=replace(named.user.plan, hf_mapping=None,
+                                                                               hf_config=None)))
+    assert before_the_mapping != named and model_differences(before_the_mapping, named) == []
+    other_blocks = replace(named, user=replace(named.user, plan=replace(before_the_mapping.user.plan, blocks="layers")))
+    assert model_differences(other_blocks, named) == ["plan"]
