@@ -19,8 +19,9 @@ import fnmatch
 import json
 from dataclasses import dataclass, field
 
-from plans.checkpoint.transform_codec import canonical
-from plans.errors import ConfigError
+from plans.checkpoint.transform_codec import canonical, decode_mapping
+from plans.checkpoint.transforms import Meta
+from plans.errors import CheckpointError, ConfigError
 from plans.training.tp_plan import ALL_STYLES, split_dim_under
 
 CROSS_ENTROPY = "cross_entropy"  # the built-in criterion: vocab-parallel under tp (`loss_parallel`)
@@ -185,6 +186,12 @@ def validate_plan(plan: ModelPlan, module_names: list[str], shapes: dict[str, tu
     record = UserModel("check", plan, recorded_parameters(plan, shapes))
     for name in shapes:
         record.stage_of(name)
+    if plan.hf_mapping is not None:  # names and shapes only: a mapping that misses a parameter fails now, not at export
+        try:
+            decode_mapping(plan.hf_mapping).plan({name: Meta(tuple(shape), "float32") for name, shape in shapes.items()})
+        except CheckpointError as error:
+            raise ConfigError("model plan hf_mapping", f"{len(plan.hf_mapping)} rules", f"does not fit the model: {error}",
+                              "make the rules cover every parameter once, with the shapes the model has") from None
 
 
 def check_tp_divides(user: UserModel, tp: int) -> None:

@@ -167,3 +167,15 @@ def test_a_resume_naming_the_factory_takes_a_changed_hf_mapping_as_no_difference
     assert before_the_mapping != named and model_differences(before_the_mapping, named) == []
     other_blocks = replace(named, user=replace(named.user, plan=replace(before_the_mapping.user.plan, blocks="layers")))
     assert model_differences(other_blocks, named) == ["plan"]
+
+
+def test_an_hf_mapping_that_misses_a_parameter_is_refused_when_the_factory_is_described(monkeypatch):
+    import examples.gpt2.model as example
+
+    def lossy_gpt2():
+        made = tiny_gpt2()
+        rules = [r for r in made.plan.hf_mapping if r != {"rename": ["wpe.weight", "transformer.wpe.weight"]}]
+        return FactoryModel(made.module, replace(made.plan, hf_mapping=rules))
+    monkeypatch.setattr(example, "lossy_gpt2", lossy_gpt2, raising=False)
+    with pytest.raises(ConfigError, match=r"hf_mapping='20 rules': does not fit the model: no rule .* covers 1 tensor\(s\): wpe.weight"):
+        describe_factory("examples.gpt2.model:lossy_gpt2")
