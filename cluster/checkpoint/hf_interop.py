@@ -1,7 +1,10 @@
 """Hugging Face interop: export a checkpoint as a transformers directory of its family (Llama,
-Qwen2, Qwen3, Mistral: `plans/checkpoint/hf_families.py`), import one back.
+Qwen2, Qwen3, Mistral: `plans/checkpoint/hf_families.py`; a user model by its plan's mapping),
+import one back.
 
-One mapping per family (`hf_mapping`) is written, in the export direction; import uses its derived inverse.
+One mapping per family (`hf_mapping`), or a user plan's, is written in the export direction; import
+uses its derived inverse. A user model's export imports back only with its `rayshard.json` (the
+record naming its factory and plan): config.json alone names no family rayshard computes.
 Export writes `config.json` and `model.safetensors` (or `model-0000i-of-0000n.safetensors` plus
 `model.safetensors.index.json` past `max_shard_bytes`), and, unless asked not to, the optimizer
 moments under the same names in `rayshard-optimizer/` (Hugging Face ignores the folder) and the
@@ -27,12 +30,12 @@ from cluster.progress import advance, set_total
 from cluster.checkpoint.transform_exec import run_group
 from cluster.data.tokenizer import copy_tokenizer_files, tokenizer_url_of
 from plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
-from plans.errors import CheckpointError, ConfigError
+from plans.errors import CheckpointError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
 from plans.training.model_spec import ModelConfig, parameter_shapes
 from plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
-from plans.checkpoint.hf_families import hf_config, hf_mapping, model_config_from_hf
+from plans.checkpoint.hf_families import export_config, export_mapping, model_config_from_hf
 from plans.checkpoint.transforms import Cast, Mapping, MappingPlan, Meta
 
 CONFIG = "config.json"
@@ -112,9 +115,6 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     started = time.perf_counter()
     stored = StoredCheckpoint(checkpoint_url)
     model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
-    if model.user is not None:
-        raise ConfigError("checkpoint", checkpoint_url, f"holds a user model ({model.user.factory}) with no Hugging Face "
-                          "mapping", "export a model of a built-in family; user models' HF mappings are not supported yet")
     stored_kinds = {kind for _, kind in stored.index}
     kinds = [PARAM] + ([k for k in MOMENTS if k in stored_kinds] if include_optimizer else [])
     plans = []
@@ -122,7 +122,9 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         metas = {name: Meta(chunks[0].global_shape, chunks[0].dtype)
                  for (name, k), chunks in stored.tensors().items() if k == kind}
         # Weights take the requested dtype; moments keep theirs (they are ours, not Hugging Face's).
-        plans.append((kind, metas, hf_mapping(model, dtype if kind == PARAM else None).plan(metas)))
+        stored_dtype = next(iter(metas.values())).dtype if metas else "float32"
+        mapping = export_mapping(model, dtype if kind == PARAM else None, source_dtype=stored_dtype)
+        plans.append((kind, metas, mapping.plan(metas)))
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for *_, plan in plans for name, meta in plan.outputs.items()))
     fs, base = fsspec.core.url_to_fs(directory)
     fs.makedirs(base, exist_ok=True)
@@ -134,7 +136,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
     stored.check_partial_reads()  # none today (whole tensors read whole chunks); any part would be checked here
     out_dtype = dtype or next(iter(stored.chunks)).dtype
-    fs.pipe_file(f"{base}/{CONFIG}", json.dumps(hf_config(model, out_dtype), indent=2).encode())
+    fs.pipe_file(f"{base}/{CONFIG}", json.dumps(export_config(model, out_dtype), indent=2).encode())
     fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
                                                        "weights_dtype": out_dtype}, indent=2, default=str).encode())
     tokenizer_url = tokenizer_url_of(stored.metadata)  # the run's tokenizer travels with its weights
@@ -207,11 +209,11 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
     config_path = f"{base}/{CONFIG}"
     if not fs.exists(config_path):
         raise CheckpointError(f"{directory}: no {CONFIG}; pass a Hugging Face model directory")
-    model = model_config_from_hf(json.loads(fs.cat_file(config_path)), config_path)
+    saved = json.loads(fs.cat_file(f"{base}/{RUN_METADATA}")) if fs.exists(f"{base}/{RUN_METADATA}") else {}
+    model = _model_of(json.loads(fs.cat_file(config_path)), config_path, saved)
     weights = read_safetensors_index(fs, base, WEIGHTS)
     if not weights:
         raise CheckpointError(f"{directory}: no {WEIGHTS}.safetensors or {WEIGHTS}.safetensors.index.json")
-    saved = json.loads(fs.cat_file(f"{base}/{RUN_METADATA}")) if fs.exists(f"{base}/{RUN_METADATA}") else {}
     shapes = parameter_shapes(model)
     streams: dict[str, tuple[GroupStream, MappingPlan]] = {}
     for kind, tensors in [(PARAM, weights)] + [(k, read_safetensors_index(fs, base, f"{OPTIMIZER_DIR}/{k}")) for k in MOMENTS]:
@@ -220,7 +222,7 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
         hf_dtypes = {t.dtype for t in tensors.values()}
         if len(hf_dtypes) != 1:
             raise CheckpointError(f"{directory} ({kind}): tensors mix dtypes {sorted(hf_dtypes)}; rayshard imports one dtype")
-        mapping = hf_mapping(model).inverse()
+        mapping = export_mapping(model).inverse()
         source_dtype = hf_dtypes.pop()
         if source_dtype != dtype:  # e.g. bfloat16 weights trained on in float32
             mapping = Mapping(mapping.rules + (Cast("*", to=dtype, source=source_dtype),))
@@ -259,6 +261,15 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
     committed = pending.commit(chunks, metadata)
     log(f"imported {directory} as {run}@{step}: {committed}")
     return committed
+
+
+def _model_of(config: dict, config_path: str, saved: dict) -> ModelConfig:
+    """A family's model from config.json; a user model (which has no family) only from the run
+    metadata a rayshard export wrote beside it, whose plan holds the mapping it was written with."""
+    recorded = (saved.get("metadata") or {}).get("model") or {}
+    if recorded.get("user") is not None:
+        return ModelConfig.from_dict(recorded).validate()
+    return model_config_from_hf(config, config_path)
 
 
 def _nbytes(shape, itemsize: int) -> int:

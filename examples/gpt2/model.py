@@ -12,8 +12,14 @@ shard (a block of heads, a block of hidden units) runs the same code.
 
 Initial values follow rayshard's rules by parameter name: `*norm.weight` ones, biases zeros,
 everything else normal(0, 0.02), identically on every layout.
+
+The numerics are GPT-2's (tanh GELU = "gelu_new", LayerNorm eps 1e-5, attention scaled by
+1/sqrt(head_dim), no dropout), so `tiny_gpt2`'s plan also says how `ckpt export` writes it as
+transformers' `GPT2LMHeadModel` (`gpt2_hf_mapping`, `gpt2_hf_config`).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -114,10 +120,52 @@ def gpt2_plan(dim: int, vocab: int, max_seq_len: int, positions: bool = True) ->
                      last_stage=("norm", "lm_head"), hidden_size=dim, vocab_size=vocab, max_seq_len=max_seq_len)
 
 
+def gpt2_hf_mapping(dim: int) -> list[dict]:
+    """Our names -> GPT2LMHeadModel's, as rules written as data (`plans/checkpoint/transform_codec.py`).
+
+    GPT-2 fuses q, k, v into one `c_attn` and stores every block Linear as a Conv1D, whose weight
+    is [in, out]: the transpose of nn.Linear's [out, in]. So c_attn is q, k, v stacked by rows
+    (heads in plain order, no grouping: groups 1) and then transposed; its bias is the three biases
+    stacked; the projections are renamed and transposed. Embeddings, norms and the head keep
+    their layout."""
+    h, ours = "transformer.h.{layer}.", "blocks.{layer}."
+    rules: list[dict] = [{"rename": ["wte.weight", "transformer.wte.weight"]},
+                         {"rename": ["wpe.weight", "transformer.wpe.weight"]}]
+    for leaf in ("weight", "bias"):
+        rules += [
+            {"rename": [ours + f"attn_norm.{leaf}", h + f"ln_1.{leaf}"]},
+            {"concat_rows": [[ours + f"attn.{part}.{leaf}" for part in "qkv"], h + f"attn.c_attn.{leaf}", [dim] * 3, 1]},
+            {"rename": [ours + f"attn.proj.{leaf}", h + f"attn.c_proj.{leaf}"]},
+            {"rename": [ours + f"mlp_norm.{leaf}", h + f"ln_2.{leaf}"]},
+            {"rename": [ours + f"mlp.fc.{leaf}", h + f"mlp.c_fc.{leaf}"]},
+            {"rename": [ours + f"mlp.proj.{leaf}", h + f"mlp.c_proj.{leaf}"]},
+            {"rename": [f"norm.{leaf}", f"transformer.ln_f.{leaf}"]},
+        ]
+    rules += [{"transpose": h + f"{conv}.weight"} for conv in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    rules.append({"rename": ["lm_head.weight", "lm_head.weight"]})  # untied: its own tensor
+    return rules
+
+
+def gpt2_hf_config(dim: int, vocab: int, max_seq_len: int, layers: int, heads: int) -> dict:
+    """GPT2Config's fields that decide what the weights compute, set to what `GPT2` computes."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab, "n_embd": dim,
+            "n_layer": layers, "n_head": heads, "n_positions": max_seq_len, "n_inner": 4 * dim,
+            "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False}
+
+
+def with_gpt2_hf(plan: ModelPlan, layers: int, heads: int) -> ModelPlan:
+    """The plan plus its Hugging Face export (only with learned positions: GPT-2 always adds them)."""
+    return replace(plan, hf_mapping=gpt2_hf_mapping(plan.hidden_size),
+                   hf_config=gpt2_hf_config(plan.hidden_size, plan.vocab_size, plan.max_seq_len, layers, heads))
+
+
 def tiny_gpt2() -> FactoryModel:
-    """Byte-level vocabulary, 4 blocks (so pp=4 can cut it), 4 heads of 16."""
+    """Byte-level vocabulary, 4 blocks (so pp=4 can cut it), 4 heads of 16; exports as GPT2LMHeadModel."""
     vocab, dim, max_seq_len = 256, 64, 256
-    return FactoryModel(GPT2(vocab, dim, layers=4, heads=4, max_seq_len=max_seq_len), gpt2_plan(dim, vocab, max_seq_len))
+    return FactoryModel(GPT2(vocab, dim, layers=4, heads=4, max_seq_len=max_seq_len),
+                        with_gpt2_hf(gpt2_plan(dim, vocab, max_seq_len), layers=4, heads=4))
 
 
 def tiny_gpt2_without_positions() -> FactoryModel:

@@ -14,11 +14,14 @@ A config.json that asks for something this decoder does not compute (rope scalin
 naming the field: importing it would change what the weights compute.
 
 The mapping is written once, in the export direction; import uses its derived inverse.
+A user's model (`--model-factory`) brings its own mapping and config.json in its plan
+(`ModelPlan.hf_mapping` / `hf_config`); `export_mapping` and `export_config` pick either.
 """
 from __future__ import annotations
 
+from plans.checkpoint.transform_codec import decode_mapping
 from plans.checkpoint.transforms import Alias, Cast, Mapping, Rename, SplitRows
-from plans.errors import CheckpointError
+from plans.errors import CheckpointError, ConfigError
 from plans.training.model_spec import ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -62,6 +65,32 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     if dtype and dtype != "float32":
         rules.append(Cast("*", to=dtype, source="float32"))
     return Mapping(tuple(rules))
+
+
+def export_mapping(model: ModelConfig, dtype: str | None = None, source_dtype: str = "float32") -> Mapping:
+    """The export mapping of a built-in family or of a user's plan (cast to `dtype` if given)."""
+    if model.user is None:
+        return hf_mapping(model, dtype)
+    mapping = decode_mapping(_user_plan_for_export(model).hf_mapping)
+    if dtype and dtype != source_dtype:
+        mapping = Mapping(mapping.rules + (Cast("*", to=dtype, source=source_dtype),))
+    return mapping
+
+
+def export_config(model: ModelConfig, dtype: str) -> dict:
+    """config.json: a family's, or the user plan's with the weights' dtype set as `hf_config` sets it."""
+    if model.user is None:
+        return hf_config(model, dtype)
+    return {**_user_plan_for_export(model).hf_config, "torch_dtype": dtype, "dtype": dtype}
+
+
+def _user_plan_for_export(model: ModelConfig):
+    plan = model.user.plan
+    if plan.hf_mapping is None:
+        raise ConfigError("checkpoint model", model.user.factory, "is a user model whose plan has no Hugging Face mapping",
+                          "give its ModelPlan hf_mapping (rules as data, plans/checkpoint/transform_codec.py) and "
+                          "hf_config (config.json contents), as examples/gpt2/model.py does, and train or resume with it")
+    return plan
 
 
 def hf_config(model: ModelConfig, dtype: str) -> dict:

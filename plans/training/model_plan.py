@@ -16,9 +16,12 @@ Pure: no torch modules here, only names and shapes.
 from __future__ import annotations
 
 import fnmatch
+import json
 from dataclasses import dataclass, field
 
-from plans.errors import ConfigError
+from plans.checkpoint.transform_codec import canonical, decode_mapping
+from plans.checkpoint.transforms import Meta
+from plans.errors import CheckpointError, ConfigError
 from plans.training.tp_plan import ALL_STYLES, split_dim_under
 
 CROSS_ENTROPY = "cross_entropy"  # the built-in criterion: vocab-parallel under tp (`loss_parallel`)
@@ -41,7 +44,12 @@ class ModelPlan:
     convention): without the first stage's modules it takes the residual stream, without the
     last stage's it returns it.
     hidden_size: the width of the residual stream pipeline stages exchange.
-    loss: the criterion's name (the built-in "cross_entropy", or the user function's path)."""
+    loss: the criterion's name (the built-in "cross_entropy", or the user function's path).
+    hf_mapping: optional, how `ckpt export` names the parameters for Hugging Face: transform rules
+    as data (`plans/checkpoint/transform_codec.py`), written once in the export direction.
+    hf_config: the config.json to write beside them (`architectures` included; export adds the
+    dtype). Both or neither: None refuses export. Neither takes part in the hash (dicts do not
+    hash); equality still compares them."""
 
     tp_styles: tuple[tuple[str, str], ...] = ()
     blocks: str = "layers"
@@ -52,8 +60,16 @@ class ModelPlan:
     vocab_size: int = 0
     max_seq_len: int = 0
     loss: str = CROSS_ENTROPY
+    hf_mapping: tuple[dict, ...] | None = field(default=None, hash=False)
+    hf_config: dict | None = field(default=None, hash=False)
 
     def __post_init__(self):
+        if (self.hf_mapping is None) != (self.hf_config is None):
+            raise ConfigError("model plan hf_mapping/hf_config", "only one given", "an export needs both the "
+                              "tensor mapping and the config.json contents", "give both in the ModelPlan, or neither")
+        if self.hf_mapping is not None:
+            object.__setattr__(self, "hf_mapping", canonical(self.hf_mapping))
+            object.__setattr__(self, "hf_config", _json_object(self.hf_config))
         object.__setattr__(self, "tp_styles", _pairs(self.tp_styles))
         object.__setattr__(self, "sequence_parallel", _pairs(self.sequence_parallel))
         object.__setattr__(self, "first_stage", tuple(self.first_stage))
@@ -62,6 +78,19 @@ class ModelPlan:
     @classmethod
     def from_dict(cls, data: dict) -> "ModelPlan":
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+def _json_object(config) -> dict:
+    """The config as JSON gives it back (lists for tuples), so a plan compares equal after metadata."""
+    try:
+        again = json.loads(json.dumps(config))
+    except (TypeError, ValueError) as error:
+        raise ConfigError("model plan hf_config", type(config).__name__, f"is not JSON ({error})",
+                          "give config.json's contents as a dict of plain values") from None
+    if not isinstance(again, dict) or not again.get("architectures"):
+        raise ConfigError("model plan hf_config", config, "is not a dict naming its 'architectures'",
+                          'give config.json\'s contents, e.g. {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", ...}')
+    return again
 
 
 @dataclass(frozen=True)
@@ -157,6 +186,12 @@ def validate_plan(plan: ModelPlan, module_names: list[str], shapes: dict[str, tu
     record = UserModel("check", plan, recorded_parameters(plan, shapes))
     for name in shapes:
         record.stage_of(name)
+    if plan.hf_mapping is not None:  # names and shapes only: a mapping that misses a parameter fails now, not at export
+        try:
+            decode_mapping(plan.hf_mapping).plan({name: Meta(tuple(shape), "float32") for name, shape in shapes.items()})
+        except CheckpointError as error:
+            raise ConfigError("model plan hf_mapping", f"{len(plan.hf_mapping)} rules", f"does not fit the model: {error}",
+                              "make the rules cover every parameter once, with the shapes the model has") from None
 
 
 def check_tp_divides(user: UserModel, tp: int) -> None:

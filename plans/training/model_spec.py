@@ -136,11 +136,17 @@ def model_differences(saved: ModelConfig, named: ModelConfig) -> list[str]:
     return differences
 
 
+def _trained_part(plan: ModelPlan) -> ModelPlan:
+    """The plan without its Hugging Face export: adding or fixing a mapping changes no training,
+    so a run resumed naming its factory picks the new mapping up instead of being refused."""
+    return replace(plan, hf_mapping=None, hf_config=None)
+
+
 def _user_differences(saved: UserModel | None, named: UserModel | None) -> list[str]:
     if saved is None or named is None:
         return [f"factory ({saved and saved.factory!r} -> {named and named.factory!r})"]
     differences = [f"factory ({saved.factory!r} -> {named.factory!r})"] if saved.factory != named.factory else []
-    if saved.plan != named.plan:
+    if _trained_part(saved.plan) != _trained_part(named.plan):
         differences.append("plan")
     changed = sorted(set(saved.parameters) ^ set(named.parameters))
     if changed:

@@ -37,3 +37,28 @@ def write_checkpoint(store_url: str, run: str, config: ModelConfig, steps: int =
     metadata = {"run": run, "step": steps, "layout": ParallelLayout().to_dict(), "model": config.to_dict(),
                 "model_preset": None}
     return pending.commit([Chunk.from_row(row) for row in rows], metadata), model, optimizer
+
+
+def write_user_checkpoint(store_url: str, run: str, factory: str, seed: int = 0):
+    """A user model's checkpoint (`--model-factory`): the factory's module built on the CPU with
+    every parameter drawn at random (norms and biases too, so a mapping that swaps two of them
+    shows), one AdamW step for real moments. Returns (checkpoint url, model, optimizer)."""
+    from actors.model.user_model import describe_factory, import_factory
+
+    config = describe_factory(factory)
+    torch.manual_seed(seed)
+    model = import_factory(factory)().module
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, config.vocab_size, (2, 12))
+    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    store = Store(store_url)
+    pending = store.begin(run, 1)
+    rows = save_rank_shard(model, optimizer, {}, pending.url, pending.file_for(0))
+    metadata = {"run": run, "step": 1, "layout": ParallelLayout().to_dict(), "model": config.to_dict(),
+                "model_preset": None}
+    return pending.commit([Chunk.from_row(row) for row in rows], metadata), model, optimizer

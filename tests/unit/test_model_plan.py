@@ -155,3 +155,27 @@ def test_a_resume_naming_the_same_factory_finds_no_difference_and_another_is_lis
     assert differences[:4] == ["vocab_size (256 -> 250)", "dim (64 -> 48)", "n_layers (4 -> 2)", "max_seq_len (256 -> 64)"]
     assert differences[4:6] == ["factory ('examples.gpt2.model:tiny_gpt2' -> 'examples.gpt2.model:odd_gpt2')", "plan"]
     assert differences[6].startswith("parameters (")
+
+
+def test_a_resume_naming_the_factory_takes_a_changed_hf_mapping_as_no_difference():
+    from plans.training.model_spec import model_differences
+
+    named = describe_factory(FACTORY)
+    assert named.user.plan.hf_mapping  # the example exports as GPT2LMHeadModel
+    before_the_mapping = replace(named, user=replace(named.user, plan=replace(named.user.plan, hf_mapping=None,
+                                                                               hf_config=None)))
+    assert before_the_mapping != named and model_differences(before_the_mapping, named) == []
+    other_blocks = replace(named, user=replace(named.user, plan=replace(before_the_mapping.user.plan, blocks="layers")))
+    assert model_differences(other_blocks, named) == ["plan"]
+
+
+def test_an_hf_mapping_that_misses_a_parameter_is_refused_when_the_factory_is_described(monkeypatch):
+    import examples.gpt2.model as example
+
+    def lossy_gpt2():
+        made = tiny_gpt2()
+        rules = [r for r in made.plan.hf_mapping if r != {"rename": ["wpe.weight", "transformer.wpe.weight"]}]
+        return FactoryModel(made.module, replace(made.plan, hf_mapping=rules))
+    monkeypatch.setattr(example, "lossy_gpt2", lossy_gpt2, raising=False)
+    with pytest.raises(ConfigError, match=r"hf_mapping='20 rules': does not fit the model: no rule .* covers 1 tensor\(s\): wpe.weight"):
+        describe_factory("examples.gpt2.model:lossy_gpt2")
