@@ -4,6 +4,8 @@
     .venv/bin/python tools/mutate.py rope checker    # modules whose path contains a word
     .venv/bin/python tools/mutate.py --report        # scores from the last runs, nothing re-run
     .venv/bin/python tools/mutate.py --survivors rope  # re-run only last run's survivors (after new tests)
+    .venv/bin/python tools/mutate.py --resume checker  # finish an interrupted run, keeping its results
+    .venv/bin/python tools/mutate.py reshard --only '*x_plan_reads*'  # only mutants of matching functions
 
 Each module runs mutmut 3 in its own copy of the tree (build/mutate/<module>/, git-ignored) with
 `only_mutate` set to that module and pytest limited to its fast unit tests: mutmut then runs, for
@@ -169,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="only print the scores of the last runs")
     parser.add_argument("--survivors", action="store_true",
                         help="re-run only the last run's survivors of each module (after adding tests)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep each module's copy and results; run only the mutants not checked yet")
+    parser.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                        help="run only mutants whose name matches this fnmatch pattern (repeatable), e.g. "
+                             "'*x_plan_reads*' for one function of a module too big to run whole; the rest "
+                             "are reported as not checked")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a module misses the goal")
     args = parser.parse_args(argv)
     chosen = [m for m in MODULES if not args.modules or any(word in m for word in args.modules)]
@@ -185,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                 work = _prepare(module, MODULES[module], fresh=False)
                 _run_mutmut(work, names)
             else:
-                work = _prepare(module, MODULES[module], fresh=True)
-                _run_mutmut(work, [])
+                work = _prepare(module, MODULES[module], fresh=not args.resume)
+                _run_mutmut(work, args.only)
     good = report(chosen)
     return 1 if args.strict and not good else 0
 
