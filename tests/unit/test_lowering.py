@@ -90,3 +90,20 @@ def test_a_lowered_schedule_is_not_lowered_again():
         lower(lower(build_schedule("1f1b", 2, 2)))
     assert str(refused.value) == ("schedule '1f1b' already holds communication actions. Fix: lower the compute-only "
                                   "schedule from plans.pipeline.schedules.build_schedule")
+
+
+def test_an_fb_sends_the_gradient_of_its_backward_half_when_its_forward_half_sends_nothing():
+    # Unit costs F 1, B 2, FB 3: rank 1 runs F(1,0) at [1, 2] and the FB at [2, 5]; its B half's
+    # gradient goes back at 5, when rank 0's B(0,0) needs it, before rank 1's B(1,1) starts.
+    schedule = Schedule("h", 2, 1, 2, (0, 1), [
+        [Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1)],
+        [Action(F, 1, 0), Action(Kind.FB, 1, 1, backward_stage=1, backward_microbatch=0), Action(B, 1, 1)]])
+    lowered = lower(schedule)
+    assert check(lowered).ok
+    assert _text(lowered) == [
+        ["F(stage=0, mb=0)", "SEND_F(stage=0, mb=0, to rank 1)", "F(stage=0, mb=1)", "SEND_F(stage=0, mb=1, to rank 1)",
+         "RECV_B(stage=0, mb=0, from rank 1)", "B(stage=0, mb=0)", "RECV_B(stage=0, mb=1, from rank 1)", "B(stage=0, mb=1)"],
+        ["RECV_F(stage=1, mb=0, from rank 0)", "F(stage=1, mb=0)", "RECV_F(stage=1, mb=1, from rank 0)",
+         "FB(stage=1, mb=1 | B stage=1, mb=0)", "SEND_B(stage=1, mb=0, to rank 0)", "B(stage=1, mb=1)",
+         "SEND_B(stage=1, mb=1, to rank 0)"],
+    ]
