@@ -118,9 +118,19 @@ def documented_equivalents() -> dict[str, str]:
     return found
 
 
-def _show(work: Path, name: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, capture_output=True, text=True)
-    diff = [line for line in out.stdout.splitlines() if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))]
+def _show(work: Path, module: str, name: str) -> str:
+    # In-process: `mutmut show` starts a Python per survivor, seconds each on a loaded machine.
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    here = Path.cwd()
+    try:
+        os.chdir(work)
+        text = get_diff_for_mutant(name, path=module)
+    except Exception as error:  # a report must not die on one unreadable mutant
+        text = f"-(diff unavailable: {error})"
+    finally:
+        os.chdir(here)
+    diff = [line for line in text.splitlines() if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))]
     return " | ".join(line.strip() for line in diff)[:300]
 
 
@@ -152,7 +162,7 @@ def report(modules: list[str], verbose: bool = True) -> bool:
             if open_survivors or equivalent:
                 print(f"\n{module}:")
             for name in open_survivors:
-                print(f"  SURVIVED ({results[name]}) {name}: {_show(work, name)}")
+                print(f"  SURVIVED ({results[name]}) {name}: {_show(work, module, name)}")
             for name in equivalent:
                 print(f"  equivalent {name}: {equivalents[name]}")
             for name in unchecked:
