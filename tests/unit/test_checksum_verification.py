@@ -163,3 +163,17 @@ def test_an_unknown_algorithm_is_named_with_the_ones_we_know():
     with pytest.raises(CheckpointError, match=r"^shard.safetensors: checksum 'sha1:abc' uses 'sha1', which this rayshard "
                                               r"cannot verify \(it knows crc32, crc32c\); upgrade rayshard to read it$"):
         running_like("sha1:abc", "shard.safetensors")
+
+
+UNKNOWN = "which this rayshard cannot verify (it knows crc32, crc32c); upgrade rayshard to read it"
+
+
+def test_an_unknown_algorithm_is_blamed_on_the_manifest_unless_told_where_and_named_before_its_first_colon():
+    for check in (lambda: algorithm_of("md5:ab:cd"), lambda: running_like("md5:ab:cd"),
+                  lambda: matches("md5:ab:cd", [b"x"])):
+        with pytest.raises(CheckpointError) as error:
+            check()
+        assert str(error.value) == f"manifest: checksum 'md5:ab:cd' uses 'md5', {UNKNOWN}"
+    with pytest.raises(CheckpointError) as error:
+        matches("md5:00", [b"x"], "rank-00001.safetensors")
+    assert str(error.value) == f"rank-00001.safetensors: checksum 'md5:00' uses 'md5', {UNKNOWN}"
