@@ -250,3 +250,27 @@ def test_fill_from_reads_streams_through_the_window_and_reports_parts():
     (part,) = partial  # rows 2..6 of e: 64 bytes, a part of its chunk, its CRC32 reported for the driver to combine
     assert (part.name, part.end - part.start, part.value) == ("e", 64, zlib.crc32(data[part.start:part.end]))
     assert part.start == e.byte_start + 2 * 16
+
+
+def test_no_object_store_fetch_is_bigger_than_the_window(monkeypatch):
+    """A part bigger than the window (a: 240 bytes) is fetched a block of whole rows at a time."""
+    fs, base, data, chunks = _store()
+    fetched = []
+    cat_file, cat_ranges = fs.cat_file, fs.cat_ranges
+
+    def recording_cat_file(path, start=None, end=None, **kwargs):
+        fetched.append(end - start)
+        return cat_file(path, start=start, end=end, **kwargs)
+
+    def recording_cat_ranges(paths, starts, ends, **kwargs):
+        fetched.extend(end - start for start, end in zip(starts, ends))
+        return cat_ranges(paths, starts, ends, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", recording_cat_file)
+    monkeypatch.setattr(fs, "cat_ranges", recording_cat_ranges)
+    items, by_item = _whole_items(chunks, {"a", "b", "e"})
+    assert execute_requests(fs, base, coalesce(items), by_item, window_bytes=96) == sum(item.nbytes for item in items)
+    for item, destination in by_item.items():
+        assert torch.equal(destination.tensor, WHOLE[item.chunk.name])
+    assert fetched and max(fetched) <= 96, fetched
+    assert sum(fetched) == sum(item.nbytes for item in items)  # and nothing twice
