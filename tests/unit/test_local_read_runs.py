@@ -5,6 +5,7 @@ into rows of wider ones, whole rows staged for a narrow column range, a non-cont
 destination, bfloat16, int64, a 0-d tensor, header checks, and parts that overlap (two targets
 reading the same rows), so one request is cut into several runs."""
 import os
+from dataclasses import replace
 
 import fsspec
 import pytest
@@ -261,3 +262,55 @@ def test_a_short_request_names_at_most_three_tensors_and_a_cut_header_is_named_a
     assert str(failed.value).startswith(f"{tmp_path}/{FILE}: expected bytes [0, {header.byte_end}) of the safetensors "
                                         "header but got 5 bytes; ")
     fs.rm(f"{base}/{FILE}")
+
+
+def _no_scatter_reads(monkeypatch):
+    """A platform without os.preadv: every read is a seek and a readinto per buffer."""
+    monkeypatch.setattr(read_executor, "_SCATTER_READS", False)
+
+
+def test_every_kind_of_part_lands_bit_for_bit_without_scatter_reads(tmp_path, monkeypatch):
+    _no_scatter_reads(monkeypatch)
+    monkeypatch.setattr(read_executor, "CHECK_BLOCK_BYTES", 16)
+    _, chunks = _write(tmp_path)
+    plan, wanted, by_item = _plan_and_destinations(chunks)
+    read = execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    for target, tensor in wanted.items():
+        assert torch.equal(_bits(tensor), _bits(_expected(target))), target
+    assert read == sum(part.nbytes for request in plan.requests for part in request.parts)
+
+
+@pytest.mark.parametrize("scatter", [True, False])
+@pytest.mark.parametrize("extra", [2, 0])  # inside d, or exactly at the end of c: d is still the part that lacks bytes
+def test_a_file_cut_short_names_the_part_with_how_many_of_its_bytes_arrived(tmp_path, monkeypatch, scatter, extra):
+    if not scatter:
+        _no_scatter_reads(monkeypatch)
+    data, chunks = _write(tmp_path)
+    d = next(chunk for chunk in chunks if chunk.name == "d")
+    (tmp_path / FILE).write_bytes(data[:d.byte_start + extra])
+    plan, _, by_item = _plan_and_destinations(chunks, e_rows_read_twice=False)
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    assert str(failed.value).startswith(f"{tmp_path}/{FILE}: expected bytes [{d.byte_start}, {d.byte_end}) of d (param) "
+                                        f"but got {extra} bytes; ")
+
+
+def test_a_destination_of_another_dtype_is_refused_not_filled_with_raw_bytes(tmp_path):
+    _, chunks = _write(tmp_path)
+    wanted = Target("a", "param", (0, 0), (6, 10))
+    plan = plan_rank(index_chunks(chunks), [wanted])
+    destination = torch.zeros((6, 10), dtype=torch.int32)  # as many bytes as a's float32: a raw copy would fit
+    by_item = {item: Destination(destination, wanted.offsets) for items in plan.items.values() for item in items}
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    assert str(failed.value) == "a (param): stored as float32, model expects int32"
+
+
+def test_a_local_chunk_whose_checksum_algorithm_is_unknown_is_refused_naming_the_file(tmp_path):
+    _, chunks = _write(tmp_path)
+    chunks = [replace(c, checksum="md5:0") if c.name == "a" else c for c in chunks]
+    plan = plan_rank(index_chunks(chunks), [Target("a", "param", (0, 0), (6, 10))])
+    by_item = {item: Destination(torch.empty(6, 10), (0, 0)) for items in plan.items.values() for item in items}
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    assert str(failed.value).startswith(f"{tmp_path}/{FILE}: checksum 'md5:0' uses 'md5', which this rayshard cannot verify")
