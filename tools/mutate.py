@@ -40,7 +40,7 @@ _READ_PATH_TESTS = ["tests/unit/test_checksum_verification.py", "tests/unit/test
                     "tests/unit/test_partial_reads.py", "tests/unit/test_local_read_runs.py",
                     "tests/unit/test_checkpoint_format.py"]
 _TRANSFORM_TESTS = ["tests/unit/test_transforms.py", "tests/unit/test_hf_interop.py"]
-_PLANNER_TESTS = ["tests/unit/test_reshard_planner.py", "tests/unit/test_chunk_table.py",
+_PLANNER_TESTS = ["tests/unit/test_reshard_planner.py", "tests/unit/test_chunk_table.py", "tests/unit/test_plan_scale_columns.py",
                   "tests/unit/test_partial_reads.py", "tests/unit/test_local_read_runs.py",
                   "tests/unit/test_checkpoint_format.py"]
 MODULES: dict[str, list[str]] = {
