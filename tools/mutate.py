@@ -4,6 +4,8 @@
     .venv/bin/python tools/mutate.py rope checker    # modules whose path contains a word
     .venv/bin/python tools/mutate.py --report        # scores from the last runs, nothing re-run
     .venv/bin/python tools/mutate.py --survivors rope  # re-run only last run's survivors (after new tests)
+    .venv/bin/python tools/mutate.py --resume checker  # finish an interrupted run, keeping its results
+    .venv/bin/python tools/mutate.py reshard --only '*x_plan_reads*'  # only mutants of matching functions
 
 Each module runs mutmut 3 in its own copy of the tree (build/mutate/<module>/, git-ignored) with
 `only_mutate` set to that module and pytest limited to its fast unit tests: mutmut then runs, for
@@ -38,7 +40,7 @@ _READ_PATH_TESTS = ["tests/unit/test_checksum_verification.py", "tests/unit/test
                     "tests/unit/test_partial_reads.py", "tests/unit/test_local_read_runs.py",
                     "tests/unit/test_checkpoint_format.py"]
 _TRANSFORM_TESTS = ["tests/unit/test_transforms.py", "tests/unit/test_hf_interop.py"]
-_PLANNER_TESTS = ["tests/unit/test_reshard_planner.py", "tests/unit/test_chunk_table.py",
+_PLANNER_TESTS = ["tests/unit/test_reshard_planner.py", "tests/unit/test_chunk_table.py", "tests/unit/test_plan_scale_columns.py",
                   "tests/unit/test_partial_reads.py", "tests/unit/test_local_read_runs.py",
                   "tests/unit/test_checkpoint_format.py"]
 MODULES: dict[str, list[str]] = {
@@ -116,9 +118,19 @@ def documented_equivalents() -> dict[str, str]:
     return found
 
 
-def _show(work: Path, name: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, capture_output=True, text=True)
-    diff = [line for line in out.stdout.splitlines() if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))]
+def _show(work: Path, module: str, name: str) -> str:
+    # In-process: `mutmut show` starts a Python per survivor, seconds each on a loaded machine.
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    here = Path.cwd()
+    try:
+        os.chdir(work)
+        text = get_diff_for_mutant(name, path=module)
+    except Exception as error:  # a report must not die on one unreadable mutant
+        text = f"-(diff unavailable: {error})"
+    finally:
+        os.chdir(here)
+    diff = [line for line in text.splitlines() if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))]
     return " | ".join(line.strip() for line in diff)[:300]
 
 
@@ -150,7 +162,7 @@ def report(modules: list[str], verbose: bool = True) -> bool:
             if open_survivors or equivalent:
                 print(f"\n{module}:")
             for name in open_survivors:
-                print(f"  SURVIVED ({results[name]}) {name}: {_show(work, name)}")
+                print(f"  SURVIVED ({results[name]}) {name}: {_show(work, module, name)}")
             for name in equivalent:
                 print(f"  equivalent {name}: {equivalents[name]}")
             for name in unchecked:
@@ -169,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="only print the scores of the last runs")
     parser.add_argument("--survivors", action="store_true",
                         help="re-run only the last run's survivors of each module (after adding tests)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep each module's copy and results; run only the mutants not checked yet")
+    parser.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                        help="run only mutants whose name matches this fnmatch pattern (repeatable), e.g. "
+                             "'*x_plan_reads*' for one function of a module too big to run whole; the rest "
+                             "are reported as not checked")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a module misses the goal")
     args = parser.parse_args(argv)
     chosen = [m for m in MODULES if not args.modules or any(word in m for word in args.modules)]
@@ -185,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 work = _prepare(module, MODULES[module], fresh=False)
                 _run_mutmut(work, names)
             else:
-                work = _prepare(module, MODULES[module], fresh=True)
-                _run_mutmut(work, [])
+                work = _prepare(module, MODULES[module], fresh=not args.resume)
+                _run_mutmut(work, args.only)
     good = report(chosen)
     return 1 if args.strict and not good else 0
 

@@ -50,7 +50,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [batch, seq, heads, head_dim]; cos, sin: [seq, head_dim]."""
     return _ApplyRope.apply(x, cos[:, None, :], sin[:, None, :])
 
-
-def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Plain autograd formulation; the test's ground truth."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]

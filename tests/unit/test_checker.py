@@ -230,7 +230,8 @@ def test_send_to_the_wrong_rank_is_a_violation():
         ],
     )
     report = check(schedule)
-    assert any("stage 1 lives on rank 1" in str(v) for v in report.violations)
+    assert str(report.violations[0]) == \
+        "rank 0 step 1 SEND_F(stage=0, mb=0, to rank 2): stage 1 lives on rank 1, but this sends it to rank 2"
 
 
 def test_execute_records_a_replayable_trace():
@@ -247,8 +248,10 @@ def test_checker_handles_a_large_pipeline():
 
 
 def test_checking_a_compute_only_schedule_says_to_lower_it():
-    with pytest.raises(ScheduleError, match="lower"):
+    with pytest.raises(ScheduleError) as error:
         check(build_schedule("1f1b", 2, 2))
+    assert str(error.value) == ("schedule '1f1b' has no SEND/RECV actions, so no stage would ever get its input. "
+                                "Fix: check plans.pipeline.lowering.lower(schedule)")
 
 
 def test_lowering_receives_before_sending_where_neighbours_would_both_send():
@@ -305,6 +308,27 @@ EXACT_VIOLATIONS = {
         two_rank_schedule([Action(F, 0, 0), Action(SEND_F, 0, 0, 0), Action(SEND_F, 0, 0, 7)] + GOOD_RANK0[1:], GOOD_RANK1),
         ["rank 0 step 1 SEND_F(stage=0, mb=0, to rank 0): peer rank 0 is not another rank of this pipeline",
          "rank 0 step 2 SEND_F(stage=0, mb=0, to rank 7): peer rank 7 is not another rank of this pipeline"]),
+    "a peer one past the last rank": (
+        two_rank_schedule([Action(F, 0, 0), Action(SEND_F, 0, 0, 2)] + GOOD_RANK0[1:], GOOD_RANK1),
+        ["rank 0 step 1 SEND_F(stage=0, mb=0, to rank 2): peer rank 2 is not another rank of this pipeline"]),
+    "a send of a stage out of range": (
+        two_rank_schedule(GOOD_RANK0 + [Action(SEND_F, 5, 0, 1)], GOOD_RANK1 + [Action(RECV_F, 6, 0, 0)]),
+        ["rank 0 step 4 SEND_F(stage=5, mb=0, to rank 1): stage 5 / microbatch 0 is outside the pipeline's 2 stages "
+         "and 1 microbatches"]),  # reported once, at the sender: the transfer is not checked further
+    "a backward before the gradient from the next rank (three ranks)": (
+        Schedule("hand-written", 3, 1, 1, (0, 1, 2), [
+            [Action(F, 0, 0), Action(SEND_F, 0, 0, 1), Action(RECV_B, 0, 0, 1), Action(B, 0, 0)],
+            [Action(RECV_F, 1, 0, 0), Action(F, 1, 0), Action(SEND_F, 1, 0, 2), Action(B, 1, 0), Action(RECV_B, 1, 0, 2),
+             Action(SEND_B, 1, 0, 0)],
+            [Action(RECV_F, 2, 0, 1), Action(F, 2, 0), Action(B, 2, 0), Action(SEND_B, 2, 0, 1)]]),
+        ["rank 1 step 3 B(stage=1, mb=0): B before the gradient arrived from stage 2 (rank 2); it needs an earlier "
+         "RECV_B or HANDOFF_B"]),
+    "an FB whose forward half is out of range": (  # the backward half is still checked
+        Schedule("hand-written", 1, 1, 1, (0,), [[Action(Kind.FB, 0, 1, backward_stage=0, backward_microbatch=0)]]),
+        ["rank 0 step 0 FB(stage=0, mb=1 | B stage=0, mb=0): stage 0 / microbatch 1 is outside the pipeline's 1 "
+         "stages and 1 microbatches",
+         "rank 0 step 0 FB(stage=0, mb=1 | B stage=0, mb=0): B before the F of stage 0 mb 0",
+         "stage 0 mb 0 never runs F"]),
     "a send before the forward": (
         two_rank_schedule([Action(SEND_F, 0, 0, 1), Action(F, 0, 0)] + GOOD_RANK0[2:], GOOD_RANK1),
         ["rank 0 step 0 SEND_F(stage=0, mb=0, to rank 1): sends stage 0's result before this rank computed it"]),
@@ -370,3 +394,9 @@ def test_execute_checks_nothing_and_traces_who_advanced():
     assert report.violations == [] and report.deadlock is None
     # F on 0; the SEND_F/RECV_F pair (its sender, 0); F and B on 1; SEND_B/RECV_B (sender 1); W on 0.
     assert report.trace == [0, 0, 1, 1, 1, 0]
+
+
+def test_a_skipped_bad_peer_still_counts_as_its_ranks_step_in_the_trace():
+    schedule, _ = EXACT_VIOLATIONS["peers that are not another rank"]
+    # F, the two bad SENDs (skipped), SEND_F/RECV_F (sender 0), F and B on 1, SEND_B/RECV_B (sender 1), B on 0.
+    assert check(schedule).trace == [0, 0, 0, 0, 1, 1, 1, 0]

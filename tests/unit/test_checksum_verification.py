@@ -5,6 +5,7 @@ fsspec memory filesystem, and the checksum functions against zlib's and crc32c's
 import re
 import uuid
 import zlib
+from dataclasses import replace
 
 import fsspec
 import pytest
@@ -12,9 +13,9 @@ import torch
 
 from actors.checkpoint import checksums
 from actors.checkpoint.checksums import algorithm_of, checksum, combine, matches, running_like
-from actors.checkpoint.read_executor import Destination, execute_requests
+from actors.checkpoint.read_executor import Destination, execute_requests, fill_from_reads
 from actors.checkpoint.shard_writer import Piece, encode_shard
-from plans.checkpoint.reshard import Target, header_checks, index_chunks, plan_rank
+from plans.checkpoint.reshard import Target, coalesce, header_checks, index_chunks, plan_rank
 from plans.errors import CheckpointError
 
 FILE = "attempt-x/rank-00000.safetensors"
@@ -84,7 +85,8 @@ def test_a_changed_byte_in_a_whole_chunk_from_an_object_store_names_the_tensor(w
     _damaged(fs, base, data, chunk.byte_start + row * row_bytes + 3)
     plan, wanted, by_item = _plan(chunks)
     with pytest.raises(CheckpointError, match=rf"^{base}/{FILE}: checksum mismatch for {victim} \(param\) at bytes "
-                                              rf"\[{chunk.byte_start}, {chunk.byte_end}\); the file changed or is corrupt"):
+                                              rf"\[{chunk.byte_start}, {chunk.byte_end}\); the file changed or is corrupt\. Fix: restore it from a "
+                                              r"copy, or resume from another checkpoint$"):
         execute_requests(fs, base, plan.requests, by_item, window_bytes=window)
 
 
@@ -105,7 +107,8 @@ def test_a_changed_header_from_an_object_store_is_caught(window):
     fs, base, data, chunks = _store()
     _damaged(fs, base, data, 9)
     plan, _, by_item = _plan(chunks)
-    with pytest.raises(CheckpointError, match="its safetensors header differs from the one recorded in the manifest"):
+    with pytest.raises(CheckpointError, match=rf"^{base}/{FILE}: its safetensors header differs from the one recorded "
+                                              r"in the manifest"):
         execute_requests(fs, base, plan.requests, by_item, window_bytes=window)
 
 
@@ -163,3 +166,111 @@ def test_an_unknown_algorithm_is_named_with_the_ones_we_know():
     with pytest.raises(CheckpointError, match=r"^shard.safetensors: checksum 'sha1:abc' uses 'sha1', which this rayshard "
                                               r"cannot verify \(it knows crc32, crc32c\); upgrade rayshard to read it$"):
         running_like("sha1:abc", "shard.safetensors")
+
+
+UNKNOWN = "which this rayshard cannot verify (it knows crc32, crc32c); upgrade rayshard to read it"
+
+
+def test_an_unknown_algorithm_is_blamed_on_the_manifest_unless_told_where_and_named_before_its_first_colon():
+    for check in (lambda: algorithm_of("md5:ab:cd"), lambda: running_like("md5:ab:cd"),
+                  lambda: matches("md5:ab:cd", [b"x"])):
+        with pytest.raises(CheckpointError) as error:
+            check()
+        assert str(error.value) == f"manifest: checksum 'md5:ab:cd' uses 'md5', {UNKNOWN}"
+    with pytest.raises(CheckpointError) as error:
+        matches("md5:00", [b"x"], "rank-00001.safetensors")
+    assert str(error.value) == f"rank-00001.safetensors: checksum 'md5:00' uses 'md5', {UNKNOWN}"
+
+
+# --- the object-store path's failures, message by message -----------------------------------------
+
+SHORT_FIX = "the shard is missing or truncated. Fix: restore the file, or resume from an earlier checkpoint"
+
+
+def _whole_items(chunks, names):
+    """Each named chunk read whole into a fresh tensor: (items, destinations by item)."""
+    wanted = {Target(c.name, "param", (0,) * len(c.global_shape), tuple(c.global_shape)): torch.full(c.global_shape, -1.0)
+              for c in chunks if c.name in names}
+    plan = plan_rank(index_chunks(chunks), list(wanted))
+    items = [item for target, found in plan.items.items() for item in found]
+    return items, {item: Destination(wanted[target], target.offsets) for target, found in plan.items.items() for item in found}
+
+
+def test_a_part_bigger_than_the_window_cut_short_names_the_row_block_it_lacks():
+    fs, base, data, chunks = _store()
+    a = next(c for c in chunks if c.name == "a")  # 6 rows of 40 bytes: a 96-byte window reads 2 rows a time
+    fs.pipe_file(f"{base}/{FILE}", data[:a.byte_start + 100])  # rows 2-3 ([80, 160) of a) come back 20 bytes short
+    items, by_item = _whole_items(chunks, {"a"})
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fs, base, coalesce(items), by_item, window_bytes=96)
+    assert str(failed.value) == (f"{base}/{FILE}: expected bytes [{a.byte_start + 80}, {a.byte_start + 160}) of a (param) "
+                                 f"but got 20 bytes; {SHORT_FIX}")
+
+
+def test_a_missing_object_names_the_error_the_store_gave():
+    fs, base, data, chunks = _store()
+    a = next(c for c in chunks if c.name == "a")
+    fs.rm(f"{base}/{FILE}")
+    items, by_item = _whole_items(chunks, {"a"})
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fs, base, coalesce(items), by_item, window_bytes=96)
+    assert re.fullmatch(rf"{base}/{FILE}: expected bytes \[{a.byte_start}, {a.byte_start + 80}\) of a \(param\) but got "
+                        rf"an error: .*{FILE}.*; {re.escape(SHORT_FIX)}", str(failed.value)), failed.value
+
+
+def test_a_small_part_of_a_request_bigger_than_the_window_is_read_whole_and_named_when_short():
+    fs, base, data, chunks = _store()
+    b = next(c for c in chunks if c.name == "b")
+    fs.pipe_file(f"{base}/{FILE}", data[:b.byte_start + 2])
+    items, by_item = _whole_items(chunks, {"a", "b"})
+    (request,) = coalesce(items)  # a (240 bytes, row blocks) and b (20 bytes, read whole) in one request
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fs, base, [request], by_item, window_bytes=96)
+    assert str(failed.value) == f"{base}/{FILE}: expected bytes [{b.byte_start}, {b.byte_end}) of b (param) but got 2 bytes; {SHORT_FIX}"
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_chunk_whose_checksum_algorithm_is_unknown_is_refused_naming_the_file(window):
+    fs, base, data, chunks = _store()
+    chunks = [replace(c, checksum="md5:0") if c.name == "a" else c for c in chunks]
+    items, by_item = _whole_items(chunks, {"a"})
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fs, base, coalesce(items, window), by_item, window_bytes=window)
+    assert str(failed.value) == f"{base}/{FILE}: checksum 'md5:0' uses 'md5', {UNKNOWN}"
+
+
+def test_fill_from_reads_streams_through_the_window_and_reports_parts():
+    fs, base, data, chunks = _store()
+    e = next(c for c in chunks if c.name == "e")
+    items = plan_rank(index_chunks(chunks), [Target("e", "param", (2, 0), (4, 4))]).items
+    (found,) = items.values()
+    target, partial = torch.full((4, 4), -1.0), []
+    assert fill_from_reads(fs, base, found, target, (2, 0), window_bytes=32, partial=partial) == 64
+    assert torch.equal(target, WHOLE["e"][2:6])
+    (part,) = partial  # rows 2..6 of e: 64 bytes, a part of its chunk, its CRC32 reported for the driver to combine
+    assert (part.name, part.end - part.start, part.value) == ("e", 64, zlib.crc32(data[part.start:part.end]))
+    assert part.start == e.byte_start + 2 * 16
+
+
+def test_no_object_store_fetch_is_bigger_than_the_window(monkeypatch):
+    """A part bigger than the window (a: 240 bytes) is fetched a block of whole rows at a time."""
+    fs, base, data, chunks = _store()
+    fetched = []
+    cat_file, cat_ranges = fs.cat_file, fs.cat_ranges
+
+    def recording_cat_file(path, start=None, end=None, **kwargs):
+        fetched.append(end - start)
+        return cat_file(path, start=start, end=end, **kwargs)
+
+    def recording_cat_ranges(paths, starts, ends, **kwargs):
+        fetched.extend(end - start for start, end in zip(starts, ends))
+        return cat_ranges(paths, starts, ends, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", recording_cat_file)
+    monkeypatch.setattr(fs, "cat_ranges", recording_cat_ranges)
+    items, by_item = _whole_items(chunks, {"a", "b", "e"})
+    assert execute_requests(fs, base, coalesce(items), by_item, window_bytes=96) == sum(item.nbytes for item in items)
+    for item, destination in by_item.items():
+        assert torch.equal(destination.tensor, WHOLE[item.chunk.name])
+    assert fetched and max(fetched) <= 96, fetched
+    assert sum(fetched) == sum(item.nbytes for item in items)  # and nothing twice

@@ -109,3 +109,42 @@ def test_tiling_check_gives_the_sweeps_verdict_and_message(damage):
                 check_chunks_disjoint_and_complete(form)
             assert str(raised.value) == expected
     assert (expected is None) == (damage == "three-d")
+
+
+def _chunk(name, kind, shape, offset, size, file, start):
+    nbytes = 4 * size
+    return Chunk(name, kind, "float32", (shape,), (offset,), (size,), file, start, start + nbytes,
+                 f"crc32:{start:08x}", "")
+
+
+# Files listed out of order and interleaved: z, y, y, x, z.
+MIXED = [_chunk("a", "param", 4, 0, 2, "z", 0), _chunk("b", "param", 12, 0, 4, "y", 0), _chunk("a", "param", 4, 2, 2, "y", 16),
+         _chunk("a", "exp_avg", 2, 0, 2, "x", 4), _chunk("b", "param", 12, 4, 8, "z", 8)]
+
+
+def test_per_file_answers_group_rows_by_file_in_listed_order():
+    table = ChunkTable.from_chunks(MIXED)
+    assert table.file_counts() == {"z": 2, "y": 2, "x": 1}
+    assert {file: rows.tolist() for file, rows in table.rows_by_file().items()} == {"z": [0, 4], "y": [1, 2], "x": [3]}
+    assert sorted(table.file_names()) == ["x", "y", "z"]
+    extents = table.file_extents()
+    assert extents == {"z": 40, "y": 24, "x": 12} and list(extents) == ["z", "y", "x"]  # first-listed order
+
+
+def test_first_and_last_chunk_of_each_tensor_in_first_listed_order():
+    table = ChunkTable.from_chunks(MIXED)
+    first = table.first_of_each_tensor()
+    assert list(first) == [("a", "param"), ("b", "param"), ("a", "exp_avg")]
+    assert list(first.values()) == [MIXED[0], MIXED[1], MIXED[3]]
+    last = table.first_of_each_tensor(last=True)
+    assert list(last) == [("a", "param"), ("b", "param"), ("a", "exp_avg")]
+    assert list(last.values()) == [MIXED[2], MIXED[4], MIXED[3]]
+
+
+def test_concat_of_tables_with_different_widths_and_dictionaries_is_the_list():
+    flat = [ChunkTable.from_chunks(MIXED[:2]), ChunkTable.from_chunks(MIXED[2:])]
+    square = ChunkTable.from_chunks(grid(name="m", rows=4, cols=4, row_cuts=(0, 2), col_cuts=(0,), file="q"))
+    joined = ChunkTable.concat([flat[0], square, ChunkTable.from_chunks([]), flat[1]])
+    assert joined == MIXED[:2] + list(square) + MIXED[2:]
+    assert joined.file_counts() == {"z": 2, "y": 2, "x": 1, "q": 2}
+    assert ChunkTable.concat([ChunkTable.from_chunks([]), square]) == list(square)

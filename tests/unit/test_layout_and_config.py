@@ -95,3 +95,46 @@ def test_from_dict_rejects_unknown_keys_and_reads_sections():
         TrainConfig.from_dict({"stepz": 5})
     with pytest.raises(ConfigError, match="unknown key"):
         TrainConfig.from_dict({"layout": {"dq": 2}})
+
+
+LAYOUT_FIX = "write it as dp=N,fsdp=N,tp=N,pp=N,vpp=N (any subset, each once; degrees left out are 1)"
+
+
+@pytest.mark.parametrize("text, constraint", [
+    ("", "is empty"), ("dp=2,", "has an empty item"), ("tp=two", "cannot read 'tp=two'"),
+    ("dp=1,dp=2", "gives dp twice"),
+])
+def test_a_layout_text_error_names_the_field_the_text_and_the_fix(text, constraint):
+    with pytest.raises(ConfigError) as error:
+        ParallelLayout.parse(text)
+    assert (error.value.field, error.value.value, error.value.constraint) == ("layout", text, constraint)
+    assert str(error.value) == f"layout={text!r}: {constraint}. Fix: {LAYOUT_FIX}"
+
+
+@pytest.mark.parametrize("field, value", [("dp", 0), ("tp", True), ("fsdp", 1.5), ("pp", "2")])
+def test_a_degree_that_is_not_a_positive_integer_is_refused_by_name(field, value):
+    with pytest.raises(ConfigError) as error:  # True is an int to Python, "2" would not compare with 1
+        ParallelLayout(**{field: value})
+    assert str(error.value) == (f"{field}={value!r}: every parallel degree must be an integer >= 1. "
+                                f"Fix: set --{field} to 1 or more")
+
+
+def test_virtual_stages_without_a_pipeline_are_refused_with_the_fix():
+    with pytest.raises(ConfigError) as error:
+        ParallelLayout(vpp=2)
+    assert str(error.value) == "vpp=2: virtual pipeline stages need pp > 1. Fix: set --vpp 1, or --pp 2 or more"
+
+
+@pytest.mark.parametrize("rank", [-1, 4])
+def test_a_rank_outside_the_world_has_no_coordinates(rank):
+    with pytest.raises(ValueError, match=rf"^rank {rank} is outside world size 4$"):
+        ParallelLayout(dp=2, tp=2).coords_of(rank)
+    assert ParallelLayout(dp=2, tp=2).coords_of(3) == RankCoords(pp=0, dp=1, fsdp=0, tp=1)
+
+
+@pytest.mark.parametrize("layout, text", [
+    (ParallelLayout(), "single rank"), (ParallelLayout(pp=2, vpp=2), "pp2 x vpp2"),
+    (ParallelLayout(dp=2, fsdp=2, tp=2, pp=3, vpp=3), "dp2 x fsdp2 x tp2 x pp3 x vpp3"),
+])
+def test_describe_lists_every_degree_above_one_in_the_written_order(layout, text):
+    assert layout.describe() == text

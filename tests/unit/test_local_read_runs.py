@@ -5,6 +5,7 @@ into rows of wider ones, whole rows staged for a narrow column range, a non-cont
 destination, bfloat16, int64, a 0-d tensor, header checks, and parts that overlap (two targets
 reading the same rows), so one request is cut into several runs."""
 import os
+from dataclasses import replace
 
 import fsspec
 import pytest
@@ -15,7 +16,7 @@ from actors.checkpoint import read_executor
 from actors.checkpoint.read_executor import Destination, execute_requests
 from actors.checkpoint.shard_writer import Piece, encode_shard
 from plans.errors import CheckpointError
-from plans.checkpoint.reshard import Target, header_checks, index_chunks, plan_rank
+from plans.checkpoint.reshard import Target, coalesce, header_checks, index_chunks, plan_rank
 
 FILE = "attempt-x/rank-00000.safetensors"
 
@@ -222,3 +223,94 @@ def test_chunks_cut_along_two_trailing_dims_land_in_a_whole_target(tmp_path, mon
     execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests,
                      {item: Destination(destination, (0, 0, 0)) for item in plan.items[target]})
     assert torch.equal(destination, whole)
+
+
+def test_a_staged_part_cut_short_names_its_range_and_how_far_it_got(tmp_path, monkeypatch):
+    # f lands in a transposed (non-contiguous) destination, so it is staged: with 16-byte blocks,
+    # one 12-byte row at a time. Cut 17 bytes in, the second row comes back with 5 of its 12.
+    monkeypatch.setattr(read_executor, "CHECK_BLOCK_BYTES", 16)
+    data, chunks = _write(tmp_path)
+    f = next(chunk for chunk in chunks if chunk.name == "f")
+    assert f.byte_end == len(data)  # f is last: every other part is whole
+    (tmp_path / FILE).write_bytes(data[:f.byte_start + 17])
+    plan, _, by_item = _plan_and_destinations(chunks, e_rows_read_twice=False)
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    assert str(failed.value) == (f"{tmp_path}/{FILE}: expected bytes [{f.byte_start}, {f.byte_end}) of f (param) but got "
+                                 "17 bytes; the shard is missing or truncated. Fix: restore the file, or resume from an "
+                                 "earlier checkpoint")
+
+
+def test_a_short_request_names_at_most_three_tensors_and_a_cut_header_is_named_as_such(tmp_path):
+    data, chunks = _write(tmp_path)
+    wanted = {Target(name, kind, (0,) * WHOLE[name].dim(), tuple(WHOLE[name].shape)): torch.empty_like(WHOLE[name])
+              for name, kind in [("a", "param"), ("b", "exp_avg"), ("c", "param"), ("d", "param")]}
+    items = plan_rank(index_chunks(chunks), list(wanted)).items
+    whole = {item: Destination(wanted[target], target.offsets) for target, found in items.items() for item in found}
+    (request,) = coalesce(whole)  # a, b, c and d lie back to back: one object-store GET
+    fs, base = fsspec.core.url_to_fs(f"memory://short-{os.getpid()}-{id(tmp_path)}")
+    fs.pipe_file(f"{base}/{FILE}", data[:request.byte_end - 1])
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fs, base, [request], whole)
+    assert str(failed.value).startswith(f"{base}/{FILE}: expected bytes [{request.byte_start}, {request.byte_end}) of "
+                                        f"a (param), b (exp_avg), c (param) ... but got {request.nbytes - 1} bytes; ")
+    plan, _, by_item = _plan_and_destinations(chunks, e_rows_read_twice=False)
+    (tmp_path / FILE).write_bytes(data[:5])  # the local path, cut inside the header it checks first
+    header = header_checks(chunks)[FILE]
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    assert str(failed.value).startswith(f"{tmp_path}/{FILE}: expected bytes [0, {header.byte_end}) of the safetensors "
+                                        "header but got 5 bytes; ")
+    fs.rm(f"{base}/{FILE}")
+
+
+def _no_scatter_reads(monkeypatch):
+    """A platform without os.preadv: every read is a seek and a readinto per buffer."""
+    monkeypatch.setattr(read_executor, "_SCATTER_READS", False)
+
+
+def test_every_kind_of_part_lands_bit_for_bit_without_scatter_reads(tmp_path, monkeypatch):
+    _no_scatter_reads(monkeypatch)
+    monkeypatch.setattr(read_executor, "CHECK_BLOCK_BYTES", 16)
+    _, chunks = _write(tmp_path)
+    plan, wanted, by_item = _plan_and_destinations(chunks)
+    read = execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    for target, tensor in wanted.items():
+        assert torch.equal(_bits(tensor), _bits(_expected(target))), target
+    assert read == sum(part.nbytes for request in plan.requests for part in request.parts)
+
+
+@pytest.mark.parametrize("scatter", [True, False])
+@pytest.mark.parametrize("extra", [2, 0])  # inside d, or exactly at the end of c: d is still the part that lacks bytes
+def test_a_file_cut_short_names_the_part_with_how_many_of_its_bytes_arrived(tmp_path, monkeypatch, scatter, extra):
+    if not scatter:
+        _no_scatter_reads(monkeypatch)
+    data, chunks = _write(tmp_path)
+    d = next(chunk for chunk in chunks if chunk.name == "d")
+    (tmp_path / FILE).write_bytes(data[:d.byte_start + extra])
+    plan, _, by_item = _plan_and_destinations(chunks, e_rows_read_twice=False)
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    assert str(failed.value).startswith(f"{tmp_path}/{FILE}: expected bytes [{d.byte_start}, {d.byte_end}) of d (param) "
+                                        f"but got {extra} bytes; ")
+
+
+def test_a_destination_of_another_dtype_is_refused_not_filled_with_raw_bytes(tmp_path):
+    _, chunks = _write(tmp_path)
+    wanted = Target("a", "param", (0, 0), (6, 10))
+    plan = plan_rank(index_chunks(chunks), [wanted])
+    destination = torch.zeros((6, 10), dtype=torch.int32)  # as many bytes as a's float32: a raw copy would fit
+    by_item = {item: Destination(destination, wanted.offsets) for items in plan.items.values() for item in items}
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    assert str(failed.value) == "a (param): stored as float32, model expects int32"
+
+
+def test_a_local_chunk_whose_checksum_algorithm_is_unknown_is_refused_naming_the_file(tmp_path):
+    _, chunks = _write(tmp_path)
+    chunks = [replace(c, checksum="md5:0") if c.name == "a" else c for c in chunks]
+    plan = plan_rank(index_chunks(chunks), [Target("a", "param", (0, 0), (6, 10))])
+    by_item = {item: Destination(torch.empty(6, 10), (0, 0)) for items in plan.items.values() for item in items}
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
+    assert str(failed.value).startswith(f"{tmp_path}/{FILE}: checksum 'md5:0' uses 'md5', which this rayshard cannot verify")

@@ -90,3 +90,44 @@ def test_a_lowered_schedule_is_not_lowered_again():
         lower(lower(build_schedule("1f1b", 2, 2)))
     assert str(refused.value) == ("schedule '1f1b' already holds communication actions. Fix: lower the compute-only "
                                   "schedule from plans.pipeline.schedules.build_schedule")
+
+
+def test_an_fb_sends_the_gradient_of_its_backward_half_when_its_forward_half_sends_nothing():
+    # Unit costs F 1, B 2, FB 3: rank 1 runs F(1,0) at [1, 2] and the FB at [2, 5]; its B half's
+    # gradient goes back at 5, when rank 0's B(0,0) needs it, before rank 1's B(1,1) starts.
+    schedule = Schedule("h", 2, 1, 2, (0, 1), [
+        [Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1)],
+        [Action(F, 1, 0), Action(Kind.FB, 1, 1, backward_stage=1, backward_microbatch=0), Action(B, 1, 1)]])
+    lowered = lower(schedule)
+    assert check(lowered).ok
+    assert _text(lowered) == [
+        ["F(stage=0, mb=0)", "SEND_F(stage=0, mb=0, to rank 1)", "F(stage=0, mb=1)", "SEND_F(stage=0, mb=1, to rank 1)",
+         "RECV_B(stage=0, mb=0, from rank 1)", "B(stage=0, mb=0)", "RECV_B(stage=0, mb=1, from rank 1)", "B(stage=0, mb=1)"],
+        ["RECV_F(stage=1, mb=0, from rank 0)", "F(stage=1, mb=0)", "RECV_F(stage=1, mb=1, from rank 0)",
+         "FB(stage=1, mb=1 | B stage=1, mb=0)", "SEND_B(stage=1, mb=0, to rank 0)", "B(stage=1, mb=1)",
+         "SEND_B(stage=1, mb=1, to rank 0)"],
+    ]
+
+
+def test_a_transfer_waits_until_neither_rank_is_mid_compute_but_no_later_than_it_is_needed():
+    # GPipe on two ranks, 3 microbatches; F(1,0) and B(0,0) take 3, everything else 1. Timeline by
+    # hand: rank 0 F at [0,1] [1,2] [2,3], B at [7,10] [10,11] [11,12]; rank 1 F(1,0) at [1,4],
+    # F at [4,5] [5,6], B at [6,7] [7,8] [8,9]. F(0,1)'s output exists at 2 and F(0,2)'s at 3, but
+    # rank 1 is inside F(1,0) until 4: both go at 4, after F(0,2). B(1,1)'s and B(1,2)'s gradients
+    # exist at 8 and 9, but rank 0 is inside B(0,0) until 10: both go at 10, after B(1,2).
+    schedule = Schedule("h", 2, 1, 3, (0, 1), [
+        [Action(F, 0, 0), Action(F, 0, 1), Action(F, 0, 2), Action(B, 0, 0), Action(B, 0, 1), Action(B, 0, 2)],
+        [Action(F, 1, 0), Action(F, 1, 1), Action(F, 1, 2), Action(B, 1, 0), Action(B, 1, 1), Action(B, 1, 2)]])
+    long = {Action(F, 1, 0), Action(B, 0, 0)}
+    lowered = lower(schedule, duration=lambda action: 3.0 if action in long else 1.0)
+    assert check(lowered).ok
+    assert _text(lowered) == [
+        ["F(stage=0, mb=0)", "SEND_F(stage=0, mb=0, to rank 1)", "F(stage=0, mb=1)", "F(stage=0, mb=2)",
+         "SEND_F(stage=0, mb=1, to rank 1)", "SEND_F(stage=0, mb=2, to rank 1)", "RECV_B(stage=0, mb=0, from rank 1)",
+         "B(stage=0, mb=0)", "RECV_B(stage=0, mb=1, from rank 1)", "RECV_B(stage=0, mb=2, from rank 1)",
+         "B(stage=0, mb=1)", "B(stage=0, mb=2)"],
+        ["RECV_F(stage=1, mb=0, from rank 0)", "F(stage=1, mb=0)", "RECV_F(stage=1, mb=1, from rank 0)",
+         "RECV_F(stage=1, mb=2, from rank 0)", "F(stage=1, mb=1)", "F(stage=1, mb=2)", "B(stage=1, mb=0)",
+         "SEND_B(stage=1, mb=0, to rank 0)", "B(stage=1, mb=1)", "B(stage=1, mb=2)", "SEND_B(stage=1, mb=1, to rank 0)",
+         "SEND_B(stage=1, mb=2, to rank 0)"],
+    ]

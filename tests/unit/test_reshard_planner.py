@@ -1,5 +1,6 @@
 """The read planner over random chunkings: exact coverage, and executing the plan on real
 safetensors bytes reproduces the target region of the global tensor bit for bit."""
+import dataclasses
 import itertools
 import uuid
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from actors.checkpoint.read_executor import fill_from_reads
 
 from actors.checkpoint.shard_writer import Piece, encode_shard
-from plans.errors import CheckpointError
+from plans.errors import CheckpointError, ConfigError
 from plans.checkpoint.reshard import check_chunks_disjoint_and_complete, plan_reads
 
 
@@ -79,7 +80,8 @@ from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
 from plans.training.model_spec import ModelConfig, parameter_shapes  # noqa: E402
 from plans.checkpoint.layout_plan import plan_layout  # noqa: E402
 from plans.checkpoint.writers import predicted_writes  # noqa: E402
-from plans.checkpoint.regions import layout_target_table, layout_targets  # noqa: E402
+from plans.checkpoint.regions import check_layout_fits, layout_target_table, layout_targets  # noqa: E402
+from plans.training.model_spec import preset  # noqa: E402
 
 
 @st.composite
@@ -184,3 +186,24 @@ def test_a_same_layout_read_once_load_reads_back_what_each_replica_wrote(layout)
             elif "dp" not in region.replicated_over:
                 assert reader is None  # not handed over: every holder reads it
     assert checked
+
+
+@pytest.mark.parametrize("changes, layout, message", [
+    ({}, ParallelLayout(tp=4), "tp=4: must divide the number of kv heads (2). Fix: use tp in [1, 2]"),
+    ({"ffn_dim": 165}, ParallelLayout(tp=2),
+     "tp=2: must divide model.ffn_dim (165). Fix: use tp in [1, 3, 5, 11, 15, 33, 55, 165]"),
+    ({"vocab_size": 255}, ParallelLayout(tp=2),
+     "tp=2: must divide model.vocab_size (255). Fix: use tp in [1, 3, 5, 15, 17, 51, 85, 255]"),
+    ({}, ParallelLayout(pp=5), "pp=5: pp*vpp = 5 stages exceed the model's 4 layers. Fix: lower pp or vpp"),
+    ({}, ParallelLayout(pp=3, vpp=2), "pp=3: pp*vpp = 6 stages exceed the model's 4 layers. Fix: lower pp or vpp"),
+])
+def test_a_layout_that_cannot_hold_the_model_is_refused_with_the_divisors_to_use(changes, layout, message):
+    model = dataclasses.replace(preset("tiny"), **changes)  # tiny: 2 kv heads, ffn 160, vocab 256, 4 layers
+    with pytest.raises(ConfigError) as refused:
+        check_layout_fits(model, layout)
+    assert str(refused.value) == message
+
+
+def test_a_layout_that_holds_the_model_passes_the_fit_check():
+    for layout in (ParallelLayout(tp=2, pp=2, vpp=2), ParallelLayout(pp=4), ParallelLayout(dp=8)):
+        check_layout_fits(preset("tiny"), layout)  # 4 stages of 4 layers: one layer each

@@ -5,7 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 from cluster.checkpoint.transform_exec import run_group
 from plans.errors import CheckpointError
-from plans.checkpoint.transforms import (Add, Alias, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows, Transpose, match)
+from plans.checkpoint.transforms import (Add, Alias, Application, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows,
+                                        Transpose, Unalias, match)
 
 
 def _apply(mapping: Mapping, tensors: dict) -> dict:
@@ -137,3 +138,40 @@ def test_any_split_then_its_derived_inverse_is_the_identity(groups, rows, column
     mapping = Mapping(rules)
     assert torch.equal(_apply(mapping.inverse(), _apply(mapping, {"fused": fused}))["fused"], fused)
     assert isinstance(mapping.inverse().rules[-1], ConcatRows)
+
+
+@pytest.mark.parametrize("rule, inverse", [
+    (Add("extra", (2, 3), "bfloat16", 0.5), Drop("extra", (2, 3), "bfloat16", 0.5)),
+    (Drop("buffer", (4,), "float32", 1.5), Add("buffer", (4,), "float32", 1.5)),
+    (Cast("w", to="float64", source="float32"), Cast("w", to="float32", source="float64")),
+    (ConcatRows(("q", "k"), "qk", (2, 1), 3), SplitRows("qk", ("q", "k"), (2, 1), 3)),
+    (Alias("lm_head", of="embed"), Unalias("lm_head", of="embed")),
+    (Unalias("lm_head", of="embed"), Alias("lm_head", of="embed")),
+])
+def test_each_rule_inverts_to_the_rule_written_out_by_hand(rule, inverse):
+    assert rule.inverse() == inverse and inverse.inverse() == rule
+
+
+DROP_FIX = "Fix: give shape, dtype and fill (and a concrete name), or use the mapping in one direction only"
+
+
+@pytest.mark.parametrize("drop", [
+    Drop("buffer", None, "float32", 1.5), Drop("buffer", (2,), None, 1.5), Drop("buffer", (2,), "float32", None),
+    Drop("layers.{layer}.buffer", (2,), "float32", 1.5), Drop("layers.*.buffer", (2,), "float32", 1.5),
+])
+def test_a_drop_missing_any_of_what_to_restore_is_refused_whole(drop):
+    with pytest.raises(CheckpointError) as refused:
+        drop.inverse()
+    assert str(refused.value) == (f"Drop({drop.pattern!r}) cannot be inverted: it does not say what to restore. {DROP_FIX}")
+
+
+def test_rules_name_what_they_consume_and_produce():
+    state = {"w64": Meta((2,), "float64"), "w32": Meta((3,), "float32"), "x": Meta((1,), "float32")}
+    cast = Cast("w*", to="bfloat16", source="float32")
+    # w64 matches but holds another dtype, and comes first: skipped, the search goes on.
+    assert cast.apply(state) == [(Application(cast, ("w32",), ("w32",)), {"w32": Meta((3,), "bfloat16")})]
+    drop = Drop("w*")
+    assert drop.apply(state) == [(Application(drop, ("w64",), ()), {}), (Application(drop, ("w32",), ()), {})]
+    add = Add("bias", (2,), "float32", 0.0)
+    assert add.apply(state) == [(Application(add, (), ("bias",)), {"bias": Meta((2,), "float32")})]
+    assert add.apply({**state, "bias": Meta((2,), "float32")}) == []  # already there: nothing to add

@@ -8,7 +8,9 @@ import zlib
 
 import pytest
 
-from plans.checkpoint.replicas import (assign_readers, assign_writers, group_salt, pieces_written, replica_members,
+from plans.checkpoint.regions import Region
+from plans.checkpoint.replicas import (assign_readers, assign_writers, file_position, group_salt, handover_dims,
+                                       pieces_written, read_once_readers, read_once_readers_by_copies, replica_members,
                                        replica_rank)
 from plans.layout.parallel_layout import ParallelLayout
 
@@ -75,3 +77,41 @@ def test_read_once_readers_follow_the_writers():
     # global ranks: tp rank 0's dp group is {0, 2}, tp rank 1's is {1, 3}
     assert assign_readers(copies, sizes, layout, layout.coords_of(0)) == [0, 2, 2, 3, 0]
     assert assign_readers(copies, sizes, layout, layout.coords_of(3)) == [1, 3, 2, 3, 1]
+
+
+def test_a_writers_file_holds_its_own_pieces_then_dp_copies_then_tp_copies():
+    assert [file_position(dims) for dims in [(), ("dp",), ("fsdp", "dp"), ("tp",), ("dp", "tp")]] == [0, 1, 1, 2, 2]
+    # The same pieces as above listed the other way round: the file order is by position, not listing.
+    layout = ParallelLayout(dp=2, tp=2)
+    reversed_copies, reversed_bytes = COPIES[::-1], BYTES[::-1]  # index i here is piece 5 - i above
+    # dp groups (rotation 1): 60 (3) -> member 1, 50 (0) -> member 0, 40 (4) -> member 0 (50 < 60).
+    # dp x tp group (rotation 2): 8 (1) -> member 2 = rank 2, 8 (2) -> member 3 = rank 3.
+    # Own piece 5 first, then dp copies in listed order, then dp x tp copies.
+    expected = {0: [5, 0, 4], 1: [5, 0, 4], 2: [5, 3, 1], 3: [5, 3, 2]}
+    assert {rank: pieces_written(reversed_copies, reversed_bytes, layout, layout.coords_of(rank))
+            for rank in range(4)} == expected
+
+
+def test_a_piece_is_handed_over_along_its_copy_dims_within_a_stage_only_when_dp_copies_it():
+    assert handover_dims(("pp", "dp", "tp")) == ("dp", "tp")
+    assert handover_dims(("dp",)) == ("dp",)
+    assert handover_dims(("pp", "tp")) == () and handover_dims(("tp",)) == () and handover_dims(()) == ()
+
+
+def _region(name, replicated_over, numel):
+    return Region(name, (numel,), (0,), (numel,), replicated_over)
+
+
+def test_read_once_readers_name_a_reader_only_for_pieces_dp_copies():
+    layout = ParallelLayout(dp=2, tp=2)
+    copies = [(), ("tp",), ("dp",), ("dp", "tp"), ("dp",)]
+    sizes = [100, 30, 40, 8, 60]
+    # Own and tp-only pieces: no reader named (None), each holder reads its own. The dp group of tp
+    # rank 0 ({0, 2}, rotation 1): 60 -> member 1 = rank 2, 40 -> member 0 = rank 0. The dp x tp
+    # group (rotation 2): its one piece -> member 2 = rank 2.
+    assert read_once_readers_by_copies(copies, sizes, layout, layout.coords_of(0)) == [None, None, 0, 2, 2]
+    regions = [_region(f"w{i}", dims, size // 4) for i, (dims, size) in enumerate(zip(copies, sizes))]
+    assert read_once_readers(regions, sizes, layout, layout.coords_of(0)) == [None, None, 0, 2, 2]
+    # Without dp replicas nothing is handed over, whatever the copy dims say.
+    assert read_once_readers_by_copies(copies, sizes, ParallelLayout(tp=2), ParallelLayout(tp=2).coords_of(0)) == \
+        [None] * 5
