@@ -174,12 +174,6 @@ class TrainConfig:
             raise ConfigError("cpus_per_rank", 0, "a CPU rank needs some CPU", "leave --cpus-per-rank unset, or pass e.g. 0.5")
         if self.precision not in PRECISIONS:
             raise ConfigError("precision", self.precision, f"must be one of {list(PRECISIONS)}", "pass --precision fp32 or bf16")
-        if m.qk_norm and lay.tp > 1:
-            # Each tp rank holds some heads, so each would see only its heads' share of the q/k
-            # norm weights' gradient; nothing sums it over tp yet (a silent drift, not an error).
-            raise ConfigError("layout.tp", lay.tp, "does not yet split a model with per-head q/k norms (Qwen3): "
-                              "their weights' gradients would stay per-rank partial sums",
-                              "use --tp 1 with dp, fsdp and pp for Qwen3 models")
         if self.sequence_parallel and m.user is not None and not m.user.plan.sequence_parallel:
             raise ConfigError("sequence_parallel", True, f"the plan of {m.user.factory} declares no sequence parallelism",
                               "add its norms and sequence gathers to the plan's sequence_parallel, or drop --sp")

@@ -152,6 +152,32 @@ def reduce_gradients_now(stage: nn.Module) -> None:
     state._root_post_backward_final_callback()
 
 
+@torch.no_grad()
+def sum_partial_gradients(model: nn.Module, tp_mesh: DeviceMesh, patterns: tuple[str, ...],
+                          timeout: timedelta | None = None) -> int:
+    """Add up, over the tp ranks, the gradients of parameters the plan names as tp-partial
+    (`ModelPlan.tp_partial_gradients`): weights every tp rank holds whole but applies only to its
+    own heads, so each rank's gradient is its heads' share. After the sum every tp rank holds the
+    whole gradient and takes the same optimizer step, so the copies stay equal. Under FSDP the
+    gradient is already the rank's data shard (reduced over dp and fsdp); the sum over tp is
+    linear, so the order does not matter. Returns how many gradients it summed."""
+    if not patterns:
+        return 0
+    pieces = [param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+              for name, param in model.named_parameters()
+              if param.grad is not None and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
+    if not pieces:
+        return 0
+    flat = torch.cat([piece.reshape(-1) for piece in pieces])  # one collective, not one per weight
+    work = dist.all_reduce(flat, group=tp_mesh.get_group(), async_op=True)
+    work.wait(timeout) if timeout is not None else work.wait()
+    offset = 0
+    for piece in pieces:
+        piece.copy_(flat[offset:offset + piece.numel()].view_as(piece))
+        offset += piece.numel()
+    return len(pieces)
+
+
 def squares_sum(pieces: list[torch.Tensor]) -> torch.Tensor:
     """The sum of the squares of every element, in float64.
 

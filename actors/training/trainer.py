@@ -18,7 +18,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from actors.checkpoint.async_save import AsyncSaver
 from actors.checkpoint.load import HandoverGroups, load_rank_shard
 from actors.checkpoint.save import save_rank_shard
-from actors.model.parallelize import clip_grad_norm
+from actors.model.parallelize import clip_grad_norm, sum_partial_gradients
 from actors.model.shards import is_primary_replica
 from actors.pipeline.interpreter import StepRecord
 from actors.training.data import row_hashes
@@ -151,7 +151,11 @@ class Trainer:
         """Gradients of this step's batch, reduced over data ranks (and the tied embedding
         summed over its two stages); returns this rank's share of the loss."""
         inputs, targets = self._batch()
-        return self.runner.forward_backward(inputs, targets)
+        total_loss, record = self.runner.forward_backward(inputs, targets)
+        if self.layout.tp > 1:
+            sum_partial_gradients(self.model, self.mesh["tp"], self.config.model.plan.tp_partial_gradients,
+                                  self.runner.collective_timeout)
+        return total_loss, record
 
     def _mean_loss(self, total_loss: torch.Tensor) -> torch.Tensor:
         """Every rank reports the same number: the mean over data ranks. tp peers hold equal

@@ -62,8 +62,13 @@ class ModelPlan:
     loss: str = CROSS_ENTROPY
     hf_mapping: tuple[dict, ...] | None = field(default=None, hash=False)
     hf_config: dict | None = field(default=None, hash=False)
+    # Parameter-name patterns (fnmatch) of weights tp leaves whole but whose forward sees only
+    # the rank's heads (Qwen3's per-head q/k norms): each tp rank's gradient is a partial sum, and
+    # the ranks add them after the backward (`actors/model/parallelize.sum_partial_gradients`).
+    tp_partial_gradients: tuple[str, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "tp_partial_gradients", tuple(str(p) for p in self.tp_partial_gradients))
         if (self.hf_mapping is None) != (self.hf_config is None):
             raise ConfigError("model plan hf_mapping/hf_config", "only one given", "an export needs both the "
                               "tensor mapping and the config.json contents", "give both in the ModelPlan, or neither")

@@ -118,7 +118,9 @@ class ModelConfig:
 
 # The built-in families' plan, the same record a user's factory returns (sizes come from the config).
 REFERENCE_PLAN = ModelPlan(tp_styles=DEFAULT_TP_STYLES, sequence_parallel=SEQUENCE_PARALLEL_ADDITIONS, blocks="layers",
-                           first_stage=("tok_embeddings",), last_stage=("norm", "output"))
+                           first_stage=("tok_embeddings",), last_stage=("norm", "output"),
+                           # Qwen3: one q and one k norm weight serve every head; a tp rank holds some heads.
+                           tp_partial_gradients=("layers.*.attention.q_norm.weight", "layers.*.attention.k_norm.weight"))
 
 
 def model_differences(saved: ModelConfig, named: ModelConfig) -> list[str]:
