@@ -152,20 +152,23 @@ def reduce_gradients_now(stage: nn.Module) -> None:
     state._root_post_backward_final_callback()
 
 
+def tp_partial_parameters(model: nn.Module, patterns: tuple[str, ...]) -> list[nn.Parameter]:
+    """The parameters the plan names as tp-partial (`ModelPlan.tp_partial_gradients`): weights
+    every tp rank holds whole but applies only to its own heads, so each rank's gradient is its
+    heads' share. Resolved once per run; the set does not change between steps."""
+    return [param for name, param in model.named_parameters()
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
+
+
 @torch.no_grad()
-def sum_partial_gradients(model: nn.Module, tp_mesh: DeviceMesh, patterns: tuple[str, ...],
-                          timeout: timedelta | None = None) -> int:
-    """Add up, over the tp ranks, the gradients of parameters the plan names as tp-partial
-    (`ModelPlan.tp_partial_gradients`): weights every tp rank holds whole but applies only to its
-    own heads, so each rank's gradient is its heads' share. After the sum every tp rank holds the
-    whole gradient and takes the same optimizer step, so the copies stay equal. Under FSDP the
-    gradient is already the rank's data shard (reduced over dp and fsdp); the sum over tp is
-    linear, so the order does not matter. Returns how many gradients it summed."""
-    if not patterns:
-        return 0
+def sum_partial_gradients(parameters: list[nn.Parameter], tp_mesh: DeviceMesh, timeout: timedelta | None = None) -> int:
+    """Add up the gradients of `parameters` (`tp_partial_parameters`) over the tp ranks: after
+    the sum every tp rank holds the whole gradient and takes the same optimizer step, so the
+    copies stay equal. Under FSDP the gradient is already the rank's data shard (reduced over dp
+    and fsdp); the sum over tp is linear, so the order does not matter. Returns how many
+    gradients it summed."""
     pieces = [param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-              for name, param in model.named_parameters()
-              if param.grad is not None and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
+              for param in parameters if param.grad is not None]
     if not pieces:
         return 0
     flat = torch.cat([piece.reshape(-1) for piece in pieces])  # one collective, not one per weight

@@ -18,7 +18,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from actors.checkpoint.async_save import AsyncSaver
 from actors.checkpoint.load import HandoverGroups, load_rank_shard
 from actors.checkpoint.save import save_rank_shard
-from actors.model.parallelize import clip_grad_norm, sum_partial_gradients
+from actors.model.parallelize import clip_grad_norm, sum_partial_gradients, tp_partial_parameters
 from actors.model.shards import is_primary_replica
 from actors.pipeline.interpreter import StepRecord
 from actors.training.data import row_hashes
@@ -90,6 +90,9 @@ class Trainer:
         self.runner: StepRunner = self._build_runner(plan)
         if wrap_runner is not None:
             self.runner = wrap_runner(self.runner, rank)
+        # Weights tp keeps whole whose gradients each tp rank holds only its heads' share of.
+        self.tp_partial = (tp_partial_parameters(self.model, config.model.plan.tp_partial_gradients)
+                           if self.layout.tp > 1 else [])
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(param_groups_by_mesh(self.model.parameters()), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                            eps=opt.eps, weight_decay=opt.weight_decay, foreach=True)
@@ -152,9 +155,8 @@ class Trainer:
         summed over its two stages); returns this rank's share of the loss."""
         inputs, targets = self._batch()
         total_loss, record = self.runner.forward_backward(inputs, targets)
-        if self.layout.tp > 1:
-            sum_partial_gradients(self.model, self.mesh["tp"], self.config.model.plan.tp_partial_gradients,
-                                  self.runner.collective_timeout)
+        if self.tp_partial:
+            sum_partial_gradients(self.tp_partial, self.mesh["tp"], self.runner.collective_timeout)
         return total_loss, record
 
     def _mean_loss(self, total_loss: torch.Tensor) -> torch.Tensor:
