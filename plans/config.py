@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from plans.errors import ConfigError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_plan import check_tp_divides
-from plans.training.model_spec import PRESETS, ModelConfig, preset
+from plans.training.model_spec import PRESETS, ModelConfig, check_experts_fit, preset
 from plans.pipeline.csv_order import pipeline_order
 from plans.pipeline.plan import stage_partition
 from plans.pipeline.schedules import build_schedule, schedule_spec
@@ -125,6 +125,10 @@ class TrainConfig:
         if lay.pp * lay.vpp > m.n_layers:
             raise ConfigError("layout.pp", lay.pp, f"pp*vpp = {lay.pp * lay.vpp} stages exceed the model's {m.n_layers} layers",
                               "lower --pp/--vpp or use a deeper model")
+        check_experts_fit(m, lay)
+        if m.is_moe and self.sequence_parallel:
+            raise ConfigError("sequence_parallel", True, "is not supported with mixture-of-experts layers yet",
+                              "drop --sp for MoE models")
         if self.seq_len < 1:
             raise ConfigError("seq_len", self.seq_len, "sequence length must be positive", "set --seq-len to 1 or more")
         if self.seq_len > m.max_seq_len:

@@ -30,7 +30,8 @@ def init_std(name: str, shape: tuple[int, ...], n_layers: int) -> float | None:
         return None
     if name.endswith(".bias"):
         return 0.0
-    if name.endswith(("attention.wo.weight", "feed_forward.down.weight")):
+    if name.endswith(("attention.wo.weight", "feed_forward.down.weight", "feed_forward.experts.down.weight",
+                      "feed_forward.shared.down.weight")):
         return 0.02 / math.sqrt(2 * n_layers)
     return 0.02
 

@@ -15,17 +15,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from actors.model.block_wrappers import wrap_blocks
+from actors.model.expert_dispatch import AllToAllDispatch, TensorParallelDispatch
+from actors.model.moe import is_expert_parameter, moe_layers
 from actors.model.precision import fsdp_policy, uses_fsdp
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, is_primary_replica
 from plans.layout.parallel_layout import DATA_MESH_DIMS
 from plans.training.model_plan import ModelPlan
 from plans.training.model_spec import REFERENCE_PLAN
-from plans.training.tp_plan import (COLWISE, GATHER_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE,
+from plans.training.tp_plan import (COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE,
                                     SEQUENCE_PARALLEL, VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
                                     VOCAB_HEAD_FROM_SEQUENCE, with_sequence_parallel)
 
@@ -46,6 +48,20 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+class StackedShard(ParallelStyle):
+    """Stacked expert weights [experts, out, in] split along `dim` over tp (each expert's hidden
+    units); the MoE layer computes on the local piece (`actors/model/moe.py`), and its dispatch
+    adds the partial results over tp (`actors/model/expert_dispatch.py`)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(self.dim)]))
+        return module
+
+
 # torch's ParallelStyle for each style of the plan (`plans/training/tp_plan.py`, which says why
 # each module gets its style).
 TORCH_STYLES: dict[str, ParallelStyle] = {
@@ -59,7 +75,10 @@ TORCH_STYLES: dict[str, ParallelStyle] = {
     VOCAB_HEAD_FROM_SEQUENCE: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     SEQUENCE_PARALLEL: SequenceParallel(),
     GATHER_SEQUENCE: GatherSequence(),
+    EXPERT_COLWISE: StackedShard(1),
+    EXPERT_ROWWISE: StackedShard(2),
 }
+EXPERT_STYLES = (EXPERT_COLWISE, EXPERT_ROWWISE)
 
 
 def resolve_tp_plan(model: nn.Module, patterns: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -77,26 +96,87 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns: dict[
 
 
 def torch_plan(styles: tuple[tuple[str, str], ...], sequence_parallel: bool,
-               additions: tuple[tuple[str, str], ...]) -> dict[str, ParallelStyle]:
-    """A model plan's tp styles (`plans/training/model_plan.py`) as torch's ParallelStyles."""
+               additions: tuple[tuple[str, str], ...], expert_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """A model plan's tp styles (`plans/training/model_plan.py`) as torch's ParallelStyles.
+    expert_parallel: the experts' tp split is left to `apply_expert_parallel`, which places them
+    on the data and tp dims at once."""
     named = with_sequence_parallel(dict(styles), dict(additions)) if sequence_parallel else dict(styles)
-    return {pattern: TORCH_STYLES[style] for pattern, style in named.items()}
+    return {pattern: TORCH_STYLES[style] for pattern, style in named.items()
+            if not (expert_parallel and style in EXPERT_STYLES)}
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, tp: int, ep: int) -> list[nn.Parameter]:
+    """Experts of every MoE layer split over the fsdp ranks (ep = fsdp): each stacked weight
+    becomes a DTensor on the (dp, fsdp, tp) mesh, Shard(0) over fsdp (consecutive experts per
+    rank), copied over dp, and split over tp as its style says. Its region is then exactly the
+    one FSDP2 would give it (dim 0 cut into fsdp blocks), so checkpoints do not see ep. Installs
+    the all-to-all dispatch; returns the expert parameters (FSDP leaves them alone, the trainer
+    reduces their gradients over dp: `reduce_expert_gradients`). With ep = 1 only the dispatch
+    changes (tp adds partial results); FSDP2 and TP hold the experts like any weight."""
+    layers = moe_layers(model)
+    tp_group = mesh["tp"].get_group() if tp > 1 else None
+    if ep == 1:
+        for _, layer in layers:
+            if tp_group is not None:
+                layer.dispatch = TensorParallelDispatch(tp_group)
+        return []
+    stage_mesh = mesh[("dp", "fsdp", "tp")]
+    ep_group = mesh["fsdp"].get_group()
+    experts = []
+    for _, layer in layers:
+        for linear, split in ((layer.experts.gate_up, 1), (layer.experts.down, 2)):
+            placements = [Replicate(), Shard(0), Shard(split) if tp > 1 else Replicate()]
+            linear.weight = nn.Parameter(distribute_tensor(linear.weight, stage_mesh, placements))
+            experts.append(linear.weight)
+        layer.dispatch = AllToAllDispatch(ep_group, tp_group)
+    return experts
+
+
+def expert_parameters(model) -> list[nn.Parameter]:
+    """The stacked expert weights of a model's MoE layers (`moe.EXPERT_PARAMETERS`)."""
+    return [param for name, param in model.named_parameters() if is_expert_parameter(name)]
+
+
+@torch.no_grad()
+def reduce_expert_gradients(parameters: list[nn.Parameter], mesh: DeviceMesh, dp: int, data_parallel_size: int,
+                            timeout: timedelta | None = None) -> None:
+    """Under ep, the experts' gradients as FSDP would leave them: each rank's expert gradient
+    already sums its fsdp peers' tokens (the all-to-all's backward brought them); add the dp
+    replicas' (one all-reduce) and divide by the data-parallel size, as FSDP2 averages."""
+    pieces = [param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+              for param in parameters if param.grad is not None]
+    if not pieces:
+        return
+    if dp > 1:
+        flat = torch.cat([piece.reshape(-1) for piece in pieces])
+        work = dist.all_reduce(flat, group=mesh["dp"].get_group(), async_op=True)
+        work.wait(timeout) if timeout is not None else work.wait()
+        offset = 0
+        for piece in pieces:
+            piece.copy_(flat[offset:offset + piece.numel()].view_as(piece))
+            offset += piece.numel()
+    torch._foreach_div_(pieces, float(data_parallel_size))
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True,
-                        precision: str = "fp32", blocks_attr: str = "layers") -> None:
-    """FSDP2 per transformer block (so only one block is gathered at a time), then the root."""
+                        precision: str = "fp32", blocks_attr: str = "layers",
+                        ignored: list[nn.Parameter] | None = None) -> None:
+    """FSDP2 per transformer block (so only one block is gathered at a time), then the root.
+    ignored: parameters placed already (experts under ep) that FSDP must neither shard nor reduce."""
     policy = fsdp_policy(precision)
+    ignored_params = set(ignored) if ignored else None
     blocks = getattr(model, blocks_attr, {})
     for block in blocks.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    ignored_params=ignored_params)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                ignored_params=ignored_params)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size: int,
                 tie_embeddings: bool = False, pipeline: bool = False, precision: str = "fp32",
                 ac: str = "none", compile_blocks: bool = False, sequence_parallel: bool = False,
-                plan: ModelPlan = REFERENCE_PLAN) -> nn.Module:
+                plan: ModelPlan = REFERENCE_PLAN, ep: int = 1) -> nn.Module:
     """TP, then activation checkpointing and compile per block, then FSDP2 (torchtitan's order).
 
     pipeline: `model` is one stage of a pipeline. FSDP then keeps parameters gathered from
@@ -107,19 +187,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size:
     precision "bf16": FSDP2 with bf16 parameters and float32 reduction, even over a one-rank data
     mesh (`actors/model/precision.py` says why).
     plan: the model's plan, data (`ModelConfig.plan`): its tp styles (sequence-parallel form
-    derived, not repeated) and its blocks, the unit of AC, compile and FSDP2."""
+    derived, not repeated) and its blocks, the unit of AC, compile and FSDP2.
+    ep: expert parallelism for MoE layers (`apply_expert_parallel`)."""
     if tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], torch_plan(plan.tp_styles, sequence_parallel, plan.sequence_parallel))
+        apply_tensor_parallel(model, mesh["tp"], torch_plan(plan.tp_styles, sequence_parallel, plan.sequence_parallel,
+                                                            expert_parallel=ep > 1))
         if sequence_parallel:
             model.sequence_shards = tp
         if tie_embeddings and model.tok_embeddings is not None and model.output is not None:
             # parallelize_module gives each module its own DTensor parameter; both are
             # Shard(0) over the vocabulary on the same mesh, so one can serve both again.
             model.output.weight = model.tok_embeddings.weight
+    placed_experts = apply_expert_parallel(model, mesh, tp, ep)
     wrap_blocks(model, ac, compile_blocks, plan.blocks)
     if uses_fsdp(precision, data_parallel_size):
         apply_data_parallel(model, mesh[DATA_MESH_DIMS], reshard_after_forward=not pipeline, precision=precision,
-                            blocks_attr=plan.blocks)
+                            blocks_attr=plan.blocks, ignored=placed_experts)
     return model
 
 

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.model.feed_forward import FeedForward
 from actors.model.local_ops import rms_norm
+from actors.model.moe import MoEFeedForward
 from actors.model.rope import apply_rope, rope_tables
 from plans.training.model_spec import ModelConfig
 
@@ -68,29 +70,14 @@ def sliding_window_mask(seq: int, window: int, device) -> torch.Tensor:
     return (distance >= 0) & (distance < window)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_up = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
-        self.down = nn.Linear(config.ffn_dim, config.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Rows interleave (gate_j, up_j), so a row shard holds whole hidden units. SiLU stays on
-        # the stride-2 views: de-interleaving into one contiguous copy first is ~5-10% faster on a
-        # CPU, but the contiguous SiLU kernel rounds differently, and on that trajectory the 250-step
-        # continuity run drifted 1.4e-4 between layouts against the 2.5e-6 the README states
-        # (bench/RESULTS.md, throughput): kept out until that claim is restated on firmer ground.
-        gate_up = self.gate_up(x).unflatten(-1, (-1, 2))
-        return self.down(F.silu(gate_up[..., 0]) * gate_up[..., 1])
-
-
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = (MoEFeedForward(config) if config.is_moe_layer(layer)
+                             else FeedForward(config.dim, config.ffn_dim))
 
     def forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -104,7 +91,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         # A ModuleDict keyed by the global layer index keeps parameter names global when a
         # pipeline stage holds only some layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from actors.model.init_weights import initialize_parameters
+from actors.model.moe import set_aux_loss_scale
 from actors.model.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
 from actors.model.precision import compute_dtype
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
@@ -48,7 +49,8 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
             module = build_stage_on_meta(model_config, layers, first, is_last)
         parallelize(module, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings,
                     pipeline=True, precision=config.precision, ac=block_ac, compile_blocks=config.compile,
-                    sequence_parallel=config.sequence_parallel, plan=model_config.plan)
+                    sequence_parallel=config.sequence_parallel, plan=model_config.plan, ep=layout.ep)
+        set_aux_loss_scale(module, model_config, config.microbatches)
         module.to_empty(device=device)
         initialize_parameters(module, config.seed, model_config.n_layers,
                               stage_global_names(model_config, stage == 0, stage == last))

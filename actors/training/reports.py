@@ -39,3 +39,7 @@ class StepMetrics:
     # This rank's rows of the step's batch, one short digest per sample in row order; the driver
     # joins the data ranks' into one hash of the global batch (plans/data/batch_hash.py).
     batch_hash: str = ""
+    # A mixture-of-experts model: tokens each expert got this step over the global batch, per MoE
+    # layer, and the mean load-balancing loss (not part of `loss`, which is the language-model loss).
+    expert_tokens: dict[int, list[int]] | None = None
+    aux_loss: float | None = None

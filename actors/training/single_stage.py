@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from actors.model.init_weights import initialize_parameters
+from actors.model.moe import set_aux_loss_scale
 from actors.model.parallelize import parallelize
 from actors.model.shards import NO_PIPELINE_COPIES
 from actors.model.transformer import build_on_meta
@@ -37,7 +38,8 @@ class SingleStageRunner:
         model = made.module if made is not None else build_on_meta(config.model)
         parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=config.model.tie_embeddings,
                     precision=config.precision, ac=config.ac, compile_blocks=config.compile,
-                    sequence_parallel=config.sequence_parallel, plan=config.model.plan)
+                    sequence_parallel=config.sequence_parallel, plan=config.model.plan, ep=layout.ep)
+        set_aux_loss_scale(model, config.model, config.microbatches)
         model.to_empty(device=device)
         if config.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
             # to_empty swaps each module's parameter separately, which unties shared ones.

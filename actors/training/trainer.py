@@ -18,7 +18,9 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from actors.checkpoint.async_save import AsyncSaver
 from actors.checkpoint.load import HandoverGroups, load_rank_shard
 from actors.checkpoint.save import save_rank_shard
-from actors.model.parallelize import clip_grad_norm, sum_partial_gradients, tp_partial_parameters
+from actors.model.moe import moe_layers
+from actors.model.parallelize import (clip_grad_norm, expert_parameters, reduce_expert_gradients, sum_partial_gradients,
+                                      tp_partial_parameters)
 from actors.model.shards import is_primary_replica
 from actors.pipeline.interpreter import StepRecord
 from actors.training.data import row_hashes
@@ -93,6 +95,9 @@ class Trainer:
         # Weights tp keeps whole whose gradients each tp rank holds only its heads' share of.
         self.tp_partial = (tp_partial_parameters(self.model, config.model.plan.tp_partial_gradients)
                            if self.layout.tp > 1 else [])
+        # Under ep the experts are outside FSDP: the trainer averages their gradients over data ranks.
+        self.experts = expert_parameters(self.model) if self.layout.ep > 1 else []
+        self.routers = [(int(name.split(".")[1]), layer) for stage in self._modules() for name, layer in moe_layers(stage)]
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(param_groups_by_mesh(self.model.parameters()), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                            eps=opt.eps, weight_decay=opt.weight_decay, foreach=True)
@@ -113,6 +118,11 @@ class Trainer:
     def model(self):
         """The model parts this rank runs (the whole model, or its pipeline stages as one)."""
         return self.runner.model
+
+    def _modules(self):
+        """The torch modules this rank runs (its pipeline stages, or the whole model)."""
+        return list(self.model.modules.values()) if hasattr(self.model, "modules") and isinstance(self.model.modules, dict) \
+            else [self.model]
 
     @property
     def pipeline_copies(self):
@@ -136,11 +146,12 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             total_loss = self._mean_loss(total_loss)
+            routing = self._routing_statistics()
         self.step += 1
         return StepMetrics(self.step, total_loss.item(), float(grad_norm), lr, time.perf_counter() - started, record,
                            tokens=config.global_batch // self.layout.data_parallel_size * config.seq_len,
                            peak_memory_bytes=peak_memory_bytes(self.device), device_name=device_name(self.device),
-                           batch_hash=self.batch_hash)
+                           batch_hash=self.batch_hash, **routing)
 
     def _batch(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This data rank's microbatches of global batch number self.step."""
@@ -157,7 +168,31 @@ class Trainer:
         total_loss, record = self.runner.forward_backward(inputs, targets)
         if self.tp_partial:
             sum_partial_gradients(self.tp_partial, self.mesh["tp"], self.runner.collective_timeout)
+        if self.experts:
+            reduce_expert_gradients(self.experts, self.mesh, self.layout.dp, self.layout.data_parallel_size,
+                                    self.runner.collective_timeout)
         return total_loss, record
+
+    def _routing_statistics(self) -> dict:
+        """An MoE model's step, the same on every rank: tokens each expert of each MoE layer got
+        over the global batch, and the mean balance loss (`actors/model/moe.py`). One all-reduce
+        over the world of a [layers, experts + 1] table; only tp rank 0 adds its own (tp peers
+        route the same tokens), pipeline stages fill their own layers' rows."""
+        model = self.config.model
+        if not model.is_moe:
+            return {}
+        table = torch.zeros(model.n_layers, model.n_experts + 1, dtype=torch.float64)
+        if self.coords.tp == 0:
+            for layer, router in self.routers:
+                table[layer, :-1] = router.statistics.tokens.double()
+                table[layer, -1] = router.statistics.aux_sum / max(1, router.statistics.aux_count)
+        for _, router in self.routers:
+            router.statistics.reset()
+        self.runner.wait(dist.all_reduce(table, async_op=True), "the routing statistics all-reduce")
+        moe = list(model.moe_layers)
+        aux = float(table[moe, -1].sum()) / (len(moe) * self.layout.data_parallel_size)
+        return {"expert_tokens": {layer: [int(count) for count in table[layer, :-1].tolist()] for layer in moe},
+                "aux_loss": aux}
 
     def _mean_loss(self, total_loss: torch.Tensor) -> torch.Tensor:
         """Every rank reports the same number: the mean over data ranks. tp peers hold equal
@@ -180,6 +215,8 @@ class Trainer:
             if is_primary_replica(param, self.coord_map, self.pipeline_copies) and not any(self.coord_map.values()):
                 gradients[name] = full.detach().cpu().clone()
         self.optimizer.zero_grad(set_to_none=True)
+        for _, router in self.routers:
+            router.statistics.reset()
         return {"loss": self._mean_loss(total_loss).item(), "gradients": gradients}
 
     # ---- checkpoints ------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from plans.pipeline.partition import StagePartition
 from plans.pipeline.plan import stage_partition
 from plans.pipeline.schedules import schedule_for_vpp
 from plans.training.model_plan import check_tp_divides, stage_part
-from plans.training.model_spec import ModelConfig, parameter_shapes
+from plans.training.model_spec import ModelConfig, check_experts_fit, parameter_shapes
 from plans.training.tp_plan import split_dim_under
 
 EMBEDDING = "tok_embeddings.weight"
@@ -273,6 +273,7 @@ def check_layout_fits(model: ModelConfig, layout: ParallelLayout) -> None:
             if count % layout.tp:
                 divisors = [d for d in range(1, count + 1) if count % d == 0]
                 raise ConfigError("tp", layout.tp, f"must divide {what} ({count})", f"use tp in {divisors}")
+    check_experts_fit(model, layout)
     if layout.pp * layout.vpp > model.n_layers:
         raise ConfigError("pp", layout.pp, f"pp*vpp = {layout.pp * layout.vpp} stages exceed the model's {model.n_layers} layers",
                           "lower pp or vpp")

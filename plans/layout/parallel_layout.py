@@ -1,4 +1,4 @@
-"""ParallelLayout: how the world of ranks is split into pp x dp x fsdp x tp.
+"""ParallelLayout: how the world of ranks is split into pp x dp x fsdp x tp (and experts over ep).
 
 Rank order puts tp innermost (neighbouring ranks share a node, where tensor parallelism's
 frequent collectives belong), then fsdp, then dp, with pp outermost — the same order as the
@@ -17,9 +17,10 @@ STAGE_MESH_DIMS = ("dp", "fsdp", "tp")
 # The data-parallel dims FSDP2 shards and replicates over (HSDP: dp replicas of fsdp shards).
 DATA_MESH_DIMS = ("dp", "fsdp")
 # The parallel degrees in the order people write them (`dp2 x tp2`, `--dp 2 --tp 2`), and with vpp
-# every field of a layout.
+# and ep every field of a layout. vpp and ep multiply no ranks: vpp cuts a pp rank's layers into
+# virtual stages, ep splits the experts of a mixture-of-experts model over the fsdp ranks.
 PARALLEL_DEGREES = ("dp", "fsdp", "tp", "pp")
-LAYOUT_DEGREES = (*PARALLEL_DEGREES, "vpp")
+LAYOUT_DEGREES = (*PARALLEL_DEGREES, "vpp", "ep")
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,16 @@ class RankCoords:
 @dataclass(frozen=True)
 class ParallelLayout:
     """dp: replicas (gradients all-reduced); fsdp: sharded data parallel (FSDP2);
-    tp: tensor parallel (DTensor); pp: pipeline stages; vpp: virtual stages per pp rank."""
+    tp: tensor parallel (DTensor); pp: pipeline stages; vpp: virtual stages per pp rank;
+    ep: expert parallel, 1 or fsdp: a mixture-of-experts model's experts split over the fsdp ranks,
+    tokens sent to them by all-to-all (docs/decisions.md 71 says why ep borrows exactly fsdp)."""
 
     dp: int = 1
     fsdp: int = 1
     tp: int = 1
     pp: int = 1
     vpp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
         for field in LAYOUT_DEGREES:
@@ -50,6 +54,9 @@ class ParallelLayout:
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("vpp", self.vpp, "virtual pipeline stages need pp > 1",
                               "set --vpp 1, or --pp 2 or more")
+        if self.ep not in (1, self.fsdp):
+            raise ConfigError("ep", self.ep, f"expert parallelism splits the experts over the fsdp ranks, so ep must "
+                              f"be 1 or equal fsdp (here {self.fsdp})", f"set --fsdp {self.ep} (moving ranks from dp), or --ep 1")
 
     @property
     def world_size(self) -> int:
@@ -81,13 +88,18 @@ class ParallelLayout:
         return coords.dp * self.fsdp + coords.fsdp
 
     def describe(self) -> str:
-        parts = [f"{name}{getattr(self, name)}" for name in PARALLEL_DEGREES if getattr(self, name) > 1]
+        parts = [f"{name}{getattr(self, name)}" + (f"(ep{self.ep})" if name == "fsdp" and self.ep > 1 else "")
+                 for name in PARALLEL_DEGREES if getattr(self, name) > 1]
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         return " x ".join(parts) or "single rank"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # ep only where used: the metadata of every dense run (and its comparisons) stays as it was.
+        data = asdict(self)
+        if self.ep == 1:
+            del data["ep"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelLayout":
@@ -97,7 +109,7 @@ class ParallelLayout:
     def parse(cls, text: str) -> "ParallelLayout":
         """Parse 'dp=2,tp=2' (the form used by --to and in messages). Strict: an empty text, an
         empty item or a degree given twice is an error, not a guess (`dp=1,dp=2` took the last)."""
-        fix = "write it as dp=N,fsdp=N,tp=N,pp=N,vpp=N (any subset, each once; degrees left out are 1)"
+        fix = "write it as dp=N,fsdp=N,tp=N,pp=N,vpp=N,ep=N (any subset, each once; degrees left out are 1)"
         if not text.strip():
             raise ConfigError("layout", text, "is empty", fix)
         values = {}

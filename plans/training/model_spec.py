@@ -21,7 +21,9 @@ from plans.training.model_plan import ModelPlan, UserModel
 from plans.training.tp_plan import DEFAULT_TP_STYLES, SEQUENCE_PARALLEL_ADDITIONS
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")  # families whose Hugging Face class has mixture-of-experts layers
+ROUTER_SCORES = ("softmax", "sigmoid")
 USER_FAMILY = "user"  # a model built by the user's factory (`--model-factory`); see plans/training/model_plan.py
 
 
@@ -46,6 +48,21 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None  # a query sees itself and the window - 1 keys before it
     head_size: int | None = None  # None: dim / n_heads
+    # Mixture of experts (n_experts > 0): layer i is an MoE layer when (i + 1) % moe_every == 0
+    # (Qwen2-MoE's decoder_sparse_step). A top-k router (softmax or sigmoid scores over the
+    # experts; norm_topk rescales the k chosen weights to sum to 1) sends each token to k SwiGLU
+    # experts of expert_ffn_dim hidden units; an optional shared expert (shared_expert_ffn_dim > 0)
+    # sees every token, its output scaled by sigmoid(shared_gate(x)) as Qwen2-MoE does. The
+    # load-balancing loss (Switch / Mixtral: E * sum_e f_e * P_e) is taken per sequence and MoE
+    # layer, averaged, times aux_loss_coef (actors/model/moe.py says why per sequence).
+    n_experts: int = 0
+    experts_per_token: int = 2
+    expert_ffn_dim: int = 0
+    moe_every: int = 1
+    router_scores: str = "softmax"
+    norm_topk: bool = False
+    shared_expert_ffn_dim: int = 0
+    aux_loss_coef: float = 0.01
     # A user's model (family "user"): its factory, plan and recorded parameters. The sizes above
     # then say only what the rest of rayshard asks of any model: vocab_size, dim (what pipeline
     # stages exchange), n_layers (blocks) and max_seq_len; the attention fields are unused.
@@ -75,6 +92,17 @@ class ModelConfig:
     def heads_per_group(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer in range(self.n_layers) if self.is_moe_layer(layer))
+
     def validate(self) -> "ModelConfig":
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
         for field in positive:
@@ -89,6 +117,7 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ConfigError("model.family", self.family, f"must be one of {list(FAMILIES)}",
                               "pick the family whose Hugging Face class computes this model")
+        self._validate_experts()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError("model.sliding_window", self.sliding_window, "must be positive (or unset)",
                               "set it to the number of keys a query sees, or leave it unset")
@@ -106,6 +135,29 @@ class ModelConfig:
                               f"must divide model.n_heads={self.n_heads} (grouped-query attention)",
                               "pick n_kv_heads among the divisors of n_heads")
         return self
+
+    def _validate_experts(self) -> None:
+        if self.family in MOE_FAMILIES and not self.is_moe:
+            raise ConfigError("model.n_experts", self.n_experts, f"family {self.family} is a mixture of experts",
+                              "set model.n_experts (e.g. 8), or pick the dense family")
+        if not self.is_moe:
+            return
+        checks = (("experts_per_token", 1 <= self.experts_per_token <= self.n_experts,
+                   f"must be between 1 and model.n_experts ({self.n_experts})", "set it to the k of top-k routing, e.g. 2"),
+                  ("expert_ffn_dim", self.expert_ffn_dim >= 1, "must be positive for an MoE model",
+                   "set it to each expert's hidden size"),
+                  ("moe_every", self.moe_every >= 1, "must be 1 or more", "1: every layer is MoE; 2: every second"),
+                  ("router_scores", self.router_scores in ROUTER_SCORES, f"must be one of {list(ROUTER_SCORES)}",
+                   "use softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3)"),
+                  ("shared_expert_ffn_dim", self.shared_expert_ffn_dim >= 0, "must be 0 (none) or positive",
+                   "set 0 for no shared expert"),
+                  ("aux_loss_coef", self.aux_loss_coef >= 0, "must be 0 or positive", "e.g. 0.01"))
+        for field, ok, problem, fix in checks:
+            if not ok:
+                raise ConfigError(f"model.{field}", getattr(self, field), problem, fix)
+        if not self.moe_layers:
+            raise ConfigError("model.moe_every", self.moe_every, f"leaves none of the {self.n_layers} layers MoE",
+                              f"set model.moe_every to {self.n_layers} or less")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -171,6 +223,15 @@ PRESETS: dict[str, ModelConfig] = {
     # parameters with the tied embedding; never built on the CPU machines.
     "1b": ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
                       max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
+    # Mixture of experts (Qwen2-MoE's layout: shared expert, dense and MoE layers alternating).
+    # Tests: 8 experts, top-2, layers 1 and 3 MoE, so every pp2 stage holds one MoE layer.
+    "moe-tiny": ModelConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=256,
+                            family="qwen2_moe", qkv_bias=True, n_experts=8, experts_per_token=2, expert_ffn_dim=32,
+                            moe_every=2, shared_expert_ffn_dim=64),
+    # Benchmarks: every layer MoE, 8 experts of 512 hidden units, top-2, a shared expert.
+    "moe-small": ModelConfig(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, max_seq_len=1024,
+                             family="qwen2_moe", qkv_bias=True, n_experts=8, experts_per_token=2, expert_ffn_dim=512,
+                             moe_every=1, shared_expert_ffn_dim=1024),
     # Planning only: a 405B-shaped model (never instantiated here).
     "405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                         ffn_dim=53248, max_seq_len=8192, rope_theta=500000.0),
@@ -201,11 +262,30 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[prefix + "attention.k_norm.weight"] = (hd,)
         shapes[prefix + "attention.wo.weight"] = (config.dim, config.n_heads * hd)
         shapes[prefix + "ffn_norm.weight"] = (config.dim,)
+        if config.is_moe_layer(layer):
+            shapes.update(moe_shapes(config, prefix + "feed_forward."))
+            continue
         shapes[prefix + "feed_forward.gate_up.weight"] = (2 * config.ffn_dim, config.dim)
         shapes[prefix + "feed_forward.down.weight"] = (config.dim, config.ffn_dim)
     shapes["norm.weight"] = (config.dim,)
     if not config.tie_embeddings:
         shapes["output.weight"] = (config.vocab_size, config.dim)
+    return shapes
+
+
+def moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's parameters (`actors/model/moe.py` builds them in this order). Experts are
+    stacked: row e of dim 0 is global expert e whatever rank holds it, so a checkpoint stores
+    every expert under its global index and ep is one more cut of dim 0. Within an expert,
+    gate_up rows interleave (gate_j, up_j) as the dense feed-forward does."""
+    experts, ffn, dim = config.n_experts, config.expert_ffn_dim, config.dim
+    shapes = {prefix + "router.weight": (experts, dim),
+              prefix + "experts.gate_up.weight": (experts, 2 * ffn, dim),
+              prefix + "experts.down.weight": (experts, dim, ffn)}
+    if config.shared_expert_ffn_dim:
+        shared = config.shared_expert_ffn_dim
+        shapes.update({prefix + "shared.gate_up.weight": (2 * shared, dim), prefix + "shared.down.weight": (dim, shared),
+                       prefix + "shared_gate.weight": (1, dim)})
     return shapes
 
 
@@ -217,3 +297,20 @@ def parameter_count(config: ModelConfig) -> int:
             count *= size
         total += count
     return total
+
+
+def check_experts_fit(config: ModelConfig, layout) -> None:
+    """What a layout must meet to hold an MoE model's experts (and ep needs experts to split)."""
+    if not config.is_moe:
+        if layout.ep > 1:
+            raise ConfigError("ep", layout.ep, "expert parallelism needs a mixture-of-experts model",
+                              "set --ep 1, or train an MoE model (--model moe-tiny)")
+        return
+    if config.n_experts % layout.ep:
+        divisors = [d for d in range(1, config.n_experts + 1) if config.n_experts % d == 0]
+        raise ConfigError("ep", layout.ep, f"must divide the number of experts ({config.n_experts})",
+                          f"use ep (and fsdp) in {divisors}")
+    for field in ("expert_ffn_dim", "shared_expert_ffn_dim"):
+        if getattr(config, field) % layout.tp:
+            raise ConfigError("tp", layout.tp, f"must divide model.{field} ({getattr(config, field)})",
+                              "choose tp among its divisors")

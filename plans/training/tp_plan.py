@@ -18,6 +18,10 @@ COLWISE = "colwise"                    # nn.Linear, output features split: weigh
 ROWWISE = "rowwise"                    # nn.Linear, input features split: weight columns
 VOCAB_EMBEDDING = "vocab_embedding"    # nn.Embedding split over the vocabulary (rows)
 VOCAB_HEAD = "vocab_head"              # column-parallel LM head whose logits stay vocab-sharded
+# Stacked experts [experts, out, in] (actors/model/moe.py): each tp rank holds every expert's share
+# of hidden units, the pair (gate_up by rows, down by columns) needing one reduction as dense does.
+EXPERT_COLWISE = "expert_colwise"      # stacked gate_up: dim 1 (each expert's output rows)
+EXPERT_ROWWISE = "expert_rowwise"      # stacked down: dim 2 (each expert's input columns)
 
 # Sequence parallelism (Megatron-LM's, torchtitan's): between the tensor-parallel matmuls the
 # residual stream stays split over the sequence, so norms run on 1/tp of the tokens and each
@@ -29,7 +33,7 @@ SEQUENCE_PARALLEL = "sequence_parallel"                    # a norm computed on 
 GATHER_SEQUENCE = "gather_sequence"                        # a module whose input is gathered from sequence shards
 
 # Which weight dimension each style splits; a parameter under no pattern is copied on every tp rank.
-WEIGHT_SPLIT_DIM = {COLWISE: 0, ROWWISE: 1, VOCAB_EMBEDDING: 0, VOCAB_HEAD: 0,
+WEIGHT_SPLIT_DIM = {COLWISE: 0, ROWWISE: 1, VOCAB_EMBEDDING: 0, VOCAB_HEAD: 0, EXPERT_COLWISE: 1, EXPERT_ROWWISE: 2,
                     ROWWISE_TO_SEQUENCE: 1, VOCAB_EMBEDDING_TO_SEQUENCE: 0, VOCAB_HEAD_FROM_SEQUENCE: 0}
 
 DEFAULT_TP_STYLES: dict[str, str] = {
@@ -38,6 +42,11 @@ DEFAULT_TP_STYLES: dict[str, str] = {
     "layers.*.attention.wo": ROWWISE,
     "layers.*.feed_forward.gate_up": COLWISE,
     "layers.*.feed_forward.down": ROWWISE,
+    # Mixture-of-experts layers: the stacked experts, and the shared expert as a dense feed-forward.
+    "layers.*.feed_forward.experts.gate_up": EXPERT_COLWISE,
+    "layers.*.feed_forward.experts.down": EXPERT_ROWWISE,
+    "layers.*.feed_forward.shared.gate_up": COLWISE,
+    "layers.*.feed_forward.shared.down": ROWWISE,
     "output": VOCAB_HEAD,
 }
 
@@ -73,7 +82,7 @@ def module_style(module_name: str, plan: dict[str, str] = DEFAULT_TP_STYLES) -> 
     return None
 
 
-ALL_STYLES = frozenset({COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING_TO_SEQUENCE,
+ALL_STYLES = frozenset({COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, EXPERT_COLWISE, EXPERT_ROWWISE, ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING_TO_SEQUENCE,
                         VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, GATHER_SEQUENCE})
 
 

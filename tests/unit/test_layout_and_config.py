@@ -36,7 +36,7 @@ def test_layout_parse_and_describe():
 
 @pytest.mark.parametrize("text, fragment", [
     ("dp=1,dp=2", "gives dp twice"), ("dp=1,,tp=2", "has an empty item"), ("dp=2,", "has an empty item"),
-    ("", "is empty"), ("  ", "is empty"), ("tp=two", "cannot read 'tp=two'"), ("ep=2", "cannot read 'ep=2'"),
+    ("", "is empty"), ("  ", "is empty"), ("tp=two", "cannot read 'tp=two'"), ("xp=2", "cannot read 'xp=2'"),
 ])
 def test_a_layout_text_is_read_strictly(text, fragment):
     with pytest.raises(ConfigError, match=f"{fragment}.*Fix: write it as dp=N"):
@@ -97,7 +97,7 @@ def test_from_dict_rejects_unknown_keys_and_reads_sections():
         TrainConfig.from_dict({"layout": {"dq": 2}})
 
 
-LAYOUT_FIX = "write it as dp=N,fsdp=N,tp=N,pp=N,vpp=N (any subset, each once; degrees left out are 1)"
+LAYOUT_FIX = "write it as dp=N,fsdp=N,tp=N,pp=N,vpp=N,ep=N (any subset, each once; degrees left out are 1)"
 
 
 @pytest.mark.parametrize("text, constraint", [

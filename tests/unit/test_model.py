@@ -42,14 +42,14 @@ def test_qkv_row_block_of_one_kv_group_computes_that_groups_heads():
 def test_gate_up_rows_interleave_gate_and_up_per_unit():
     torch.manual_seed(1)
     config = preset("tiny")
-    ffn = FeedForward(config)
+    ffn = FeedForward(config.dim, config.ffn_dim)
     x = torch.randn(3, config.dim)
     gate, up = ffn.gate_up.weight[0::2], ffn.gate_up.weight[1::2]
     expected = (F.silu(x @ gate.T) * (x @ up.T)) @ ffn.down.weight.T
     torch.testing.assert_close(ffn(x), expected)
     # The second half of the hidden units as a TP shard: rows [ffn, 2*ffn) and down's columns.
     half = config.ffn_dim // 2
-    shard = FeedForward(config)
+    shard = FeedForward(config.dim, config.ffn_dim)
     shard.gate_up.weight = torch.nn.Parameter(ffn.gate_up.weight[2 * half:].clone())
     shard.down.weight = torch.nn.Parameter(ffn.down.weight[:, half:].clone())
     partial = (F.silu(x @ gate[half:].T) * (x @ up[half:].T)) @ ffn.down.weight[:, half:].T
