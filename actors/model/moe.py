@@ -26,14 +26,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from actors.model.feed_forward import FeedForward
-from plans.training.model_spec import ModelConfig
-
-# The stacked expert weights: not managed by FSDP under ep > 1, their gradients reduced by the trainer.
-EXPERT_PARAMETERS = "*.feed_forward.experts.*"
+from plans.training.model_spec import EXPERT_TENSORS, ModelConfig
 
 
 def is_expert_parameter(name: str) -> bool:
-    return fnmatch.fnmatchcase(name, EXPERT_PARAMETERS)
+    """A stacked expert weight: not managed by FSDP under ep > 1, its gradient reduced by the trainer."""
+    return fnmatch.fnmatchcase(name, EXPERT_TENSORS)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -98,7 +96,8 @@ class RoutingStatistics:
     each expert, and the sum and count of the per-microbatch balance losses."""
 
     def __init__(self, experts: int):
-        self.tokens = torch.zeros(experts, dtype=torch.int64)
+        # On the CPU even when the model is built on the meta device: a count, not a parameter.
+        self.tokens = torch.zeros(experts, dtype=torch.int64, device="cpu")
         self.aux_sum, self.aux_count = 0.0, 0
 
     def record(self, counts: torch.Tensor, aux: torch.Tensor | None) -> None:

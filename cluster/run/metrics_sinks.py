@@ -25,7 +25,7 @@ from plans.errors import ConfigError
 
 # The numbers a step record carries that are worth a curve.
 SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_rank", "tflops_per_rank", "mfu",
-           "peak_memory_gib", "step_s")
+           "peak_memory_gib", "step_s", "aux_loss", "expert_load_imbalance")
 
 
 class MetricsLog:
@@ -67,6 +67,8 @@ class TensorBoardSink:
         for key in SCALARS:
             if record.get(key) is not None:
                 self.writer.add_scalar(f"train/{key}", record[key], record["step"])
+        for layer, counts in (record.get("expert_tokens") or {}).items():  # an MoE model's routing, per layer
+            self.writer.add_scalars(f"experts/layer{layer}", {f"expert{e}": n for e, n in enumerate(counts)}, record["step"])
 
     def flush(self) -> None:
         self.writer.flush()

@@ -37,6 +37,8 @@ class TrainResult:
     resumed_from: str | None = None
     step_seconds: list[float] = field(default_factory=list)
     stopped_early: bool = False
+    # An MoE model: completed step -> MoE layer -> tokens each expert got over the global batch.
+    expert_tokens: dict[int, dict[int, list[int]]] = field(default_factory=dict)
 
 
 def _log(message: str) -> None:
@@ -143,10 +145,16 @@ def train(config: TrainConfig, actors: list | None = None,
                       "peak_memory_gib": max(peaks) / 2**30, "peak_memory_bytes_per_rank": peaks,
                       "step_s": seconds, "layout": str(config.layout), "precision": config.precision,
                       "time": time.time(), "batch_hash": step_batch_hash(per_rank, config.layout)}
+            moe = ""
+            if metrics.expert_tokens is not None:
+                result.expert_tokens[done] = metrics.expert_tokens
+                record.update(aux_loss=metrics.aux_loss, expert_tokens={str(k): v for k, v in metrics.expert_tokens.items()},
+                              expert_load_imbalance=load_imbalance(metrics.expert_tokens))
+                moe = f" | aux {metrics.aux_loss:.4f} | expert load max/mean {record['expert_load_imbalance']:.2f}"
             for sink in sinks:
                 sink.append(record)
             _log(f"step {done:>5}/{config.steps} | loss {metrics.loss:.4f} | grad_norm {metrics.grad_norm:.3f} "
-                 f"| lr {metrics.lr:.2e} | {speed.describe()} | mem {record['peak_memory_gib']:.2f} GiB")
+                 f"| lr {metrics.lr:.2e} | {speed.describe()} | mem {record['peak_memory_gib']:.2f} GiB{moe}")
             if saver is not None:
                 saver.poll()  # commits a finished background save; a failed one raises here
             if done == config.steps or (config.ckpt_every and done % config.ckpt_every == 0):
@@ -167,6 +175,12 @@ def train(config: TrainConfig, actors: list | None = None,
         timings.write(store)
         group.shutdown()
     return result
+
+
+def load_imbalance(expert_tokens: dict[int, list[int]]) -> float:
+    """The busiest expert's tokens over the mean, worst MoE layer: 1.0 is perfect balance, and
+    under ep the busiest expert's rank sets the step's pace."""
+    return max((max(counts) * len(counts) / max(1, sum(counts)) for counts in expert_tokens.values()), default=1.0)
 
 
 def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: int, parent: str | None,

@@ -28,6 +28,7 @@ import numpy as np
 
 from plans.checkpoint.chunk_table import ChunkTable, FileHeaders, as_table
 from plans.checkpoint.chunks import Chunk
+from plans.checkpoint.expert_coverage import expert_note
 from plans.errors import CheckpointError
 
 DEFAULT_MIN_SEGMENT_BYTES = 256 * 1024
@@ -186,9 +187,12 @@ def plan_reads(chunks: Sequence[Chunk] | TensorChunks, offsets: tuple[int, ...],
         items += _items_for_overlap(chunk, *overlap, min_segment_bytes)
     if covered != target_volume:
         # Chunks of one tensor never overlap (checked on save), so a volume mismatch means gaps.
+        found = list(index.overlapping(offsets, sizes))
+        some = found[0] if found else next(iter(index.overlapping((0,) * len(offsets), (1 << 62,) * len(offsets))), None)
+        note = expert_note(some.name, some.global_shape, found, (offsets, sizes)) if some is not None else ""
         raise CheckpointError(
             f"{what}: the checkpoint's chunks cover {covered} of the {target_volume} elements needed "
-            f"for region offsets={offsets} sizes={sizes}; the checkpoint is incomplete or its manifest is damaged"
+            f"for region offsets={offsets} sizes={sizes}{note}; the checkpoint is incomplete or its manifest is damaged"
         )
     return items
 
@@ -270,10 +274,12 @@ def _check_tensor(name: str, kind: str, group: list[Chunk]) -> None:
         if chunk.global_shape != shape:
             raise CheckpointError(f"{name} ({kind}): chunks disagree on the global shape ({shape} vs {chunk.global_shape})")
         if any(o < 0 or o + s > g for o, s, g in zip(chunk.offsets, chunk.sizes, shape)) or len(chunk.offsets) != len(shape):
-            raise CheckpointError(f"{name} ({kind}): chunk at {chunk.offsets} size {chunk.sizes} lies outside the global shape {shape}")
+            raise CheckpointError(f"{name} ({kind}): chunk at {chunk.offsets} size {chunk.sizes} lies outside the global "
+                                  f"shape {shape}{expert_note(name, shape, group)}")
     total = sum(c.numel for c in group)
     if total != _volume(shape):
-        raise CheckpointError(f"{name} ({kind}): chunks hold {total} elements, global shape {shape} needs {_volume(shape)}")
+        raise CheckpointError(f"{name} ({kind}): chunks hold {total} elements, global shape {shape} needs "
+                              f"{_volume(shape)}{expert_note(name, shape, group)}")
     # Sweep along dim 0: only chunks whose row ranges are still open can overlap the next one.
     open_chunks: list[Chunk] = []
     for chunk in sorted(group, key=lambda c: c.offsets):
@@ -281,7 +287,8 @@ def _check_tensor(name: str, kind: str, group: list[Chunk]) -> None:
         open_chunks = [c for c in open_chunks if (c.offsets[0] + c.sizes[0] if c.offsets else 1) > row]
         for other in open_chunks:
             if _intersect(other.offsets, other.sizes, chunk.offsets, chunk.sizes) is not None or not chunk.offsets:
-                raise CheckpointError(f"{name} ({kind}): chunks at {other.offsets} and {chunk.offsets} overlap")
+                raise CheckpointError(f"{name} ({kind}): chunks at {other.offsets} and {chunk.offsets} overlap"
+                                      f"{expert_note(name, shape, group)}")
         open_chunks.append(chunk)
 
 

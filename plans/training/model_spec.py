@@ -273,6 +273,10 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The stacked expert tensors: dim 0 is the global expert index.
+EXPERT_TENSORS = "*.feed_forward.experts.*"
+
+
 def moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     """An MoE layer's parameters (`actors/model/moe.py` builds them in this order). Experts are
     stacked: row e of dim 0 is global expert e whatever rank holds it, so a checkpoint stores

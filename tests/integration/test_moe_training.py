@@ -28,7 +28,8 @@ LAYOUTS = {
 
 
 def _config(tmp_path, layout, steps=1, **overrides):
-    return small_config(tmp_path, layout, model=MOE, global_batch=8, seq_len=16, steps=steps, run="moe", **overrides)
+    return small_config(tmp_path, layout, model=MOE, global_batch=8, seq_len=16, steps=steps, run="moe",
+                        model_preset="moe-tiny", **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +49,25 @@ def test_one_step_equals_one_rank(rank_pool, single, tmp_path, name):
         assert reference[expert].abs().max() > 1e-6, expert
     for key, gradient in gradients.items():
         torch.testing.assert_close(gradient, reference[key], rtol=RTOL, atol=ATOL, msg=key)
+
+
+@pytest.fixture(scope="module")
+def twenty_steps_on_one_rank(run_training, tmp_path_factory):
+    return run_training(_config(tmp_path_factory.mktemp("one20"), ParallelLayout(), steps=20))
+
+
+@pytest.mark.parametrize("name", ["fsdp2(ep2)", "fsdp2(ep2)xtp2", "fsdp2(ep2)xpp2", "fsdp4(ep4)"])
+def test_twenty_steps_follow_one_rank(run_training, twenty_steps_on_one_rank, tmp_path, name):
+    one = twenty_steps_on_one_rank
+    split = run_training(_config(tmp_path, LAYOUTS[name], steps=20))
+    assert sorted(split.losses) == list(range(1, 21))
+    for step, loss in split.losses.items():
+        assert math.isclose(loss, one.losses[step], rel_tol=1e-5), (step, loss, one.losses[step])
+    # Tokens per expert per step, logged by every layout, equal: no token dropped or sent twice.
+    assert split.expert_tokens == one.expert_tokens
+    tokens_per_step = 8 * 16 * MOE.experts_per_token  # global batch x seq x k
+    for step, layers in one.expert_tokens.items():
+        assert sorted(layers) == list(MOE.moe_layers)
+        assert all(sum(counts) == tokens_per_step for counts in layers.values()), step
+    loads = {tuple(counts) for layers in one.expert_tokens.values() for counts in layers.values()}
+    assert len(loads) > 1  # routing changes between steps and layers: the comparison is not of constants
