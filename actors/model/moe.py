@@ -112,8 +112,7 @@ class RoutingStatistics:
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward (activation checkpointing recomputes the forward then:
-    its routing must not be counted twice)."""
+    """True while autograd runs a backward (activation checkpointing recomputes the forward then)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -168,7 +167,9 @@ class MoEFeedForward(nn.Module):
         if self.training and torch.is_grad_enabled() and self.aux_loss_scale:
             aux = self.balance_loss(scores, chosen, batch, seq)
             out = _AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
-        if self.training and not _in_backward():
+        # Counted once per microbatch: not in a forward without gradients (a zero-bubble pipeline
+        # runs F so when it recomputes the stage later) nor in the recomputation inside a backward.
+        if self.training and torch.is_grad_enabled() and not _in_backward():
             self.statistics.record(counts, aux)
         return out
 

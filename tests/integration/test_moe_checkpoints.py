@@ -133,3 +133,37 @@ def _matches(pattern: str, text: str) -> bool:
     import re
 
     return re.search(pattern, text) is not None
+
+
+def _continuity(run_training, tmp_path, before, after):
+    """`before` steps on fsdp2(ep2), resumed on fsdp4(ep4) for `after` more, against an
+    uninterrupted run on fsdp2(ep2); returns the continuity picture's summary."""
+    from cluster.pictures.resume_plot import plot_resume
+    from plans.config import OptimizerConfig
+
+    total = before + after
+    a, b = ParallelLayout(fsdp=2, ep=2), ParallelLayout(fsdp=4, ep=4)
+    optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=total)
+    full = run_training(_config(tmp_path, a, "uninterrupted", steps=total, optimizer=optimizer))
+    run_training(_config(tmp_path, a, "resumed", steps=before, optimizer=optimizer))
+    resumed = run_training(_config(tmp_path, b, "resumed", steps=total, optimizer=optimizer, resume="latest"))
+    assert resumed.start_step == before
+    for step in range(before + 1, total + 1):
+        assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-5, abs=0), step
+        assert resumed.expert_tokens[step] == full.expert_tokens[step], step
+    picture = plot_resume(Store(str(tmp_path / "store")), ["resumed"], str(tmp_path / "resume.png"), reference="uninterrupted")
+    assert picture["steps_compared"] == total and picture["max_relative_difference"] <= 1e-5
+    assert len(picture["segments"]) == 2
+    assert (tmp_path / "resume.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return picture
+
+
+def test_resumed_on_ep4_the_losses_continue(run_training, tmp_path):
+    _continuity(run_training, tmp_path, before=10, after=10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_fifty_steps_on_ep2_resumed_on_ep4(run_training, tmp_path):
+    picture = _continuity(run_training, tmp_path, before=50, after=50)
+    print(f"max relative difference over 50 resumed steps: {picture['max_relative_difference']:.2e}")

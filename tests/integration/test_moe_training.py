@@ -71,3 +71,41 @@ def test_twenty_steps_follow_one_rank(run_training, twenty_steps_on_one_rank, tm
         assert all(sum(counts) == tokens_per_step for counts in layers.values()), step
     loads = {tuple(counts) for layers in one.expert_tokens.values() for counts in layers.values()}
     assert len(loads) > 1  # routing changes between steps and layers: the comparison is not of constants
+
+
+SCHEDULES = {"zbv": (2, 2), "zbh1": (1, 2), "dualpipev": (2, 4), "interleaved1f1b": (2, 2), "gpipe": (1, 2)}
+
+
+@pytest.mark.parametrize("schedule", [pytest.param(name, marks=() if name == "zbv" else pytest.mark.slow) for name in SCHEDULES])
+def test_every_schedule_with_ep_equals_one_rank(rank_pool, single, tmp_path, schedule):
+    """The all-to-alls run inside the stages' forwards and input-gradient halves; zero-bubble
+    schedules split the backward and must not replay them."""
+    vpp, microbatches = SCHEDULES[schedule]
+    layout = ParallelLayout(fsdp=2, ep=2, pp=2, vpp=vpp)
+    loss, gradients = one_step(rank_pool, _config(tmp_path, layout, schedule=schedule, microbatches=microbatches))
+    reference_loss, reference = single
+    assert math.isclose(loss, reference_loss, rel_tol=1e-6)
+    for key, gradient in gradients.items():
+        torch.testing.assert_close(gradient, reference[key], rtol=RTOL, atol=ATOL, msg=key)
+
+
+def test_recomputed_forwards_route_and_count_once(run_training, tmp_path):
+    """Activation checkpointing recomputes each block inside the backward, and a zero-bubble
+    schedule with it recomputes whole stages: the routing is counted once and the losses stay."""
+    plain = run_training(_config(tmp_path / "plain", LAYOUTS["fsdp2(ep2)"], steps=3))
+    recomputed = run_training(_config(tmp_path / "ac", ParallelLayout(fsdp=2, ep=2, pp=2, vpp=2), steps=3, ac="full",
+                                      schedule="zbv", microbatches=2))
+    assert recomputed.expert_tokens == plain.expert_tokens
+    for step, loss in plain.losses.items():
+        assert math.isclose(recomputed.losses[step], loss, rel_tol=1e-5), step
+
+
+def test_bf16_with_ep_follows_fp32(run_training, twenty_steps_on_one_rank, tmp_path):
+    """bf16 compute (experts cast where FSDP does not hold them) stays within bf16's reach of
+    the float32 run; the float32 master weights are what checkpoints hold."""
+    from plans.config import OptimizerConfig
+
+    same_schedule = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=20)  # the 20-step run's
+    bf16 = run_training(_config(tmp_path, LAYOUTS["fsdp2(ep2)"], steps=4, precision="bf16", optimizer=same_schedule))
+    for step, loss in bf16.losses.items():
+        assert math.isclose(loss, twenty_steps_on_one_rank.losses[step], rel_tol=2e-2), step
