@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as differentiable
 
-from actors.model.moe import Experts
+from actors.model.moe import Experts, RoutingStatistics
 
 
 class _SumOverTensorParallel(torch.autograd.Function):
@@ -69,7 +69,8 @@ class TensorParallelDispatch:
     def __init__(self, tp_group: dist.ProcessGroup):
         self.tp_group = tp_group
 
-    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts,
+                 statistics: RoutingStatistics | None = None) -> torch.Tensor:
         return run_tensor_parallel_experts(routed, counts.tolist(), experts, self.tp_group)
 
 
@@ -93,8 +94,10 @@ class AllToAllDispatch:
     def __init__(self, ep_group: dist.ProcessGroup, tp_group: dist.ProcessGroup | None):
         self.ep_group, self.tp_group = ep_group, tp_group
         self.ep = dist.get_world_size(ep_group)
+        self.ep_rank = dist.get_rank(ep_group)
 
-    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts,
+                 statistics: RoutingStatistics | None = None) -> torch.Tensor:
         local = counts.numel() // self.ep
         counts = counts.to(torch.int64)
         received = torch.empty_like(counts)
@@ -109,4 +112,9 @@ class AllToAllDispatch:
                                            self.tp_group)
         done = done.index_select(0, order.argsort())
         returned = routed.new_empty((sum(send_splits), routed.shape[1]))
+        if statistics is not None:  # the forward's two token exchanges; the backward mirrors them
+            row = routed.shape[1] * routed.element_size()
+            statistics.record_exchange(row * (sum(send_splits) + sum(receive_splits)),
+                                       row * (sum(send_splits) - send_splits[self.ep_rank]
+                                              + sum(receive_splits) - receive_splits[self.ep_rank]))
         return differentiable.all_to_all_single(returned, done, send_splits, receive_splits, group=self.ep_group)

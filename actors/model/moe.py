@@ -71,7 +71,8 @@ class Experts(nn.Module):
 class LocalDispatch:
     """Every expert on this rank (ep = 1, tp = 1); `actors/model/expert_dispatch.py` has the others."""
 
-    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts,
+                 statistics: "RoutingStatistics | None" = None) -> torch.Tensor:
         return experts(routed, counts.tolist())
 
 
@@ -93,12 +94,19 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 class RoutingStatistics:
     """What one layer's router did over a step (reset by the trainer each step): tokens sent to
-    each expert, and the sum and count of the per-microbatch balance losses."""
+    each expert, the sum and count of the per-microbatch balance losses, and under ep the bytes
+    of tokens entering the forward's all-to-alls (dispatch and return) and of those the part that
+    went to other ranks."""
 
     def __init__(self, experts: int):
         # On the CPU even when the model is built on the meta device: a count, not a parameter.
         self.tokens = torch.zeros(experts, dtype=torch.int64, device="cpu")
         self.aux_sum, self.aux_count = 0.0, 0
+        self.exchanged_bytes, self.peer_bytes = 0, 0
+
+    def record_exchange(self, exchanged: int, to_peers: int) -> None:
+        self.exchanged_bytes += exchanged
+        self.peer_bytes += to_peers
 
     def record(self, counts: torch.Tensor, aux: torch.Tensor | None) -> None:
         self.tokens += counts.detach().to("cpu")
@@ -109,6 +117,7 @@ class RoutingStatistics:
     def reset(self) -> None:
         self.tokens.zero_()
         self.aux_sum, self.aux_count = 0.0, 0
+        self.exchanged_bytes, self.peer_bytes = 0, 0
 
 
 def _in_backward() -> bool:
@@ -158,7 +167,11 @@ class MoEFeedForward(nn.Module):
         # Slots sorted by expert (stable: within an expert, token order), then back.
         order = flat.argsort(stable=True)
         routed = tokens.index_select(0, order // self.top_k)
-        done = self.dispatch(routed, counts, self.experts).index_select(0, order.argsort())
+        # Counted once per microbatch: not in a forward without gradients (a zero-bubble pipeline
+        # runs F so when it recomputes the stage later) nor in the recomputation inside a backward.
+        counting = self.training and torch.is_grad_enabled() and not _in_backward()
+        done = self.dispatch(routed, counts, self.experts, self.statistics if counting else None)
+        done = done.index_select(0, order.argsort())
         out = (done.view(-1, self.top_k, dim) * weights.to(done.dtype).unsqueeze(-1)).sum(dim=1)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(tokens)) * self.shared(tokens)
@@ -167,9 +180,7 @@ class MoEFeedForward(nn.Module):
         if self.training and torch.is_grad_enabled() and self.aux_loss_scale:
             aux = self.balance_loss(scores, chosen, batch, seq)
             out = _AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
-        # Counted once per microbatch: not in a forward without gradients (a zero-bubble pipeline
-        # runs F so when it recomputes the stage later) nor in the recomputation inside a backward.
-        if self.training and torch.is_grad_enabled() and not _in_backward():
+        if counting:
             self.statistics.record(counts, aux)
         return out
 

@@ -43,3 +43,7 @@ class StepMetrics:
     # layer, and the mean load-balancing loss (not part of `loss`, which is the language-model loss).
     expert_tokens: dict[int, list[int]] | None = None
     aux_loss: float | None = None
+    # Under ep: bytes of tokens entering the forward's all-to-alls over every rank and MoE layer
+    # (dispatch and return; the backward moves as many again), and the part sent to other ranks.
+    all_to_all_bytes: int = 0
+    all_to_all_peer_bytes: int = 0

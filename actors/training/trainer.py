@@ -175,24 +175,29 @@ class Trainer:
 
     def _routing_statistics(self) -> dict:
         """An MoE model's step, the same on every rank: tokens each expert of each MoE layer got
-        over the global batch, and the mean balance loss (`actors/model/moe.py`). One all-reduce
-        over the world of a [layers, experts + 1] table; only tp rank 0 adds its own (tp peers
-        route the same tokens), pipeline stages fill their own layers' rows."""
+        over the global batch, the mean balance loss (`actors/model/moe.py`), and the bytes the
+        forward's token all-to-alls carried. One all-reduce over the world of a [layers,
+        experts + 3] table; tokens and loss only from tp rank 0 (tp peers route the same tokens),
+        bytes from every rank (each tp rank exchanges its own copy); pipeline stages fill their
+        own layers' rows."""
         model = self.config.model
         if not model.is_moe:
             return {}
-        table = torch.zeros(model.n_layers, model.n_experts + 1, dtype=torch.float64)
-        if self.coords.tp == 0:
-            for layer, router in self.routers:
-                table[layer, :-1] = router.statistics.tokens.double()
-                table[layer, -1] = router.statistics.aux_sum / max(1, router.statistics.aux_count)
-        for _, router in self.routers:
-            router.statistics.reset()
+        experts = model.n_experts
+        table = torch.zeros(model.n_layers, experts + 3, dtype=torch.float64)
+        for layer, router in self.routers:
+            statistics = router.statistics
+            if self.coords.tp == 0:
+                table[layer, :experts] = statistics.tokens.double()
+                table[layer, experts] = statistics.aux_sum / max(1, statistics.aux_count)
+            table[layer, experts + 1:] = torch.tensor([statistics.exchanged_bytes, statistics.peer_bytes], dtype=torch.float64)
+            statistics.reset()
         self.runner.wait(dist.all_reduce(table, async_op=True), "the routing statistics all-reduce")
         moe = list(model.moe_layers)
-        aux = float(table[moe, -1].sum()) / (len(moe) * self.layout.data_parallel_size)
-        return {"expert_tokens": {layer: [int(count) for count in table[layer, :-1].tolist()] for layer in moe},
-                "aux_loss": aux}
+        aux = float(table[moe, experts].sum()) / (len(moe) * self.layout.data_parallel_size)
+        return {"expert_tokens": {layer: [int(count) for count in table[layer, :experts].tolist()] for layer in moe},
+                "aux_loss": aux, "all_to_all_bytes": int(table[:, experts + 1].sum()),
+                "all_to_all_peer_bytes": int(table[:, experts + 2].sum())}
 
     def _mean_loss(self, total_loss: torch.Tensor) -> torch.Tensor:
         """Every rank reports the same number: the mean over data ranks. tp peers hold equal

@@ -149,7 +149,8 @@ def train(config: TrainConfig, actors: list | None = None,
             if metrics.expert_tokens is not None:
                 result.expert_tokens[done] = metrics.expert_tokens
                 record.update(aux_loss=metrics.aux_loss, expert_tokens={str(k): v for k, v in metrics.expert_tokens.items()},
-                              expert_load_imbalance=load_imbalance(metrics.expert_tokens))
+                              expert_load_imbalance=load_imbalance(metrics.expert_tokens),
+                              all_to_all_bytes=metrics.all_to_all_bytes, all_to_all_peer_bytes=metrics.all_to_all_peer_bytes)
                 moe = f" | aux {metrics.aux_loss:.4f} | expert load max/mean {record['expert_load_imbalance']:.2f}"
             for sink in sinks:
                 sink.append(record)
