@@ -4,15 +4,15 @@ from __future__ import annotations
 import argparse
 
 from cluster.cli.plan import plan_subcommands
-from plans.layout.parallel_layout import PARALLEL_DEGREES
+from plans.layout.chooser import PINNABLE_DEGREES
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = plan_subcommands(commands).add_parser(
-        "layout", help="choose dp/fsdp/tp/pp for a number of ranks and explain the choice",
+        "layout", help="choose dp/fsdp/tp/pp (and an MoE model's ep) for a number of ranks and explain the choice",
         description="The layout elastic recovery would pick: constraints, memory estimate, least communication.")
     parser.add_argument("--ranks", type=int, required=True, metavar="N", help="ranks (GPUs) available")
-    parser.add_argument("--model", default="small", metavar="PRESET", help="model preset (tiny, small, 405b)")
+    parser.add_argument("--model", default="small", metavar="PRESET", help="model preset (tiny, small, moe-tiny, moe-small, 405b)")
     parser.add_argument("--global-batch", type=int, default=16, metavar="N")
     parser.add_argument("--seq-len", type=int, default=256, metavar="N")
     parser.add_argument("--microbatches", type=int, default=1, metavar="N")
@@ -22,6 +22,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="the memory estimate's compute dtype (master state is float32 either way)")
     parser.add_argument("--ac", choices=("none", "full", "selective"), default="none",
                         help="the activation checkpointing the memory estimate assumes")
-    for name in PARALLEL_DEGREES:
-        parser.add_argument(f"--{name}", type=int, metavar="N", help=f"pin {name}")
+    for name in PINNABLE_DEGREES:
+        parser.add_argument(f"--{name}", type=int, metavar="N", help=f"pin {name}" + (
+            " (1 or fsdp; an MoE model otherwise gets ep = fsdp where fsdp divides its experts)" if name == "ep" else ""))
     parser.set_defaults(run_command="cluster.cli.commands.layout:run_layout")

@@ -10,7 +10,6 @@ policy decides whether to go again. More ranks appearing triggers a resize at th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from math import prod
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -21,9 +20,9 @@ from cluster.run.train import train
 from plans.config import TrainConfig
 from plans.elastic import FailurePolicy, ScalingPolicy
 from plans.errors import ConfigError, ResourcesUnavailable
-from plans.layout.parallel_layout import PARALLEL_DEGREES, ParallelLayout
+from plans.layout.parallel_layout import ParallelLayout
 from plans.layout.resources import equal_cpu_share, rank_bundle, ranks_offered
-from plans.layout.chooser import Workload, choose_layout
+from plans.layout.chooser import Workload, choose_layout, pinned_ranks
 
 # What a rank losing its process or node, an unrecoverable step, or ranks the cluster did not
 # grant in time (ResourcesUnavailable: the policy decides whether to wait again) look like.
@@ -99,10 +98,6 @@ def runs_on(config: TrainConfig, layout: ParallelLayout) -> bool:
     except ConfigError:
         return False
     return True
-
-
-def pinned_ranks(pinned: dict[str, int]) -> int:
-    return prod(value for name, value in pinned.items() if name in PARALLEL_DEGREES and value)
 
 
 def _share_for(ranks: int) -> float:

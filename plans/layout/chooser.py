@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 from math import prod
 
 from plans.errors import ConfigError
+from plans.layout.experts import (ExpertFootprint, check_pinned_ep, exchange_elements, expert_degree,
+                                  expert_parameters_per_layer, largest_block)
 from plans.layout.parallel_layout import PARALLEL_DEGREES, ParallelLayout
 from plans.training.model_spec import ModelConfig, parameter_count
 
 BYTES_PER_PARAM_STATE = 16  # fp32 parameter + gradient + two AdamW moments
+# What a user may pin: the rank dimensions, and ep (vpp comes from the run's schedule instead).
+PINNABLE_DEGREES = (*PARALLEL_DEGREES, "ep")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class MemoryEstimate:
     model_state: float
     activations: float
     assumes: str = "fp32, no activation recomputation"
+    experts: float = 0.0  # the part of model_state that is an MoE model's expert weights, moments and gradients
 
     @property
     def total(self) -> float:
@@ -60,6 +65,10 @@ class LayoutChoice:
                  f"memory per rank ~ {self.estimate.total / gib:.2f} GiB (model state {self.estimate.model_state / gib:.2f}, "
                  f"activations {self.estimate.activations / gib:.2f}) of {self.budget_bytes / gib:.2f} GiB budget, "
                  f"assuming {self.estimate.assumes}"]
+        if self.estimate.experts:
+            experts = self.estimate.experts  # MiB where GiB would print 0.00 (moe-tiny's experts)
+            size = f"{experts / gib:.2f} GiB" if experts >= 0.01 * gib else f"{experts / 2**20:.2f} MiB"
+            lines[-1] += f"; expert weights, gradients and moments {size} of the model state"
         return "\n".join(lines + [f"- {reason}" for reason in self.reasons])
 
 
@@ -70,7 +79,7 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
     runs too: the master state stays float32), split over tp and pp, and over fsdp for the
     sharded part. Where FSDP2 wraps the model (data ranks > 1, and every bf16 run:
     `actors/model/precision.py`) it also holds working copies of parameters in the compute dtype
-    (bf16 on top of the float32 master): one transformer block at a time plus the root's
+    (bf16 on top of the float32 master): the largest transformer block at a time plus the root's
     embedding, final norm and head (FSDP2 keeps the root gathered from forward to backward), or
     the whole stage under a pipeline (stages keep their parameters gathered across microbatches).
     Activations: per layer and token, about 12 dim + 3 ffn values kept for the backward (norms,
@@ -79,34 +88,72 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
     outputs (about 5 dim + 2 ffn) plus the block input. Then the microbatches in flight (up to
     pp for 1F1B-like schedules) over the layers a stage holds, and the last stage's logits
     (float32 for the loss, plus their gradient).
+
+    Mixture of experts (`plans/layout/experts.py`): the stacked experts of the fullest stage's
+    MoE layers are E * 3 * expert_ffn * dim / (tp * fsdp) parameters of state per rank under
+    either ep. Under ep = 1 FSDP2 gathers all E (/ tp) with their block; under ep they are never
+    gathered, but in bf16 each MoE layer's forward casts the rank's E/ep experts and the cast
+    lives until that layer's backward (per microbatch in flight; one layer at a time under AC,
+    which recomputes it). An MoE layer keeps per token 12 dim + 3 shared_ffn + 3 k expert_ffn
+    values (/ tp, as above) plus 2 k dim whole on every tp rank: the k routed copies going into
+    the experts and the k results coming back, the payloads of the two all-to-alls under ep.
+    Under ep one layer's receive buffers (2 k dim per token) come on top, once. Routing is taken
+    as balanced (docs/decisions.md 76); the router's E scores per token are left out.
     """
     itemsize = 2 if work.precision == "bf16" else 4
     params = parameter_count(model)
-    per_model_shard = params / (layout.tp * layout.pp)
+    experts = ExpertFootprint.of(model, layout)
+    other_shard = (params - expert_parameters_per_layer(model) * len(model.moe_layers)) / (layout.tp * layout.pp)
     root = (model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) + model.dim) / layout.tp
-    block = (params / layout.tp - root) / model.n_layers
-    gathered = 0.0
-    if layout.data_parallel_size > 1 or work.precision == "bf16":  # FSDP2's working copies
-        gathered = itemsize * (per_model_shard if layout.pp > 1 else block + root)
-    model_state = BYTES_PER_PARAM_STATE * per_model_shard / layout.fsdp + gathered
+    if model.is_moe:
+        block = largest_block(model, with_experts=layout.ep == 1) / layout.tp
+    else:  # a user model's blocks need not be named layers.N; every block is alike
+        block = (params / layout.tp - root) / model.n_layers
     rows = work.global_batch // layout.data_parallel_size // work.microbatches
     tokens = rows * work.seq_len
-    whole_block = itemsize * tokens * (12 * model.dim + 3 * model.ffn_dim) / layout.tp
-    block_input = itemsize * tokens * model.dim
     in_flight = min(layout.pp, work.microbatches) if layout.pp > 1 else 1
-    layers_per_stage = -(-model.n_layers // layout.pp)
-    if work.ac == "full":
-        kept = (block_input * layers_per_stage) * in_flight + whole_block
-    elif work.ac == "selective":
-        kept = (itemsize * tokens * (5 * model.dim + 2 * model.ffn_dim) / layout.tp + block_input) * layers_per_stage * in_flight
-    else:
-        kept = whole_block * layers_per_stage * in_flight
+    gathered = 0.0
+    if layout.data_parallel_size > 1 or work.precision == "bf16":  # FSDP2's working copies
+        stage = other_shard + experts.gathered_per_layer * experts.layers
+        gathered = itemsize * (stage if layout.pp > 1 else block + root)
+    if layout.ep > 1 and work.precision == "bf16" and experts.layers:  # the experts' own casts (above)
+        gathered += itemsize * experts.local_per_layer * (experts.layers * in_flight if work.ac == "none" else 1)
+    model_state = BYTES_PER_PARAM_STATE * (other_shard / layout.fsdp + experts.state) + gathered
+    kept = _activations_kept(model, layout, work.ac, itemsize * tokens, in_flight, experts.layers)
     logits = (itemsize + 4 + 4) * tokens * model.vocab_size / layout.tp  # logits, their float32 copy for the loss, gradient
     if work.precision != "bf16":
         logits = 8 * tokens * model.vocab_size / layout.tp  # the float32 logits are the copy
     recompute = {"none": "no activation recomputation", "full": "full activation checkpointing",
                  "selective": "selective activation checkpointing"}[work.ac]
-    return MemoryEstimate(model_state, kept + logits, f"{work.precision}, {recompute}")
+    routing = ", balanced routing" if model.is_moe else ""
+    return MemoryEstimate(model_state, kept + logits, f"{work.precision}, {recompute}{routing}",
+                          experts=BYTES_PER_PARAM_STATE * experts.state)
+
+
+def _activations_kept(model: ModelConfig, layout: ParallelLayout, ac: str, token_bytes: float, in_flight: int,
+                      moe_layers: int) -> float:
+    """What the fullest stage's layers keep for their backward (estimate_memory says what).
+    token_bytes: tokens of a microbatch times the compute dtype's size."""
+    k, tp = model.experts_per_token, layout.tp
+    dense_layer = token_bytes * (12 * model.dim + 3 * model.ffn_dim) / tp
+    moe_layer = token_bytes * ((12 * model.dim + 3 * model.shared_expert_ffn_dim + 3 * k * model.expert_ffn_dim) / tp
+                               + 2 * k * model.dim)
+    block_input = token_bytes * model.dim
+    layers = -(-model.n_layers // layout.pp)
+    dense_layers = layers - moe_layers
+    if ac == "full":
+        largest = max(dense_layer if dense_layers else 0.0, moe_layer if moe_layers else 0.0)
+        kept = block_input * layers * in_flight + largest
+    elif ac == "selective":
+        dense_kept = token_bytes * (5 * model.dim + 2 * model.ffn_dim) / tp + block_input
+        moe_kept = token_bytes * ((5 * model.dim + 2 * model.shared_expert_ffn_dim + 2 * k * model.expert_ffn_dim) / tp
+                                  + k * model.dim) + block_input  # the experts' down outputs are matmul outputs too
+        kept = (dense_kept * dense_layers + moe_kept * moe_layers) * in_flight
+    else:
+        kept = (dense_layer * dense_layers + moe_layer * moe_layers) * in_flight
+    if layout.ep > 1 and moe_layers:  # one layer's all-to-all receive buffers, tokens and results
+        kept += 2 * token_bytes * k * model.dim
+    return kept
 
 
 def _divisors(n: int) -> list[int]:
@@ -114,8 +161,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_candidates(model: ModelConfig, ranks_per_node: int) -> list[int]:
+    # An MoE model's experts (and shared expert) are split over tp by hidden units too.
     return [t for t in _divisors(model.n_kv_heads)
-            if model.ffn_dim % t == 0 and model.vocab_size % t == 0 and t <= ranks_per_node]
+            if model.ffn_dim % t == 0 and model.vocab_size % t == 0 and t <= ranks_per_node
+            and model.expert_ffn_dim % t == 0 and model.shared_expert_ffn_dim % t == 0]
+
+
+def pinned_ranks(pinned: dict[str, int]) -> int:
+    """Ranks the pinned dimensions need. A pinned ep > 1 pins fsdp to it (ep borrows exactly the
+    fsdp ranks), so it counts where fsdp itself is not pinned."""
+    ranks = prod(value for name, value in pinned.items() if name in PARALLEL_DEGREES and value)
+    ep = pinned.get("ep") or 1
+    return ranks * ep if ep > 1 and not pinned.get("fsdp") else ranks
 
 
 def choose_layout(ranks: int, model: ModelConfig, work: Workload, budget_bytes: float,
@@ -129,7 +186,8 @@ def choose_layout(ranks: int, model: ModelConfig, work: Workload, budget_bytes: 
     if ranks < 1:
         raise ConfigError("ranks", ranks, "need at least one rank", "start at least one worker")
     pinned = {k: v for k, v in (pinned or {}).items() if v}
-    needed = prod(v for k, v in pinned.items() if k in PARALLEL_DEGREES)
+    check_pinned_ep(model, pinned)
+    needed = pinned_ranks(pinned)
     if needed > ranks:  # name the missing ranks, not a memory budget no layout was tried against
         raise ConfigError("layout", ", ".join(f"{k}={v}" for k, v in pinned.items()),
                           f"the pinned dimensions need {needed} ranks but only {ranks} are available",
@@ -141,7 +199,8 @@ def choose_layout(ranks: int, model: ModelConfig, work: Workload, budget_bytes: 
                 if data * tp * pp > ranks or (work.global_batch // data) % work.microbatches:
                     continue
                 for fsdp in _divisors(data):
-                    layout = ParallelLayout(dp=data // fsdp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp if pp > 1 else 1)
+                    ep = 1 if pinned.get("ep") == 1 else expert_degree(model, fsdp)
+                    layout = ParallelLayout(dp=data // fsdp, fsdp=fsdp, tp=tp, pp=pp, vpp=vpp if pp > 1 else 1, ep=ep)
                     if any(getattr(layout, k) != v for k, v in pinned.items()):
                         continue
                     if accepts is not None and not accepts(layout):
@@ -189,8 +248,28 @@ def _reasons(layout, ranks, model, work, budget, ranks_per_node, pinned) -> list
                            f"microbatches the pipeline is ~{efficiency:.0%} busy (1F1B bubble)")
         if estimate_memory(model, simplest, work).total > budget:
             reasons.append(f"pure data parallelism would need ~{estimate_memory(model, simplest, work).total / 2**30:.2f} GiB per rank")
-    if layout.fsdp > 1:
+    if layout.fsdp > 1 and ("fsdp" in pinned or pinned.get("ep", 1) > 1):  # not the budget's doing
+        reasons.append(f"fsdp={layout.fsdp}: as pinned, model state is sharded over {layout.fsdp} ranks")
+    elif layout.fsdp > 1:
         reasons.append(f"fsdp={layout.fsdp}: full replicas do not fit, so model state is sharded over {layout.fsdp} ranks")
     elif layout.dp > 1:
         reasons.append(f"dp={layout.dp}: replicas fit, and replicated data parallelism communicates least")
+    if model.is_moe:
+        reasons.append(_experts_reason(layout, model, work))
     return reasons
+
+
+def _experts_reason(layout: ParallelLayout, model: ModelConfig, work: Workload) -> str:
+    experts = f"the {model.n_experts} experts of each of the {len(model.moe_layers)} MoE layers"
+    split = f", each split over tp={layout.tp} by hidden units" if layout.tp > 1 else ""
+    if layout.ep > 1:
+        tokens = work.global_batch // layout.data_parallel_size // work.microbatches * work.seq_len
+        exchange = exchange_elements(model, tokens) * (2 if work.precision == "bf16" else 4) / 2**20
+        return (f"ep={layout.ep}: {experts} are split over the {layout.fsdp} fsdp ranks, {model.n_experts // layout.ep} "
+                f"whole experts per rank{split}, never gathered; tokens reach them by all-to-all "
+                f"(~{exchange:.2f} MiB each way per MoE layer and microbatch)")
+    if layout.fsdp > 1:
+        why = ("pinned by you" if model.n_experts % layout.fsdp == 0
+               else f"fsdp={layout.fsdp} does not divide the {model.n_experts} experts")
+        return f"ep=1 ({why}): {experts} are FSDP-sharded{split} and gathered with their block"
+    return f"ep=1: {experts} are on every data rank{split} (no fsdp ranks to split them over)"

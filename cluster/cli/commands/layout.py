@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from plans.layout.chooser import Workload, choose_layout
-from plans.layout.parallel_layout import PARALLEL_DEGREES
+from plans.layout.chooser import PINNABLE_DEGREES, Workload, choose_layout
 from plans.training.model_spec import preset
 
 
 def run_layout(args: argparse.Namespace) -> int:
-    pinned = {name: getattr(args, name) for name in PARALLEL_DEGREES if getattr(args, name)}
+    pinned = {name: getattr(args, name) for name in PINNABLE_DEGREES if getattr(args, name)}
     choice = choose_layout(args.ranks, preset(args.model), Workload(args.global_batch, args.seq_len, args.microbatches,
                                                                        args.precision, args.ac),
                            args.memory_gib * 2 ** 30, ranks_per_node=args.ranks_per_node, pinned=pinned)

@@ -17,7 +17,7 @@ from cluster.run.train import train
 from plans.config import TrainConfig, with_overrides
 from plans.elastic import FailurePolicy, ScalingPolicy
 from plans.errors import ConfigError
-from plans.layout.parallel_layout import PARALLEL_DEGREES
+from plans.layout.chooser import PINNABLE_DEGREES
 from plans.pipeline.csv_order import CSV_SCHEDULE, parse_pipeline_csv
 from plans.pipeline.plan import check_order_file
 from plans.pipeline.schedules import schedule_spec
@@ -33,7 +33,7 @@ OVERRIDES = {
     "resume": "resume", "global_batch": "global_batch", "seq_len": "seq_len", "microbatches": "microbatches",
     "seed": "seed", "schedule": "schedule", "world_size": "world_size", "lr": "optimizer.lr",
     "warmup_steps": "optimizer.warmup_steps", "data": "data.source",
-    "dp": "layout.dp", "fsdp": "layout.fsdp", "tp": "layout.tp", "pp": "layout.pp", "vpp": "layout.vpp",
+    "dp": "layout.dp", "fsdp": "layout.fsdp", "tp": "layout.tp", "pp": "layout.pp", "vpp": "layout.vpp", "ep": "layout.ep",
     "stage_layout": "stage_layout", "pipeline_timeout": "pipeline_timeout_s",
     "verify_resume": "verify_resume", "cpus_per_rank": "cpus_per_rank", "gpus_per_rank": "gpus_per_rank",
     "start_timeout": "start_timeout_s", "call_timeout": "call_timeout_s",
@@ -103,8 +103,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _run_elastic(args: argparse.Namespace, config) -> int:
-    # Dimensions given on the command line are pins; the chooser picks the rest for each attempt.
-    pinned = {name: getattr(args, name) for name in PARALLEL_DEGREES if getattr(args, name)}
+    # Dimensions given on the command line are pins (ep too: --ep 1 keeps an MoE model's experts
+    # FSDP-sharded); the chooser picks the rest for each attempt.
+    pinned = {name: getattr(args, name) for name in PINNABLE_DEGREES if getattr(args, name)}
     controller, state = train_elastic(
         config, pinned, ScalingPolicy(args.min_ranks, args.max_ranks),
         FailurePolicy(max_failures=args.max_failures, backoff_s=args.backoff_s),
