@@ -7,6 +7,7 @@ the losses agree within 1e-5, and so do the tokens each expert got each step (dr
 no layout drops or moves a token)."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -71,6 +72,13 @@ def test_twenty_steps_follow_one_rank(run_training, twenty_steps_on_one_rank, tm
         assert all(sum(counts) == tokens_per_step for counts in layers.values()), step
     loads = {tuple(counts) for layers in one.expert_tokens.values() for counts in layers.values()}
     assert len(loads) > 1  # routing changes between steps and layers: the comparison is not of constants
+    # What the all-to-alls carried each step: every slot of every token out and back once per MoE
+    # layer (each tp rank exchanges its own copy), as bench/moe.py reports it.
+    records = [json.loads(line) for line in (tmp_path / "store" / "moe" / "metrics.jsonl").read_text().splitlines()]
+    analytic = tokens_per_step * MOE.dim * 4 * 2 * len(MOE.moe_layers) * LAYOUTS[name].tp
+    assert [record["all_to_all_bytes"] for record in records] == [analytic] * 20
+    assert all(0 < record["all_to_all_peer_bytes"] < analytic for record in records)
+    assert all(record["expert_load_imbalance"] >= 1.0 and record["aux_loss"] > 0 for record in records)
 
 
 SCHEDULES = {"zbv": (2, 2), "zbh1": (1, 2), "dualpipev": (2, 4), "interleaved1f1b": (2, 2), "gpipe": (1, 2)}
