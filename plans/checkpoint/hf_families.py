@@ -239,17 +239,23 @@ def _unsupported_moe(config: dict) -> list[str]:
     unsupported = []
     if config.get("mlp_only_layers"):  # dense layers outside the every-n-th rule: not expressible by moe_every
         unsupported.append(f"mlp_only_layers={config['mlp_only_layers']!r}")
-    if not config.get("num_experts"):
-        unsupported.append(f"num_experts={config.get('num_experts')!r} (no expert layers: import it as a dense family)")
+    if not _n_experts(config):
+        unsupported.append(f"num_experts={_n_experts(config)!r} (no expert layers: import it as a dense family)")
     if config["model_type"] == "qwen2_moe" and not config.get("shared_expert_intermediate_size"):
         unsupported.append(f"shared_expert_intermediate_size={config.get('shared_expert_intermediate_size')!r}")
     return unsupported
 
 
+def _n_experts(config: dict) -> int | None:
+    """The Hub's config.json spells it num_experts; transformers 5's Qwen3MoeConfig saves its
+    attribute name, num_local_experts."""
+    return config.get("num_experts", config.get("num_local_experts"))
+
+
 def _experts_from_hf(config: dict) -> dict:
     """Our ModelConfig's expert fields from config.json. Sizes must be given (save_pretrained always
     writes them); the switches take the default both transformers classes share."""
-    return dict(n_experts=config["num_experts"], experts_per_token=config["num_experts_per_tok"],
+    return dict(n_experts=_n_experts(config), experts_per_token=config["num_experts_per_tok"],
                 expert_ffn_dim=config["moe_intermediate_size"], moe_every=config.get("decoder_sparse_step", 1),
                 norm_topk=bool(config.get("norm_topk_prob", False)),
                 shared_expert_ffn_dim=config["shared_expert_intermediate_size"] if config["model_type"] == "qwen2_moe" else 0,
