@@ -137,6 +137,19 @@ class Rename:
                 for name in list(state) if (captures := match(self.source, name)) is not None]
 
 
+def _sized(state: dict[str, Meta], pattern: str, rows: int, problem):
+    """(name, captures, meta) of each tensor matching `pattern`, which must have `rows` rows (dim 0);
+    problem(meta) says what does not fit."""
+    for name in list(state):
+        captures = match(pattern, name)
+        if captures is None:
+            continue
+        meta = state[name]
+        if not meta.shape or meta.shape[0] != rows:
+            raise CheckpointError(f"{name}: {problem(meta)}; the model config does not match the tensor")
+        yield name, captures, meta
+
+
 @dataclass(frozen=True)
 class SplitRows:
     source: str
@@ -155,14 +168,8 @@ class SplitRows:
 
     def apply(self, state):
         results = []
-        for name in list(state):
-            captures = match(self.source, name)
-            if captures is None:
-                continue
-            meta = state[name]
-            if not meta.shape or meta.shape[0] != self.groups * sum(self.rows):
-                raise CheckpointError(f"{name}: {meta.shape[:1]} rows cannot be split into {self.groups} groups of "
-                                      f"{list(self.rows)} rows; the model config does not match the tensor")
+        for name, captures, meta in _sized(state, self.source, self.groups * sum(self.rows), lambda meta: (
+                f"{meta.shape[:1]} rows cannot be split into {self.groups} groups of {list(self.rows)} rows")):
             outputs = tuple(fill(t, captures) for t in self.targets)
             produced = {out: Meta((self.groups * rows, *meta.shape[1:]), meta.dtype) for out, rows in zip(outputs, self.rows)}
             results.append((Application(self, (name,), outputs), produced))
@@ -201,12 +208,14 @@ class ConcatRows:
         return results
 
 
-def _stacking_placeholder(whole: str, parts: str, rule: str) -> str:
+def _stacking_placeholder(whole: str, parts: str, count: int, rule: str) -> str:
     """The one placeholder `parts` has beyond `whole`'s: it numbers the parts of dim 0."""
     extra = placeholders(parts) - placeholders(whole)
     if len(extra) != 1 or not placeholders(whole) <= placeholders(parts):
         raise CheckpointError(f"{rule}: {parts!r} must use the placeholders of {whole!r} plus exactly one that numbers "
                               "the parts (e.g. {expert}), or the mapping cannot be inverted")
+    if count < 1:
+        raise CheckpointError(f"{rule} {whole}: count must be 1 or more, not {count}")
     return extra.pop()
 
 
@@ -219,24 +228,16 @@ class Unstack:
     count: int
 
     def __post_init__(self):
-        _stacking_placeholder(self.source, self.target, "Unstack")
-        if self.count < 1:
-            raise CheckpointError(f"Unstack {self.source}: count must be 1 or more, not {self.count}")
+        _stacking_placeholder(self.source, self.target, self.count, "Unstack")
 
     def inverse(self) -> "Stack":
         return Stack(self.target, self.source, self.count)
 
     def apply(self, state):
-        index = _stacking_placeholder(self.source, self.target, "Unstack")
+        index = _stacking_placeholder(self.source, self.target, self.count, "Unstack")
         results = []
-        for name in list(state):
-            captures = match(self.source, name)
-            if captures is None:
-                continue
-            meta = state[name]
-            if not meta.shape or meta.shape[0] != self.count:
-                raise CheckpointError(f"{name}: dim 0 of {list(meta.shape)} cannot be unstacked into {self.count} tensors "
-                                      f"{self.target}; the model config does not match the tensor")
+        for name, captures, meta in _sized(state, self.source, self.count, lambda meta: (
+                f"dim 0 of {list(meta.shape)} cannot be unstacked into {self.count} tensors {self.target}")):
             outputs = tuple(fill(self.target, {**captures, index: str(i)}) for i in range(self.count))
             results.append((Application(self, (name,), outputs), {out: Meta(meta.shape[1:], meta.dtype) for out in outputs}))
         return results
@@ -251,15 +252,13 @@ class Stack:
     count: int
 
     def __post_init__(self):
-        _stacking_placeholder(self.target, self.source, "Stack")
-        if self.count < 1:
-            raise CheckpointError(f"Stack {self.target}: count must be 1 or more, not {self.count}")
+        _stacking_placeholder(self.target, self.source, self.count, "Stack")
 
     def inverse(self) -> Unstack:
         return Unstack(self.target, self.source, self.count)
 
     def apply(self, state):
-        index = _stacking_placeholder(self.target, self.source, "Stack")
+        index = _stacking_placeholder(self.target, self.source, self.count, "Stack")
         stacks: dict[str, dict[int, str]] = {}  # target name -> index -> part name
         for name in list(state):
             captures = match(self.source, name)
