@@ -284,3 +284,16 @@ def test_unstack_and_stack_refuse_what_does_not_fit():
         Unstack("l.{layer}.s", "p.{expert}", 2)
     with pytest.raises(CheckpointError, match="plus exactly one that numbers the parts"):
         Stack("p.{layer}.{expert}", "s", 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 3), st.lists(st.integers(1, 3), max_size=2), st.integers(1, 3))
+def test_any_unstack_then_its_derived_inverse_is_the_identity(count, offset, inner, layers):
+    stacked = {f"l.{layer}.w": _distinct(count, *inner, start=100 * layer) for layer in range(layers)}
+    mapping = Mapping((Unstack("l.{layer}.w", f"h.{{layer}}.e.{{expert+{offset}}}.w", count),))
+    parts = _apply(mapping, stacked)
+    assert sorted(parts) == sorted(f"h.{layer}.e.{e + offset}.w" for layer in range(layers) for e in range(count))
+    assert all(torch.equal(parts[f"h.{layer}.e.{e + offset}.w"], stacked[f"l.{layer}.w"][e])
+               for layer in range(layers) for e in range(count))
+    back = _apply(mapping.inverse(), parts)
+    assert back.keys() == stacked.keys() and all(torch.equal(back[k], stacked[k]) for k in stacked)
