@@ -1,6 +1,6 @@
 """Hugging Face model families: our parameter names <-> theirs, and our ModelConfig <-> config.json.
 
-One decoder (`plans/training/model_spec.py`) expresses four families; each differs from Llama by
+One decoder (`plans/training/model_spec.py`) expresses six families; each differs from Llama by
 what transformers' class computes:
 
 - llama (`LlamaForCausalLM`): the base.
