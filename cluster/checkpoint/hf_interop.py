@@ -1,6 +1,6 @@
 """Hugging Face interop: export a checkpoint as a transformers directory of its family (Llama,
-Qwen2, Qwen3, Mistral: `plans/checkpoint/hf_families.py`; a user model by its plan's mapping),
-import one back.
+Qwen2, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE: `plans/checkpoint/hf_families.py`; a user model by
+its plan's mapping), import one back.
 
 One mapping per family (`hf_mapping`), or a user plan's, is written in the export direction; import
 uses its derived inverse. A user model's export imports back only with its `rayshard.json` (the
@@ -203,7 +203,7 @@ def _reader(fs, base: str, tensors: dict[str, StoredTensor]):
 
 def import_hf(directory: str, store, run: str, dtype: str = "float32", file_bytes: int = IMPORT_FILE_BYTES,
               log=print, progress=None) -> str:
-    """Write a rayshard checkpoint (run@step) from a Hugging Face Llama directory; commit it.
+    """Write a rayshard checkpoint (run@step) from a Hugging Face directory of a family we compute; commit it.
     progress: a bar (cluster/progress.py) advanced by the bytes of each tensor handed to the writer."""
     fs, base = fsspec.core.url_to_fs(directory)
     config_path = f"{base}/{CONFIG}"

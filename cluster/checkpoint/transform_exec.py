@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from plans.errors import CheckpointError
-from plans.checkpoint.transforms import Add, Cast, ConcatRows, Drop, Group, Rename, SplitRows, Transpose, Unalias
+from plans.checkpoint.transforms import (Add, Cast, ConcatRows, Drop, Group, Rename, SplitRows, Stack, Transpose, Unalias,
+                                         Unstack)
 
 
 def run_group(group: Group, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -23,6 +24,11 @@ def run_group(group: Group, tensors: dict[str, torch.Tensor]) -> dict[str, torch
             parts = [state.pop(name) for name in step.inputs]
             grouped = [p.reshape(rule.groups, rows, *p.shape[1:]) for p, rows in zip(parts, rule.rows)]
             state[step.outputs[0]] = torch.cat(grouped, dim=1).reshape(-1, *parts[0].shape[1:]).contiguous()
+        elif isinstance(rule, Unstack):  # outputs are in index order (Unstack.apply)
+            for name, part in zip(step.outputs, state.pop(step.inputs[0]).unbind(0)):
+                state[name] = part.contiguous()
+        elif isinstance(rule, Stack):  # inputs are in index order (Stack.apply)
+            state[step.outputs[0]] = torch.stack([state.pop(name) for name in step.inputs])
         elif isinstance(rule, Transpose):
             state[step.outputs[0]] = state.pop(step.inputs[0]).transpose(*rule.dims).contiguous()
         elif isinstance(rule, Cast):

@@ -94,7 +94,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (top-k 40)")
     generate.set_defaults(run_command="cluster.cli.commands.ckpt:run_generate")
 
-    importer = group.add_parser("import", help="make a checkpoint (RUN@STEP) from a Hugging Face Llama directory")
+    importer = group.add_parser("import", help="make a checkpoint (RUN@STEP) from a Hugging Face directory (Llama, Qwen2/3, Mistral, Qwen2/3-MoE)")
     importer.add_argument("directory", metavar="DIR")
     importer.add_argument("--run", required=True, metavar="NAME")
     importer.add_argument("--store", default="./runs", metavar="URL")

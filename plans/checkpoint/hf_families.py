@@ -1,6 +1,6 @@
 """Hugging Face model families: our parameter names <-> theirs, and our ModelConfig <-> config.json.
 
-One decoder (`plans/training/model_spec.py`) expresses four families; each differs from Llama by
+One decoder (`plans/training/model_spec.py`) expresses six families; each differs from Llama by
 what transformers' class computes:
 
 - llama (`LlamaForCausalLM`): the base.
@@ -8,6 +8,18 @@ what transformers' class computes:
 - qwen3 (`Qwen3ForCausalLM`): no biases; q and k are RMS-normalised per head before RoPE; the head
   size is explicit (`head_dim`, not hidden_size / num_attention_heads).
 - mistral (`MistralForCausalLM`): sliding-window attention where `sliding_window` is set.
+- qwen2_moe (`Qwen2MoeForCausalLM`): qwen2's attention; layer i is a mixture of experts when
+  (i + 1) % decoder_sparse_step == 0 (our moe_every), with a shared expert gated by
+  sigmoid(shared_expert_gate(x)). Its routing (softmax in fp32, top-k, optional renormalisation
+  of the k weights: norm_topk_prob) is exactly ours (`actors/model/moe.py`).
+- qwen3_moe (`Qwen3MoeForCausalLM`): qwen3's attention, the same experts, no shared expert.
+
+Experts are written in the Hub's per-expert form (`mlp.experts.{e}.gate_proj.weight` [F, D],
+`up_proj`, `down_proj` [D, F]): what `save_pretrained` of transformers 5.24 writes, what its
+`from_pretrained` converts into its fused in-memory `gate_up_proj` (gate rows first), and what
+older transformers and other readers expect. An MoE model transformers would compute otherwise
+(sigmoid router scores, a qwen2_moe without shared expert, ...) is refused at export naming the
+setting; a config.json with `mlp_only_layers` at import.
 
 A config.json that asks for something this decoder does not compute (rope scaling, an unknown
 `model_type`, attention bias where the family has none, a per-layer sliding window) is refused
@@ -20,12 +32,12 @@ A user's model (`--model-factory`) brings its own mapping and config.json in its
 from __future__ import annotations
 
 from plans.checkpoint.transform_codec import decode_mapping
-from plans.checkpoint.transforms import Alias, Cast, Mapping, Rename, SplitRows
+from plans.checkpoint.transforms import Alias, Cast, Mapping, Rename, SplitRows, Unstack
 from plans.errors import CheckpointError, ConfigError
-from plans.training.model_spec import ModelConfig
+from plans.training.model_spec import MOE_FAMILIES, ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
@@ -36,7 +48,10 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     q_proj comes out in plain head order; Qwen2's biases split the same way. gate_up interleaves
     (gate_j, up_j) per hidden unit: ffn_dim groups of (1, 1) rows. RoPE already uses the
     rotate-half convention transformers uses, so q and k rows need no permutation.
+    An MoE layer's stacked experts unstack into the Hub's per-expert tensors (`moe_rules`).
     """
+    if model.family in MOE_FAMILIES:
+        refuse_unexportable_moe(model)
     layer = "layers.{layer}."
     hf_layer = "model.layers.{layer}."
     qkv_rows = (model.heads_per_group * model.head_dim, model.head_dim, model.head_dim)
@@ -52,6 +67,8 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
         Rename(layer + "feed_forward.down.weight", hf_layer + "mlp.down_proj.weight"),
         Rename("norm.weight", "model.norm.weight"),
     ]
+    if model.is_moe:
+        rules += moe_rules(model)
     if model.qkv_bias:
         rules.append(SplitRows(layer + "attention.qkv.bias", tuple(hf_layer + f"self_attn.{p}_proj.bias" for p in "qkv"),
                                qkv_rows, model.n_kv_heads))
@@ -65,6 +82,53 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     if dtype and dtype != "float32":
         rules.append(Cast("*", to=dtype, source="float32"))
     return Mapping(tuple(rules))
+
+
+def moe_rules(model: ModelConfig) -> list:
+    """An MoE layer's tensors. Each expert's gate_up interleaves (gate_j, up_j) like the dense one,
+    so after unstacking the same (1, 1)-row split gives gate_proj and up_proj. down's experts are
+    unstacked last, so on import (the inverse runs the rules backwards) they are stacked first:
+    an expert dropped or renumbered is then named by its Hub key (`...experts.3.down_proj.weight`)."""
+    ours, hf = "layers.{layer}.feed_forward.", "model.layers.{layer}.mlp."
+    expert = hf + "experts.{expert}."
+    rules = [Rename(ours + "router.weight", hf + "gate.weight"),
+             # The per-expert fused tensor only exists between these two rules.
+             Unstack(ours + "experts.gate_up.weight", expert + "gate_up_interleaved", model.n_experts),
+             SplitRows(expert + "gate_up_interleaved", (expert + "gate_proj.weight", expert + "up_proj.weight"), (1, 1),
+                       model.expert_ffn_dim),
+             Unstack(ours + "experts.down.weight", expert + "down_proj.weight", model.n_experts)]
+    if model.shared_expert_ffn_dim:
+        rules += [SplitRows(ours + "shared.gate_up.weight", (hf + "shared_expert.gate_proj.weight",
+                                                              hf + "shared_expert.up_proj.weight"), (1, 1),
+                            model.shared_expert_ffn_dim),
+                  Rename(ours + "shared.down.weight", hf + "shared_expert.down_proj.weight"),
+                  Rename(ours + "shared_gate.weight", hf + "shared_expert_gate.weight")]
+    return rules
+
+
+def refuse_unexportable_moe(model: ModelConfig) -> None:
+    """What the family's transformers class would compute differently from our MoE model."""
+    family = model.family
+    problems = (
+        (model.router_scores != "softmax", f"router_scores={model.router_scores!r}",
+         f"{ARCHITECTURES[family]} routes by softmax scores; train with router_scores 'softmax' to export"),
+        (family == "qwen2_moe" and not model.shared_expert_ffn_dim, "shared_expert_ffn_dim=0",
+         "Qwen2MoeForCausalLM always adds a shared expert; set shared_expert_ffn_dim, or use family qwen3_moe"),
+        (family == "qwen3_moe" and model.shared_expert_ffn_dim > 0, f"shared_expert_ffn_dim={model.shared_expert_ffn_dim}",
+         "Qwen3MoeForCausalLM has no shared expert; set it to 0, or use family qwen2_moe"),
+        (family == "qwen2_moe" and model.qk_norm, "qk_norm=True",
+         "Qwen2MoeForCausalLM does not normalise q and k; use family qwen3_moe"),
+        (family == "qwen3_moe" and not model.qk_norm, "qk_norm=False",
+         "Qwen3MoeForCausalLM always normalises q and k per head; set qk_norm, or use family qwen2_moe"),
+        (family == "qwen3_moe" and model.qkv_bias, "qkv_bias=True",
+         "Qwen3MoeForCausalLM's attention_bias also adds an o_proj bias rayshard does not have; use family qwen2_moe"),
+        (model.sliding_window is not None, f"sliding_window={model.sliding_window}",
+         f"{ARCHITECTURES[family]} as exported attends to every earlier token; train without a sliding window"),
+    )
+    for wrong, setting, fix in problems:
+        if wrong:
+            raise CheckpointError(f"cannot export this {family} model: model.{setting} is not what {ARCHITECTURES[family]} "
+                                  f"computes. Fix: {fix}")
 
 
 def export_mapping(model: ModelConfig, dtype: str | None = None, source_dtype: str = "float32") -> Mapping:
@@ -113,6 +177,19 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
         config.update(use_sliding_window=False, sliding_window=None)
     if model.family == "mistral":
         config["sliding_window"] = model.sliding_window
+    if model.family in MOE_FAMILIES:
+        config.update(
+            num_experts=model.n_experts, num_experts_per_tok=model.experts_per_token,
+            moe_intermediate_size=model.expert_ffn_dim, decoder_sparse_step=model.moe_every, mlp_only_layers=[],
+            norm_topk_prob=model.norm_topk,
+            # A training setting only: transformers adds it when asked for router logits, over its
+            # whole batch; ours is per sequence (actors/model/moe.py). Logits do not depend on it.
+            router_aux_loss_coef=model.aux_loss_coef, output_router_logits=False,
+            use_sliding_window=False, sliding_window=None)
+    if model.family == "qwen2_moe":
+        config.update(shared_expert_intermediate_size=model.shared_expert_ffn_dim, qkv_bias=model.qkv_bias)
+    if model.family == "qwen3_moe":
+        config["attention_bias"] = False
     return config
 
 
@@ -129,7 +206,7 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         if rope_type not in ("default", None):
             unsupported.append(f"{key}.rope_type={rope_type!r}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", *MOE_FAMILIES) and config.get("use_sliding_window"):
         unsupported.append(f"use_sliding_window={config['use_sliding_window']!r}")
     layer_types = set(config.get("layer_types") or ())
     if layer_types - {"full_attention", "sliding_attention"} or (family != "mistral" and "sliding_attention" in layer_types):
@@ -138,20 +215,51 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     if family == "qwen2" and head_dim != config["hidden_size"] // heads:  # Qwen2's class ignores head_dim
         unsupported.append(f"head_dim={head_dim} (Qwen2 computes hidden_size / num_attention_heads)")
+    if family in MOE_FAMILIES:
+        unsupported += _unsupported_moe(config)
     if unsupported:
         raise CheckpointError(f"{where}: this {family} model uses {', '.join(unsupported)}, which rayshard does not "
                               "implement; importing it would change what the weights compute")
     sliding_window = config.get("sliding_window") if family == "mistral" else None
+    experts = _experts_from_hf(config) if family in MOE_FAMILIES else {}
     return ModelConfig(
         vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
         n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads, ffn_dim=config["intermediate_size"],
         max_seq_len=config.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         norm_eps=float(config.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        family=family, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-        sliding_window=int(sliding_window) if sliding_window else None,
-        head_size=head_dim if head_dim != config["hidden_size"] // heads else None,
+        family=family, qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(config.get("qkv_bias", True))),
+        qk_norm=family in ("qwen3", "qwen3_moe"), sliding_window=int(sliding_window) if sliding_window else None,
+        head_size=head_dim if head_dim != config["hidden_size"] // heads else None, **experts,
     ).validate()
+
+
+def _unsupported_moe(config: dict) -> list[str]:
+    """MoE settings of a config.json that our model would not compute as transformers does."""
+    unsupported = []
+    if config.get("mlp_only_layers"):  # dense layers outside the every-n-th rule: not expressible by moe_every
+        unsupported.append(f"mlp_only_layers={config['mlp_only_layers']!r}")
+    if not _n_experts(config):
+        unsupported.append(f"num_experts={_n_experts(config)!r} (no expert layers: import it as a dense family)")
+    if config["model_type"] == "qwen2_moe" and not config.get("shared_expert_intermediate_size"):
+        unsupported.append(f"shared_expert_intermediate_size={config.get('shared_expert_intermediate_size')!r}")
+    return unsupported
+
+
+def _n_experts(config: dict) -> int | None:
+    """The Hub's config.json spells it num_experts; transformers 5's Qwen3MoeConfig saves its
+    attribute name, num_local_experts."""
+    return config.get("num_experts", config.get("num_local_experts"))
+
+
+def _experts_from_hf(config: dict) -> dict:
+    """Our ModelConfig's expert fields from config.json. Sizes must be given (save_pretrained always
+    writes them); the switches take the default both transformers classes share."""
+    return dict(n_experts=_n_experts(config), experts_per_token=config["num_experts_per_tok"],
+                expert_ffn_dim=config["moe_intermediate_size"], moe_every=config.get("decoder_sparse_step", 1),
+                norm_topk=bool(config.get("norm_topk_prob", False)),
+                shared_expert_ffn_dim=config["shared_expert_intermediate_size"] if config["model_type"] == "qwen2_moe" else 0,
+                aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
 
 
 # config.json keys whose other values change what the family's class computes.
@@ -160,4 +268,6 @@ _EXPECTED = {
     "qwen2": (("hidden_act", "silu"),),
     "qwen3": (("hidden_act", "silu"), ("attention_bias", False)),
     "mistral": (("hidden_act", "silu"),),
+    "qwen2_moe": (("hidden_act", "silu"),),
+    "qwen3_moe": (("hidden_act", "silu"), ("attention_bias", False)),
 }

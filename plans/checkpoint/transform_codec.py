@@ -8,6 +8,7 @@ left out; a lone argument may be given bare):
     {"rename": ["blocks.{layer}.attn_norm.weight", "transformer.h.{layer}.ln_1.weight"]}
     {"concat_rows": [["q.weight", "k.weight", "v.weight"], "qkv.weight", [64, 64, 64], 1]}
     {"transpose": "transformer.h.{layer}.attn.c_attn.weight"}
+    {"unstack": ["layers.{layer}.experts.w1", "h.{layer}.experts.{expert}.w1.weight", 8]}
 
 `encode` writes the canonical form (every argument, lists for tuples): what `decode` of any
 accepted spelling gives back, so a plan compares equal after a JSON round trip. Unalias is not
@@ -17,10 +18,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from plans.checkpoint.transforms import Add, Alias, Cast, ConcatRows, Drop, Mapping, Rename, SplitRows, Transpose
+from plans.checkpoint.transforms import (Add, Alias, Cast, ConcatRows, Drop, Mapping, Rename, SplitRows, Stack, Transpose,
+                                         Unstack)
 from plans.errors import CheckpointError, ConfigError
 
-RULES = {"rename": Rename, "split_rows": SplitRows, "concat_rows": ConcatRows, "transpose": Transpose,
+RULES = {"rename": Rename, "split_rows": SplitRows, "concat_rows": ConcatRows, "unstack": Unstack, "stack": Stack,
+         "transpose": Transpose,
          "cast": Cast, "add": Add, "drop": Drop, "alias": Alias}
 NAMES = {rule: name for name, rule in RULES.items()}
 WHERE = "model plan hf_mapping"

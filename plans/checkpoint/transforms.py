@@ -6,6 +6,14 @@ disagree. Rules:
 
 - Rename(source, target): patterns with placeholders that match indices, `{layer}`, `{expert}`
   (any `{word}`), e.g. "layers.{layer}.experts.{expert}.w1" <-> "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight".
+  A placeholder may carry an offset, `{expert+8}` or `{layer-1}`: the name holds the index plus
+  the offset, so "e.{expert}" -> "hf.{expert+8}" renumbers expert 0 as 8, and the inverse (the
+  same patterns swapped) numbers 8 back as 0. A name whose index would fall below 0 does not match.
+- Unstack(source, target, count) / Stack: one tensor whose dim 0 stacks `count` parts (our
+  experts: [experts, out, in]) <-> `count` tensors named by the target's one extra placeholder
+  (`{expert}`, offset allowed). Stacking wants exactly indices 0..count-1 (after the offset) and
+  names the missing and unexpected ones: a checkpoint with an expert dropped or renumbered is
+  refused, never stacked out of order.
 - SplitRows / ConcatRows: a fused tensor whose rows repeat a group `groups` times, each group
   holding `rows[i]` rows of part i. That is how TP-friendly fused weights are laid out (our qkv:
   per kv head [its q heads, k, v]; our gate_up: per hidden unit [gate, up]), so any tp degree
@@ -33,7 +41,8 @@ from functools import lru_cache
 
 from plans.errors import CheckpointError
 
-PLACEHOLDER = re.compile(r"\{(\w+)\}")
+# `{word}` or `{word+N}` / `{word-N}`: an index, shifted by N in the name.
+PLACEHOLDER = re.compile(r"\{(\w+)([+-]\d+)?\}")
 
 
 @dataclass(frozen=True)
@@ -42,32 +51,61 @@ class Meta:
     dtype: str
 
 
+def placeholders(pattern: str) -> set[str]:
+    return {name for name, _ in PLACEHOLDER.findall(pattern)}
+
+
 @lru_cache(maxsize=1024)
-def _compile(pattern: str) -> re.Pattern:
-    """`{word}` matches an index; `*` matches anything; everything else is literal."""
-    out, position = [], 0
-    for match in re.finditer(r"\{(\w+)\}|\*", pattern):
+def _compile(pattern: str) -> tuple[re.Pattern, dict[str, int]]:
+    """`{word}` matches an index; `*` matches anything; everything else is literal. Also returns
+    each placeholder's offset (what the name adds to the index)."""
+    out, offsets, position = [], {}, 0
+    for match in re.finditer(PLACEHOLDER.pattern + r"|\*", pattern):
         out.append(re.escape(pattern[position:match.start()]))
-        out.append(f"(?P<{match.group(1)}>\\d+)" if match.group(1) else ".*")
+        if match.group(1):
+            out.append(f"(?P<{match.group(1)}>\\d+)")
+            offsets[match.group(1)] = int(match.group(2) or 0)
+        else:
+            out.append(".*")
         position = match.end()
     out.append(re.escape(pattern[position:]))
-    return re.compile("".join(out) + r"\Z")
+    return re.compile("".join(out) + r"\Z"), offsets
 
 
 def match(pattern: str, name: str) -> dict[str, str] | None:
-    found = _compile(pattern).match(name)
-    return found.groupdict() if found else None
+    """The indices a name holds (offsets taken off), or None when it does not match."""
+    regex, offsets = _compile(pattern)
+    found = regex.match(name)
+    if not found:
+        return None
+    captures = found.groupdict()
+    for key, offset in offsets.items():
+        if offset:  # unshifted indices stay as written, so a rename keeps them character for character
+            index = int(captures[key]) - offset
+            if index < 0:
+                return None
+            captures[key] = str(index)
+    return captures
 
 
 def fill(pattern: str, captures: dict[str, str]) -> str:
-    missing = set(PLACEHOLDER.findall(pattern)) - set(captures)
+    missing = placeholders(pattern) - set(captures)
     if missing:
         raise CheckpointError(f"pattern {pattern!r} needs {sorted(missing)} but the matched name only gives {sorted(captures)}")
-    return PLACEHOLDER.sub(lambda m: captures[m.group(1)], pattern)
+
+    def index(found: re.Match) -> str:
+        if not found.group(2):
+            return captures[found.group(1)]
+        shifted = int(captures[found.group(1)]) + int(found.group(2))
+        if shifted < 0:
+            raise CheckpointError(f"pattern {pattern!r} would name index {shifted} for {found.group(1)}="
+                                  f"{captures[found.group(1)]}; Fix: give the offset so that every index stays 0 or more")
+        return str(shifted)
+    return PLACEHOLDER.sub(index, pattern)
 
 
 def _same_placeholders(a: str, b: str, rule: str) -> None:
-    if set(PLACEHOLDER.findall(a)) != set(PLACEHOLDER.findall(b)):
+    if placeholders(a) != placeholders(b):
         raise CheckpointError(f"{rule}: {a!r} and {b!r} must use the same placeholders, or the mapping cannot be inverted")
 
 
@@ -99,6 +137,19 @@ class Rename:
                 for name in list(state) if (captures := match(self.source, name)) is not None]
 
 
+def _sized(state: dict[str, Meta], pattern: str, rows: int, problem):
+    """(name, captures, meta) of each tensor matching `pattern`, which must have `rows` rows (dim 0);
+    problem(meta) says what does not fit."""
+    for name in list(state):
+        captures = match(pattern, name)
+        if captures is None:
+            continue
+        meta = state[name]
+        if not meta.shape or meta.shape[0] != rows:
+            raise CheckpointError(f"{name}: {problem(meta)}; the model config does not match the tensor")
+        yield name, captures, meta
+
+
 @dataclass(frozen=True)
 class SplitRows:
     source: str
@@ -117,14 +168,8 @@ class SplitRows:
 
     def apply(self, state):
         results = []
-        for name in list(state):
-            captures = match(self.source, name)
-            if captures is None:
-                continue
-            meta = state[name]
-            if not meta.shape or meta.shape[0] != self.groups * sum(self.rows):
-                raise CheckpointError(f"{name}: {meta.shape[:1]} rows cannot be split into {self.groups} groups of "
-                                      f"{list(self.rows)} rows; the model config does not match the tensor")
+        for name, captures, meta in _sized(state, self.source, self.groups * sum(self.rows), lambda meta: (
+                f"{meta.shape[:1]} rows cannot be split into {self.groups} groups of {list(self.rows)} rows")):
             outputs = tuple(fill(t, captures) for t in self.targets)
             produced = {out: Meta((self.groups * rows, *meta.shape[1:]), meta.dtype) for out, rows in zip(outputs, self.rows)}
             results.append((Application(self, (name,), outputs), produced))
@@ -160,6 +205,84 @@ class ConcatRows:
             target = fill(self.target, captures)
             shape = (self.groups * sum(self.rows), *metas[0].shape[1:])
             results.append((Application(self, inputs, (target,)), {target: Meta(shape, metas[0].dtype)}))
+        return results
+
+
+def _stacking_placeholder(whole: str, parts: str, count: int, rule: str) -> str:
+    """The one placeholder `parts` has beyond `whole`'s: it numbers the parts of dim 0."""
+    extra = placeholders(parts) - placeholders(whole)
+    if len(extra) != 1 or not placeholders(whole) <= placeholders(parts):
+        raise CheckpointError(f"{rule}: {parts!r} must use the placeholders of {whole!r} plus exactly one that numbers "
+                              "the parts (e.g. {expert}), or the mapping cannot be inverted")
+    if count < 1:
+        raise CheckpointError(f"{rule} {whole}: count must be 1 or more, not {count}")
+    return extra.pop()
+
+
+@dataclass(frozen=True)
+class Unstack:
+    """[count, ...] -> count tensors [...], part i named with the extra placeholder = i (plus its offset)."""
+
+    source: str
+    target: str
+    count: int
+
+    def __post_init__(self):
+        _stacking_placeholder(self.source, self.target, self.count, "Unstack")
+
+    def inverse(self) -> "Stack":
+        return Stack(self.target, self.source, self.count)
+
+    def apply(self, state):
+        index = _stacking_placeholder(self.source, self.target, self.count, "Unstack")
+        results = []
+        for name, captures, meta in _sized(state, self.source, self.count, lambda meta: (
+                f"dim 0 of {list(meta.shape)} cannot be unstacked into {self.count} tensors {self.target}")):
+            outputs = tuple(fill(self.target, {**captures, index: str(i)}) for i in range(self.count))
+            results.append((Application(self, (name,), outputs), {out: Meta(meta.shape[1:], meta.dtype) for out in outputs}))
+        return results
+
+
+@dataclass(frozen=True)
+class Stack:
+    """count tensors named by the extra placeholder (indices 0..count-1 after the offset) -> [count, ...]."""
+
+    source: str
+    target: str
+    count: int
+
+    def __post_init__(self):
+        _stacking_placeholder(self.target, self.source, self.count, "Stack")
+
+    def inverse(self) -> Unstack:
+        return Unstack(self.target, self.source, self.count)
+
+    def apply(self, state):
+        index = _stacking_placeholder(self.target, self.source, self.count, "Stack")
+        stacks: dict[str, dict[int, str]] = {}  # target name -> index -> part name
+        for name in list(state):
+            captures = match(self.source, name)
+            if captures is not None:
+                stacks.setdefault(fill(self.target, captures), {})[int(captures.pop(index))] = name
+        results = []
+        for target, parts in stacks.items():
+            missing = sorted(set(range(self.count)) - set(parts))
+            unexpected = sorted(parts[i] for i in set(parts) - set(range(self.count)))
+            if missing or unexpected:
+                captures = match(self.source, next(iter(parts.values())))
+                absent = [fill(self.source, {**captures, index: str(i)}) for i in missing]
+                raise CheckpointError(f"{target}: stacking {self.count} tensors {self.source} (indices 0..{self.count - 1}) but "
+                                      + "; ".join(filter(None, (absent and f"missing {', '.join(absent)}",
+                                                                unexpected and f"unexpected {', '.join(unexpected)}")))
+                                      + "; Fix: give every part exactly once under its own index (a model config with "
+                                      "this many parts, and no part dropped or renumbered)")
+            inputs = tuple(parts[i] for i in range(self.count))
+            first = state[inputs[0]]
+            for part in inputs[1:]:
+                if state[part] != first:
+                    raise CheckpointError(f"{part}: shape {list(state[part].shape)} {state[part].dtype} differs from "
+                                          f"{inputs[0]} {list(first.shape)} {first.dtype}; stacked parts must agree")
+            results.append((Application(self, inputs, (target,)), {target: Meta((self.count, *first.shape), first.dtype)}))
         return results
 
 
@@ -225,7 +348,7 @@ class Drop:
     fill: float | None = None
 
     def inverse(self) -> Add:
-        if self.shape is None or self.dtype is None or self.fill is None or PLACEHOLDER.search(self.pattern) or "*" in self.pattern:
+        if self.shape is None or self.dtype is None or self.fill is None or placeholders(self.pattern) or "*" in self.pattern:
             raise CheckpointError(f"Drop({self.pattern!r}) cannot be inverted: it does not say what to restore. "
                                   "Fix: give shape, dtype and fill (and a concrete name), or use the mapping in one direction only")
         return Add(self.pattern, tuple(self.shape), self.dtype, self.fill)
@@ -265,7 +388,7 @@ class Unalias:
         return [(Application(self, (self.name, self.of), (self.of,)), {self.of: state[self.of]})]
 
 
-Rule = Rename | SplitRows | ConcatRows | Transpose | Cast | Add | Drop | Alias | Unalias
+Rule = Rename | SplitRows | ConcatRows | Unstack | Stack | Transpose | Cast | Add | Drop | Alias | Unalias
 
 
 # ---- the mapping and its plan -------------------------------------------------------------------

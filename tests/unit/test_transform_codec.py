@@ -6,14 +6,15 @@ import json
 import pytest
 
 from plans.checkpoint.transform_codec import canonical, decode_mapping, decode_rule, encode_rule
-from plans.checkpoint.transforms import Add, Alias, Cast, ConcatRows, Drop, Meta, Rename, SplitRows, Transpose
+from plans.checkpoint.transforms import Add, Alias, Cast, ConcatRows, Drop, Meta, Rename, SplitRows, Stack, Transpose, Unstack
 from plans.errors import ConfigError
 from plans.training.model_plan import ModelPlan
 
 RULES = [Rename("a.{layer}.w", "b.{layer}.weight"), SplitRows("f.{layer}", ("x.{layer}", "y.{layer}"), (3, 1), 2),
          ConcatRows(("x.{layer}", "y.{layer}"), "f.{layer}", (3, 1), 2), Transpose("t.*", (1, 0)),
          Cast("*", "bfloat16", "float32"), Add("extra", (2, 5), "float32", 0.5), Drop("gone", (7,), "float32", 1.0),
-         Alias("lm_head.weight", "wte.weight")]
+         Alias("lm_head.weight", "wte.weight"), Rename("e.{expert}.w", "h.{expert+8}.w"),
+         Unstack("l.{layer}.experts.w", "h.{layer}.experts.{expert-1}.w", 4), Stack("h.{expert+1}.w", "stacked.w", 2)]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: type(r).__name__)

@@ -5,8 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 from cluster.checkpoint.transform_exec import run_group
 from plans.errors import CheckpointError
-from plans.checkpoint.transforms import (Add, Alias, Application, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows,
-                                        Transpose, Unalias, match)
+from plans.checkpoint.transforms import (Add, Alias, Application, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows, Stack,
+                                        Transpose, Unalias, Unstack, match)
 
 
 def _apply(mapping: Mapping, tensors: dict) -> dict:
@@ -147,6 +147,7 @@ def test_any_split_then_its_derived_inverse_is_the_identity(groups, rows, column
     (ConcatRows(("q", "k"), "qk", (2, 1), 3), SplitRows("qk", ("q", "k"), (2, 1), 3)),
     (Alias("lm_head", of="embed"), Unalias("lm_head", of="embed")),
     (Unalias("lm_head", of="embed"), Alias("lm_head", of="embed")),
+    (Unstack("l.{layer}.w", "h.{layer}.e.{expert+2}.w", 4), Stack("h.{layer}.e.{expert+2}.w", "l.{layer}.w", 4)),
 ])
 def test_each_rule_inverts_to_the_rule_written_out_by_hand(rule, inverse):
     assert rule.inverse() == inverse and inverse.inverse() == rule
@@ -175,3 +176,124 @@ def test_rules_name_what_they_consume_and_produce():
     add = Add("bias", (2,), "float32", 0.0)
     assert add.apply(state) == [(Application(add, (), ("bias",)), {"bias": Meta((2,), "float32")})]
     assert add.apply({**state, "bias": Meta((2,), "float32")}) == []  # already there: nothing to add
+
+
+# ---- experts: placeholder offsets and stacked <-> per-expert tensors ----------------------------
+
+
+def test_an_offset_placeholder_renumbers_and_its_inverse_numbers_back():
+    mapping = Mapping((Rename("e.{expert}.w", "hf.{expert+8}.w"),))
+    tensors = {f"e.{e}.w": _distinct(2, start=10 * e) for e in range(3)}
+    out = _apply(mapping, tensors)
+    assert sorted(out) == ["hf.10.w", "hf.8.w", "hf.9.w"]
+    assert torch.equal(out["hf.8.w"], torch.tensor([0.0, 0.5])) and torch.equal(out["hf.10.w"], torch.tensor([20.0, 20.5]))
+    back = _apply(mapping.inverse(), out)
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    # hf.3 would be expert -5: it matches no rule, and a strict mapping names it.
+    with pytest.raises(CheckpointError, match=r"covers 1 tensor\(s\): hf\.3\.w\."):
+        mapping.inverse().plan({"hf.3.w": Meta((2,), "float32"), **{n: Meta((2,), "float32") for n in out}})
+    assert match("hf.{expert+1}.w", "hf.0.w") is None and match("hf.{expert+1}.w", "hf.1.w") == {"expert": "0"}
+    assert match("hf.{expert-1}.w", "hf.0.w") == {"expert": "1"}
+
+
+def test_unstack_names_each_part_with_its_offset_index_and_stack_puts_it_back():
+    stacked = _distinct(3, 2, 2)  # part e is [[4e, 4e + .5], [4e + 1, 4e + 1.5]] (times 0.5 steps)
+    mapping = Mapping((Unstack("l.{layer}.stacked", "hf.{layer}.part.{expert+1}", 3),))
+    out = _apply(mapping, {"l.0.stacked": stacked})
+    assert sorted(out) == ["hf.0.part.1", "hf.0.part.2", "hf.0.part.3"]
+    assert torch.equal(out["hf.0.part.1"], torch.tensor([[0.0, 0.5], [1.0, 1.5]]))
+    assert torch.equal(out["hf.0.part.3"], torch.tensor([[4.0, 4.5], [5.0, 5.5]]))
+    assert all(part.is_contiguous() for part in out.values())  # written to safetensors as is
+    assert mapping.inverse().rules == (Stack("hf.{layer}.part.{expert+1}", "l.{layer}.stacked", 3),)
+    assert torch.equal(_apply(mapping.inverse(), out)["l.0.stacked"], stacked)
+
+
+# Two experts of two hidden units over dim 2, written out by hand. Ours: per expert, rows
+# interleave (gate_j, up_j); HF's per-expert Hub tensors hold gate and up apart; transformers'
+# in-memory fused gate_up_proj holds gate in the first half of the rows, up in the second.
+OUR_GATE_UP = torch.tensor([[[0.0, 0.5], [1.0, 1.5], [2.0, 2.5], [3.0, 3.5]],    # expert 0: gate_0 up_0 gate_1 up_1
+                            [[4.0, 4.5], [5.0, 5.5], [6.0, 6.5], [7.0, 7.5]]])   # expert 1
+HUB_GATE = {0: torch.tensor([[0.0, 0.5], [2.0, 2.5]]), 1: torch.tensor([[4.0, 4.5], [6.0, 6.5]])}
+HUB_UP = {0: torch.tensor([[1.0, 1.5], [3.0, 3.5]]), 1: torch.tensor([[5.0, 5.5], [7.0, 7.5]])}
+FUSED_GATE_UP = torch.tensor([[[0.0, 0.5], [2.0, 2.5], [1.0, 1.5], [3.0, 3.5]],
+                              [[4.0, 4.5], [6.0, 6.5], [5.0, 5.5], [7.0, 7.5]]])
+OUR_DOWN = torch.tensor([[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], [[6.0, 7.0], [8.0, 9.0], [10.0, 11.0]]])  # [E, D=3, F=2]
+
+
+def _hub_mapping(offset: str = "") -> Mapping:
+    expert = "{expert" + offset + "}"
+    return Mapping((Unstack("l.{layer}.experts.gate_up", f"h.{{layer}}.experts.{expert}.gate_up", 2),
+                    SplitRows(f"h.{{layer}}.experts.{expert}.gate_up",
+                              (f"h.{{layer}}.experts.{expert}.gate_proj", f"h.{{layer}}.experts.{expert}.up_proj"), (1, 1), 2),
+                    Unstack("l.{layer}.experts.down", f"h.{{layer}}.experts.{expert}.down_proj", 2)))
+
+
+def test_stacked_interleaved_experts_to_per_expert_gate_and_up_and_back():
+    ours = {"l.0.experts.gate_up": OUR_GATE_UP, "l.0.experts.down": OUR_DOWN}
+    out = _apply(_hub_mapping(), ours)
+    assert sorted(out) == sorted(f"h.0.experts.{e}.{p}" for e in (0, 1) for p in ("gate_proj", "up_proj", "down_proj"))
+    for e in (0, 1):
+        assert torch.equal(out[f"h.0.experts.{e}.gate_proj"], HUB_GATE[e]), e
+        assert torch.equal(out[f"h.0.experts.{e}.up_proj"], HUB_UP[e]), e
+        assert torch.equal(out[f"h.0.experts.{e}.down_proj"], OUR_DOWN[e]), e  # [D, F], not transposed
+    back = _apply(_hub_mapping().inverse(), out)
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    renumbered = _apply(_hub_mapping("+6"), ours)  # stored expert e is expert e + 6 on the other side
+    assert torch.equal(renumbered["h.0.experts.7.up_proj"], HUB_UP[1]) and "h.0.experts.0.up_proj" not in renumbered
+    assert torch.equal(_apply(_hub_mapping("+6").inverse(), renumbered)["l.0.experts.gate_up"], OUR_GATE_UP)
+
+
+def test_the_same_rules_reach_transformers_fused_gate_first_layout():
+    mapping = Mapping((Unstack("gate_up", "e.{expert}.gate_up", 2), SplitRows("e.{expert}.gate_up", ("e.{expert}.g", "e.{expert}.u"), (1, 1), 2),
+                       ConcatRows(("e.{expert}.g", "e.{expert}.u"), "e.{expert}.fused", (2, 2), 1), Stack("e.{expert}.fused", "fused", 2)))
+    out = _apply(mapping, {"gate_up": OUR_GATE_UP})
+    assert torch.equal(out["fused"], FUSED_GATE_UP)
+    assert torch.equal(_apply(mapping.inverse(), out)["gate_up"], OUR_GATE_UP)
+
+
+def _hub_metas(drop=(), rename=None):
+    metas = {f"h.1.experts.{e}.{p}": Meta((2, 2) if p != "down_proj" else (3, 2), "float32")
+             for e in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")}
+    for name in drop:
+        metas.pop(name)
+    for old, new in (rename or {}).items():
+        metas[new] = metas.pop(old)
+    return metas
+
+
+def test_stacking_names_the_missing_and_unexpected_parts_in_one_line():
+    inverse = _hub_mapping().inverse()
+    with pytest.raises(CheckpointError) as dropped:
+        inverse.plan(_hub_metas(drop=[f"h.1.experts.1.{p}" for p in ("gate_proj", "up_proj", "down_proj")]))
+    assert str(dropped.value).startswith("l.1.experts.down: stacking 2 tensors h.{layer}.experts.{expert}.down_proj "
+                                         "(indices 0..1) but missing h.1.experts.1.down_proj; Fix: ")
+    with pytest.raises(CheckpointError) as renumbered:
+        inverse.plan(_hub_metas(rename={f"h.1.experts.1.{p}": f"h.1.experts.3.{p}" for p in ("gate_proj", "up_proj", "down_proj")}))
+    assert "but missing h.1.experts.1.down_proj; unexpected h.1.experts.3.down_proj; Fix" in str(renumbered.value)
+    assert "\n" not in str(renumbered.value)
+    with pytest.raises(CheckpointError, match=r"concatenating .*h\.1\.experts\.0\.up_proj'\] are missing"):
+        inverse.plan(_hub_metas(drop=["h.1.experts.0.up_proj"]))
+
+
+def test_unstack_and_stack_refuse_what_does_not_fit():
+    with pytest.raises(CheckpointError, match=r"dim 0 of \[3, 2\] cannot be unstacked into 2 tensors"):
+        Mapping((Unstack("s", "p.{expert}", 2),)).plan({"s": Meta((3, 2), "float32")})
+    with pytest.raises(CheckpointError, match=r"p\.1: shape \[3\] float32 differs from p\.0 \[2\] float32"):
+        Mapping((Stack("p.{expert}", "s", 2),)).plan({"p.0": Meta((2,), "float32"), "p.1": Meta((3,), "float32")})
+    with pytest.raises(CheckpointError, match="plus exactly one that numbers the parts"):
+        Unstack("l.{layer}.s", "p.{expert}", 2)
+    with pytest.raises(CheckpointError, match="plus exactly one that numbers the parts"):
+        Stack("p.{layer}.{expert}", "s", 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 3), st.lists(st.integers(1, 3), max_size=2), st.integers(1, 3))
+def test_any_unstack_then_its_derived_inverse_is_the_identity(count, offset, inner, layers):
+    stacked = {f"l.{layer}.w": _distinct(count, *inner, start=100 * layer) for layer in range(layers)}
+    mapping = Mapping((Unstack("l.{layer}.w", f"h.{{layer}}.e.{{expert+{offset}}}.w", count),))
+    parts = _apply(mapping, stacked)
+    assert sorted(parts) == sorted(f"h.{layer}.e.{e + offset}.w" for layer in range(layers) for e in range(count))
+    assert all(torch.equal(parts[f"h.{layer}.e.{e + offset}.w"], stacked[f"l.{layer}.w"][e])
+               for layer in range(layers) for e in range(count))
+    back = _apply(mapping.inverse(), parts)
+    assert back.keys() == stacked.keys() and all(torch.equal(back[k], stacked[k]) for k in stacked)
