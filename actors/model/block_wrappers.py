@@ -30,7 +30,7 @@ _SAVED_OP_NAMES = (
     "aten._scaled_dot_product_cudnn_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "_c10d_functional.all_reduce.default", "_c10d_functional.reduce_scatter_tensor.default",
-    "_c10d_functional.all_gather_into_tensor.default",
+    "_c10d_functional.all_gather_into_tensor.default", "_c10d_functional.all_to_all_single.default",
 )
 
 

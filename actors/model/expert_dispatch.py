@@ -6,8 +6,10 @@ experts each; those ranks hold different tokens. One all-to-all of counts tells 
 many tokens it will receive for each of its experts from each peer; one all-to-all sends the
 tokens (grouped by expert, so by destination rank), the rank runs its experts, and a second
 all-to-all returns the results in the order they came. Dropless, so the split sizes vary per step
-(gloo and NCCL both take uneven splits). The token all-to-alls are torch's differentiable
-`torch.distributed.nn.functional.all_to_all_single`: their backward is the reverse exchange.
+(gloo and NCCL both take uneven splits). The token all-to-alls are torch's functional
+`all_to_all_single_autograd`: differentiable (the backward is the reverse exchange), and an op
+selective activation checkpointing can save instead of communicating again
+(`actors/model/block_wrappers.SAVED_OPS`).
 
 Tensor parallelism over experts: every tp rank routes the same tokens and holds every expert's
 share of hidden units; each rank's expert outputs are partial sums, added over tp before the
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as differentiable
+import torch.distributed._functional_collectives as functional
 
 from actors.model.moe import Experts, RoutingStatistics
 
@@ -88,6 +90,12 @@ def expert_major_order(received: torch.Tensor) -> torch.Tensor:
     return expert_major_starts[segment] + torch.arange(total) - segment_begin
 
 
+def _exchange(rows: torch.Tensor, receive_splits: list[int], send_splits: list[int],
+              group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows [sum(send_splits), dim] out to the group's ranks in order, rows from them back."""
+    return functional.wait_tensor(functional.all_to_all_single_autograd(rows.contiguous(), receive_splits, send_splits, group))
+
+
 class AllToAllDispatch:
     """ep > 1: experts split over `ep_group` (this rank holds experts [rank * E/ep, (rank+1) * E/ep))."""
 
@@ -105,16 +113,14 @@ class AllToAllDispatch:
         received = received.view(self.ep, local).cpu()
         send_splits = counts.view(self.ep, local).sum(dim=1).tolist()
         receive_splits = received.sum(dim=1).tolist()
-        arrived = routed.new_empty((sum(receive_splits), routed.shape[1]))
-        arrived = differentiable.all_to_all_single(arrived, routed, receive_splits, send_splits, group=self.ep_group)
+        arrived = _exchange(routed, receive_splits, send_splits, self.ep_group)
         order = expert_major_order(received).to(routed.device)
         done = run_tensor_parallel_experts(arrived.index_select(0, order), received.sum(dim=0).tolist(), experts,
                                            self.tp_group)
         done = done.index_select(0, order.argsort())
-        returned = routed.new_empty((sum(send_splits), routed.shape[1]))
         if statistics is not None:  # the forward's two token exchanges; the backward mirrors them
             row = routed.shape[1] * routed.element_size()
             statistics.record_exchange(row * (sum(send_splits) + sum(receive_splits)),
                                        row * (sum(send_splits) - send_splits[self.ep_rank]
                                               + sum(receive_splits) - receive_splits[self.ep_rank]))
-        return differentiable.all_to_all_single(returned, done, send_splits, receive_splits, group=self.ep_group)
+        return _exchange(done, send_splits, receive_splits, self.ep_group)
