@@ -26,11 +26,15 @@ LAYOUTS = {
     "fsdp2(ep2)xpp2": ParallelLayout(fsdp=2, ep=2, pp=2),
     "fsdp4(ep4)": ParallelLayout(fsdp=4, ep=4),
 }
+# Experts copied over dp replicas: their gradients averaged by the trainer, not FSDP.
+WITH_REPLICAS = {"dp2xfsdp2(ep2)": ParallelLayout(dp=2, fsdp=2, ep=2)}
+# The other router: sigmoid scores, the k weights renormalised, no shared expert, every layer MoE.
+SIGMOID = preset("moe-tiny", router_scores="sigmoid", norm_topk=True, shared_expert_ffn_dim=0, moe_every=1)
 
 
 def _config(tmp_path, layout, steps=1, **overrides):
-    return small_config(tmp_path, layout, model=MOE, global_batch=8, seq_len=16, steps=steps, run="moe",
-                        model_preset="moe-tiny", **overrides)
+    values = dict(model=MOE, global_batch=8, seq_len=16, steps=steps, run="moe", model_preset="moe-tiny")
+    return small_config(tmp_path, layout, **{**values, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +42,9 @@ def single(rank_pool, tmp_path_factory):
     return one_step(rank_pool, _config(tmp_path_factory.mktemp("one"), ParallelLayout()))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(LAYOUTS) + list(WITH_REPLICAS))
 def test_one_step_equals_one_rank(rank_pool, single, tmp_path, name):
-    loss, gradients = one_step(rank_pool, _config(tmp_path, LAYOUTS[name]))
+    loss, gradients = one_step(rank_pool, _config(tmp_path, {**LAYOUTS, **WITH_REPLICAS}[name]))
     reference_loss, reference = single
     assert math.isclose(loss, reference_loss, rel_tol=1e-6), (loss, reference_loss)
     assert gradients.keys() == reference.keys()
@@ -117,3 +121,13 @@ def test_bf16_with_ep_follows_fp32(run_training, twenty_steps_on_one_rank, tmp_p
     bf16 = run_training(_config(tmp_path, LAYOUTS["fsdp2(ep2)"], steps=4, precision="bf16", optimizer=same_schedule))
     for step, loss in bf16.losses.items():
         assert math.isclose(loss, twenty_steps_on_one_rank.losses[step], rel_tol=2e-2), step
+
+
+def test_sigmoid_router_without_shared_expert_equals_one_rank(rank_pool, tmp_path):
+    reference_loss, reference = one_step(rank_pool, _config(tmp_path / "one", ParallelLayout(), model=SIGMOID))
+    loss, gradients = one_step(rank_pool, _config(tmp_path / "split", LAYOUTS["fsdp2(ep2)xtp2"], model=SIGMOID))
+    assert math.isclose(loss, reference_loss, rel_tol=1e-6)
+    assert not any(".shared" in key for key in reference) and len(SIGMOID.moe_layers) == SIGMOID.n_layers
+    assert gradients.keys() == reference.keys()
+    for key, gradient in gradients.items():
+        torch.testing.assert_close(gradient, reference[key], rtol=RTOL, atol=ATOL, msg=key)
