@@ -192,7 +192,9 @@ class Trainer:
                 table[layer, experts] = statistics.aux_sum / max(1, statistics.aux_count)
             table[layer, experts + 1:] = torch.tensor([statistics.exchanged_bytes, statistics.peer_bytes], dtype=torch.float64)
             statistics.reset()
+        table = table.to(self.device)  # NCCL reduces device tensors only
         self.runner.wait(dist.all_reduce(table, async_op=True), "the routing statistics all-reduce")
+        table = table.cpu()
         moe = list(model.moe_layers)
         aux = float(table[moe, experts].sum()) / (len(moe) * self.layout.data_parallel_size)
         return {"expert_tokens": {layer: [int(count) for count in table[layer, :experts].tolist()] for layer in moe},

@@ -1,6 +1,7 @@
 """A group of RankActors: one placement-group bundle per rank, one process group over them."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -22,10 +23,14 @@ DEFAULT_START_TIMEOUT_S = 60.0
 
 
 def connect_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (set by `ray job submit`), else start a local one."""
+    """Join the cluster named by RAY_ADDRESS (set by `ray job submit`), else start a local one.
+
+    "local" explicitly: a bare `ray.init()` also joins whatever cluster `ray start` (or a test's
+    cluster) last left on this machine, and a run would land on it, its ranks then killed with it
+    ("actor creation cancelled"), instead of on its own Ray."""
     if not ray.is_initialized():
-        ray.init(logging_level="WARNING", log_to_driver=True, include_dashboard=False,
-                 configure_logging=True)
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", logging_level="WARNING", log_to_driver=True,
+                 include_dashboard=False, configure_logging=True)
 
 
 def bundle_for_rank(world_size: int, cpus_per_rank: float | None = None,

@@ -141,3 +141,17 @@ def test_a_bf16_gpu_checkpoint_resumes_on_cpu_ranks_with_its_fp32_master_state(b
     log = _train(store, "bf16-to-cpu", "--resume", f"bf16@{CKPT_EVERY}", "--dp", "1", "--fsdp", "2", "--tp", "1",
                  "--precision", "fp32", "--verify-resume", gpu=False)
     assert "resumed state verified" in log
+
+
+def test_an_moe_model_trains_on_the_gpu_and_resumes_with_experts_split_over_cpu_ranks(tmp_path):
+    """moe-tiny on one GPU rank (routing, the balance loss and the routing statistics' all-reduce
+    on NCCL, in bf16), then its float32 checkpoint on fsdp2(ep2) gloo ranks: experts split over
+    the two ranks, digests equal to the checkpoint's, training continues."""
+    store = str(tmp_path)
+    moe = ("--model", "moe-tiny", "--dp", "1", "--tp", "1")
+    log = _train(store, "moe-gpu", *moe, "--precision", "bf16", gpu=True)
+    assert "rank actors ready on cuda:0" in log and "expert load max/mean" in log
+    log = _train(store, "moe-to-cpu", "--resume", f"moe-gpu@{CKPT_EVERY}", "--model", "moe-tiny", "--fsdp", "2",
+                 "--ep", "2", "--precision", "fp32", "--verify-resume", gpu=False)
+    assert "resumed state verified" in log
+    assert sorted(_losses(store, "moe-to-cpu")) == list(range(CKPT_EVERY + 1, STEPS + 1))
