@@ -19,7 +19,8 @@ from plans.errors import CheckpointError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_spec import preset
 from tests.conftest import small_config
-from tests.integration.reshard_helpers import chunk_fingerprint, digests, load_and_save, writer_rank
+from tests.integration.reshard_helpers import (chunk_fingerprint, digests, load_and_save, resume_continuity,
+                                               writer_rank)
 
 MOE = preset("moe-tiny")
 SOURCE = ParallelLayout(dp=2, fsdp=2, ep=2)
@@ -137,24 +138,17 @@ def _matches(pattern: str, text: str) -> bool:
 
 def _continuity(run_training, tmp_path, before, after):
     """`before` steps on fsdp2(ep2), resumed on fsdp4(ep4) for `after` more, against an
-    uninterrupted run on fsdp2(ep2); returns the continuity picture's summary."""
-    from cluster.pictures.resume_plot import plot_resume
+    uninterrupted run on fsdp2(ep2); the tokens each expert got match every step too."""
     from plans.config import OptimizerConfig
 
-    total = before + after
-    a, b = ParallelLayout(fsdp=2, ep=2), ParallelLayout(fsdp=4, ep=4)
-    optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=total)
-    full = run_training(_config(tmp_path, a, "uninterrupted", steps=total, optimizer=optimizer))
-    run_training(_config(tmp_path, a, "resumed", steps=before, optimizer=optimizer))
-    resumed = run_training(_config(tmp_path, b, "resumed", steps=total, optimizer=optimizer, resume="latest"))
-    assert resumed.start_step == before
-    for step in range(before + 1, total + 1):
-        assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-5, abs=0), step
+    def config(layout, steps, total, run, **overrides):
+        optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=total)
+        return _config(tmp_path, layout, run, steps=steps, optimizer=optimizer, **overrides)
+
+    picture, full, resumed = resume_continuity(run_training, tmp_path, config, ParallelLayout(fsdp=2, ep=2),
+                                               ParallelLayout(fsdp=4, ep=4), before, after, 1e-5)
+    for step in range(before + 1, before + after + 1):
         assert resumed.expert_tokens[step] == full.expert_tokens[step], step
-    picture = plot_resume(Store(str(tmp_path / "store")), ["resumed"], str(tmp_path / "resume.png"), reference="uninterrupted")
-    assert picture["steps_compared"] == total and picture["max_relative_difference"] <= 1e-5
-    assert len(picture["segments"]) == 2
-    assert (tmp_path / "resume.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return picture
 
 

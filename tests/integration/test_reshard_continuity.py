@@ -8,11 +8,10 @@ version (50 on A, 200 on B) is marked slow:
 """
 import pytest
 
-from cluster.pictures.resume_plot import plot_resume
-from cluster.storage.store import Store
 from plans.config import OptimizerConfig
 from plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
+from tests.integration.reshard_helpers import resume_continuity
 
 # 4 ranks -> 2 ranks, as in the demo: dp2 x tp2 -> tp2.
 A, B = ParallelLayout(dp=2, tp=2), ParallelLayout(tp=2)
@@ -26,17 +25,8 @@ def _config(tmp_path, layout, steps, total, run, **overrides):
 
 
 def _continuity(run_training, tmp_path, before, after):
-    total = before + after
-    full = run_training(_config(tmp_path, A, total, total, "uninterrupted"))
-    run_training(_config(tmp_path, A, before, total, "resumed"))
-    resumed = run_training(_config(tmp_path, B, total, total, "resumed", resume="latest"))
-    assert resumed.start_step == before
-    for step in range(before + 1, total + 1):
-        assert resumed.losses[step] == pytest.approx(full.losses[step], rel=TOLERANCE, abs=0), step
-    picture = plot_resume(Store(str(tmp_path / "store")), ["resumed"], str(tmp_path / "resume.png"), reference="uninterrupted")
-    assert picture["steps_compared"] == total and picture["max_relative_difference"] <= TOLERANCE
-    assert len(picture["segments"]) == 2  # layout A, then layout B, in their own colours
-    assert (tmp_path / "resume.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = lambda layout, steps, total, run, **overrides: _config(tmp_path, layout, steps, total, run, **overrides)
+    picture, _, _ = resume_continuity(run_training, tmp_path, config, A, B, before, after, TOLERANCE)
     return picture
 
 
