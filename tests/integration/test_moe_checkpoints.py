@@ -76,7 +76,9 @@ def test_offline_reshard_there_and_back_is_bit_exact(source, name):
     assert chunk_fingerprint(back) == chunk_fingerprint(url)
 
 
-@pytest.mark.parametrize("name", ["fsdp4(ep4)", "fsdp2(ep2)xpp2", "fsdp2(ep2)xtp2", "single"])
+@pytest.mark.parametrize("name", ["fsdp4(ep4)", "fsdp2(ep2)xpp2",
+                                  pytest.param("fsdp2(ep2)xtp2", marks=pytest.mark.slow),
+                                  pytest.param("single", marks=pytest.mark.slow)])
 def test_load_and_save_in_training_actors_round_trips(source, rank_pool, tmp_path, name):
     """Through the ranks' own DTensor placements: ep4, ep2 with pp or tp, and no ep at all."""
     _, url, source_digests = source
