@@ -272,8 +272,24 @@ def squares_sum(pieces: list[torch.Tensor]) -> torch.Tensor:
     apart), and the clip scales every gradient by the norm: one ulp a few dozen steps in set the
     two layouts on paths 2e-5 apart by step 150 (docs/decisions.md 46). Summed in float64 and
     rounded to float32 once, the norm depends on the gradient values alone (a layout's float64
-    rounding would have to straddle a float32 boundary: odds ~1e-9 a step)."""
-    return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
+    rounding would have to straddle a float32 boundary: odds ~1e-9 a step).
+
+    On a CPU the pieces are converted a cache-sized chunk at a time into one float64 buffer: the
+    float64 copy of every gradient that `_foreach_norm(dtype=float64)` makes cost 4% of a small
+    preset's step, most of the gradient norm's time (bench/RESULTS.md, throughput)."""
+    if pieces[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
+    total = torch.zeros((), dtype=torch.float64)
+    buffer = torch.empty(min(_NORM_CHUNK, max(piece.numel() for piece in pieces)), dtype=torch.float64)
+    for piece in pieces:
+        for part in piece.reshape(-1).split(_NORM_CHUNK):
+            converted = buffer[:part.numel()]
+            converted.copy_(part)  # exact: every float32 is a float64, and so is its square's sum term
+            total += torch.dot(converted, converted)
+    return total
+
+
+_NORM_CHUNK = 1 << 18  # float64 elements: 2 MiB, stays in cache between the copy and the dot
 
 
 @torch.no_grad()
