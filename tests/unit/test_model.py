@@ -1,4 +1,5 @@
 """The reference model's fused layouts: contiguous row blocks are whole head groups / units."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -63,3 +64,26 @@ def test_causal_model_output_does_not_depend_on_future_tokens():
     changed = tokens.clone()
     changed[0, 8:] = (changed[0, 8:] + 1) % 256
     torch.testing.assert_close(model(tokens)[:, :8], model(changed)[:, :8])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 5, 12), (3, 7, 2), (1, 1, 320)])
+def test_interleaved_swiglu_is_bit_identical_to_plain_autograd(shape, dtype):
+    """The hand-written backward writes both halves of the fused gradient itself; values must be
+    autograd's own, bit for bit (a swapped gate/up, or a gradient into the wrong half, fails)."""
+    from actors.model.swiglu import interleaved_swiglu
+
+    generator = torch.Generator().manual_seed(3)
+    # Gates and ups of different scales per unit: swapping the halves changes every value.
+    scale = torch.linspace(0.2, 4.0, shape[-1]) * torch.tensor([1.0, -0.3]).repeat(shape[-1] // 2)
+    values = (torch.randn(shape, generator=generator) * scale).to(dtype)
+    grad = torch.randn((*shape[:-1], shape[-1] // 2), generator=generator).to(dtype)
+    results = []
+    for function in (lambda v: F.silu(v.unflatten(-1, (-1, 2))[..., 0]) * v.unflatten(-1, (-1, 2))[..., 1],
+                     interleaved_swiglu):
+        leaf = values.clone().requires_grad_(True)
+        out = function(leaf)
+        out.backward(grad)
+        results.append((out.detach(), leaf.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
