@@ -1,0 +1,88 @@
+"""Mixture of experts on the shapes and layouts the main tests leave out: odd expert counts over
+three ranks, top-k at its two ends, pipeline stages with no MoE layer, tied embeddings and bf16
+under pp, and a step where some rank's experts receive no token at all.
+
+Each case compares one step (loss and every full gradient) with one rank on the same model and
+batch, fp32 tolerances as `test_moe_training.py` uses."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from plans.layout.parallel_layout import ParallelLayout
+from plans.training.model_spec import preset
+from tests.conftest import small_config
+from tests.integration.test_pipeline_numerics import ATOL, RTOL, one_step
+
+
+def _config(tmp_path, layout, model, **overrides):
+    values = dict(model=model, global_batch=12, seq_len=8, steps=1, run="odd", model_preset="moe-tiny")
+    return small_config(tmp_path, layout, **{**values, **overrides})
+
+
+def _equals_one_rank(rank_pool, tmp_path, layout, model, **overrides):
+    reference_loss, reference = one_step(rank_pool, _config(tmp_path / "one", ParallelLayout(), model, **overrides))
+    loss, gradients = one_step(rank_pool, _config(tmp_path / "split", layout, model, **overrides))
+    assert math.isclose(loss, reference_loss, rel_tol=1e-6), (loss, reference_loss)
+    assert gradients.keys() == reference.keys()
+    for key, gradient in gradients.items():
+        torch.testing.assert_close(gradient, reference[key], rtol=RTOL, atol=ATOL, msg=key)
+    return reference
+
+
+CASES = {
+    # Three ranks: experts 2 a rank, and every dense weight FSDP-sharded unevenly (64 rows over 3).
+    "6experts-fsdp3(ep3)": (ParallelLayout(fsdp=3, ep=3), dict(n_experts=6)),
+    # Every token to every expert: each rank receives all its peers' tokens for each local expert.
+    "topk=experts-fsdp2(ep2)": (ParallelLayout(fsdp=2, ep=2), dict(experts_per_token=8)),
+    # Layer 2 alone is MoE: stage 0 (layers 0-1) holds no expert, stage 1 holds them all.
+    "moe_every3-fsdp2(ep2)xpp2": (ParallelLayout(fsdp=2, ep=2, pp=2), dict(moe_every=3)),
+    # Tied embeddings across two stages with experts split on each.
+    "tied-fsdp2(ep2)xpp2": (ParallelLayout(fsdp=2, ep=2, pp=2), dict(tie_embeddings=True)),
+}
+SLOW_CASES = {
+    "12experts-fsdp3(ep3)xtp2": (ParallelLayout(fsdp=3, ep=3, tp=2), dict(n_experts=12)),
+    "dp2xfsdp2(ep2)xpp2": (ParallelLayout(dp=2, fsdp=2, ep=2, pp=2), dict()),
+    "tied-fsdp2(ep2)xpp2xvpp2": (ParallelLayout(fsdp=2, ep=2, pp=2, vpp=2), dict(tie_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES) + [pytest.param(name, marks=pytest.mark.slow) for name in SLOW_CASES])
+def test_one_step_equals_one_rank(rank_pool, tmp_path, name):
+    layout, fields = {**CASES, **SLOW_CASES}[name]
+    model = preset("moe-tiny", **fields)
+    overrides = dict(global_batch=8) if layout.data_parallel_size in (2, 4) else {}
+    if layout.pp > 1:
+        overrides.update(microbatches=2, schedule="interleaved1f1b" if layout.vpp > 1 else "1f1b")
+    _equals_one_rank(rank_pool, tmp_path, layout, model, **overrides)
+
+
+# One token per rank, each to one expert of eight over four ranks: at least one rank's two experts
+# get no token (the run's logged tokens per expert show which), so its all-to-all receives nothing.
+STARVED = preset("moe-tiny", experts_per_token=1)
+STARVED_LAYOUT = ParallelLayout(fsdp=4, ep=4)
+
+
+def test_a_rank_whose_experts_get_no_token_equals_one_rank(rank_pool, run_training, tmp_path):
+    overrides = dict(global_batch=4, seq_len=1)
+    reference = _equals_one_rank(rank_pool, tmp_path, STARVED_LAYOUT, STARVED, **overrides)
+    # The same weights and batch as the step above: the run's first step logs its routing.
+    run = run_training(_config(tmp_path / "run", STARVED_LAYOUT, STARVED, **overrides))
+    for layer, counts in run.expert_tokens[1].items():
+        per_rank = [sum(counts[rank * 2:rank * 2 + 2]) for rank in range(4)]
+        assert sum(per_rank) == 4 and 0 in per_rank, (layer, counts)
+    unused = [name for name, gradient in reference.items() if ".experts." in name and not gradient.abs().sum()]
+    assert not unused  # every expert tensor still has a gradient from its used experts
+
+
+def test_bf16_with_ep_under_pp_follows_fp32(run_training, tmp_path):
+    """bf16 under pp: the experts (outside FSDP) cast by the layer, stage activations in bf16."""
+    layout = ParallelLayout(fsdp=2, ep=2, pp=2)
+    model = preset("moe-tiny")
+    fp32 = run_training(_config(tmp_path / "fp32", ParallelLayout(), model, global_batch=8, steps=3))
+    bf16 = run_training(_config(tmp_path / "bf16", layout, model, global_batch=8, steps=3, precision="bf16",
+                                microbatches=2, schedule="1f1b"))
+    for step, loss in fp32.losses.items():
+        assert math.isclose(bf16.losses[step], loss, rel_tol=2e-2), (step, bf16.losses[step], loss)
