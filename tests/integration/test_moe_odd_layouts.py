@@ -42,6 +42,12 @@ CASES = {
     # Tied embeddings across two stages with experts split on each.
     "tied-fsdp2(ep2)xpp2": (ParallelLayout(fsdp=2, ep=2, pp=2), dict(tie_embeddings=True)),
 }
+# Layouts with training options on top (the one-rank reference runs without them): two
+# microbatches accumulating the experts' gradients outside FSDP, and selective activation
+# checkpointing, which saves the token all-to-alls and recomputes the count exchange.
+WITH_OPTIONS = {
+    "microbatches2-selective-ac-fsdp2(ep2)xtp2": (ParallelLayout(fsdp=2, ep=2, tp=2), dict(microbatches=2, ac="selective")),
+}
 SLOW_CASES = {
     "12experts-fsdp3(ep3)xtp2": (ParallelLayout(fsdp=3, ep=3, tp=2), dict(n_experts=12)),
     "dp2xfsdp2(ep2)xpp2": (ParallelLayout(dp=2, fsdp=2, ep=2, pp=2), dict()),
@@ -65,6 +71,18 @@ STARVED = preset("moe-tiny", experts_per_token=1)
 STARVED_LAYOUT = ParallelLayout(fsdp=4, ep=4)
 
 
+@pytest.mark.parametrize("name", list(WITH_OPTIONS))
+def test_one_step_with_training_options_equals_one_rank(rank_pool, tmp_path, name):
+    layout, options = WITH_OPTIONS[name]
+    model = preset("moe-tiny")
+    reference_loss, reference = one_step(rank_pool, _config(tmp_path / "one", ParallelLayout(), model, global_batch=8))
+    loss, gradients = one_step(rank_pool, _config(tmp_path / "split", layout, model, global_batch=8, **options))
+    assert math.isclose(loss, reference_loss, rel_tol=1e-6), (loss, reference_loss)
+    assert gradients.keys() == reference.keys()
+    for key, gradient in gradients.items():
+        torch.testing.assert_close(gradient, reference[key], rtol=RTOL, atol=ATOL, msg=key)
+
+
 def test_a_rank_whose_experts_get_no_token_equals_one_rank(rank_pool, run_training, tmp_path):
     overrides = dict(global_batch=4, seq_len=1)
     reference = _equals_one_rank(rank_pool, tmp_path, STARVED_LAYOUT, STARVED, **overrides)
@@ -86,3 +104,25 @@ def test_bf16_with_ep_under_pp_follows_fp32(run_training, tmp_path):
                                 microbatches=2, schedule="1f1b"))
     for step, loss in fp32.losses.items():
         assert math.isclose(bf16.losses[step], loss, rel_tol=2e-2), (step, bf16.losses[step], loss)
+
+
+def test_six_experts_on_three_ranks_move_bit_exact(run_training, rank_pool, tmp_path):
+    """A checkpoint of 6 experts written on fsdp3(ep3) (2 experts a rank, the dense weights cut
+    unevenly by FSDP2) loads into fsdp2(ep2) x tp2 and into fsdp6(ep6) (one expert a rank) and is
+    saved back with every tensor and moment bit-identical; offline to one rank and back too."""
+    from cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from cluster.storage.store import Store
+    from tests.integration.reshard_helpers import chunk_fingerprint, digests, load_and_save
+
+    model = preset("moe-tiny", n_experts=6)
+    source = ParallelLayout(fsdp=3, ep=3)
+    url = run_training(_config(tmp_path, source, model, steps=2, run="src")).checkpoints[-1]
+    expected = digests(url)
+    for run, layout in (("to-ep2-tp2", ParallelLayout(fsdp=2, ep=2, tp=2)), ("to-ep6", ParallelLayout(fsdp=6, ep=6))):
+        there = load_and_save(_config(tmp_path, layout, model, run=run), url, rank_pool)
+        assert digests(there) == expected, run
+    store = Store(str(tmp_path / "store"))
+    there = reshard_checkpoint(url, ParallelLayout(), store, "to-one", local=True, log=lambda *_: None).url
+    assert digests(there) == expected
+    back = reshard_checkpoint(there, source, store, "back", local=True, log=lambda *_: None).url
+    assert chunk_fingerprint(back) == chunk_fingerprint(url)
