@@ -41,6 +41,9 @@ CASES = {
     "moe_every3-fsdp2(ep2)xpp2": (ParallelLayout(fsdp=2, ep=2, pp=2), dict(moe_every=3)),
     # Tied embeddings across two stages with experts split on each.
     "tied-fsdp2(ep2)xpp2": (ParallelLayout(fsdp=2, ep=2, pp=2), dict(tie_embeddings=True)),
+    # ep = 1: every expert on every rank, FSDP2 shards the stacked weights with the rest and tp
+    # splits each expert's hidden units (the tp dispatch adds the partial results).
+    "fsdp2xtp2(ep1)": (ParallelLayout(fsdp=2, tp=2), dict()),
 }
 # Layouts with training options on top (the one-rank reference runs without them): two
 # microbatches accumulating the experts' gradients outside FSDP, and selective activation
@@ -52,6 +55,7 @@ SLOW_CASES = {
     "12experts-fsdp3(ep3)xtp2": (ParallelLayout(fsdp=3, ep=3, tp=2), dict(n_experts=12)),
     "dp2xfsdp2(ep2)xpp2": (ParallelLayout(dp=2, fsdp=2, ep=2, pp=2), dict()),
     "tied-fsdp2(ep2)xpp2xvpp2": (ParallelLayout(fsdp=2, ep=2, pp=2, vpp=2), dict(tie_embeddings=True)),
+    "dp2xtp2xpp2(ep1)": (ParallelLayout(dp=2, tp=2, pp=2), dict()),
 }
 
 
@@ -126,3 +130,27 @@ def test_six_experts_on_three_ranks_move_bit_exact(run_training, rank_pool, tmp_
     assert digests(there) == expected
     back = reshard_checkpoint(there, source, store, "back", local=True, log=lambda *_: None).url
     assert chunk_fingerprint(back) == chunk_fingerprint(url)
+
+
+def test_steps_with_a_stage_without_experts_follow_one_rank(run_training, tmp_path):
+    """The whole step, not only the gradients: clipping, AdamW and the routing statistics with
+    pipeline stage 0 holding no MoE layer (its rows of the statistics table stay empty) and the
+    tied embedding's copy on the last stage."""
+    model = preset("moe-tiny", moe_every=3, tie_embeddings=True)
+    one = run_training(_config(tmp_path / "one", ParallelLayout(), model, global_batch=8, steps=3))
+    split = run_training(_config(tmp_path / "split", ParallelLayout(fsdp=2, ep=2, pp=2), model, global_batch=8, steps=3,
+                                 microbatches=2, schedule="1f1b"))
+    assert sorted(split.losses) == [1, 2, 3]
+    for step, loss in one.losses.items():
+        assert math.isclose(split.losses[step], loss, rel_tol=1e-5), (step, split.losses[step], loss)
+    assert split.expert_tokens == one.expert_tokens and sorted(one.expert_tokens[1]) == [2]
+
+
+@pytest.mark.slow  # inductor compiles every block on each rank
+def test_compiled_blocks_with_ep_match_eager(run_training, tmp_path):
+    """torch.compile per block around an MoE layer whose split sizes change every step."""
+    layout, model = ParallelLayout(fsdp=2, ep=2), preset("moe-tiny")
+    eager = run_training(_config(tmp_path / "eager", layout, model, global_batch=8, steps=3)).losses
+    compiled = run_training(_config(tmp_path / "compiled", layout, model, global_batch=8, steps=3, compile=True)).losses
+    for step, loss in eager.items():
+        assert math.isclose(compiled[step], loss, rel_tol=1e-5), (step, compiled[step], loss)
