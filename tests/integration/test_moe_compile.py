@@ -7,8 +7,10 @@ at step 5). The dispatch and experts now run outside dynamo; the rest of the blo
 One rank in this process (the trainer does not need Ray): dynamo's counters are per process."""
 from __future__ import annotations
 
+import math
 import socket
 
+import pytest
 import torch
 
 from plans.layout.parallel_layout import ParallelLayout
@@ -22,24 +24,37 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_compiled_moe_blocks_do_not_recompile_as_the_routing_changes(tmp_path):
+def _train(config) -> tuple[list, list[int], set]:
+    """Losses, dynamo's compiled-graph count after each step, and the routings seen."""
     from torch._dynamo.utils import counters
 
     from actors.training.trainer import Trainer
 
-    config = small_config(tmp_path, ParallelLayout(), model=preset("moe-tiny"), model_preset="moe-tiny", global_batch=8,
-                          seq_len=16, steps=10, compile=True)
     torch._dynamo.reset()
     counters.clear()
     trainer = Trainer(config, 0, f"tcp://127.0.0.1:{_free_port()}")
+    losses, graphs, loads = [], [], set()
     try:
-        loads, graphs = set(), []
         for _ in range(config.steps):
             metrics = trainer.train_step()
-            loads.add(tuple(tuple(counts) for counts in metrics.expert_tokens.values()))
+            losses.append(metrics.loss)
             graphs.append(counters["stats"]["unique_graphs"])
+            loads.add(tuple(tuple(counts) for counts in metrics.expert_tokens.values()))
     finally:
         trainer.shutdown()
         torch._dynamo.reset()
-    assert len(loads) == config.steps  # a new routing every step: the sizes the experts see change
+    return losses, graphs, loads
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_compiled_moe_blocks_do_not_recompile_as_the_routing_changes(tmp_path, ac):
+    def config(compile_blocks: bool):
+        return small_config(tmp_path / str(compile_blocks), ParallelLayout(), model=preset("moe-tiny"),
+                            model_preset="moe-tiny", global_batch=8, seq_len=16, steps=10, compile=compile_blocks, ac=ac)
+
+    losses, graphs, loads = _train(config(True))
+    assert len(loads) == len(losses)  # a new routing every step: the sizes the experts see change
     assert graphs[-1] == graphs[1], graphs  # everything compiled by the end of step 2, nothing since
+    eager, _, _ = _train(config(False))
+    for step, (loss, expected) in enumerate(zip(losses, eager)):
+        assert math.isclose(loss, expected, rel_tol=1e-5), (step, loss, expected)
