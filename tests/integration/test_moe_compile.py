@@ -40,6 +40,9 @@ def _train(config) -> tuple[list, list[int], set]:
             losses.append(metrics.loss)
             graphs.append(counters["stats"]["unique_graphs"])
             loads.add(tuple(tuple(counts) for counts in metrics.expert_tokens.values()))
+            # Each token's k slots counted once: not again when full AC recomputes a compiled block.
+            assert all(sum(counts) == config.global_batch * config.seq_len * config.model.experts_per_token
+                       for counts in metrics.expert_tokens.values()), metrics.expert_tokens
     finally:
         trainer.shutdown()
         torch._dynamo.reset()
