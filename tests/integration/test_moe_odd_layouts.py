@@ -44,6 +44,8 @@ CASES = {
     # ep = 1: every expert on every rank, FSDP2 shards the stacked weights with the rest and tp
     # splits each expert's hidden units (the tp dispatch adds the partial results).
     "fsdp2xtp2(ep1)": (ParallelLayout(fsdp=2, tp=2), dict()),
+    # FSDP2 cuts dim 0 of 6 stacked experts in blocks of 2 over 4 ranks: rank 3 holds none.
+    "6experts-fsdp4(ep1)": (ParallelLayout(fsdp=4), dict(n_experts=6)),
 }
 # Layouts with training options on top (the one-rank reference runs without them): two
 # microbatches accumulating the experts' gradients outside FSDP, and selective activation
@@ -56,6 +58,8 @@ SLOW_CASES = {
     "dp2xfsdp2(ep2)xpp2": (ParallelLayout(dp=2, fsdp=2, ep=2, pp=2), dict()),
     "tied-fsdp2(ep2)xpp2xvpp2": (ParallelLayout(fsdp=2, ep=2, pp=2, vpp=2), dict(tie_embeddings=True)),
     "dp2xtp2xpp2(ep1)": (ParallelLayout(dp=2, tp=2, pp=2), dict()),
+    # One expert a rank.
+    "fsdp8(ep8)": (ParallelLayout(fsdp=8, ep=8), dict()),
 }
 
 
@@ -63,7 +67,7 @@ SLOW_CASES = {
 def test_one_step_equals_one_rank(rank_pool, tmp_path, name):
     layout, fields = {**CASES, **SLOW_CASES}[name]
     model = preset("moe-tiny", **fields)
-    overrides = dict(global_batch=8) if layout.data_parallel_size in (2, 4) else {}
+    overrides = dict(global_batch=8) if layout.data_parallel_size in (2, 4, 8) else {}
     if layout.pp > 1:
         overrides.update(microbatches=2, schedule="interleaved1f1b" if layout.vpp > 1 else "1f1b")
     _equals_one_rank(rank_pool, tmp_path, layout, model, **overrides)
@@ -112,7 +116,7 @@ def test_bf16_with_ep_under_pp_follows_fp32(run_training, tmp_path):
 
 def test_six_experts_on_three_ranks_move_bit_exact(run_training, rank_pool, tmp_path):
     """A checkpoint of 6 experts written on fsdp3(ep3) (2 experts a rank, the dense weights cut
-    unevenly by FSDP2) loads into fsdp2(ep2) x tp2 and into fsdp6(ep6) (one expert a rank) and is
+    unevenly by FSDP2) loads into fsdp2(ep2) x tp2, fsdp6(ep6) (one expert a rank) and fsdp4 (ep 1) and is
     saved back with every tensor and moment bit-identical; offline to one rank and back too."""
     from cluster.checkpoint.offline_reshard import reshard_checkpoint
     from cluster.storage.store import Store
@@ -122,7 +126,9 @@ def test_six_experts_on_three_ranks_move_bit_exact(run_training, rank_pool, tmp_
     source = ParallelLayout(fsdp=3, ep=3)
     url = run_training(_config(tmp_path, source, model, steps=2, run="src")).checkpoints[-1]
     expected = digests(url)
-    for run, layout in (("to-ep2-tp2", ParallelLayout(fsdp=2, ep=2, tp=2)), ("to-ep6", ParallelLayout(fsdp=6, ep=6))):
+    # fsdp4 without ep: FSDP2's blocks of 2 experts leave the last rank none of them.
+    for run, layout in (("to-ep2-tp2", ParallelLayout(fsdp=2, ep=2, tp=2)), ("to-ep6", ParallelLayout(fsdp=6, ep=6)),
+                        ("to-fsdp4", ParallelLayout(fsdp=4))):
         there = load_and_save(_config(tmp_path, layout, model, run=run), url, rank_pool)
         assert digests(there) == expected, run
     store = Store(str(tmp_path / "store"))
