@@ -58,6 +58,8 @@ SLOW_CASES = {
     "dp2xfsdp2(ep2)xpp2": (ParallelLayout(dp=2, fsdp=2, ep=2, pp=2), dict()),
     "tied-fsdp2(ep2)xpp2xvpp2": (ParallelLayout(fsdp=2, ep=2, pp=2, vpp=2), dict(tie_embeddings=True)),
     "dp2xtp2xpp2(ep1)": (ParallelLayout(dp=2, tp=2, pp=2), dict()),
+    # Experts copied over dp and split over tp: the trainer's dp all-reduce runs per tp shard.
+    "dp2xfsdp2(ep2)xtp2": (ParallelLayout(dp=2, fsdp=2, ep=2, tp=2), dict()),
     # One expert a rank.
     "fsdp8(ep8)": (ParallelLayout(fsdp=8, ep=8), dict()),
 }
@@ -160,3 +162,27 @@ def test_compiled_blocks_with_ep_match_eager(run_training, tmp_path):
     compiled = run_training(_config(tmp_path / "compiled", layout, model, global_batch=8, steps=3, compile=True)).losses
     for step, loss in eager.items():
         assert math.isclose(compiled[step], loss, rel_tol=1e-5), (step, compiled[step], loss)
+
+
+def _aux_losses(tmp_path) -> list[float]:
+    import json
+
+    lines = (tmp_path / "store" / "odd" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["aux_loss"] for line in lines]
+
+
+@pytest.mark.parametrize("name, layout, options", [
+    ("fsdp2(ep2)xtp2-microbatches2", ParallelLayout(fsdp=2, ep=2, tp=2), dict(microbatches=2)),
+    ("fsdp2(ep2)xpp2xvpp2-zbv", ParallelLayout(fsdp=2, ep=2, pp=2, vpp=2), dict(microbatches=2, schedule="zbv")),
+])
+def test_the_logged_balance_loss_is_the_one_ranks(run_training, tmp_path, name, layout, options):
+    """metrics.jsonl's aux_loss, averaged over data ranks, microbatches and MoE layers, is the
+    number one rank logs: tp peers not counted twice, stages filling their own layers, a
+    zero-bubble schedule's recomputed forwards not counted."""
+    model = preset("moe-tiny")
+    run_training(_config(tmp_path / "one", ParallelLayout(), model, global_batch=8, steps=2))
+    run_training(_config(tmp_path / "split", layout, model, global_batch=8, steps=2, **options))
+    one, split = _aux_losses(tmp_path / "one"), _aux_losses(tmp_path / "split")
+    assert len(one) == len(split) == 2
+    for step, (value, expected) in enumerate(zip(split, one)):
+        assert math.isclose(value, expected, rel_tol=1e-5), (step, value, expected)
