@@ -39,6 +39,8 @@ CASES = {
     "topk=experts-fsdp2(ep2)": (ParallelLayout(fsdp=2, ep=2), dict(experts_per_token=8)),
     # Layer 2 alone is MoE: stage 0 (layers 0-1) holds no expert, stage 1 holds them all.
     "moe_every3-fsdp2(ep2)xpp2": (ParallelLayout(fsdp=2, ep=2, pp=2), dict(moe_every=3)),
+    # Every layer MoE: each stage holds nothing but MoE layers.
+    "moe_every1-fsdp2(ep2)xpp2": (ParallelLayout(fsdp=2, ep=2, pp=2), dict(moe_every=1)),
     # Tied embeddings across two stages with experts split on each.
     "tied-fsdp2(ep2)xpp2": (ParallelLayout(fsdp=2, ep=2, pp=2), dict(tie_embeddings=True)),
     # ep = 1: every expert on every rank, FSDP2 shards the stacked weights with the rest and tp
