@@ -123,6 +123,7 @@ def test_six_experts_on_three_ranks_move_bit_exact(run_training, rank_pool, tmp_
     unevenly by FSDP2) loads into fsdp2(ep2) x tp2, fsdp6(ep6) (one expert a rank) and fsdp4 (ep 1) and is
     saved back with every tensor and moment bit-identical; offline to one rank and back too."""
     from cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from cluster.checkpoint.verify import verify
     from cluster.storage.store import Store
     from tests.integration.reshard_helpers import chunk_fingerprint, digests, load_and_save
 
@@ -135,6 +136,7 @@ def test_six_experts_on_three_ranks_move_bit_exact(run_training, rank_pool, tmp_
                         ("to-fsdp4", ParallelLayout(fsdp=4))):
         there = load_and_save(_config(tmp_path, layout, model, run=run), url, rank_pool)
         assert digests(there) == expected, run
+        assert not verify(there).problems, run  # the fsdp4 save holds an empty expert piece: still whole
     store = Store(str(tmp_path / "store"))
     there = reshard_checkpoint(url, ParallelLayout(), store, "to-one", local=True, log=lambda *_: None).url
     assert digests(there) == expected
