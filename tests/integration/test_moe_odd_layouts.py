@@ -190,3 +190,19 @@ def test_the_logged_balance_loss_is_the_one_ranks(run_training, tmp_path, name, 
     assert len(one) == len(split) == 2
     for step, (value, expected) in enumerate(zip(split, one)):
         assert math.isclose(value, expected, rel_tol=1e-5), (step, value, expected)
+
+
+def test_async_saved_on_three_ranks_resumed_on_six_with_the_state_verified(run_training, rank_pool, tmp_path):
+    """6 experts saved asynchronously on fsdp3(ep3), resumed on fsdp6(ep6), one expert a rank;
+    verify_resume saves the loaded state again and checks its
+    digests equal the checkpoint's before training on, and the resumed step is the uninterrupted one."""
+    model = preset("moe-tiny", n_experts=6)
+    full = run_training(_config(tmp_path, ParallelLayout(fsdp=3, ep=3), model, steps=3, run="full"))
+    from cluster.run.train import train
+
+    train(_config(tmp_path, ParallelLayout(fsdp=3, ep=3), model, steps=2, run="cut"), rank_pool, async_save=True)
+    resumed = run_training(_config(tmp_path, ParallelLayout(fsdp=6, ep=6), model, steps=3, run="cut", resume="latest",
+                                   verify_resume=True))
+    assert resumed.start_step == 2 and sorted(resumed.losses) == [3]
+    assert math.isclose(resumed.losses[3], full.losses[3], rel_tol=1e-5), (resumed.losses[3], full.losses[3])
+    assert resumed.expert_tokens[3] == full.expert_tokens[3]
