@@ -120,6 +120,17 @@ class RoutingStatistics:
         self.exchanged_bytes, self.peer_bytes = 0, 0
 
 
+@torch.compiler.disable
+def _dispatch_uncompiled(dispatch, routed: torch.Tensor, counts: torch.Tensor, experts: Experts,
+                         statistics: RoutingStatistics | None) -> torch.Tensor:
+    """The dispatch and the experts outside torch.compile (`--compile` compiles whole blocks).
+    Their shapes are the routing's: rows per expert change every step, dynamo specialises sizes
+    0 and 1 whatever its dynamic-shape setting, so a compiled expert loop recompiled for new loads
+    until the recompile limit (8) and then ran uncompiled anyway. The collectives and the
+    host-side split sizes in between would break the graph there regardless."""
+    return dispatch(routed, counts, experts, statistics)
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward (activation checkpointing recomputes the forward then)."""
     return torch._C._current_graph_task_id() != -1
@@ -170,7 +181,7 @@ class MoEFeedForward(nn.Module):
         # Counted once per microbatch: not in a forward without gradients (a zero-bubble pipeline
         # runs F so when it recomputes the stage later) nor in the recomputation inside a backward.
         counting = self.training and torch.is_grad_enabled() and not _in_backward()
-        done = self.dispatch(routed, counts, self.experts, self.statistics if counting else None)
+        done = _dispatch_uncompiled(self.dispatch, routed, counts, self.experts, self.statistics if counting else None)
         done = done.index_select(0, order.argsort())
         out = (done.view(-1, self.top_k, dim) * weights.to(done.dtype).unsqueeze(-1)).sum(dim=1)
         if self.shared is not None:
