@@ -207,3 +207,155 @@ def test_a_layout_that_cannot_hold_the_model_is_refused_with_the_divisors_to_use
 def test_a_layout_that_holds_the_model_passes_the_fit_check():
     for layout in (ParallelLayout(tp=2, pp=2, vpp=2), ParallelLayout(pp=4), ParallelLayout(dp=8)):
         check_layout_fits(preset("tiny"), layout)  # 4 stages of 4 layers: one layer each
+
+
+# ---- small cases worked by hand: byte ranges, coalescing, a rank's plan ---------------------------
+
+from plans.checkpoint.chunks import Chunk  # noqa: E402
+from plans.checkpoint.reshard import (HeaderCheck, RankReadPlan, ReadItem, Request, Target, TensorChunks,  # noqa: E402
+                                      _items_for_overlap, coalesce, header_checks, index_chunks, plan_rank)
+
+
+def _c(shape, offsets, sizes, start, name="w", file="f", kind="param", dtype="float32"):
+    nbytes = 4 * _n(sizes)
+    return Chunk(name, kind, dtype, shape, offsets, sizes, file, start, start + nbytes, f"crc32:{start:08x}", "")
+
+
+def _n(sizes):
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
+
+
+def _spans(items):
+    return [(i.byte_start, i.byte_end, i.held_offsets, i.held_sizes, i.offsets, i.sizes) for i in items]
+
+
+def test_a_column_block_is_read_row_by_row_or_as_whole_rows():
+    # A 4 x 6 float32 chunk at byte 100: 24 bytes a row. The region rows 1-2, columns 2-4: 12 bytes a row.
+    chunk = _c((4, 6), (0, 0), (4, 6), 100)
+    assert _spans(_items_for_overlap(chunk, (1, 2), (2, 3), 12)) == [
+        (132, 144, (1, 2), (1, 3), (1, 2), (1, 3)), (156, 168, (2, 2), (1, 3), (2, 2), (1, 3))]
+    # Segments shorter than min_segment_bytes: whole rows 1-2 instead, bytes 124-172.
+    assert _spans(_items_for_overlap(chunk, (1, 2), (2, 3), 13)) == [(124, 172, (1, 0), (2, 6), (1, 2), (2, 3))]
+    # Full rows: one range, whatever min_segment_bytes.
+    assert _spans(_items_for_overlap(chunk, (1, 0), (2, 6), 1)) == [(124, 172, (1, 0), (2, 6), (1, 0), (2, 6))]
+
+
+def test_byte_ranges_of_a_chunk_that_starts_inside_the_tensor():
+    # Rows 2-3, columns 3-5 of a 4 x 6 tensor, at byte 40: 12 bytes a row.
+    chunk = _c((4, 6), (2, 3), (2, 3), 40)
+    assert _spans(_items_for_overlap(chunk, (3, 4), (1, 2), 8)) == [(56, 64, (3, 4), (1, 2), (3, 4), (1, 2))]
+    assert _spans(_items_for_overlap(chunk, (3, 4), (1, 2), 9)) == [(52, 64, (3, 3), (1, 3), (3, 4), (1, 2))]
+    assert _spans(_items_for_overlap(chunk, (2, 3), (2, 3), 1)) == [(40, 64, (2, 3), (2, 3), (2, 3), (2, 3))]
+
+
+def test_byte_ranges_of_a_three_dimensional_chunk():
+    # 3 x 4 x 2 float32 at byte 0: a dim-0 row is 32 bytes, a dim-1 row 8.
+    chunk = _c((3, 4, 2), (0, 0, 0), (3, 4, 2), 0)
+    # dims 1 partly, 2 whole: one range per dim-0 row, columns 1-2 = bytes 8-24 of each row.
+    assert _spans(_items_for_overlap(chunk, (1, 1, 0), (2, 2, 2), 16)) == [
+        (40, 56, (1, 1, 0), (1, 2, 2), (1, 1, 0), (1, 2, 2)), (72, 88, (2, 1, 0), (1, 2, 2), (2, 1, 0), (1, 2, 2))]
+    assert _spans(_items_for_overlap(chunk, (1, 1, 0), (2, 2, 2), 17)) == [
+        (32, 96, (1, 0, 0), (2, 4, 2), (1, 1, 0), (2, 2, 2))]
+    # dim 2 partly: whole dim-0 rows, whatever min_segment_bytes.
+    assert _spans(_items_for_overlap(chunk, (1, 1, 1), (1, 2, 1), 0)) == [(32, 64, (1, 0, 0), (1, 4, 2), (1, 1, 1), (1, 2, 1))]
+
+
+def test_a_scalar_is_read_whole():
+    chunk = _c((), (), (), 8)
+    assert _spans(_items_for_overlap(chunk, (), (), 0)) == [(8, 12, (), (), (), ())]
+    assert _spans(plan_reads([chunk], (), ())) == [(8, 12, (), (), (), ())]
+
+
+def test_read_item_sizes():
+    chunk = _c((4, 6), (0, 0), (4, 6), 100, dtype="bfloat16")  # byte_end as float32: only the ranges matter here
+    item = ReadItem(chunk, 124, 172, (1, 0), (2, 6), (1, 2), (2, 3))
+    assert (item.file, item.nbytes, item.needed_bytes, item.whole_chunk) == ("f", 48, 12, False)
+    whole = ReadItem(chunk, 100, 196, (0, 0), (4, 6), (0, 0), (4, 6))
+    assert whole.whole_chunk and not ReadItem(chunk, 100, 195, (0, 0), (4, 6), (0, 0), (4, 6)).whole_chunk
+    assert not ReadItem(chunk, 101, 196, (0, 0), (4, 6), (0, 0), (4, 6)).whole_chunk
+
+
+def test_plan_reads_finds_exactly_the_overlapping_chunks():
+    # Rows of 2 columns, cut at 0, 2, 5, 6 of 8: chunks 2, 3, 1 and 2 rows tall.
+    chunks = [_c((8, 2), (0, 0), (2, 2), 0), _c((8, 2), (2, 0), (3, 2), 16), _c((8, 2), (5, 0), (1, 2), 40),
+              _c((8, 2), (6, 0), (2, 2), 48)]
+    for index in (chunks, TensorChunks(chunks[::-1]), index_chunks(chunks[::-1])[("w", "param")]):
+        assert _spans(plan_reads(index, (4, 0), (3, 2))) == [(32, 40, (4, 0), (1, 2), (4, 0), (1, 2)),
+                                                              (40, 48, (5, 0), (1, 2), (5, 0), (1, 2)),
+                                                              (48, 56, (6, 0), (1, 2), (6, 0), (1, 2))]
+        assert _spans(plan_reads(index, (1, 1), (1, 1), min_segment_bytes=0)) == [(12, 16, (1, 1), (1, 1), (1, 1), (1, 1))]
+        assert _spans(plan_reads(index, (7, 0), (1, 2))) == [(56, 64, (7, 0), (1, 2), (7, 0), (1, 2))]
+        assert _spans(plan_reads(index, (0, 0), (1, 2))) == [(0, 8, (0, 0), (1, 2), (0, 0), (1, 2))]
+        assert plan_reads(index, (3, 0), (0, 2)) == []  # an empty region reads nothing
+    # The candidates: chunks starting after offset - tallest (3 rows) and before the region's end.
+    for index in (TensorChunks(chunks[::-1]), index_chunks(chunks[::-1])[("w", "param")]):
+        assert [c.offsets for c in index.overlapping((5, 0), (2, 2))] == [(5, 0), (6, 0)]
+        assert [c.offsets for c in index.overlapping((4, 0), (1, 2))] == [(2, 0)]
+        assert [c.offsets for c in index.overlapping((3, 0), (3, 2))] == [(2, 0), (5, 0)]
+
+
+def test_plan_reads_refuses_a_stored_rank_that_differs():
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads([_c((8,), (0,), (8,), 0)], (0, 0), (2, 2), "w (param)")
+    assert str(raised.value) == "w (param): stored rank 1 differs from target rank 2"
+
+
+def test_plan_reads_names_what_it_covers():
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads([_c((8, 2), (0, 0), (2, 2), 0), _c((8, 2), (4, 0), (4, 2), 16)], (1, 0), (4, 2), "w (param)")
+    assert str(raised.value) == ("w (param): the checkpoint's chunks cover 4 of the 8 elements needed for region "
+                                 "offsets=(1, 0) sizes=(4, 2); the checkpoint is incomplete or its manifest is damaged")
+
+
+def _part(file, start, end):
+    return HeaderCheck(file, start, end, "crc32:0")
+
+
+def test_coalesce_merges_touching_and_overlapping_ranges_of_a_file():
+    parts = [_part("b", 0, 10), _part("a", 20, 30), _part("a", 0, 10), _part("a", 10, 15), _part("a", 12, 14),
+             _part("a", 16, 20)]
+    requests = coalesce(parts)
+    assert [(r.file, r.byte_start, r.byte_end, [(p.byte_start, p.byte_end) for p in r.parts]) for r in requests] == [
+        ("a", 0, 15, [(0, 10), (10, 15), (12, 14)]), ("a", 16, 30, [(16, 20), (20, 30)]), ("b", 0, 10, [(0, 10)])]
+    assert [r.nbytes for r in requests] == [15, 14, 10]
+    assert coalesce([]) == []
+
+
+def test_coalesce_never_grows_a_request_past_the_limit():
+    parts = [_part("a", 0, 10), _part("a", 10, 20), _part("a", 20, 25), _part("a", 22, 30)]
+    assert [(r.byte_start, r.byte_end) for r in coalesce(parts, 20)] == [(0, 20), (20, 30)]
+    assert [(r.byte_start, r.byte_end) for r in coalesce(parts, 19)] == [(0, 10), (10, 25), (22, 30)]
+    assert [(r.byte_start, r.byte_end) for r in coalesce(parts, 25)] == [(0, 25), (22, 30)]
+    assert [(r.byte_start, r.byte_end) for r in coalesce(parts, 30)] == [(0, 30)]
+
+
+def test_a_rank_plan_reads_its_targets_and_receives_the_rest():
+    # Two files: w rows 0-1 in f (whole), rows 2-3 in g; v (4 elements) in g after w's rows.
+    chunks = [_c((4, 2), (0, 0), (2, 2), 10, file="f"), _c((4, 2), (2, 0), (2, 2), 10, file="g"),
+              _c((4,), (0,), (4,), 26, name="v", file="g")]
+    headers = {"f": HeaderCheck("f", 0, 10, "crc32:f"), "g": HeaderCheck("g", 0, 10, "crc32:g")}
+    index = index_chunks(chunks)
+    targets = [Target("w", "param", (1, 0), (2, 2)), Target("v", "param", (0,), (4,)),
+               Target("w", "param", (0, 0), (1, 2), receive_from=3, itemsize=2)]
+    cache = {}
+    plan = plan_rank(index, targets, rank=5, headers=headers, cache=cache)
+    assert plan.rank == 5 and plan.received == [targets[2]] and list(plan.items) == targets[:2]
+    # w's rows 1 (f, bytes 18-26) and 2 (g, bytes 10-18) are parts of chunks: both files' headers are
+    # checked; g's header (0-10) touches row 2 and joins its request; v (26-42) is a whole chunk.
+    assert [(r.file, r.byte_start, r.byte_end, len(r.parts)) for r in plan.requests] == [
+        ("f", 0, 10, 1), ("f", 18, 26, 1), ("g", 0, 18, 2), ("g", 26, 42, 1)]
+    assert (plan.bytes_read, plan.bytes_needed, plan.bytes_received, plan.files) == (52, 32, 4, 2)
+    # Without headers, or with v alone (a whole chunk), no header is read.
+    assert [(r.file, r.byte_start, r.byte_end) for r in plan_rank(index, targets[1:2], headers=headers).requests] == [
+        ("g", 26, 42)]
+    assert [(r.file, r.byte_start, r.byte_end) for r in plan_rank(index, targets[:1]).requests] == [
+        ("f", 18, 26), ("g", 10, 18)]
+    assert set(cache) == {("w", "param", (1, 0), (2, 2)), ("v", "param", (0,), (4,))}
+    again = plan_rank(index, targets[:1], cache={("w", "param", (1, 0), (2, 2)): []})
+    assert again.items == {targets[0]: []} and again.requests == []  # the cached answer, not planned again
+    with pytest.raises(CheckpointError) as raised:
+        plan_rank(index, [Target("u", "exp_avg", (0,), (1,))])
+    assert str(raised.value) == "u (exp_avg): not in the checkpoint"
