@@ -248,3 +248,52 @@ def test_a_damaged_manifest_with_short_offsets_is_refused_by_the_check():
     with pytest.raises(CheckpointError) as raised:
         check_chunks_disjoint_and_complete(table)
     assert str(raised.value) == "w (param): chunk at (0,) size (4,) lies outside the global shape (4, 2)"
+
+
+def test_equality_and_indexing_at_the_ends():
+    table = ChunkTable.from_chunks(MIXED)
+    assert table != MIXED[::-1] and table != ChunkTable.from_chunks(MIXED[1:] + MIXED[:1])  # same length, other records
+    assert table[0] == MIXED[0] and table[4] == MIXED[4] and table[-5] == MIXED[0]
+    for index in (5, 9):
+        with pytest.raises(IndexError) as raised:
+            table[index]
+        assert raised.value.args == (index,)
+    with pytest.raises(IndexError):
+        table[-6]
+
+
+def test_a_pickled_table_keeps_its_width_and_columns():
+    import pickle
+
+    for chunks in (sample(), MIXED, grid(name="t", rows=2, cols=2, row_cuts=(0,), col_cuts=(0,)) + [
+            Chunk("c", "param", "float32", (2, 2, 2), (0, 0, 0), (2, 2, 2), "h", 0, 32, "crc32:0")]):
+        table = ChunkTable.from_chunks(chunks)
+        again = pickle.loads(pickle.dumps(table))
+        assert again == chunks and again.width == table.width
+        assert {name: again.boxes[name].tolist() for name in again.boxes} == {name: table.boxes[name].tolist() for name in table.boxes}
+        assert decode_manifest(encode_manifest(again, {"step": 1}))[0] == chunks
+
+
+def test_concat_of_two_tables_and_of_empty_ones():
+    assert ChunkTable.concat([ChunkTable.from_chunks(MIXED[:3]), ChunkTable.from_chunks(MIXED[3:])]) == MIXED
+    assert ChunkTable.concat([ChunkTable.from_chunks(MIXED[:1]), ChunkTable.from_chunks([]),
+                              ChunkTable.from_chunks(MIXED[1:])]) == MIXED
+    empty = ChunkTable.concat([ChunkTable.from_chunks([]), ChunkTable.from_chunks([])])
+    assert len(empty) == 0 and list(empty) == []
+
+
+def test_header_checks_as_a_mapping():
+    # f: headers recorded, first chunk at 100; g: none recorded; h: header recorded, first chunk at 0
+    # (an empty header range); k: another header, no empty header anywhere in the second table.
+    chunks = grid(file="f") + grid(name="u", kind="param", file="g", header="") + [
+        Chunk("z", "param", "float32", (2,), (0,), (2,), "h", 0, 8, "crc32:0", "crc32:z")]
+    headers = header_checks(chunks)
+    assert list(headers) == ["f", "h"] and len(headers) == 2 and "g" not in headers and "h" in headers
+    assert (headers["h"].byte_start, headers["h"].byte_end, headers["h"].checksum) == (0, 0, "crc32:z")
+    with pytest.raises(KeyError) as raised:
+        headers["g"]
+    assert raised.value.args == ("g",)
+    assert headers.get("nowhere") is None
+    # No chunk without a header: every file is checked, whatever its header's dictionary code.
+    both = header_checks(grid(file="f", header="crc32:a") + grid(name="u", file="k", header="crc32:b"))
+    assert list(both) == ["f", "k"] and both["k"].checksum == "crc32:b" and both["k"].byte_end == 100
