@@ -231,9 +231,10 @@ def test_a_sliced_arrow_table_decodes_to_its_rows():
 
 
 def test_a_decoded_vector_overlap_next_to_a_matrix_is_found():
-    # v: [0, 3) and [2, 5) of 6 elements: 6 held, 6 needed, so only the overlap test can tell.
+    # v: [0, 3) and [2, 5) of 6 elements: 6 held, 6 needed, so only the overlap test can tell; the
+    # vector's rows sit in a table two columns wide (m is 6 x 1), read from Parquet list columns.
     chunks = ([_chunk("v", "param", 6, 0, 3, "f", 0), _chunk("v", "param", 6, 2, 3, "f", 12)]
-              + grid(name="m", rows=2, cols=2, row_cuts=(0,), col_cuts=(0,), file="g"))
+              + grid(name="m", rows=6, cols=1, row_cuts=(0, 2), col_cuts=(0,), file="g"))
     table, _ = decode_manifest(encode_manifest(chunks, {"step": 1}))
     with pytest.raises(CheckpointError) as raised:
         check_chunks_disjoint_and_complete(table)
@@ -294,6 +295,8 @@ def test_header_checks_as_a_mapping():
         headers["g"]
     assert raised.value.args == ("g",)
     assert headers.get("nowhere") is None
+    # Per file code (f, g, h): the first chunk's start, -1 where no header is recorded.
+    assert headers.first_chunk_starts().tolist() == [100, -1, 0]
     # No chunk without a header: every file is checked, whatever its header's dictionary code.
     both = header_checks(grid(file="f", header="crc32:a") + grid(name="u", file="k", header="crc32:b"))
     assert list(both) == ["f", "k"] and both["k"].checksum == "crc32:b" and both["k"].byte_end == 100
