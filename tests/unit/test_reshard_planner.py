@@ -359,3 +359,29 @@ def test_a_rank_plan_reads_its_targets_and_receives_the_rest():
     with pytest.raises(CheckpointError) as raised:
         plan_rank(index, [Target("u", "exp_avg", (0,), (1,))])
     assert str(raised.value) == "u (exp_avg): not in the checkpoint"
+
+
+def test_a_region_no_chunk_reaches_still_names_the_missing_experts():
+    # Expert 0 only (one 1-row chunk of an 8-expert tensor); the region wants experts 4-7.
+    name = "layers.0.feed_forward.experts.w2.weight"
+    only = _c((8, 4, 2), (0, 0, 0), (1, 4, 2), 0, name=name)
+    for index in ([only], index_chunks([only])[(name, "param")]):
+        with pytest.raises(CheckpointError) as raised:
+            plan_reads(index, (4, 0, 0), (4, 4, 2), "w2")
+        assert str(raised.value) == ("w2: the checkpoint's chunks cover 0 of the 32 elements needed for region "
+                                     "offsets=(4, 0, 0) sizes=(4, 4, 2) (experts missing or incomplete: expert 4-7); "
+                                     "the checkpoint is incomplete or its manifest is damaged")
+    with pytest.raises(CheckpointError) as raised:  # no chunk at all: no note
+        plan_reads([], (0,), (4,), "w")
+    assert str(raised.value) == ("w: the checkpoint's chunks cover 0 of the 4 elements needed for region offsets=(0,) "
+                                 "sizes=(4,); the checkpoint is incomplete or its manifest is damaged")
+
+
+def test_a_rank_plan_names_the_tensor_it_cannot_fill():
+    index = index_chunks([_c((4, 2), (0, 0), (2, 2), 0)])
+    plan = plan_rank(index, [Target("w", "param", (0, 0), (1, 2))])
+    assert plan.rank == 0 and plan.received == []
+    with pytest.raises(CheckpointError) as raised:
+        plan_rank(index, [Target("w", "param", (1, 0), (2, 2))], rank=3)
+    assert str(raised.value) == ("w (param): the checkpoint's chunks cover 2 of the 4 elements needed for region "
+                                 "offsets=(1, 0) sizes=(2, 2); the checkpoint is incomplete or its manifest is damaged")
