@@ -25,6 +25,12 @@ def test_a_tensor_that_is_not_a_stacked_expert_tensor_gets_no_note():
     assert expert_note(GATE_UP, SHAPE, [piece(0, 4), piece(4, 4)]) == ""  # every expert whole, once
 
 
+def test_a_two_dimensional_expert_tensor_is_counted_by_rows():
+    bias = "layers.0.feed_forward.experts.down.bias"  # 4 experts of 3 elements each
+    chunk = Chunk(bias, "param", "float32", (4, 3), (0, 0), (2, 3), "f", 0, 24, "crc32:00000000")
+    assert expert_note(bias, (4, 3), [chunk]) == " (experts missing or incomplete: expert 2-3)"
+
+
 def test_missing_experts_are_named_as_spans():
     assert expert_note(GATE_UP, SHAPE, [piece(0, 4)]) == " (experts missing or incomplete: expert 4-7)"
     assert expert_note(GATE_UP, SHAPE, [piece(0, 1), piece(3, 2), piece(6, 1)]) == \
