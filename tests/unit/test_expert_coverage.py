@@ -1,11 +1,8 @@
-"""Coverage errors of a stacked expert tensor name the experts (`plans/checkpoint/expert_coverage.py`),
-in the tiling check and in the reshard planner. Expected messages are literal, worked by hand."""
-import pytest
-
+"""Coverage errors of a stacked expert tensor name the experts (`plans/checkpoint/expert_coverage.py`);
+the tiling check's and the planner's messages that carry the note are in test_reshard_planner.py.
+Expected messages are literal, worked by hand."""
 from plans.checkpoint.chunks import Chunk
 from plans.checkpoint.expert_coverage import _spans, expert_note
-from plans.checkpoint.reshard import _check_tensor, check_chunks_disjoint_and_complete, plan_reads
-from plans.errors import CheckpointError
 
 GATE_UP = "layers.1.feed_forward.experts.gate_up.weight"
 SHAPE = (8, 4, 2)  # 8 experts, each a 4 x 2 block (8 elements, 32 bytes in float32)
@@ -78,33 +75,3 @@ def test_spans():
     assert _spans([0, 1, 2, 5]) == "0-2, 5"
     assert _spans([3]) == "3"
     assert _spans([1, 3, 4]) == "1, 3-4"
-
-
-def test_the_tiling_check_names_the_missing_experts():
-    with pytest.raises(CheckpointError) as raised:
-        check_chunks_disjoint_and_complete([piece(0, 4)])
-    assert str(raised.value) == (f"{GATE_UP} (param): chunks hold 32 elements, global shape (8, 4, 2) needs 64"
-                                 " (experts missing or incomplete: expert 4-7)")
-    with pytest.raises(CheckpointError) as raised:
-        _check_tensor(GATE_UP, "param", [piece(0, 4), piece(8, 4)])
-    assert str(raised.value) == (f"{GATE_UP} (param): chunk at (8, 0, 0) size (4, 4, 2) lies outside the global shape "
-                                 "(8, 4, 2) (experts missing or incomplete: expert 4-7; beyond the model's 8 experts: "
-                                 "expert 8-11)")
-    with pytest.raises(CheckpointError) as raised:
-        _check_tensor(GATE_UP, "param", [piece(0, 4), piece(2, 4)])  # 2-3 twice, 6-7 missing: the same volume
-    assert str(raised.value) == (f"{GATE_UP} (param): chunks at (0, 0, 0) and (2, 0, 0) overlap"
-                                 " (experts missing or incomplete: expert 6-7; stored twice: expert 2-3)")
-
-
-def test_the_planner_names_the_experts_a_region_lacks():
-    with pytest.raises(CheckpointError) as raised:
-        plan_reads([piece(0, 4)], (2, 0, 0), (4, 4, 2), "gate_up (param)")
-    assert str(raised.value) == ("gate_up (param): the checkpoint's chunks cover 16 of the 32 elements needed for region "
-                                 "offsets=(2, 0, 0) sizes=(4, 4, 2) (experts missing or incomplete: expert 4-5); "
-                                 "the checkpoint is incomplete or its manifest is damaged")
-    # No stored chunk overlaps the region: the note still comes, from the tensor's first chunk.
-    with pytest.raises(CheckpointError) as raised:
-        plan_reads([piece(0, 4)], (4, 0, 0), (4, 4, 2), "gate_up (param)")
-    assert str(raised.value) == ("gate_up (param): the checkpoint's chunks cover 0 of the 32 elements needed for region "
-                                 "offsets=(4, 0, 0) sizes=(4, 4, 2) (experts missing or incomplete: expert 4-7); "
-                                 "the checkpoint is incomplete or its manifest is damaged")

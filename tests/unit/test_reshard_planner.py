@@ -385,3 +385,73 @@ def test_a_rank_plan_names_the_tensor_it_cannot_fill():
         plan_rank(index, [Target("w", "param", (1, 0), (2, 2))], rank=3)
     assert str(raised.value) == ("w (param): the checkpoint's chunks cover 2 of the 4 elements needed for region "
                                  "offsets=(1, 0) sizes=(2, 2); the checkpoint is incomplete or its manifest is damaged")
+
+
+# ---- messages worked by hand: the tiling check and the planner on a stacked expert tensor ----------
+
+from plans.checkpoint.reshard import _check_tensor  # noqa: E402
+
+GATE_UP = "layers.1.feed_forward.experts.gate_up.weight"
+
+
+def piece(first, count):
+    """Experts first .. first+count-1 of an 8 x 4 x 2 expert tensor (32 bytes an expert)."""
+    return _c((8, 4, 2), (first, 0, 0), (count, 4, 2), 1000 * first, name=GATE_UP)
+
+
+def test_the_tiling_check_names_the_missing_experts():
+    with pytest.raises(CheckpointError) as raised:
+        check_chunks_disjoint_and_complete([piece(0, 4)])
+    assert str(raised.value) == (f"{GATE_UP} (param): chunks hold 32 elements, global shape (8, 4, 2) needs 64"
+                                 " (experts missing or incomplete: expert 4-7)")
+    with pytest.raises(CheckpointError) as raised:
+        _check_tensor(GATE_UP, "param", [piece(0, 4), piece(8, 4)])
+    assert str(raised.value) == (f"{GATE_UP} (param): chunk at (8, 0, 0) size (4, 4, 2) lies outside the global shape "
+                                 "(8, 4, 2) (experts missing or incomplete: expert 4-7; beyond the model's 8 experts: "
+                                 "expert 8-11)")
+    with pytest.raises(CheckpointError) as raised:
+        _check_tensor(GATE_UP, "param", [piece(0, 4), piece(2, 4)])  # 2-3 twice, 6-7 missing: the same volume
+    assert str(raised.value) == (f"{GATE_UP} (param): chunks at (0, 0, 0) and (2, 0, 0) overlap"
+                                 " (experts missing or incomplete: expert 6-7; stored twice: expert 2-3)")
+
+
+def test_the_planner_names_the_experts_a_region_lacks():
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads([piece(0, 4)], (2, 0, 0), (4, 4, 2), "gate_up (param)")
+    assert str(raised.value) == ("gate_up (param): the checkpoint's chunks cover 16 of the 32 elements needed for region "
+                                 "offsets=(2, 0, 0) sizes=(4, 4, 2) (experts missing or incomplete: expert 4-5); "
+                                 "the checkpoint is incomplete or its manifest is damaged")
+    # No stored chunk overlaps the region: the note still comes, from the tensor's first chunk.
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads([piece(0, 4)], (4, 0, 0), (4, 4, 2), "gate_up (param)")
+    assert str(raised.value) == ("gate_up (param): the checkpoint's chunks cover 0 of the 32 elements needed for region "
+                                 "offsets=(4, 0, 0) sizes=(4, 4, 2) (experts missing or incomplete: expert 4-7); "
+                                 "the checkpoint is incomplete or its manifest is damaged")
+
+
+def test_the_sweep_words_each_failure():
+    chunks = [_c((10, 6), (0, 0), (5, 6), 0), _c((10, 7), (5, 0), (5, 6), 120)]
+    with pytest.raises(CheckpointError) as raised:
+        _check_tensor("w", "param", chunks)
+    assert str(raised.value) == "w (param): chunks disagree on the global shape ((10, 6) vs (10, 7))"
+    scalar = _c((), (), (), 0, name="s")
+    _check_tensor("s", "param", [scalar])  # a lone scalar tiles its tensor
+    check_chunks_disjoint_and_complete([scalar])
+
+
+def test_a_scalar_chunk_against_a_region_of_another_rank():
+    scalar = _c((), (), (), 0, name="s")
+    for index in ([scalar], index_chunks([scalar])[("s", "param")]):
+        with pytest.raises(CheckpointError) as raised:
+            plan_reads(index, (0,), (1,), "s")
+        assert str(raised.value) == "s: stored rank 0 differs from target rank 1"
+
+
+def test_the_index_refuses_a_tensor_it_does_not_hold_by_its_key():
+    index = index_chunks([_c((4,), (0,), (4,), 0, name="w"), _c((2,), (0,), (2,), 16, name="v", kind="exp_avg")])
+    for key in (("v", "param"), ("w", "exp_avg"), ("u", "param")):
+        with pytest.raises(KeyError) as raised:
+            index[key]
+        assert raised.value.args == (key,)
+    assert list(index) == [("w", "param"), ("v", "exp_avg")] and index[("w", "param")] is index[("w", "param")]
+
