@@ -455,3 +455,19 @@ def test_the_index_refuses_a_tensor_it_does_not_hold_by_its_key():
         assert raised.value.args == (key,)
     assert list(index) == [("w", "param"), ("v", "exp_avg")] and index[("w", "param")] is index[("w", "param")]
 
+
+
+@pytest.mark.parametrize("chunks, message", [
+    # Offsets naming one dim of a 2-d tensor: every count and bound agrees, only the lengths do not.
+    ([_c((4, 2), (0,), (4, 2), 0)], "w (param): chunk at (0,) size (4, 2) lies outside the global shape (4, 2)"),
+    # Sizes naming one dim, twice: 8 of 8 elements, but the two chunks are the same rows.
+    ([_c((4, 2), (0, 0), (4,), 0), _c((4, 2), (0, 1), (4,), 16)], "w (param): chunks at (0, 0) and (0, 1) overlap"),
+    # One element of four: held 1.
+    ([_c((4,), (1,), (1,), 0)], "w (param): chunks hold 1 elements, global shape (4,) needs 4"),
+    # An empty chunk of w next to a tensor with no elements at all: held 0 of 4.
+    ([_c((0,), (0,), (0,), 0, name="z"), _c((4,), (0,), (0,), 0)], "w (param): chunks hold 0 elements, global shape (4,) needs 4"),
+])
+def test_damage_only_the_columns_can_see_goes_to_the_sweep(chunks, message):
+    with pytest.raises(CheckpointError) as raised:
+        check_chunks_disjoint_and_complete(chunks)
+    assert str(raised.value) == message
