@@ -466,6 +466,11 @@ def test_the_index_refuses_a_tensor_it_does_not_hold_by_its_key():
     ([_c((4,), (1,), (1,), 0)], "w (param): chunks hold 1 elements, global shape (4,) needs 4"),
     # An empty chunk of w next to a tensor with no elements at all: held 0 of 4.
     ([_c((0,), (0,), (0,), 0, name="z"), _c((4,), (0,), (0,), 0)], "w (param): chunks hold 0 elements, global shape (4,) needs 4"),
+    # After a sound tensor, w's two chunks overlap at row 2 and miss row 5: 6 of 6 elements held.
+    ([_c((2,), (0,), (2,), 0, name="a"), _c((6,), (0,), (3,), 8), _c((6,), (2,), (3,), 20)],
+     "w (param): chunks at (0,) and (2,) overlap"),
+    # Column blocks 0-2 and 2-3 overlap at column 2 (rows 0-1) and miss column 3 (rows 2-3): 16 of 16 held.
+    ([_c((4, 4), (0, 0), (4, 3), 0), _c((4, 4), (0, 2), (2, 2), 48)], "w (param): chunks at (0, 0) and (0, 2) overlap"),
 ])
 def test_damage_only_the_columns_can_see_goes_to_the_sweep(chunks, message):
     with pytest.raises(CheckpointError) as raised:
