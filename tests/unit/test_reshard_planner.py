@@ -471,6 +471,14 @@ def test_the_index_refuses_a_tensor_it_does_not_hold_by_its_key():
      "w (param): chunks at (0,) and (2,) overlap"),
     # Column blocks 0-2 and 2-3 overlap at column 2 (rows 0-1) and miss column 3 (rows 2-3): 16 of 16 held.
     ([_c((4, 4), (0, 0), (4, 3), 0), _c((4, 4), (0, 2), (2, 2), 48)], "w (param): chunks at (0, 0) and (0, 2) overlap"),
+    # After a sound tensor, column blocks 0-1, 1-3 and 2-4 of w: 1-3 and 2-4 overlap at column 2 (rows
+    # 0-1), column 3 misses rows 2-3: 16 of 16 held.
+    ([_c((2,), (0,), (2,), 0, name="a"), _c((4, 4), (0, 0), (4, 1), 8), _c((4, 4), (0, 1), (4, 2), 24),
+      _c((4, 4), (0, 2), (2, 2), 56)], "w (param): chunks at (0, 1) and (0, 2) overlap"),
+    # Two damaged tensors: the first listed is named, whatever the order of their dictionary codes
+    # (b's exp_avg comes first, so (b, param) sorts before (a, param)).
+    ([_c((2,), (0,), (2,), 0, name="b", kind="exp_avg"), _c((4,), (0,), (2,), 8, name="a"),
+      _c((4,), (0,), (3,), 16, name="b")], "a (param): chunks hold 2 elements, global shape (4,) needs 4"),
 ])
 def test_damage_only_the_columns_can_see_goes_to_the_sweep(chunks, message):
     with pytest.raises(CheckpointError) as raised:
