@@ -484,3 +484,26 @@ def test_damage_only_the_columns_can_see_goes_to_the_sweep(chunks, message):
     with pytest.raises(CheckpointError) as raised:
         check_chunks_disjoint_and_complete(chunks)
     assert str(raised.value) == message
+
+
+def test_the_index_lists_tensors_in_first_listed_order_over_many_rows():
+    # a, b, c, then (c, c, b, a) sixty times: 243 rows, each tensor's rows spread over the table.
+    pattern, rows = ["a", "b", "c"] + ["c", "c", "b", "a"] * 60, {}
+    chunks = []
+    for name in pattern:
+        row = rows[name] = rows.get(name, -1) + 1
+        chunks.append(_c((200,), (row,), (1,), 4 * len(chunks), name=name))
+    index = index_chunks(chunks)
+    assert list(index) == [("a", "param"), ("b", "param"), ("c", "param")] and len(index) == 3
+    assert [len(index[(n, "param")].chunks) for n in "abc"] == [61, 61, 121]
+
+
+def test_the_index_finds_a_tensor_whose_key_passes_two_to_the_sixteen():
+    # 257 names and 256 kinds: the key of (n256, k0) is 256 * 256 + 0 = 65536, one past uint16.
+    chunks = [_c((1,), (0,), (1,), 4 * i, name=f"n{i}", kind="k0") for i in range(257)]
+    chunks += [_c((1,), (0,), (1,), 2000 + 4 * i, name="n0", kind=f"k{i}") for i in range(1, 256)]
+    index = index_chunks(chunks)
+    assert [c.byte_start for c in index[("n256", "k0")].chunks] == [1024]
+    assert [c.byte_start for c in index[("n0", "k0")].chunks] == [0]
+    assert [c.byte_start for c in index[("n0", "k255")].chunks] == [2000 + 4 * 255]
+    assert list(index)[:2] == [("n0", "k0"), ("n1", "k0")] and len(index) == 512
