@@ -479,6 +479,12 @@ def test_the_index_refuses_a_tensor_it_does_not_hold_by_its_key():
     # (b's exp_avg comes first, so (b, param) sorts before (a, param)).
     ([_c((2,), (0,), (2,), 0, name="b", kind="exp_avg"), _c((4,), (0,), (2,), 8, name="a"),
       _c((4,), (0,), (3,), 16, name="b")], "a (param): chunks hold 2 elements, global shape (4,) needs 4"),
+    # 2 x 2: (0, 0) alone, row 1 whole, and (1, 1) again: 4 of 4 held, (1, 1) twice, (0, 1) missing.
+    ([_c((2, 2), (0, 0), (1, 1), 0), _c((2, 2), (1, 1), (1, 1), 4), _c((2, 2), (1, 0), (1, 2), 8)],
+     "w (param): chunks at (1, 0) and (1, 1) overlap"),
+    # A sound matrix first, then a vector overlapping itself and missing its last element.
+    ([_c((2, 2), (0, 0), (2, 2), 0, name="m"), _c((6,), (0,), (3,), 16), _c((6,), (2,), (3,), 28)],
+     "w (param): chunks at (0,) and (2,) overlap"),
 ])
 def test_damage_only_the_columns_can_see_goes_to_the_sweep(chunks, message):
     with pytest.raises(CheckpointError) as raised:
