@@ -75,3 +75,18 @@ def test_spans():
     assert _spans([0, 1, 2, 5]) == "0-2, 5"
     assert _spans([3]) == "3"
     assert _spans([1, 3, 4]) == "1, 3-4"
+
+
+def test_edges_of_the_counts():
+    region = ((4, 2, 0), (4, 2, 2))  # experts 4-7, rows 2-3
+    # Rows 0 and 1 only: no element of the region's rows, however many chunks.
+    assert expert_note(GATE_UP, SHAPE, [piece(4, 4, rows=(0, 1)), piece(4, 4, rows=(1, 1))], region) == \
+        " (experts missing or incomplete: expert 4-7)"
+    # Expert 4 twice, but the region is experts 0-3: not counted.
+    assert expert_note(GATE_UP, SHAPE, [piece(0, 8), piece(4, 1)], ((0, 0, 0), (4, 4, 2))) == ""
+    # One element per expert: an expert no chunk holds is still missing.
+    bias = "layers.0.feed_forward.experts.down.bias"
+    chunk = Chunk(bias, "param", "float32", (4, 1), (0, 0), (2, 1), "f", 0, 8, "crc32:00000000")
+    assert expert_note(bias, (4, 1), [chunk]) == " (experts missing or incomplete: expert 2-3)"
+    # No element per expert: nothing can be missing or twice.
+    assert expert_note(bias, (4, 0), []) == ""
