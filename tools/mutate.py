@@ -54,6 +54,7 @@ MODULES: dict[str, list[str]] = {
     "plans/layout/parallel_layout.py": ["tests/unit/test_layout_and_config.py", "tests/unit/test_layout_chooser.py"],
     "actors/checkpoint/checksums.py": _READ_PATH_TESTS,
     "actors/checkpoint/read_executor.py": _READ_PATH_TESTS,
+    "plans/checkpoint/expert_coverage.py": ["tests/unit/test_expert_coverage.py"],
     "plans/checkpoint/regions.py": _PLANNER_TESTS,
     "plans/checkpoint/reshard.py": _PLANNER_TESTS,
     "plans/checkpoint/chunk_table.py": _PLANNER_TESTS,

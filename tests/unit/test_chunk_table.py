@@ -1,5 +1,6 @@
 """The manifest's chunks as columns (`plans/checkpoint/chunk_table.py`): the same records, the
 same answers as a list of `Chunk`, and the tiling check's verdicts and messages unchanged."""
+import dataclasses
 import random
 
 import pyarrow as pa
@@ -148,3 +149,154 @@ def test_concat_of_tables_with_different_widths_and_dictionaries_is_the_list():
     assert joined == MIXED[:2] + list(square) + MIXED[2:]
     assert joined.file_counts() == {"z": 2, "y": 2, "x": 1, "q": 2}
     assert ChunkTable.concat([ChunkTable.from_chunks([]), square]) == list(square)
+
+
+def _plain_arrow(chunks, batches=2):
+    """A manifest table as `pa.Table.from_pydict` gives it: plain string columns (no dictionaries),
+    split into `batches` record batches, so every column is a ChunkedArray of several pieces."""
+    table = pa.Table.from_pydict({n: [c.to_row()[n] for c in chunks] for n in MANIFEST_SCHEMA.names}, schema=MANIFEST_SCHEMA)
+    step = -(-len(chunks) // batches)
+    return pa.Table.from_batches([b for i in range(0, len(chunks), step) for b in table.slice(i, step).to_batches()])
+
+
+def _fields_are_ints(table):
+    return all(type(v) is int for c in table for v in (*c.global_shape, *c.offsets, *c.sizes, c.byte_start, c.byte_end))
+
+
+def test_a_plain_arrow_table_in_several_batches_decodes_to_the_same_records():
+    chunks = sample()
+    arrow = _plain_arrow(chunks, batches=3)
+    assert arrow.column("name").num_chunks == 3 and not pa.types.is_dictionary(arrow.column("name").type)
+    table = ChunkTable.from_arrow(arrow)
+    assert list(table) == chunks and table.kinds() == {"param", "exp_avg"}
+    assert table.file_counts() == {"f": 6, "g": 7}
+    assert _fields_are_ints(table)  # int64 columns, not floats: byte ranges and boxes index tensors and files
+
+
+def test_a_decoded_manifest_gives_int_fields():
+    table, _ = decode_manifest(encode_manifest(sample(), {"step": 1}))
+    assert _fields_are_ints(table)
+
+
+def test_a_dictionary_encoded_checksum_column_reads_as_strings():
+    chunks = sample()
+    arrow = _plain_arrow(chunks, batches=1)
+    arrow = arrow.set_column(arrow.schema.get_field_index("checksum"), "checksum", arrow.column("checksum").dictionary_encode())
+    table = ChunkTable.from_arrow(arrow)
+    assert list(table) == chunks
+    # Joined with a table of plain string checksums (the save gather), and written again.
+    joined = ChunkTable.concat([table, ChunkTable.from_chunks(MIXED)])
+    assert joined == chunks + MIXED
+    again, _ = decode_manifest(encode_manifest(table, {"step": 1}))
+    assert again == chunks
+
+
+def test_null_file_headers_read_as_no_header():
+    chunks = sample()[:2]
+    rows = {n: [c.to_row()[n] for c in chunks] for n in MANIFEST_SCHEMA.names}
+    rows["file_header"] = ["crc32:h", None]
+    table = ChunkTable.from_arrow(pa.Table.from_pydict(rows, schema=MANIFEST_SCHEMA))
+    assert [c.file_header for c in table] == ["crc32:h", ""]
+    assert list(table) == [chunks[0], Chunk(**{**chunks[1].__dict__, "file_header": ""})]
+
+
+def test_an_empty_manifest_decodes_to_an_empty_table():
+    table, _ = decode_manifest(encode_manifest([], {"step": 1}))
+    assert len(table) == 0 and list(table) == [] and table.width == 1
+    assert table.file_counts() == {} and table.kinds() == set() and table.file_extents() == {}
+    plain = ChunkTable.from_arrow(MANIFEST_SCHEMA.empty_table())
+    assert len(plain) == 0 and plain.width == 1 and plain.file_counts() == {}
+
+
+def test_a_table_of_vectors_only_is_one_column_wide():
+    chunks = [_chunk("v", "param", 6, 0, 2, "f", 0), _chunk("v", "param", 6, 2, 4, "f", 8)]
+    table, _ = decode_manifest(encode_manifest(chunks, {"step": 1}))
+    assert table.width == 1 and list(table) == chunks
+
+
+def test_scalars_alone_and_after_a_vector_decode():
+    scalar = Chunk("s", "param", "float32", (), (), (), "f", 0, 4, "crc32:00000000")
+    vector = _chunk("v", "param", 3, 0, 3, "f", 4)
+    for chunks in ([scalar], [scalar, dataclasses.replace(scalar, name="t", byte_start=4, byte_end=8)], [vector, scalar]):
+        table, _ = decode_manifest(encode_manifest(chunks, {"step": 1}))
+        assert list(table) == chunks
+        check_chunks_disjoint_and_complete(table)
+
+
+def test_a_sliced_arrow_table_decodes_to_its_rows():
+    chunks = sample()
+    arrow = pa.Table.from_pydict({n: [c.to_row()[n] for c in chunks] for n in MANIFEST_SCHEMA.names}, schema=MANIFEST_SCHEMA)
+    assert list(ChunkTable.from_arrow(arrow.slice(2, 5))) == chunks[2:7]
+    assert list(ChunkTable.from_arrow(arrow.slice(9))) == chunks[9:]
+
+
+def test_a_decoded_vector_overlap_next_to_a_matrix_is_found():
+    # v: [0, 3) and [2, 5) of 6 elements: 6 held, 6 needed, so only the overlap test can tell; the
+    # vector's rows sit in a table two columns wide (m is 6 x 1), read from Parquet list columns.
+    chunks = ([_chunk("v", "param", 6, 0, 3, "f", 0), _chunk("v", "param", 6, 2, 3, "f", 12)]
+              + grid(name="m", rows=6, cols=1, row_cuts=(0, 2), col_cuts=(0,), file="g"))
+    table, _ = decode_manifest(encode_manifest(chunks, {"step": 1}))
+    with pytest.raises(CheckpointError) as raised:
+        check_chunks_disjoint_and_complete(table)
+    assert str(raised.value) == "v (param): chunks at (0,) and (2,) overlap"
+
+
+def test_a_damaged_manifest_with_short_offsets_is_refused_by_the_check():
+    # The offsets and sizes lists name one dim of a 2-d tensor: box columns of different widths.
+    chunks = [Chunk("w", "param", "float32", (4, 2), (0,), (4,), "f", 0, 32, "crc32:00000000")]
+    table, _ = decode_manifest(encode_manifest(chunks, {"step": 1}))
+    assert list(table) == chunks and table.width == 2
+    with pytest.raises(CheckpointError) as raised:
+        check_chunks_disjoint_and_complete(table)
+    assert str(raised.value) == "w (param): chunk at (0,) size (4,) lies outside the global shape (4, 2)"
+
+
+def test_equality_and_indexing_at_the_ends():
+    table = ChunkTable.from_chunks(MIXED)
+    assert table != MIXED[::-1] and table != ChunkTable.from_chunks(MIXED[1:] + MIXED[:1])  # same length, other records
+    assert table[0] == MIXED[0] and table[4] == MIXED[4] and table[-5] == MIXED[0]
+    for index in (5, 9):
+        with pytest.raises(IndexError) as raised:
+            table[index]
+        assert raised.value.args == (index,)
+    with pytest.raises(IndexError):
+        table[-6]
+
+
+def test_a_pickled_table_keeps_its_width_and_columns():
+    import pickle
+
+    for chunks in (sample(), MIXED, grid(name="t", rows=2, cols=2, row_cuts=(0,), col_cuts=(0,)) + [
+            Chunk("c", "param", "float32", (2, 2, 2), (0, 0, 0), (2, 2, 2), "h", 0, 32, "crc32:0")]):
+        table = ChunkTable.from_chunks(chunks)
+        again = pickle.loads(pickle.dumps(table))
+        assert again == chunks and again.width == table.width
+        assert {name: again.boxes[name].tolist() for name in again.boxes} == {name: table.boxes[name].tolist() for name in table.boxes}
+        assert decode_manifest(encode_manifest(again, {"step": 1}))[0] == chunks
+
+
+def test_concat_of_two_tables_and_of_empty_ones():
+    assert ChunkTable.concat([ChunkTable.from_chunks(MIXED[:3]), ChunkTable.from_chunks(MIXED[3:])]) == MIXED
+    assert ChunkTable.concat([ChunkTable.from_chunks(MIXED[:1]), ChunkTable.from_chunks([]),
+                              ChunkTable.from_chunks(MIXED[1:])]) == MIXED
+    empty = ChunkTable.concat([ChunkTable.from_chunks([]), ChunkTable.from_chunks([])])
+    assert len(empty) == 0 and list(empty) == []
+
+
+def test_header_checks_as_a_mapping():
+    # f: headers recorded, first chunk at 100; g: none recorded; h: header recorded, first chunk at 0
+    # (an empty header range); k: another header, no empty header anywhere in the second table.
+    chunks = grid(file="f") + grid(name="u", kind="param", file="g", header="") + [
+        Chunk("z", "param", "float32", (2,), (0,), (2,), "h", 0, 8, "crc32:0", "crc32:z")]
+    headers = header_checks(chunks)
+    assert list(headers) == ["f", "h"] and len(headers) == 2 and "g" not in headers and "h" in headers
+    assert (headers["h"].byte_start, headers["h"].byte_end, headers["h"].checksum) == (0, 0, "crc32:z")
+    with pytest.raises(KeyError) as raised:
+        headers["g"]
+    assert raised.value.args == ("g",)
+    assert headers.get("nowhere") is None
+    # Per file code (f, g, h): the first chunk's start, -1 where no header is recorded.
+    assert headers.first_chunk_starts().tolist() == [100, -1, 0]
+    # No chunk without a header: every file is checked, whatever its header's dictionary code.
+    both = header_checks(grid(file="f", header="crc32:a") + grid(name="u", file="k", header="crc32:b"))
+    assert list(both) == ["f", "k"] and both["k"].checksum == "crc32:b" and both["k"].byte_end == 100

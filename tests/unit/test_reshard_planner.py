@@ -207,3 +207,309 @@ def test_a_layout_that_cannot_hold_the_model_is_refused_with_the_divisors_to_use
 def test_a_layout_that_holds_the_model_passes_the_fit_check():
     for layout in (ParallelLayout(tp=2, pp=2, vpp=2), ParallelLayout(pp=4), ParallelLayout(dp=8)):
         check_layout_fits(preset("tiny"), layout)  # 4 stages of 4 layers: one layer each
+
+
+# ---- small cases worked by hand: byte ranges, coalescing, a rank's plan ---------------------------
+
+from plans.checkpoint.chunks import Chunk  # noqa: E402
+from plans.checkpoint.reshard import (HeaderCheck, RankReadPlan, ReadItem, Request, Target, TensorChunks,  # noqa: E402
+                                      _items_for_overlap, coalesce, header_checks, index_chunks, plan_rank)
+
+
+def _c(shape, offsets, sizes, start, name="w", file="f", kind="param", dtype="float32"):
+    nbytes = 4 * _n(sizes)
+    return Chunk(name, kind, dtype, shape, offsets, sizes, file, start, start + nbytes, f"crc32:{start:08x}", "")
+
+
+def _n(sizes):
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
+
+
+def _spans(items):
+    return [(i.byte_start, i.byte_end, i.held_offsets, i.held_sizes, i.offsets, i.sizes) for i in items]
+
+
+def test_a_column_block_is_read_row_by_row_or_as_whole_rows():
+    # A 4 x 6 float32 chunk at byte 100: 24 bytes a row. The region rows 1-2, columns 2-4: 12 bytes a row.
+    chunk = _c((4, 6), (0, 0), (4, 6), 100)
+    assert _spans(_items_for_overlap(chunk, (1, 2), (2, 3), 12)) == [
+        (132, 144, (1, 2), (1, 3), (1, 2), (1, 3)), (156, 168, (2, 2), (1, 3), (2, 2), (1, 3))]
+    # Segments shorter than min_segment_bytes: whole rows 1-2 instead, bytes 124-172.
+    assert _spans(_items_for_overlap(chunk, (1, 2), (2, 3), 13)) == [(124, 172, (1, 0), (2, 6), (1, 2), (2, 3))]
+    # Full rows: one range, whatever min_segment_bytes.
+    assert _spans(_items_for_overlap(chunk, (1, 0), (2, 6), 1)) == [(124, 172, (1, 0), (2, 6), (1, 0), (2, 6))]
+
+
+def test_byte_ranges_of_a_chunk_that_starts_inside_the_tensor():
+    # Rows 2-3, columns 3-5 of a 4 x 6 tensor, at byte 40: 12 bytes a row.
+    chunk = _c((4, 6), (2, 3), (2, 3), 40)
+    assert _spans(_items_for_overlap(chunk, (3, 4), (1, 2), 8)) == [(56, 64, (3, 4), (1, 2), (3, 4), (1, 2))]
+    assert _spans(_items_for_overlap(chunk, (3, 4), (1, 2), 9)) == [(52, 64, (3, 3), (1, 3), (3, 4), (1, 2))]
+    assert _spans(_items_for_overlap(chunk, (2, 3), (2, 3), 1)) == [(40, 64, (2, 3), (2, 3), (2, 3), (2, 3))]
+
+
+def test_byte_ranges_of_a_three_dimensional_chunk():
+    # 3 x 4 x 2 float32 at byte 0: a dim-0 row is 32 bytes, a dim-1 row 8.
+    chunk = _c((3, 4, 2), (0, 0, 0), (3, 4, 2), 0)
+    # dims 1 partly, 2 whole: one range per dim-0 row, columns 1-2 = bytes 8-24 of each row.
+    assert _spans(_items_for_overlap(chunk, (1, 1, 0), (2, 2, 2), 16)) == [
+        (40, 56, (1, 1, 0), (1, 2, 2), (1, 1, 0), (1, 2, 2)), (72, 88, (2, 1, 0), (1, 2, 2), (2, 1, 0), (1, 2, 2))]
+    assert _spans(_items_for_overlap(chunk, (1, 1, 0), (2, 2, 2), 17)) == [
+        (32, 96, (1, 0, 0), (2, 4, 2), (1, 1, 0), (2, 2, 2))]
+    # dim 2 partly: whole dim-0 rows, whatever min_segment_bytes.
+    assert _spans(_items_for_overlap(chunk, (1, 1, 1), (1, 2, 1), 0)) == [(32, 64, (1, 0, 0), (1, 4, 2), (1, 1, 1), (1, 2, 1))]
+
+
+def test_a_scalar_is_read_whole():
+    chunk = _c((), (), (), 8)
+    assert _spans(_items_for_overlap(chunk, (), (), 0)) == [(8, 12, (), (), (), ())]
+    assert _spans(plan_reads([chunk], (), ())) == [(8, 12, (), (), (), ())]
+
+
+def test_read_item_sizes():
+    chunk = _c((4, 6), (0, 0), (4, 6), 100, dtype="bfloat16")  # byte_end as float32: only the ranges matter here
+    item = ReadItem(chunk, 124, 172, (1, 0), (2, 6), (1, 2), (2, 3))
+    assert (item.file, item.nbytes, item.needed_bytes, item.whole_chunk) == ("f", 48, 12, False)
+    whole = ReadItem(chunk, 100, 196, (0, 0), (4, 6), (0, 0), (4, 6))
+    assert whole.whole_chunk and not ReadItem(chunk, 100, 195, (0, 0), (4, 6), (0, 0), (4, 6)).whole_chunk
+    assert not ReadItem(chunk, 101, 196, (0, 0), (4, 6), (0, 0), (4, 6)).whole_chunk
+
+
+def test_plan_reads_finds_exactly_the_overlapping_chunks():
+    # Rows of 2 columns, cut at 0, 2, 5, 6 of 8: chunks 2, 3, 1 and 2 rows tall.
+    chunks = [_c((8, 2), (0, 0), (2, 2), 0), _c((8, 2), (2, 0), (3, 2), 16), _c((8, 2), (5, 0), (1, 2), 40),
+              _c((8, 2), (6, 0), (2, 2), 48)]
+    for index in (chunks, TensorChunks(chunks[::-1]), index_chunks(chunks[::-1])[("w", "param")]):
+        assert _spans(plan_reads(index, (4, 0), (3, 2))) == [(32, 40, (4, 0), (1, 2), (4, 0), (1, 2)),
+                                                              (40, 48, (5, 0), (1, 2), (5, 0), (1, 2)),
+                                                              (48, 56, (6, 0), (1, 2), (6, 0), (1, 2))]
+        assert _spans(plan_reads(index, (1, 1), (1, 1), min_segment_bytes=0)) == [(12, 16, (1, 1), (1, 1), (1, 1), (1, 1))]
+        assert _spans(plan_reads(index, (7, 0), (1, 2))) == [(56, 64, (7, 0), (1, 2), (7, 0), (1, 2))]
+        assert _spans(plan_reads(index, (0, 0), (1, 2))) == [(0, 8, (0, 0), (1, 2), (0, 0), (1, 2))]
+        assert plan_reads(index, (3, 0), (0, 2)) == []  # an empty region reads nothing
+    # The candidates: chunks starting after offset - tallest (3 rows) and before the region's end.
+    for index in (TensorChunks(chunks[::-1]), index_chunks(chunks[::-1])[("w", "param")]):
+        assert [c.offsets for c in index.overlapping((5, 0), (2, 2))] == [(5, 0), (6, 0)]
+        assert [c.offsets for c in index.overlapping((4, 0), (1, 2))] == [(2, 0)]
+        assert [c.offsets for c in index.overlapping((3, 0), (3, 2))] == [(2, 0), (5, 0)]
+
+
+def test_plan_reads_refuses_a_stored_rank_that_differs():
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads([_c((8,), (0,), (8,), 0)], (0, 0), (2, 2), "w (param)")
+    assert str(raised.value) == "w (param): stored rank 1 differs from target rank 2"
+
+
+def test_plan_reads_names_what_it_covers():
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads([_c((8, 2), (0, 0), (2, 2), 0), _c((8, 2), (4, 0), (4, 2), 16)], (1, 0), (4, 2), "w (param)")
+    assert str(raised.value) == ("w (param): the checkpoint's chunks cover 4 of the 8 elements needed for region "
+                                 "offsets=(1, 0) sizes=(4, 2); the checkpoint is incomplete or its manifest is damaged")
+
+
+def _part(file, start, end):
+    return HeaderCheck(file, start, end, "crc32:0")
+
+
+def test_coalesce_merges_touching_and_overlapping_ranges_of_a_file():
+    parts = [_part("b", 0, 10), _part("a", 20, 30), _part("a", 0, 10), _part("a", 10, 15), _part("a", 12, 14),
+             _part("a", 16, 20)]
+    requests = coalesce(parts)
+    assert [(r.file, r.byte_start, r.byte_end, [(p.byte_start, p.byte_end) for p in r.parts]) for r in requests] == [
+        ("a", 0, 15, [(0, 10), (10, 15), (12, 14)]), ("a", 16, 30, [(16, 20), (20, 30)]), ("b", 0, 10, [(0, 10)])]
+    assert [r.nbytes for r in requests] == [15, 14, 10]
+    assert coalesce([]) == []
+
+
+def test_coalesce_never_grows_a_request_past_the_limit():
+    parts = [_part("a", 0, 10), _part("a", 10, 20), _part("a", 20, 25), _part("a", 22, 30)]
+    assert [(r.byte_start, r.byte_end) for r in coalesce(parts, 20)] == [(0, 20), (20, 30)]
+    assert [(r.byte_start, r.byte_end) for r in coalesce(parts, 19)] == [(0, 10), (10, 25), (22, 30)]
+    assert [(r.byte_start, r.byte_end) for r in coalesce(parts, 25)] == [(0, 25), (22, 30)]
+    assert [(r.byte_start, r.byte_end) for r in coalesce(parts, 30)] == [(0, 30)]
+
+
+def test_a_rank_plan_reads_its_targets_and_receives_the_rest():
+    # Two files: w rows 0-1 in f (whole), rows 2-3 in g; v (4 elements) in g after w's rows.
+    chunks = [_c((4, 2), (0, 0), (2, 2), 10, file="f"), _c((4, 2), (2, 0), (2, 2), 10, file="g"),
+              _c((4,), (0,), (4,), 26, name="v", file="g")]
+    headers = {"f": HeaderCheck("f", 0, 10, "crc32:f"), "g": HeaderCheck("g", 0, 10, "crc32:g")}
+    index = index_chunks(chunks)
+    targets = [Target("w", "param", (1, 0), (2, 2)), Target("v", "param", (0,), (4,)),
+               Target("w", "param", (0, 0), (1, 2), receive_from=3, itemsize=2)]
+    cache = {}
+    plan = plan_rank(index, targets, rank=5, headers=headers, cache=cache)
+    assert plan.rank == 5 and plan.received == [targets[2]] and list(plan.items) == targets[:2]
+    # w's rows 1 (f, bytes 18-26) and 2 (g, bytes 10-18) are parts of chunks: both files' headers are
+    # checked; g's header (0-10) touches row 2 and joins its request; v (26-42) is a whole chunk.
+    assert [(r.file, r.byte_start, r.byte_end, len(r.parts)) for r in plan.requests] == [
+        ("f", 0, 10, 1), ("f", 18, 26, 1), ("g", 0, 18, 2), ("g", 26, 42, 1)]
+    assert (plan.bytes_read, plan.bytes_needed, plan.bytes_received, plan.files) == (52, 32, 4, 2)
+    # Without headers, or with v alone (a whole chunk), no header is read.
+    assert [(r.file, r.byte_start, r.byte_end) for r in plan_rank(index, targets[1:2], headers=headers).requests] == [
+        ("g", 26, 42)]
+    assert [(r.file, r.byte_start, r.byte_end) for r in plan_rank(index, targets[:1]).requests] == [
+        ("f", 18, 26), ("g", 10, 18)]
+    assert set(cache) == {("w", "param", (1, 0), (2, 2)), ("v", "param", (0,), (4,))}
+    again = plan_rank(index, targets[:1], cache={("w", "param", (1, 0), (2, 2)): []})
+    assert again.items == {targets[0]: []} and again.requests == []  # the cached answer, not planned again
+    with pytest.raises(CheckpointError) as raised:
+        plan_rank(index, [Target("u", "exp_avg", (0,), (1,))])
+    assert str(raised.value) == "u (exp_avg): not in the checkpoint"
+
+
+def test_a_region_no_chunk_reaches_still_names_the_missing_experts():
+    # Expert 0 only (one 1-row chunk of an 8-expert tensor); the region wants experts 4-7.
+    name = "layers.0.feed_forward.experts.w2.weight"
+    only = _c((8, 4, 2), (0, 0, 0), (1, 4, 2), 0, name=name)
+    for index in ([only], index_chunks([only])[(name, "param")]):
+        with pytest.raises(CheckpointError) as raised:
+            plan_reads(index, (4, 0, 0), (4, 4, 2), "w2")
+        assert str(raised.value) == ("w2: the checkpoint's chunks cover 0 of the 32 elements needed for region "
+                                     "offsets=(4, 0, 0) sizes=(4, 4, 2) (experts missing or incomplete: expert 4-7); "
+                                     "the checkpoint is incomplete or its manifest is damaged")
+    with pytest.raises(CheckpointError) as raised:  # no chunk at all: no note
+        plan_reads([], (0,), (4,), "w")
+    assert str(raised.value) == ("w: the checkpoint's chunks cover 0 of the 4 elements needed for region offsets=(0,) "
+                                 "sizes=(4,); the checkpoint is incomplete or its manifest is damaged")
+
+
+def test_a_rank_plan_names_the_tensor_it_cannot_fill():
+    index = index_chunks([_c((4, 2), (0, 0), (2, 2), 0)])
+    plan = plan_rank(index, [Target("w", "param", (0, 0), (1, 2))])
+    assert plan.rank == 0 and plan.received == []
+    with pytest.raises(CheckpointError) as raised:
+        plan_rank(index, [Target("w", "param", (1, 0), (2, 2))], rank=3)
+    assert str(raised.value) == ("w (param): the checkpoint's chunks cover 2 of the 4 elements needed for region "
+                                 "offsets=(1, 0) sizes=(2, 2); the checkpoint is incomplete or its manifest is damaged")
+
+
+# ---- messages worked by hand: the tiling check and the planner on a stacked expert tensor ----------
+
+from plans.checkpoint.reshard import _check_tensor  # noqa: E402
+
+GATE_UP = "layers.1.feed_forward.experts.gate_up.weight"
+
+
+def piece(first, count):
+    """Experts first .. first+count-1 of an 8 x 4 x 2 expert tensor (32 bytes an expert)."""
+    return _c((8, 4, 2), (first, 0, 0), (count, 4, 2), 1000 * first, name=GATE_UP)
+
+
+def test_the_tiling_check_names_the_missing_experts():
+    with pytest.raises(CheckpointError) as raised:
+        check_chunks_disjoint_and_complete([piece(0, 4)])
+    assert str(raised.value) == (f"{GATE_UP} (param): chunks hold 32 elements, global shape (8, 4, 2) needs 64"
+                                 " (experts missing or incomplete: expert 4-7)")
+    with pytest.raises(CheckpointError) as raised:
+        _check_tensor(GATE_UP, "param", [piece(0, 4), piece(8, 4)])
+    assert str(raised.value) == (f"{GATE_UP} (param): chunk at (8, 0, 0) size (4, 4, 2) lies outside the global shape "
+                                 "(8, 4, 2) (experts missing or incomplete: expert 4-7; beyond the model's 8 experts: "
+                                 "expert 8-11)")
+    with pytest.raises(CheckpointError) as raised:
+        _check_tensor(GATE_UP, "param", [piece(0, 4), piece(2, 4)])  # 2-3 twice, 6-7 missing: the same volume
+    assert str(raised.value) == (f"{GATE_UP} (param): chunks at (0, 0, 0) and (2, 0, 0) overlap"
+                                 " (experts missing or incomplete: expert 6-7; stored twice: expert 2-3)")
+
+
+def test_the_planner_names_the_experts_a_region_lacks():
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads([piece(0, 4)], (2, 0, 0), (4, 4, 2), "gate_up (param)")
+    assert str(raised.value) == ("gate_up (param): the checkpoint's chunks cover 16 of the 32 elements needed for region "
+                                 "offsets=(2, 0, 0) sizes=(4, 4, 2) (experts missing or incomplete: expert 4-5); "
+                                 "the checkpoint is incomplete or its manifest is damaged")
+    # No stored chunk overlaps the region: the note still comes, from the tensor's first chunk.
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads([piece(0, 4)], (4, 0, 0), (4, 4, 2), "gate_up (param)")
+    assert str(raised.value) == ("gate_up (param): the checkpoint's chunks cover 0 of the 32 elements needed for region "
+                                 "offsets=(4, 0, 0) sizes=(4, 4, 2) (experts missing or incomplete: expert 4-7); "
+                                 "the checkpoint is incomplete or its manifest is damaged")
+
+
+def test_the_sweep_words_each_failure():
+    chunks = [_c((10, 6), (0, 0), (5, 6), 0), _c((10, 7), (5, 0), (5, 6), 120)]
+    with pytest.raises(CheckpointError) as raised:
+        _check_tensor("w", "param", chunks)
+    assert str(raised.value) == "w (param): chunks disagree on the global shape ((10, 6) vs (10, 7))"
+    scalar = _c((), (), (), 0, name="s")
+    _check_tensor("s", "param", [scalar])  # a lone scalar tiles its tensor
+    check_chunks_disjoint_and_complete([scalar])
+
+
+def test_a_scalar_chunk_against_a_region_of_another_rank():
+    scalar = _c((), (), (), 0, name="s")
+    for index in ([scalar], index_chunks([scalar])[("s", "param")]):
+        with pytest.raises(CheckpointError) as raised:
+            plan_reads(index, (0,), (1,), "s")
+        assert str(raised.value) == "s: stored rank 0 differs from target rank 1"
+
+
+def test_the_index_refuses_a_tensor_it_does_not_hold_by_its_key():
+    index = index_chunks([_c((4,), (0,), (4,), 0, name="w"), _c((2,), (0,), (2,), 16, name="v", kind="exp_avg")])
+    for key in (("v", "param"), ("w", "exp_avg"), ("u", "param")):
+        with pytest.raises(KeyError) as raised:
+            index[key]
+        assert raised.value.args == (key,)
+    assert list(index) == [("w", "param"), ("v", "exp_avg")] and index[("w", "param")] is index[("w", "param")]
+
+
+
+@pytest.mark.parametrize("chunks, message", [
+    # Offsets naming one dim of a 2-d tensor: every count and bound agrees, only the lengths do not.
+    ([_c((4, 2), (0,), (4, 2), 0)], "w (param): chunk at (0,) size (4, 2) lies outside the global shape (4, 2)"),
+    # Sizes naming one dim, twice: 8 of 8 elements, but the two chunks are the same rows.
+    ([_c((4, 2), (0, 0), (4,), 0), _c((4, 2), (0, 1), (4,), 16)], "w (param): chunks at (0, 0) and (0, 1) overlap"),
+    # One element of four: held 1.
+    ([_c((4,), (1,), (1,), 0)], "w (param): chunks hold 1 elements, global shape (4,) needs 4"),
+    # An empty chunk of w next to a tensor with no elements at all: held 0 of 4.
+    ([_c((0,), (0,), (0,), 0, name="z"), _c((4,), (0,), (0,), 0)], "w (param): chunks hold 0 elements, global shape (4,) needs 4"),
+    # After a sound tensor, w's two chunks overlap at row 2 and miss row 5: 6 of 6 elements held.
+    ([_c((2,), (0,), (2,), 0, name="a"), _c((6,), (0,), (3,), 8), _c((6,), (2,), (3,), 20)],
+     "w (param): chunks at (0,) and (2,) overlap"),
+    # Column blocks 0-2 and 2-3 overlap at column 2 (rows 0-1) and miss column 3 (rows 2-3): 16 of 16 held.
+    ([_c((4, 4), (0, 0), (4, 3), 0), _c((4, 4), (0, 2), (2, 2), 48)], "w (param): chunks at (0, 0) and (0, 2) overlap"),
+    # After a sound tensor, column blocks 0-1, 1-3 and 2-4 of w: 1-3 and 2-4 overlap at column 2 (rows
+    # 0-1), column 3 misses rows 2-3: 16 of 16 held.
+    ([_c((2,), (0,), (2,), 0, name="a"), _c((4, 4), (0, 0), (4, 1), 8), _c((4, 4), (0, 1), (4, 2), 24),
+      _c((4, 4), (0, 2), (2, 2), 56)], "w (param): chunks at (0, 1) and (0, 2) overlap"),
+    # Two damaged tensors: the first listed is named, whatever the order of their dictionary codes
+    # (b's exp_avg comes first, so (b, param) sorts before (a, param)).
+    ([_c((2,), (0,), (2,), 0, name="b", kind="exp_avg"), _c((4,), (0,), (2,), 8, name="a"),
+      _c((4,), (0,), (3,), 16, name="b")], "a (param): chunks hold 2 elements, global shape (4,) needs 4"),
+    # 2 x 2: (0, 0) alone, row 1 whole, and (1, 1) again: 4 of 4 held, (1, 1) twice, (0, 1) missing.
+    ([_c((2, 2), (0, 0), (1, 1), 0), _c((2, 2), (1, 1), (1, 1), 4), _c((2, 2), (1, 0), (1, 2), 8)],
+     "w (param): chunks at (1, 0) and (1, 1) overlap"),
+    # A sound matrix first, then a vector overlapping itself and missing its last element.
+    ([_c((2, 2), (0, 0), (2, 2), 0, name="m"), _c((6,), (0,), (3,), 16), _c((6,), (2,), (3,), 28)],
+     "w (param): chunks at (0,) and (2,) overlap"),
+])
+def test_damage_only_the_columns_can_see_goes_to_the_sweep(chunks, message):
+    with pytest.raises(CheckpointError) as raised:
+        check_chunks_disjoint_and_complete(chunks)
+    assert str(raised.value) == message
+
+
+def test_the_index_lists_tensors_in_first_listed_order_over_many_rows():
+    # a, b, c, then (c, c, b, a) sixty times: 243 rows, each tensor's rows spread over the table.
+    pattern, rows = ["a", "b", "c"] + ["c", "c", "b", "a"] * 60, {}
+    chunks = []
+    for name in pattern:
+        row = rows[name] = rows.get(name, -1) + 1
+        chunks.append(_c((200,), (row,), (1,), 4 * len(chunks), name=name))
+    index = index_chunks(chunks)
+    assert list(index) == [("a", "param"), ("b", "param"), ("c", "param")] and len(index) == 3
+    assert [len(index[(n, "param")].chunks) for n in "abc"] == [61, 61, 121]
+
+
+def test_the_index_finds_a_tensor_whose_key_passes_two_to_the_sixteen():
+    # 257 names and 256 kinds: the key of (n256, k0) is 256 * 256 + 0 = 65536, one past uint16.
+    chunks = [_c((1,), (0,), (1,), 4 * i, name=f"n{i}", kind="k0") for i in range(257)]
+    chunks += [_c((1,), (0,), (1,), 2000 + 4 * i, name="n0", kind=f"k{i}") for i in range(1, 256)]
+    index = index_chunks(chunks)
+    assert [c.byte_start for c in index[("n256", "k0")].chunks] == [1024]
+    assert [c.byte_start for c in index[("n0", "k0")].chunks] == [0]
+    assert [c.byte_start for c in index[("n0", "k255")].chunks] == [2000 + 4 * 255]
+    assert list(index)[:2] == [("n0", "k0"), ("n1", "k0")] and len(index) == 512

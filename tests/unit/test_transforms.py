@@ -297,3 +297,23 @@ def test_any_unstack_then_its_derived_inverse_is_the_identity(count, offset, inn
                for layer in range(layers) for e in range(count))
     back = _apply(mapping.inverse(), parts)
     assert back.keys() == stacked.keys() and all(torch.equal(back[k], stacked[k]) for k in stacked)
+
+
+def test_unstack_and_stack_errors_word_by_word():
+    with pytest.raises(CheckpointError) as raised:
+        Unstack("l.{layer}.s", "p.{expert}", 2)
+    assert str(raised.value) == ("Unstack: 'p.{expert}' must use the placeholders of 'l.{layer}.s' plus exactly one that "
+                                 "numbers the parts (e.g. {expert}), or the mapping cannot be inverted")
+    with pytest.raises(CheckpointError) as raised:
+        Stack("p.{layer}.{expert}", "s", 2)
+    assert str(raised.value) == ("Stack: 'p.{layer}.{expert}' must use the placeholders of 's' plus exactly one that "
+                                 "numbers the parts (e.g. {expert}), or the mapping cannot be inverted")
+    with pytest.raises(CheckpointError) as raised:
+        Unstack("s", "p.{expert}", 0)
+    assert str(raised.value) == "Unstack s: count must be 1 or more, not 0"
+    with pytest.raises(CheckpointError) as raised:
+        Mapping((Stack("p.{expert}", "s", 4),)).plan({"p.0": Meta((2,), "float32"), "p.3": Meta((2,), "float32"),
+                                                      "p.5": Meta((2,), "float32")})
+    assert str(raised.value) == ("s: stacking 4 tensors p.{expert} (indices 0..3) but missing p.1, p.2; unexpected p.5; "
+                                 "Fix: give every part exactly once under its own index (a model config with this many "
+                                 "parts, and no part dropped or renumbered)")
