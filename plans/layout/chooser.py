@@ -265,8 +265,9 @@ def _experts_reason(layout: ParallelLayout, model: ModelConfig, work: Workload) 
     if layout.ep > 1:
         tokens = work.global_batch // layout.data_parallel_size // work.microbatches * work.seq_len
         exchange = exchange_elements(model, tokens) * (2 if work.precision == "bf16" else 4) / 2**20
-        return (f"ep={layout.ep}: {experts} are split over the {layout.fsdp} fsdp ranks, {model.n_experts // layout.ep} "
-                f"whole experts per rank{split}, never gathered; tokens reach them by all-to-all "
+        per_rank = model.n_experts // layout.ep
+        return (f"ep={layout.ep}: {experts} are split over the {layout.fsdp} fsdp ranks, {per_rank} "
+                f"whole expert{'s' if per_rank > 1 else ''} per rank{split}, never gathered; tokens reach them by all-to-all "
                 f"(~{exchange:.2f} MiB each way per MoE layer and microbatch)")
     if layout.fsdp > 1:
         why = ("pinned by you" if model.n_experts % layout.fsdp == 0
