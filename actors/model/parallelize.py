@@ -143,19 +143,28 @@ def reduce_expert_gradients(parameters: list[nn.Parameter], mesh: DeviceMesh, dp
     """Under ep, the experts' gradients as FSDP would leave them: each rank's expert gradient
     already sums its fsdp peers' tokens (the all-to-all's backward brought them); add the dp
     replicas' (one all-reduce) and divide by the data-parallel size, as FSDP2 averages."""
-    pieces = [param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-              for param in parameters if param.grad is not None]
+    pieces = _local_gradients(parameters)
     if not pieces:
         return
     if dp > 1:
-        flat = torch.cat([piece.reshape(-1) for piece in pieces])
-        work = dist.all_reduce(flat, group=mesh["dp"].get_group(), async_op=True)
-        work.wait(timeout) if timeout is not None else work.wait()
-        offset = 0
-        for piece in pieces:
-            piece.copy_(flat[offset:offset + piece.numel()].view_as(piece))
-            offset += piece.numel()
+        _sum_in_one_all_reduce(pieces, mesh["dp"].get_group(), timeout)
     torch._foreach_div_(pieces, float(data_parallel_size))
+
+
+def _local_gradients(parameters: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            for param in parameters if param.grad is not None]
+
+
+def _sum_in_one_all_reduce(pieces: list[torch.Tensor], group, timeout: timedelta | None) -> None:
+    """Sum every piece over `group` in place with one collective, not one per tensor."""
+    flat = torch.cat([piece.reshape(-1) for piece in pieces])
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    work.wait(timeout) if timeout is not None else work.wait()
+    offset = 0
+    for piece in pieces:
+        piece.copy_(flat[offset:offset + piece.numel()].view_as(piece))
+        offset += piece.numel()
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool = True,
@@ -250,17 +259,10 @@ def sum_partial_gradients(parameters: list[nn.Parameter], tp_mesh: DeviceMesh, t
     copies stay equal. Under FSDP the gradient is already the rank's data shard (reduced over dp
     and fsdp); the sum over tp is linear, so the order does not matter. Returns how many
     gradients it summed."""
-    pieces = [param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-              for param in parameters if param.grad is not None]
+    pieces = _local_gradients(parameters)
     if not pieces:
         return 0
-    flat = torch.cat([piece.reshape(-1) for piece in pieces])  # one collective, not one per weight
-    work = dist.all_reduce(flat, group=tp_mesh.get_group(), async_op=True)
-    work.wait(timeout) if timeout is not None else work.wait()
-    offset = 0
-    for piece in pieces:
-        piece.copy_(flat[offset:offset + piece.numel()].view_as(piece))
-        offset += piece.numel()
+    _sum_in_one_all_reduce(pieces, tp_mesh.get_group(), timeout)
     return len(pieces)
 
 
