@@ -61,6 +61,10 @@ def run_units(units: list[list[str]], tokenizer_json: str, eos_id: int, dtype: s
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the CLI draws one bar of input bytes (cluster/progress.py)
     context.print_on_execution_start = False
+    # Ray Data reserves half the cluster's CPUs per operator by default, so a single map operator
+    # got half the CPUs: on 2 CPUs the units ran one at a time (bench/data.py, decision 77). The
+    # pipeline has one operator after its in-memory input, so there is nothing to reserve against.
+    context.op_resource_reservation_enabled = False
     items = [{"unit": number, "files": files} for number, files in enumerate(units)]
     dataset = ray.data.from_items(items, override_num_blocks=len(units)).map_batches(
         tokenize_units, batch_size=1, batch_format="numpy", num_cpus=cpus_per_task,

@@ -76,7 +76,9 @@ def tokenize_unit(unit: int, files: list[str], tokenizer_json: str, eos_id: int,
 def _write_batch(tokenizer: Tokenizer, batch, eos_id: int, token_dtype, out, result: UnitResult) -> None:
     if not batch:
         return
-    encodings = tokenizer.encode_batch([d.text for d in batch], add_special_tokens=False)
+    # encode_batch_fast skips the character offsets encode_batch computes (ids identical, ~15% less CPU):
+    # the shards keep ids only.
+    encodings = tokenizer.encode_batch_fast([d.text for d in batch], add_special_tokens=False)
     for document, encoding in zip(batch, encodings):
         ids = np.asarray(encoding.ids + [eos_id], dtype=token_dtype)
         data = ids.tobytes()
