@@ -210,7 +210,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size:
     placed_experts = apply_expert_parallel(model, mesh, tp, ep)
     wrap_blocks(model, ac, compile_blocks, plan.blocks)
     if uses_fsdp(precision, data_parallel_size):
-        apply_data_parallel(model, mesh[DATA_MESH_DIMS], reshard_after_forward=not pipeline, precision=precision,
+        # Over a one-rank data mesh resharding frees nothing a regather would not rebuild: it only
+        # repeats each block's bf16 cast and copies in the backward (decision 78).
+        reshard = not pipeline and data_parallel_size > 1
+        apply_data_parallel(model, mesh[DATA_MESH_DIMS], reshard_after_forward=reshard, precision=precision,
                             blocks_attr=plan.blocks, ignored=placed_experts)
     return model
 

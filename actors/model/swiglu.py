@@ -1,13 +1,18 @@
 """SwiGLU over a fused gate_up output whose last dim interleaves (gate_j, up_j) per hidden unit.
 
-Computed on the two stride-2 views, as plain autograd would, with the same kernels in the same
-order, so forward and backward are bit-identical to `F.silu(v[..., 0]) * v[..., 1]`. The
+float32: computed on the two stride-2 views, as plain autograd would, with the same kernels in the
+same order, so forward and backward are bit-identical to `F.silu(v[..., 0]) * v[..., 1]`. The
 difference is the backward's assembly of the fused gradient: autograd's two index backwards each
 zero-fill a gradient the size of the whole fused output and copy their half in (two fills and two
 strided copies, about 5% of a small-preset step on a CPU); here both halves are written straight
 into their views of one empty gradient. Why not a contiguous de-interleaved copy, which is faster
 still: its vectorised SiLU rounds differently from the strided one, and the 250-step continuity
-run drifted between layouts (bench/RESULTS.md, throughput).
+run (a float32 claim) drifted between layouts on that trajectory (bench/RESULTS.md, throughput).
+
+bfloat16: gate and up are first copied out contiguous. On a CPU the strided bf16 SiLU and its
+backward take the scalar path, 5x the vectorised kernel (109 against 18 ms a small-preset step),
+and bf16's own rounding swamps the float32 kernels' ulp differences; the results are those of
+plain autograd on the contiguous halves, bit for bit (decision 78).
 """
 from __future__ import annotations
 
@@ -19,18 +24,22 @@ class _InterleavedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
         pairs = gate_up.unflatten(-1, (-1, 2))
-        activated = F.silu(pairs[..., 0])
-        ctx.save_for_backward(gate_up, activated)
-        return activated * pairs[..., 1]
+        gate, up = pairs[..., 0], pairs[..., 1]
+        if gate_up.dtype != torch.float32:
+            gate, up = gate.contiguous(), up.contiguous()
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate, up, activated)
+        return activated * up
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        gate_up, activated = ctx.saved_tensors
-        pairs = gate_up.unflatten(-1, (-1, 2))
-        grad_gate_up = torch.empty_like(gate_up)
+        gate, up, activated = ctx.saved_tensors
+        if gate.is_contiguous():  # bf16: contiguous kernels, then one interleaving copy
+            return torch.stack((torch.ops.aten.silu_backward(grad * up, gate), grad * activated), dim=-1).flatten(-2)
+        grad_gate_up = torch.empty((*gate.shape[:-1], 2 * gate.shape[-1]), dtype=gate.dtype, device=gate.device)
         grad_pairs = grad_gate_up.unflatten(-1, (-1, 2))
         # What autograd computes for silu(gate) * up, each written into its half of the result.
-        torch.ops.aten.silu_backward.grad_input(grad * pairs[..., 1], pairs[..., 0], grad_input=grad_pairs[..., 0])
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_pairs[..., 0])
         torch.mul(grad, activated, out=grad_pairs[..., 1])
         return grad_gate_up
 
