@@ -283,6 +283,8 @@ def test_expert_parallelism_on_a_dense_reference_model_is_refused_by_the_fit_che
     ("emb.weight", (10, 4), ParallelLayout(tp=2), RankCoords(0, 0, 0, 1), _USER_PLAN.tp_styles, ((5, 0), (5, 4), ())),
     # ... which the reference styles (styles None) do not know: whole, copied along tp
     ("emb.weight", (10, 4), ParallelLayout(tp=2), RankCoords(0, 0, 0, 1), None, ((0, 0), (10, 4), ("tp",))),
+    # tp = 1 never consults the styles: a rowwise module's 1-D weight (no dim 1 to split) is cut by fsdp alone
+    ("blocks.0.down.weight", (4,), ParallelLayout(fsdp=2), RankCoords(0, 0, 1, 0), _USER_PLAN.tp_styles, ((2,), (2,), ())),
     # the reference model's embedding is split without styles given
     ("tok_embeddings.weight", (16, 8), ParallelLayout(tp=4), RankCoords(0, 0, 0, 3), None, ((12, 0), (4, 8), ())),
 ], ids=lambda value: str(value) if isinstance(value, ParallelLayout) else None)
@@ -333,6 +335,52 @@ def test_a_user_models_regions_and_targets_on_fsdp_and_tp_worked_by_hand():
     table = layout_target_table(user, layout, kinds, itemsize=2)
     assert table.as_lists() == expected_targets
     assert table.itemsize.tolist() == [2] * 84 and table.width == 2
+    # The column types `TargetTable` documents (int32 dictionary codes, int64 elsewhere).
+    assert [str(column.dtype) for column in (table.rank, table.name_code, table.kind_code, table.ndim, table.receive_from,
+                                             table.itemsize, table.offsets, table.sizes)] == \
+        ["int64", "int32", "int32", "int64", "int64", "int64", "int64", "int64"]
+
+
+def test_a_stage_that_holds_no_parameter_is_skipped_and_the_next_stage_still_listed():
+    """A user model whose block 0 has no parameters (and no first-stage module): on pp = 2 the
+    first stage holds nothing, the second block 1 and the norm."""
+    user = _user_model(parameters=(("blocks.1.up.weight", (6, 4), 0), ("norm.weight", (4,), -1)))
+    layout = ParallelLayout(pp=2)
+    partition = pipeline_partition(user, layout)
+    assert rank_tensor_names(user, layout, 0, partition) == []
+    assert rank_tensor_names(user, layout, 1, partition) == [("blocks.1.up.weight", False), ("norm.weight", False)]
+    expected = [[], [_Target("blocks.1.up.weight", "param", (0, 0), (6, 4)), _Target("norm.weight", "param", (0,), (4,))]]
+    assert layout_targets(user, layout, ("param",)) == expected
+    assert layout_target_table(user, layout, ("param",)).as_lists() == expected
+
+
+def test_the_columns_and_the_records_agree_even_where_tp_does_not_divide_a_split_dim():
+    """tp = 3 on the user model's 8-wide up projections: the fit check refuses it, but both
+    functions cut it alike, in floor blocks of 2 at rows 0, 2, 4."""
+    user = _user_model(parameters=(("blocks.0.up.weight", (8, 4), 0), ("blocks.1.up.weight", (6, 4), 0)))
+    layout = ParallelLayout(tp=3)
+    with pytest.raises(ConfigError, match="cannot split parameter blocks.0.up.weight of shape \\[8, 4\\] along dim 0"):
+        check_layout_fits(user, layout)
+    records = layout_targets(user, layout, ("param",))
+    assert [[(t.name, t.offsets, t.sizes) for t in rank] for rank in records] == [
+        [("blocks.0.up.weight", (2 * tp, 0), (2, 4)), ("blocks.1.up.weight", (2 * tp, 0), (2, 4))] for tp in range(3)]
+    assert layout_target_table(user, layout, ("param",)).as_lists() == records
+
+
+def test_a_user_plan_that_only_fits_tp_1_still_has_regions_at_tp_1():
+    """A rowwise style on a module whose weight is 1-D: tp = 2 cannot split it (refused, naming it),
+    but at tp = 1 the styles play no part and fsdp = 2 cuts the 4 entries 2 + 2."""
+    user = _user_model(parameters=(("blocks.0.down.weight", (4,), 1), ("blocks.1.down.weight", (3, 2), 1)))
+    check_layout_fits(user, ParallelLayout(fsdp=2))
+    with pytest.raises(ConfigError) as refused:
+        check_layout_fits(user, ParallelLayout(tp=2))
+    assert str(refused.value) == ("layout.tp=2: cannot split parameter blocks.0.down.weight of shape [4] along dim 1. "
+                                  "Fix: use a --tp that divides it, or leave its module out of the plan's tp_styles")
+    layout = ParallelLayout(fsdp=2)
+    expected = [[_Target("blocks.0.down.weight", "param", (0,), (2,)), _Target("blocks.1.down.weight", "param", (0, 0), (2, 2))],
+                [_Target("blocks.0.down.weight", "param", (2,), (2,)), _Target("blocks.1.down.weight", "param", (2, 0), (1, 2))]]
+    assert layout_targets(user, layout, ("param",)) == expected
+    assert layout_target_table(user, layout, ("param",)).as_lists() == expected
 
 
 def test_a_dp_pair_reads_each_piece_once_and_splits_the_bytes_evenly():
