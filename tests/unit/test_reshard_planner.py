@@ -2,6 +2,7 @@
 safetensors bytes reproduces the target region of the global tensor bit for bit."""
 import dataclasses
 import itertools
+import math
 import uuid
 
 import fsspec
@@ -207,6 +208,275 @@ def test_a_layout_that_cannot_hold_the_model_is_refused_with_the_divisors_to_use
 def test_a_layout_that_holds_the_model_passes_the_fit_check():
     for layout in (ParallelLayout(tp=2, pp=2, vpp=2), ParallelLayout(pp=4), ParallelLayout(dp=8)):
         check_layout_fits(preset("tiny"), layout)  # 4 stages of 4 layers: one layer each
+
+
+# ---- regions worked by hand: a user model's records, tp = 1 / dp = 1, pipeline cuts ------------
+
+from plans.checkpoint.reshard import Target as _Target  # noqa: E402
+from plans.checkpoint.regions import (Region, pipeline_partition, rank_regions, rank_tensor_names,  # noqa: E402
+                                      tensor_region)
+from plans.layout.parallel_layout import RankCoords  # noqa: E402
+from plans.training.model_plan import ModelPlan, UserModel  # noqa: E402
+from plans.training.tp_plan import COLWISE, ROWWISE, VOCAB_EMBEDDING  # noqa: E402
+
+# A user's model as its checkpoint records it (no factory is imported): vocabulary 10, width 4,
+# two blocks of a 6-wide MLP; its names are not the reference model's, and its attention fields
+# (1 kv head, ffn 3) would refuse tp = 2 if the built-in rules were applied to it.
+_USER_PLAN = ModelPlan(tp_styles=(("emb", VOCAB_EMBEDDING), ("blocks.*.up", COLWISE), ("blocks.*.down", ROWWISE)),
+                       blocks="blocks", first_stage=("emb",), last_stage=("norm",), hidden_size=4, vocab_size=10)
+_USER_PARAMETERS = (("emb.weight", (10, 4), 0), ("blocks.0.up.weight", (6, 4), 0), ("blocks.0.up.bias", (6,), 0),
+                    ("blocks.0.down.weight", (4, 6), 1), ("blocks.1.up.weight", (6, 4), 0), ("blocks.1.up.bias", (6,), 0),
+                    ("blocks.1.down.weight", (4, 6), 1), ("norm.weight", (4,), -1))
+
+
+def _user_model(parameters=_USER_PARAMETERS, n_layers=2):
+    return ModelConfig(family="user", vocab_size=10, dim=4, n_layers=n_layers, n_heads=1, n_kv_heads=1, ffn_dim=3,
+                       user=UserModel("pkg.module:make", _USER_PLAN, parameters))
+
+
+def test_a_user_model_is_fitted_by_its_parameters_splits_not_by_the_reference_fields():
+    user = _user_model()
+    check_layout_fits(user, ParallelLayout(tp=2, fsdp=3))  # 1 kv head and ffn 3 would refuse tp = 2
+    check_layout_fits(user, ParallelLayout(pp=2))
+    with pytest.raises(ConfigError) as refused:
+        check_layout_fits(user, ParallelLayout(tp=3))  # divides the 6 rows of up, not the vocabulary of 10
+    assert str(refused.value) == ("layout.tp=3: cannot split parameter emb.weight of shape [10, 4] along dim 0. "
+                                  "Fix: use a --tp that divides 10, or leave its module out of the plan's tp_styles")
+    with pytest.raises(ConfigError) as refused:
+        check_layout_fits(user, ParallelLayout(pp=3))
+    assert str(refused.value) == "pp=3: pp*vpp = 3 stages exceed the model's 2 layers. Fix: lower pp or vpp"
+    with pytest.raises(ConfigError) as refused:
+        check_layout_fits(user, ParallelLayout(fsdp=2, ep=2))
+    assert str(refused.value).startswith("ep=2: expert parallelism needs a mixture-of-experts model.")
+
+
+def test_expert_parallelism_on_a_dense_reference_model_is_refused_by_the_fit_check():
+    with pytest.raises(ConfigError) as refused:
+        check_layout_fits(preset("tiny"), ParallelLayout(fsdp=2, ep=2))
+    assert str(refused.value) == ("ep=2: expert parallelism needs a mixture-of-experts model. "
+                                  "Fix: set --ep 1, or train an MoE model (--model moe-tiny)")
+
+
+@pytest.mark.parametrize("name, shape, layout, coords, styles, expected", [
+    # no tp, no dp: the whole tensor, copied nowhere
+    ("layers.0.attention.wo.weight", (8, 12), ParallelLayout(), RankCoords(0, 0, 0, 0), None,
+     ((0, 0), (8, 12), ())),
+    # rowwise (dim 1, blocks of 6), then fsdp 3 cuts the 8 rows 3/3/2: the last chunk is rows 6..7
+    ("layers.0.attention.wo.weight", (8, 12), ParallelLayout(tp=2, fsdp=3), RankCoords(0, 0, 2, 1), None,
+     ((6, 6), (2, 6), ())),
+    # colwise rows 8..15 of tp rank 1, fsdp 2 cuts them in 4 + 4: the second is rows 12..15 (strided)
+    ("layers.0.attention.qkv.weight", (16, 8), ParallelLayout(tp=2, fsdp=2), RankCoords(0, 0, 1, 1), None,
+     ((12, 0), (4, 8), ())),
+    # fsdp alone (dp = 1): rows 12..23 of 24
+    ("layers.0.feed_forward.gate_up.weight", (24, 8), ParallelLayout(fsdp=2), RankCoords(0, 0, 1, 0), None,
+     ((12, 0), (12, 8), ())),
+    # dp alone: whole, copied along dp
+    ("layers.0.feed_forward.down.weight", (8, 12), ParallelLayout(dp=2), RankCoords(0, 1, 0, 0), None,
+     ((0, 0), (8, 12), ("dp",))),
+    # a norm under dp and tp: whole on every rank, copied along both
+    ("norm.weight", (8,), ParallelLayout(dp=2, tp=2), RankCoords(0, 1, 0, 1), None, ((0,), (8,), ("dp", "tp"))),
+    # a norm under tp alone: copied along tp only
+    ("norm.weight", (8,), ParallelLayout(tp=2), RankCoords(0, 0, 0, 1), None, ((0,), (8,), ("tp",))),
+    # a 0-d tensor is never cut by fsdp
+    ("scale", (), ParallelLayout(fsdp=2), RankCoords(0, 0, 1, 0), None, ((), (), ())),
+    # a user's styles: its embedding split by rows into 5 + 5 ...
+    ("emb.weight", (10, 4), ParallelLayout(tp=2), RankCoords(0, 0, 0, 1), _USER_PLAN.tp_styles, ((5, 0), (5, 4), ())),
+    # ... which the reference styles (styles None) do not know: whole, copied along tp
+    ("emb.weight", (10, 4), ParallelLayout(tp=2), RankCoords(0, 0, 0, 1), None, ((0, 0), (10, 4), ("tp",))),
+    # tp = 1 never consults the styles: a rowwise module's 1-D weight (no dim 1 to split) is cut by fsdp alone
+    ("blocks.0.down.weight", (4,), ParallelLayout(fsdp=2), RankCoords(0, 0, 1, 0), _USER_PLAN.tp_styles, ((2,), (2,), ())),
+    # the reference model's embedding is split without styles given
+    ("tok_embeddings.weight", (16, 8), ParallelLayout(tp=4), RankCoords(0, 0, 0, 3), None, ((12, 0), (4, 8), ())),
+], ids=lambda value: str(value) if isinstance(value, ParallelLayout) else None)
+def test_tensor_region_worked_by_hand(name, shape, layout, coords, styles, expected):
+    region = tensor_region(name, shape, layout, coords, styles)
+    assert (region.offsets, region.sizes, region.replicated_over) == expected
+    assert (region.name, region.global_shape, region.tied_copy) == (name, shape, False)
+
+
+# A user model on fsdp = 3 x tp = 2, by hand: tp splits emb (rows 5 + 5), up and its bias (rows
+# 3 + 3) and down (columns 3 + 3); fsdp then cuts dim 0 of each tp-local piece with torch.chunk's
+# sizes: 5 rows -> 2, 2, 1; 3 rows -> 1, 1, 1; down's 4 rows -> 2, 2, 0; the norm (4, copied on
+# both tp ranks) -> 2, 2, 0.  (name, offsets, sizes) per rank; rank = fsdp * 2 + tp.
+_USER_FSDP3_TP2 = [
+    [("emb.weight", (0, 0), (2, 4)), ("blocks.0.up.weight", (0, 0), (1, 4)), ("blocks.0.up.bias", (0,), (1,)),
+     ("blocks.0.down.weight", (0, 0), (2, 3)), ("blocks.1.up.weight", (0, 0), (1, 4)), ("blocks.1.up.bias", (0,), (1,)),
+     ("blocks.1.down.weight", (0, 0), (2, 3)), ("norm.weight", (0,), (2,))],
+    [("emb.weight", (5, 0), (2, 4)), ("blocks.0.up.weight", (3, 0), (1, 4)), ("blocks.0.up.bias", (3,), (1,)),
+     ("blocks.0.down.weight", (0, 3), (2, 3)), ("blocks.1.up.weight", (3, 0), (1, 4)), ("blocks.1.up.bias", (3,), (1,)),
+     ("blocks.1.down.weight", (0, 3), (2, 3)), ("norm.weight", (0,), (2,))],
+    [("emb.weight", (2, 0), (2, 4)), ("blocks.0.up.weight", (1, 0), (1, 4)), ("blocks.0.up.bias", (1,), (1,)),
+     ("blocks.0.down.weight", (2, 0), (2, 3)), ("blocks.1.up.weight", (1, 0), (1, 4)), ("blocks.1.up.bias", (1,), (1,)),
+     ("blocks.1.down.weight", (2, 0), (2, 3)), ("norm.weight", (2,), (2,))],
+    [("emb.weight", (7, 0), (2, 4)), ("blocks.0.up.weight", (4, 0), (1, 4)), ("blocks.0.up.bias", (4,), (1,)),
+     ("blocks.0.down.weight", (2, 3), (2, 3)), ("blocks.1.up.weight", (4, 0), (1, 4)), ("blocks.1.up.bias", (4,), (1,)),
+     ("blocks.1.down.weight", (2, 3), (2, 3)), ("norm.weight", (2,), (2,))],
+    [("emb.weight", (4, 0), (1, 4)), ("blocks.0.up.weight", (2, 0), (1, 4)), ("blocks.0.up.bias", (2,), (1,)),
+     ("blocks.0.down.weight", (4, 0), (0, 3)), ("blocks.1.up.weight", (2, 0), (1, 4)), ("blocks.1.up.bias", (2,), (1,)),
+     ("blocks.1.down.weight", (4, 0), (0, 3)), ("norm.weight", (4,), (0,))],
+    [("emb.weight", (9, 0), (1, 4)), ("blocks.0.up.weight", (5, 0), (1, 4)), ("blocks.0.up.bias", (5,), (1,)),
+     ("blocks.0.down.weight", (4, 3), (0, 3)), ("blocks.1.up.weight", (5, 0), (1, 4)), ("blocks.1.up.bias", (5,), (1,)),
+     ("blocks.1.down.weight", (4, 3), (0, 3)), ("norm.weight", (4,), (0,))],
+]
+
+
+def test_a_user_models_regions_and_targets_on_fsdp_and_tp_worked_by_hand():
+    user, layout = _user_model(), ParallelLayout(fsdp=3, tp=2)
+    shapes = dict((name, shape) for name, shape, _ in _USER_PARAMETERS)
+    for rank, expected in enumerate(_USER_FSDP3_TP2):
+        assert rank_regions(user, layout, rank) == [
+            Region(name, shapes[name], offsets, sizes, ("tp",) if name == "norm.weight" else ()) for name, offsets, sizes in expected]
+    # Targets: empty regions (the third fsdp chunk of down and of the norm) are left out, kinds listed per region.
+    kinds = ("param", "exp_avg")
+    expected_targets = [[_Target(name, kind, offsets, sizes, None, 2) for name, offsets, sizes in expected if 0 not in sizes
+                         for kind in kinds] for expected in _USER_FSDP3_TP2]
+    assert [len(targets) for targets in expected_targets] == [16, 16, 16, 16, 10, 10]
+    assert layout_targets(user, layout, kinds, itemsize=2) == expected_targets
+    table = layout_target_table(user, layout, kinds, itemsize=2)
+    assert table.as_lists() == expected_targets
+    assert table.itemsize.tolist() == [2] * 84 and table.width == 2
+    # The column types `TargetTable` documents (int32 dictionary codes, int64 elsewhere).
+    assert [str(column.dtype) for column in (table.rank, table.name_code, table.kind_code, table.ndim, table.receive_from,
+                                             table.itemsize, table.offsets, table.sizes)] == \
+        ["int64", "int32", "int32", "int64", "int64", "int64", "int64", "int64"]
+
+
+def test_a_stage_that_holds_no_parameter_is_skipped_and_the_next_stage_still_listed():
+    """A user model whose block 0 has no parameters (and no first-stage module): on pp = 2 the
+    first stage holds nothing, the second block 1 and the norm."""
+    user = _user_model(parameters=(("blocks.1.up.weight", (6, 4), 0), ("norm.weight", (4,), -1)))
+    layout = ParallelLayout(pp=2)
+    partition = pipeline_partition(user, layout)
+    assert rank_tensor_names(user, layout, 0, partition) == []
+    assert rank_tensor_names(user, layout, 1, partition) == [("blocks.1.up.weight", False), ("norm.weight", False)]
+    expected = [[], [_Target("blocks.1.up.weight", "param", (0, 0), (6, 4)), _Target("norm.weight", "param", (0,), (4,))]]
+    assert layout_targets(user, layout, ("param",)) == expected
+    assert layout_target_table(user, layout, ("param",)).as_lists() == expected
+
+
+def test_the_columns_and_the_records_agree_even_where_tp_does_not_divide_a_split_dim():
+    """tp = 3 on the user model's 8-wide up projections: the fit check refuses it, but both
+    functions cut it alike, in floor blocks of 2 at rows 0, 2, 4."""
+    user = _user_model(parameters=(("blocks.0.up.weight", (8, 4), 0), ("blocks.1.up.weight", (6, 4), 0)))
+    layout = ParallelLayout(tp=3)
+    with pytest.raises(ConfigError, match="cannot split parameter blocks.0.up.weight of shape \\[8, 4\\] along dim 0"):
+        check_layout_fits(user, layout)
+    records = layout_targets(user, layout, ("param",))
+    assert [[(t.name, t.offsets, t.sizes) for t in rank] for rank in records] == [
+        [("blocks.0.up.weight", (2 * tp, 0), (2, 4)), ("blocks.1.up.weight", (2 * tp, 0), (2, 4))] for tp in range(3)]
+    assert layout_target_table(user, layout, ("param",)).as_lists() == records
+
+
+def test_a_user_plan_that_only_fits_tp_1_still_has_regions_at_tp_1():
+    """A rowwise style on a module whose weight is 1-D: tp = 2 cannot split it (refused, naming it),
+    but at tp = 1 the styles play no part and fsdp = 2 cuts the 4 entries 2 + 2."""
+    user = _user_model(parameters=(("blocks.0.down.weight", (4,), 1), ("blocks.1.down.weight", (3, 2), 1)))
+    check_layout_fits(user, ParallelLayout(fsdp=2))
+    with pytest.raises(ConfigError) as refused:
+        check_layout_fits(user, ParallelLayout(tp=2))
+    assert str(refused.value) == ("layout.tp=2: cannot split parameter blocks.0.down.weight of shape [4] along dim 1. "
+                                  "Fix: use a --tp that divides it, or leave its module out of the plan's tp_styles")
+    layout = ParallelLayout(fsdp=2)
+    expected = [[_Target("blocks.0.down.weight", "param", (0,), (2,)), _Target("blocks.1.down.weight", "param", (0, 0), (2, 2))],
+                [_Target("blocks.0.down.weight", "param", (2,), (2,)), _Target("blocks.1.down.weight", "param", (2, 0), (1, 2))]]
+    assert layout_targets(user, layout, ("param",)) == expected
+    assert layout_target_table(user, layout, ("param",)).as_lists() == expected
+
+
+def test_a_dp_pair_reads_each_piece_once_and_splits_the_bytes_evenly():
+    """dp = 2 of the user model: every piece copied along dp; one replica reads it, the other
+    receives it. Element counts 40, 24 x 4, 6 x 2, 4 split largest first: 76 and 76."""
+    user, layout = _user_model(), ParallelLayout(dp=2)
+    for targets in (layout_targets(user, layout, ("param",), itemsize=2),
+                    layout_target_table(user, layout, ("param",), itemsize=2).as_lists()):
+        assert [[(t.name, t.offsets, t.sizes) for t in rank] for rank in targets] == \
+            [[(name, (0,) * len(shape), shape) for name, shape, _ in _USER_PARAMETERS]] * 2
+        read_by = []
+        for mine, other in ((targets[0], targets[1]), (targets[1], targets[0])):
+            for a, b in zip(mine, other):
+                assert {a.receive_from, b.receive_from} in ({None, 0}, {None, 1})  # exactly one reads it
+        for rank, peer in ((0, 1), (1, 0)):
+            assert all(t.receive_from in (None, peer) for t in targets[rank])
+            read_by.append(sum(math.prod(t.sizes) * t.itemsize for t in targets[rank] if t.receive_from is None))
+        assert read_by == [152, 152]
+    # Without read-once every replica reads everything itself.
+    assert all(t.receive_from is None for rank in layout_targets(user, layout, ("param",), read_once=False) for t in rank)
+    table = layout_target_table(user, layout, ("param",), read_once=False)
+    assert table.receive_from.tolist() == [-1] * 16
+
+
+def test_a_user_model_on_two_stages_holds_its_blocks_and_first_and_last_parts_by_hand():
+    user, layout = _user_model(), ParallelLayout(pp=2)
+    partition = pipeline_partition(user, layout)
+    first = ["emb.weight", "blocks.0.up.weight", "blocks.0.up.bias", "blocks.0.down.weight"]
+    last = ["blocks.1.up.weight", "blocks.1.up.bias", "blocks.1.down.weight", "norm.weight"]
+    assert rank_tensor_names(user, layout, 0, partition) == [(name, False) for name in first]
+    assert rank_tensor_names(user, layout, 1, partition) == [(name, False) for name in last]
+    # Without a partition, or with pp = 1, a rank holds every parameter.
+    every = [(name, False) for name, _, _ in _USER_PARAMETERS]
+    assert rank_tensor_names(user, layout, 1, None) == every
+    assert rank_tensor_names(user, ParallelLayout(), 0, partition) == every
+    # rank_regions finds the trainer's partition itself when given none.
+    shapes = dict((name, shape) for name, shape, _ in _USER_PARAMETERS)
+    for rank, names in enumerate((first, last)):
+        expected = [Region(name, shapes[name], (0,) * len(shapes[name]), shapes[name], ()) for name in names]
+        assert rank_regions(user, layout, rank) == expected
+        assert rank_regions(user, layout, rank, partition) == expected
+        assert [[t.name for t in targets] for targets in layout_targets(user, layout, ("param",))] == [first, last]
+        assert [[t.name for t in targets] for targets in layout_target_table(user, layout, ("param",)).as_lists()] == [first, last]
+    assert rank_regions(user, ParallelLayout(), 0) == [Region(n, s, (0,) * len(s), s, ()) for n, s in shapes.items()]
+
+
+_LAYER_PARTS = ("attention_norm.weight", "attention.qkv.weight", "attention.wo.weight", "ffn_norm.weight",
+                "feed_forward.gate_up.weight", "feed_forward.down.weight")
+_TIED = ModelConfig(vocab_size=16, dim=8, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=12, tie_embeddings=True).validate()
+
+
+def _layers(*indices):
+    return [f"layers.{i}.{part}" for i in indices for part in _LAYER_PARTS]
+
+
+def test_a_given_stage_cut_decides_each_ranks_tensors_and_the_tied_copy_goes_last():
+    """Layers cut 1 + 3 (not the balanced 2 + 2): the last stage also holds a copy of the tied
+    embedding, listed after its layers and before the final norm; tp = 2 splits it as on the first."""
+    layout = ParallelLayout(tp=2, pp=2)
+    partition = pipeline_partition(_TIED, layout, stage_layout=[1, 3])
+    assert rank_tensor_names(_TIED, layout, 0, partition) == [(n, False) for n in ["tok_embeddings.weight", *_layers(0)]]
+    assert rank_tensor_names(_TIED, layout, 1, partition) == \
+        [(n, False) for n in _layers(1, 2, 3)] + [("tok_embeddings.weight", True), ("norm.weight", False)]
+    # global rank 3 = pp 1, tp 1: the tied copy is rows 8..15, flagged; rank 1 (pp 0, tp 1) holds the same rows unflagged.
+    last = rank_regions(_TIED, layout, 3, partition)
+    assert [r.name for r in last] == _layers(1, 2, 3) + ["tok_embeddings.weight", "norm.weight"]
+    assert last[-2] == Region("tok_embeddings.weight", (16, 8), (8, 0), (8, 8), (), tied_copy=True)
+    assert rank_regions(_TIED, layout, 1, partition)[0] == Region("tok_embeddings.weight", (16, 8), (8, 0), (8, 8), ())
+    assert [t.name for t in layout_targets(_TIED, layout, ("param",), partition)[3]] == [r.name for r in last]
+    assert layout_target_table(_TIED, layout, ("param",), partition).as_lists() == layout_targets(_TIED, layout, ("param",), partition)
+    # The balanced cut, found when no partition is given, puts two layers on each stage.
+    assert [r.name for r in rank_regions(_TIED, layout, 2)] == _layers(2, 3) + ["tok_embeddings.weight", "norm.weight"]
+    # pp = 1: one rank holds the embedding once, never a tied copy.
+    assert [(r.name, r.tied_copy) for r in rank_regions(_TIED, ParallelLayout(), 0)] == \
+        [("tok_embeddings.weight", False)] + [(n, False) for n in _layers(0, 1, 2, 3)] + [("norm.weight", False)]
+
+
+def test_a_v_cut_puts_the_first_and_last_stage_on_one_rank_with_no_tied_copy():
+    layout = ParallelLayout(pp=2, vpp=2)  # ZB-V: stages 0 and 3 on rank 0, 1 and 2 on rank 1
+    partition = pipeline_partition(_TIED, layout, "zbv")
+    assert rank_tensor_names(_TIED, layout, 0, partition) == \
+        [(n, False) for n in ["tok_embeddings.weight", *_layers(0, 3), "norm.weight"]]
+    assert rank_tensor_names(_TIED, layout, 1, partition) == [(n, False) for n in _layers(1, 2)]
+    untied = dataclasses.replace(_TIED, tie_embeddings=False)
+    names = [n for n, _ in rank_tensor_names(untied, ParallelLayout(pp=2), 1, pipeline_partition(untied, ParallelLayout(pp=2)))]
+    assert names == _layers(2, 3) + ["norm.weight", "output.weight"]
+
+
+def test_a_model_without_parameters_gives_an_empty_table_with_the_documented_column_types():
+    table = layout_target_table(_user_model(parameters=()), ParallelLayout(dp=2, tp=2), ("param", "exp_avg"))
+    assert (len(table), table.world_size, table.names, table.kinds) == (0, 4, [], ["param", "exp_avg"])
+    assert [str(column.dtype) for column in (table.rank, table.name_code, table.kind_code, table.ndim, table.receive_from,
+                                             table.itemsize, table.offsets, table.sizes)] == \
+        ["int64", "int32", "int32", "int64", "int64", "int64", "int64", "int64"]
+    assert table.offsets.shape == table.sizes.shape == (0, 1)
+    assert table.as_lists() == [[], [], [], []]
 
 
 # ---- small cases worked by hand: byte ranges, coalescing, a rank's plan ---------------------------
