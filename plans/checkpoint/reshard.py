@@ -90,6 +90,7 @@ class TensorChunks:
         self.chunks = sorted(chunks, key=lambda c: (c.offsets, c.file, c.byte_start))
         self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
         self.longest = max((c.sizes[0] if c.sizes else 1 for c in self.chunks), default=0)
+        self.rank = len(self.chunks[0].offsets) if self.chunks else None  # the stored tensor's
 
     def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[Chunk]:
         if not offsets:
@@ -112,6 +113,7 @@ class TableTensor:
         self.starts = np.where(table.ndim[self.rows] > 0, offsets[order, 0], 0)
         heights = np.where(table.ndim[self.rows] > 0, table.boxes["sizes"][self.rows, 0], 1)
         self.longest = int(heights.max()) if len(heights) else 0
+        self.rank = int(table.ndim[self.rows[0]]) if len(self.rows) else None  # the stored tensor's
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -175,10 +177,14 @@ def plan_reads(chunks: Sequence[Chunk] | TensorChunks, offsets: tuple[int, ...],
     if target_volume == 0:
         return []
     index = chunks if isinstance(chunks, (TensorChunks, TableTensor)) else TensorChunks(chunks)
+    # Before the overlap search, which reads dim 0 only: a region of another rank would otherwise
+    # get this error or a "covers 0 of" one depending on where its dim 0 falls.
+    if index.rank is not None and index.rank != len(offsets):
+        raise CheckpointError(f"{what}: stored rank {index.rank} differs from target rank {len(offsets)}")
     items: list[ReadItem] = []
     covered = 0
     for chunk in index.overlapping(offsets, sizes):
-        if len(chunk.offsets) != len(offsets):
+        if len(chunk.offsets) != len(offsets):  # a damaged list whose chunks disagree on the rank
             raise CheckpointError(f"{what}: stored rank {len(chunk.offsets)} differs from target rank {len(offsets)}")
         overlap = _intersect(chunk.offsets, chunk.sizes, offsets, sizes)
         if overlap is None:

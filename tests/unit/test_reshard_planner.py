@@ -712,9 +712,43 @@ def test_the_sweep_words_each_failure():
 def test_a_scalar_chunk_against_a_region_of_another_rank():
     scalar = _c((), (), (), 0, name="s")
     for index in ([scalar], index_chunks([scalar])[("s", "param")]):
+        # Wherever the region's dim 0 falls, in the scalar's one row or past it, the rank is named.
+        for offsets in ((0,), (1,), (3,)):
+            with pytest.raises(CheckpointError) as raised:
+                plan_reads(index, offsets, (1,), "s")
+            assert str(raised.value) == "s: stored rank 0 differs from target rank 1"
+
+
+def test_a_region_of_another_rank_is_named_wherever_its_rows_fall():
+    chunks = [_c((6, 2), (0, 0), (3, 2), 0), _c((6, 2), (3, 0), (3, 2), 24)]
+    for index in (chunks, index_chunks(chunks)[("w", "param")]):
+        for offsets in ((0,), (5,), (9,)):  # in the first chunk's rows, the second's, past both
+            with pytest.raises(CheckpointError) as raised:
+                plan_reads(index, offsets, (1,), "w")
+            assert str(raised.value) == "w: stored rank 2 differs from target rank 1"
         with pytest.raises(CheckpointError) as raised:
-            plan_reads(index, (0,), (1,), "s")
-        assert str(raised.value) == "s: stored rank 0 differs from target rank 1"
+            plan_reads(index, (), (), "w")
+        assert str(raised.value) == "w: stored rank 2 differs from target rank 0"
+
+
+def test_a_tensor_with_no_chunks_covers_nothing():
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads([], (0,), (2,), "w")
+    assert str(raised.value) == ("w: the checkpoint's chunks cover 0 of the 2 elements needed for region offsets=(0,) "
+                                 "sizes=(2,); the checkpoint is incomplete or its manifest is damaged")
+    assert plan_reads([], (0,), (0,), "w") == []  # an empty region needs no chunk
+
+
+def test_chunks_that_disagree_on_their_rank_are_refused_at_the_one_that_differs():
+    # A damaged list: the first chunk (which sets the tensor's rank) is 2-D, a later one 1-D.
+    chunks = [_c((6, 2), (0, 0), (3, 2), 0), _c((6,), (3,), (3,), 24)]
+    with pytest.raises(CheckpointError) as raised:
+        plan_reads(chunks, (3, 0), (3, 2), "w")
+    assert str(raised.value) == "w: stored rank 1 differs from target rank 2"
+    # plan_reads looks only at the chunks its region overlaps (found by bisection on dim 0; the
+    # manifest check, `check_chunks_disjoint_and_complete`, refuses such a list before planning):
+    # rows 0-2 are read from the first chunk alone.
+    assert _spans(plan_reads(chunks, (0, 0), (3, 2), "w")) == [(0, 24, (0, 0), (3, 2), (0, 0), (3, 2))]
 
 
 def test_the_index_refuses_a_tensor_it_does_not_hold_by_its_key():
