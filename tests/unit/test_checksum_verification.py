@@ -274,3 +274,135 @@ def test_no_object_store_fetch_is_bigger_than_the_window(monkeypatch):
         assert torch.equal(destination.tensor, WHOLE[item.chunk.name])
     assert fetched and max(fetched) <= 96, fetched
     assert sum(fetched) == sum(item.nbytes for item in items)  # and nothing twice
+
+
+def _record_fetches(monkeypatch, fs):
+    """The size of every range the store is asked for, in order (a range fetched through
+    cat_ranges counted once, not again by the cat_file it calls)."""
+    fetched, inside = [], []
+    cat_file, cat_ranges = fs.cat_file, fs.cat_ranges
+
+    def recording_cat_file(path, start=None, end=None, **kwargs):
+        if not inside:
+            fetched.append(end - start)
+        return cat_file(path, start=start, end=end, **kwargs)
+
+    def recording_cat_ranges(paths, starts, ends, **kwargs):
+        fetched.extend(end - start for start, end in zip(starts, ends))
+        inside.append(True)
+        try:
+            return cat_ranges(paths, starts, ends, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(fs, "cat_file", recording_cat_file)
+    monkeypatch.setattr(fs, "cat_ranges", recording_cat_ranges)
+    return fetched
+
+
+def _store_of(values: dict):
+    """A shard of whole tensors in a fresh memory:// store: (filesystem, base, file bytes, chunks)."""
+    pieces = [Piece(name, "param", value, tuple(value.shape), (0,) * value.dim()) for name, value in values.items()]
+    data, chunks = encode_shard(pieces, FILE)
+    fs, base = fsspec.core.url_to_fs(f"memory://verify-{uuid.uuid4().hex}")
+    fs.pipe_file(f"{base}/{FILE}", data)
+    return fs, base, data, chunks
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_0d_tensor_and_a_1d_one_bigger_than_the_window_land_from_an_object_store(monkeypatch, window):
+    """A 0-d tensor is fetched whole; a 1-D one of 40 elements (160 bytes) a block of elements
+    at a time when it is bigger than the window, never in one fetch bigger than the window."""
+    values = {"s": torch.tensor(-3.25), "v": _values((40,), 4)}
+    fs, base, _, chunks = _store_of(values)
+    wanted = {Target(name, "param", (0,) * value.dim(), tuple(value.shape)): torch.full_like(value, -1.0)
+              for name, value in values.items()}
+    plan = plan_rank(index_chunks(chunks), list(wanted))
+    by_item = {item: Destination(wanted[target], target.offsets) for target, items in plan.items.items() for item in items}
+    fetched = _record_fetches(monkeypatch, fs)
+    assert execute_requests(fs, base, coalesce(by_item, window), by_item, window_bytes=window) == 4 + 160
+    for target, tensor in wanted.items():
+        assert torch.equal(tensor, values[target.name]), target
+    assert max(fetched) <= window and sum(fetched) == 4 + 160, fetched
+    if window == 96:
+        assert sorted(fetched) == [4, 64, 96]  # 24 elements, then the other 16
+
+
+@pytest.mark.parametrize("window", [96, 20])  # b is 20 bytes: a part the window's size is read whole too
+def test_a_damaged_chunk_read_whole_is_refused_before_any_of_it_is_copied(window):
+    fs, base, data, chunks = _store()
+    b = next(c for c in chunks if c.name == "b")
+    _damaged(fs, base, data, b.byte_start + 5)
+    items, by_item = _whole_items(chunks, {"a", "b"})
+    (request,) = coalesce(items)  # a (240 bytes, read in row blocks) and b (read whole) in one request
+    assert request.nbytes > window >= b.byte_end - b.byte_start == 20
+    with pytest.raises(CheckpointError, match=rf"^{base}/{FILE}: checksum mismatch for b \(param\) at bytes "
+                                              rf"\[{b.byte_start}, {b.byte_end}\)"):
+        execute_requests(fs, base, [request], by_item, window_bytes=window)
+    (destination,) = [d.tensor for item, d in by_item.items() if item.chunk.name == "b"]
+    assert torch.equal(destination, torch.full((5,), -1.0))
+
+
+def test_a_request_exactly_the_window_is_fetched_and_placed_once():
+    fs, base, _, chunks = _store()
+    items, by_item = _whole_items(chunks, {"a"})
+    (request,) = coalesce(items)
+    served = []
+    assert execute_requests(fs, base, [request], by_item, window_bytes=request.nbytes, served=served.append) == 240
+    assert served == list(items)
+    (destination,) = [d.tensor for d in by_item.values()]
+    assert torch.equal(destination, WHOLE["a"])
+
+
+def test_fill_from_reads_merges_neighbouring_items_up_to_the_window_and_no_further(monkeypatch):
+    """Four 16-byte chunks of one tensor, stored back to back: a 32-byte window fetches them as two
+    32-byte ranges; an 80-byte part of one chunk, a 32-byte window fetches in blocks of 2 rows."""
+    whole = _values((8, 2), 5)
+    pieces = [Piece("r", "param", whole[row:row + 2].contiguous(), (8, 2), (row, 0)) for row in range(0, 8, 2)]
+    pieces.append(Piece("t", "param", _values((6, 4), 6), (6, 4), (0, 0)))
+    data, chunks = encode_shard(pieces, FILE)
+    fs, base = fsspec.core.url_to_fs(f"memory://verify-{uuid.uuid4().hex}")
+    fs.pipe_file(f"{base}/{FILE}", data)
+    fetched = _record_fetches(monkeypatch, fs)
+    (found,) = plan_rank(index_chunks(chunks), [Target("r", "param", (0, 0), (8, 2))]).items.values()
+    assert [item.nbytes for item in found] == [16] * 4
+    target = torch.full((8, 2), -1.0)
+    assert fill_from_reads(fs, base, found, target, (0, 0), window_bytes=32) == 64
+    assert torch.equal(target, whole) and fetched == [32, 32]
+    fetched.clear()
+    (found,) = plan_rank(index_chunks(chunks), [Target("t", "param", (1, 0), (5, 4))]).items.values()
+    target = torch.full((5, 4), -1.0)
+    assert fill_from_reads(fs, base, found, target, (1, 0), window_bytes=32) == 80
+    assert torch.equal(target, _values((6, 4), 6)[1:]) and fetched == [32, 32, 16]
+
+
+def test_an_object_store_load_warns_about_nothing():
+    """Fetched bytes are read-only; torch warns about that (here every time, not once a process),
+    and the executor, which only copies them out, keeps the warning to itself."""
+    import warnings
+
+    fs, base, data, chunks = _store()
+    plan, wanted, by_item = _plan(chunks)
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            execute_requests(fs, base, plan.requests, by_item)
+    finally:
+        torch.set_warn_always(False)
+    for target, tensor in wanted.items():
+        region = tuple(slice(o, o + s) for o, s in zip(target.offsets, target.sizes))
+        assert torch.equal(tensor, WHOLE[target.name][region]), target
+
+
+@pytest.mark.parametrize("names, named", [({"a", "b", "e"}, "a (param), b (param), e (param)"),
+                                          ({"a", "b"}, "a (param), b (param)")])
+def test_a_short_request_of_up_to_three_tensors_names_them_all(names, named):
+    fs, base, data, chunks = _store()
+    items, by_item = _whole_items(chunks, names)
+    (request,) = coalesce(items)
+    fs.pipe_file(f"{base}/{FILE}", data[:request.byte_end - 1])
+    with pytest.raises(CheckpointError) as failed:
+        execute_requests(fs, base, [request], by_item)
+    assert str(failed.value) == (f"{base}/{FILE}: expected bytes [{request.byte_start}, {request.byte_end}) of {named} "
+                                 f"but got {request.nbytes - 1} bytes; {SHORT_FIX}")
