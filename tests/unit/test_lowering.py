@@ -109,6 +109,23 @@ def test_an_fb_sends_the_gradient_of_its_backward_half_when_its_forward_half_sen
     ]
 
 
+def test_an_fb_waits_for_the_inputs_of_its_backward_half_too():
+    # Rank 0's FB runs F(0,1), which needs nothing, and B(0,0), which needs rank 1's gradient of
+    # B(1,0): the FB starts only after it, so RECV_B(0,0) comes before the FB, not after.
+    schedule = Schedule("h", 2, 1, 2, (0, 1), [
+        [Action(F, 0, 0), Action(Kind.FB, 0, 1, backward_stage=0, backward_microbatch=0), Action(B, 0, 1)],
+        [Action(F, 1, 0), Action(B, 1, 0), Action(F, 1, 1), Action(B, 1, 1)]])
+    lowered = lower(schedule)
+    assert check(lowered).ok
+    assert _text(lowered) == [
+        ["F(stage=0, mb=0)", "SEND_F(stage=0, mb=0, to rank 1)", "RECV_B(stage=0, mb=0, from rank 1)",
+         "FB(stage=0, mb=1 | B stage=0, mb=0)", "SEND_F(stage=0, mb=1, to rank 1)", "RECV_B(stage=0, mb=1, from rank 1)",
+         "B(stage=0, mb=1)"],
+        ["RECV_F(stage=1, mb=0, from rank 0)", "F(stage=1, mb=0)", "B(stage=1, mb=0)", "SEND_B(stage=1, mb=0, to rank 0)",
+         "RECV_F(stage=1, mb=1, from rank 0)", "F(stage=1, mb=1)", "B(stage=1, mb=1)", "SEND_B(stage=1, mb=1, to rank 0)"],
+    ]
+
+
 def test_a_transfer_waits_until_neither_rank_is_mid_compute_but_no_later_than_it_is_needed():
     # GPipe on two ranks, 3 microbatches; F(1,0) and B(0,0) take 3, everything else 1. Timeline by
     # hand: rank 0 F at [0,1] [1,2] [2,3], B at [7,10] [10,11] [11,12]; rank 1 F(1,0) at [1,4],
