@@ -9,10 +9,11 @@ into their views of one empty gradient. Why not a contiguous de-interleaved copy
 still: its vectorised SiLU rounds differently from the strided one, and the 250-step continuity
 run (a float32 claim) drifted between layouts on that trajectory (bench/RESULTS.md, throughput).
 
-bfloat16: gate and up are first copied out contiguous. On a CPU the strided bf16 SiLU and its
-backward take the scalar path, 5x the vectorised kernel (109 against 18 ms a small-preset step),
-and bf16's own rounding swamps the float32 kernels' ulp differences; the results are those of
-plain autograd on the contiguous halves, bit for bit (decision 78).
+bfloat16 on a CPU: gate and up are first copied out contiguous. There the strided bf16 SiLU and
+its backward take the scalar path, 5x the vectorised kernel (109 against 18 ms a small-preset
+step), and bf16's own rounding swamps the float32 kernels' ulp differences; the results are those
+of plain autograd on the contiguous halves, bit for bit (decision 78). A GPU's elementwise kernels
+take strided views at full speed, so there the copies would only add memory traffic.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class _InterleavedSwiGLU(torch.autograd.Function):
     def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
         pairs = gate_up.unflatten(-1, (-1, 2))
         gate, up = pairs[..., 0], pairs[..., 1]
-        if gate_up.dtype != torch.float32:
+        ctx.copied = gate_up.dtype != torch.float32 and gate_up.device.type == "cpu"
+        if ctx.copied:
             gate, up = gate.contiguous(), up.contiguous()
         activated = F.silu(gate)
         ctx.save_for_backward(gate, up, activated)
@@ -34,7 +36,7 @@ class _InterleavedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         gate, up, activated = ctx.saved_tensors
-        if gate.is_contiguous():  # bf16: contiguous kernels, then one interleaving copy
+        if ctx.copied:  # contiguous kernels, then one interleaving copy
             return torch.stack((torch.ops.aten.silu_backward(grad * up, gate), grad * activated), dim=-1).flatten(-2)
         grad_gate_up = torch.empty((*gate.shape[:-1], 2 * gate.shape[-1]), dtype=gate.dtype, device=gate.device)
         grad_pairs = grad_gate_up.unflatten(-1, (-1, 2))
