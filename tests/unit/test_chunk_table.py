@@ -378,3 +378,31 @@ def test_a_table_of_records_keeps_int64_byte_ranges():
     # Joined (the save gather), the records are made from the columns: ints, not floats.
     joined = ChunkTable.concat([ChunkTable.from_chunks(MIXED[:2]), ChunkTable.from_chunks(MIXED[2:])])
     assert joined == MIXED and _fields_are_ints(joined)
+
+
+def test_decoded_boxes_are_padded_with_zeros():
+    # A 3 x 4 chunk, a 5-element vector and a scalar, decoded from Parquet list columns: each row's
+    # own values, then zeros to the table's width of 2.
+    chunks = [Chunk("m", "param", "float32", (6, 4), (3, 0), (3, 4), "f", 0, 48, "crc32:0"),
+              Chunk("v", "param", "float32", (7,), (2,), (5,), "f", 48, 68, "crc32:1"),
+              Chunk("s", "param", "float32", (), (), (), "f", 68, 72, "crc32:2")]
+    decoded, _ = decode_manifest(encode_manifest(chunks, {"step": 1}))
+    assert decoded.boxes["global_shape"].tolist() == [[6, 4], [7, 0], [0, 0]]
+    assert decoded.boxes["offsets"].tolist() == [[3, 0], [2, 0], [0, 0]]
+    assert decoded.boxes["sizes"].tolist() == [[3, 4], [5, 0], [0, 0]]
+    assert decoded.volumes().tolist() == [12, 5, 1] and list(decoded) == chunks
+
+
+def test_a_header_check_is_made_once_per_file():
+    headers = header_checks(grid(file="f") + grid(name="u", file="k", header="crc32:b"))
+    assert headers["k"] is headers["k"] and headers["f"] is headers["f"] and headers["f"] is not headers["k"]
+
+
+def test_shapes_and_byte_ranges_past_2_to_the_53_are_exact():
+    # 2**53 + 1 and its neighbours have no float64 of their own: every column stays int64.
+    big = 2**53 + 1
+    chunks = [Chunk("w", "param", "float32", (big,), (big - 3,), (3,), "f", big, big + 12, "crc32:0")]
+    decoded, _ = decode_manifest(encode_manifest(chunks, {"step": 1}))
+    assert list(decoded) == chunks and decoded[0].global_shape == (9007199254740993,)
+    assert decoded.file_extents() == {"f": 9007199254741005}
+    assert ChunkTable.from_chunks(chunks).file_extents() == {"f": 9007199254741005}
