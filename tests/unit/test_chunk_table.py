@@ -3,11 +3,12 @@ same answers as a list of `Chunk`, and the tiling check's verdicts and messages 
 import dataclasses
 import random
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from plans.checkpoint.chunk_table import ChunkTable
+from plans.checkpoint.chunk_table import ChunkTable, as_table
 from plans.checkpoint.chunks import Chunk
 from plans.checkpoint.manifest import MANIFEST_SCHEMA, decode_manifest, encode_manifest
 from plans.checkpoint.reshard import (TensorChunks, _check_tensor, check_chunks_disjoint_and_complete, header_checks,
@@ -300,3 +301,108 @@ def test_header_checks_as_a_mapping():
     # No chunk without a header: every file is checked, whatever its header's dictionary code.
     both = header_checks(grid(file="f", header="crc32:a") + grid(name="u", file="k", header="crc32:b"))
     assert list(both) == ["f", "k"] and both["k"].checksum == "crc32:b" and both["k"].byte_end == 100
+
+
+def test_volumes_count_only_each_rows_own_sizes():
+    # A table two columns wide: a 3 x 4 chunk, a 5-element vector (padding column 0) and a scalar
+    # (both columns padding): 12, 5 and 1 elements, one int64 per row.
+    chunks = [Chunk("m", "param", "float32", (6, 4), (3, 0), (3, 4), "f", 0, 48, "crc32:0"),
+              Chunk("v", "param", "float32", (7,), (2,), (5,), "f", 48, 68, "crc32:1"),
+              Chunk("s", "param", "float32", (), (), (), "f", 68, 72, "crc32:2")]
+    table = ChunkTable.from_chunks(chunks)
+    assert table.width == 2
+    volumes = table.volumes()
+    assert volumes.tolist() == [12, 5, 1] and volumes.shape == (3,)
+
+
+def test_tensor_keys_name_each_name_and_kind_as_the_layout_planner_searches_them():
+    # MIXED: names a=0, b=1; kinds param=0, exp_avg=1 (two kinds): key = name * 2 + kind, the
+    # formula `layout_plan._SourceRows.segments` rebuilds from the target's names and kinds.
+    table = ChunkTable.from_chunks(MIXED)
+    keys = table.tensor_keys()
+    assert keys.tolist() == [0, 2, 0, 1, 2] and keys.dtype == np.int64
+    # One kind only: key = name code * 1.
+    single = ChunkTable.from_chunks([_chunk("p", "param", 4, 0, 4, "f", 0), _chunk("q", "param", 4, 0, 4, "f", 16),
+                                     _chunk("r", "param", 2, 0, 2, "f", 32)])
+    assert single.tensor_keys().tolist() == [0, 1, 2]
+
+
+def test_code_of_a_value_and_of_one_absent_from_the_column():
+    table = ChunkTable.from_chunks(MIXED)  # files in first-listed order: z, y, x; names a, b
+    assert [table.code("file", f) for f in ("z", "y", "x")] == [0, 1, 2]
+    assert table.code("file", "w") is None and table.code("name", "b") == 1 and table.code("kind", "exp_avg") == 1
+    assert table.code("file", "x") == 2  # asked again: the same answer
+
+
+def test_as_table_makes_a_table_of_records_and_keeps_a_table():
+    table = as_table(MIXED)
+    assert isinstance(table, ChunkTable) and list(table) == MIXED
+    assert as_table(table) is table
+    assert isinstance(as_table(iter(MIXED[:2])), ChunkTable) and as_table(iter(MIXED[:2])) == MIXED[:2]
+
+
+# sample()'s fourth record, worked by hand: grid() lists column blocks, then row blocks; [0, 3) x [0, 4)
+# at 100 (48 bytes), [3, 7) x [0, 4) at 148 (64), [7, 10) x [0, 4) at 212 (48), then [0, 3) x [4, 6) at 260 (24).
+FOURTH = Chunk("w", "param", "float32", (10, 6), (0, 4), (3, 2), "f", 260, 284, "crc32:00000104", "crc32:h")
+LAST = Chunk("norm", "param", "float32", (6,), (0,), (6,), "g", 7, 31, "crc32:0000000n", "")
+
+
+def test_one_record_of_a_decoded_table_is_made_alone():
+    # A row asked for alone, before any other (1 of 13 rows: its checksum taken from the Arrow column).
+    decoded, _ = decode_manifest(encode_manifest(sample(), {"step": 1}))
+    assert decoded[3] == FOURTH and decoded[3].checksum == "crc32:00000104"
+    assert decoded.chunks_at(np.array([12])) == [LAST]
+    assert decoded[3] is decoded.chunks_at(np.array([3]))[0]  # made once, then kept
+
+
+def test_one_record_of_an_unpickled_table_is_made_alone():
+    import pickle
+
+    again = pickle.loads(pickle.dumps(ChunkTable.from_chunks(sample())))  # checksums as fixed-width bytes
+    assert again[3] == FOURTH and again[-1] == LAST
+    assert type(again[3].checksum) is str and type(again[3].byte_start) is int
+
+
+def test_a_table_of_records_is_as_wide_as_its_longest_box():
+    vectors = [_chunk("v", "param", 6, 0, 2, "f", 0), _chunk("v", "param", 6, 2, 4, "f", 8)]
+    scalar = Chunk("s", "param", "float32", (), (), (), "f", 0, 4, "crc32:00000000")
+    assert ChunkTable.from_chunks(vectors).width == 1
+    assert ChunkTable.from_chunks([scalar]).width == 1 and ChunkTable.from_chunks([]).width == 1
+    assert ChunkTable.from_chunks(vectors + [FOURTH]).width == 2
+
+
+def test_a_table_of_records_keeps_int64_byte_ranges():
+    table = ChunkTable.from_chunks(MIXED)
+    assert table.byte_start.dtype == np.int64 and table.byte_end.dtype == np.int64
+    assert table.byte_start.tolist() == [0, 0, 16, 4, 8] and table.byte_end.tolist() == [8, 16, 24, 12, 40]
+    # Joined (the save gather), the records are made from the columns: ints, not floats.
+    joined = ChunkTable.concat([ChunkTable.from_chunks(MIXED[:2]), ChunkTable.from_chunks(MIXED[2:])])
+    assert joined == MIXED and _fields_are_ints(joined)
+
+
+def test_decoded_boxes_are_padded_with_zeros():
+    # A 3 x 4 chunk, a 5-element vector and a scalar, decoded from Parquet list columns: each row's
+    # own values, then zeros to the table's width of 2.
+    chunks = [Chunk("m", "param", "float32", (6, 4), (3, 0), (3, 4), "f", 0, 48, "crc32:0"),
+              Chunk("v", "param", "float32", (7,), (2,), (5,), "f", 48, 68, "crc32:1"),
+              Chunk("s", "param", "float32", (), (), (), "f", 68, 72, "crc32:2")]
+    decoded, _ = decode_manifest(encode_manifest(chunks, {"step": 1}))
+    assert decoded.boxes["global_shape"].tolist() == [[6, 4], [7, 0], [0, 0]]
+    assert decoded.boxes["offsets"].tolist() == [[3, 0], [2, 0], [0, 0]]
+    assert decoded.boxes["sizes"].tolist() == [[3, 4], [5, 0], [0, 0]]
+    assert decoded.volumes().tolist() == [12, 5, 1] and list(decoded) == chunks
+
+
+def test_a_header_check_is_made_once_per_file():
+    headers = header_checks(grid(file="f") + grid(name="u", file="k", header="crc32:b"))
+    assert headers["k"] is headers["k"] and headers["f"] is headers["f"] and headers["f"] is not headers["k"]
+
+
+def test_shapes_and_byte_ranges_past_2_to_the_53_are_exact():
+    # 2**53 + 1 and its neighbours have no float64 of their own: every column stays int64.
+    big = 2**53 + 1
+    chunks = [Chunk("w", "param", "float32", (big,), (big - 3,), (3,), "f", big, big + 12, "crc32:0")]
+    decoded, _ = decode_manifest(encode_manifest(chunks, {"step": 1}))
+    assert list(decoded) == chunks and decoded[0].global_shape == (9007199254740993,)
+    assert decoded.file_extents() == {"f": 9007199254741005}
+    assert ChunkTable.from_chunks(chunks).file_extents() == {"f": 9007199254741005}
