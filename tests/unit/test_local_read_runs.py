@@ -118,15 +118,24 @@ def test_a_changed_byte_in_any_whole_chunk_names_that_tensor(tmp_path, monkeypat
     monkeypatch.setattr(read_executor, "CHECK_BLOCK_BYTES", block_bytes)
     data, chunks = _write(tmp_path)
     chunk = next(c for c in chunks if c.name == victim)
-    changed = bytearray(data)
-    changed[(chunk.byte_start + chunk.byte_end) // 2] ^= 0x04
-    (tmp_path / FILE).write_bytes(bytes(changed))
+    _flip(tmp_path, data, (chunk.byte_start + chunk.byte_end) // 2, 0x04)
     plan, _, by_item = _plan_and_destinations(chunks)
+    _assert_checksum_mismatch(tmp_path, plan, by_item, chunk)
+
+
+def _flip(tmp_path, data: bytes, position: int, mask: int) -> None:
+    """Rewrite the checkpoint file with one byte changed."""
+    changed = bytearray(data)
+    changed[position] ^= mask
+    (tmp_path / FILE).write_bytes(bytes(changed))
+
+
+def _assert_checksum_mismatch(tmp_path, plan, by_item, chunk) -> None:
     with pytest.raises(CheckpointError) as failed:
         execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
-    assert str(failed.value) == (f"{tmp_path}/{FILE}: checksum mismatch for {victim} (param) at bytes [{chunk.byte_start}, "
-                                 f"{chunk.byte_end}); the file changed or is corrupt. Fix: restore it from a copy, or "
-                                 "resume from another checkpoint")
+    assert str(failed.value) == (f"{tmp_path}/{FILE}: checksum mismatch for {chunk.name} (param) at bytes "
+                                 f"[{chunk.byte_start}, {chunk.byte_end}); the file changed or is corrupt. Fix: restore "
+                                 "it from a copy, or resume from another checkpoint")
 
 
 def test_a_changed_header_is_caught_when_a_chunk_is_read_only_in_part(tmp_path):
@@ -420,15 +429,9 @@ def test_parts_read_in_place_that_overlap_each_get_their_own_bytes(tmp_path, mon
 def test_a_changed_byte_in_a_chunk_read_before_an_overlapping_part_names_the_file_and_tensor(tmp_path):
     data, chunks = _write(tmp_path)
     a = next(chunk for chunk in chunks if chunk.name == "a")
-    changed = bytearray(data)
-    changed[a.byte_start + 7] ^= 0x08  # row 0: only the whole read of a holds it
-    (tmp_path / FILE).write_bytes(bytes(changed))
+    _flip(tmp_path, data, a.byte_start + 7, 0x08)  # row 0: only the whole read of a holds it
     plan, _, by_item = _overlapping_plan(chunks)
-    with pytest.raises(CheckpointError) as failed:
-        execute_requests(fsspec.filesystem("file"), str(tmp_path), plan.requests, by_item)
-    assert str(failed.value) == (f"{tmp_path}/{FILE}: checksum mismatch for a (param) at bytes [{a.byte_start}, "
-                                 f"{a.byte_end}); the file changed or is corrupt. Fix: restore it from a copy, or resume "
-                                 "from another checkpoint")
+    _assert_checksum_mismatch(tmp_path, plan, by_item, a)
 
 
 def test_a_header_check_with_an_unknown_algorithm_is_refused_naming_the_file(tmp_path):
