@@ -65,7 +65,7 @@ def test_sp_needs_tp_and_a_sequence_it_can_split(tmp_path):
         _config(tmp_path, ParallelLayout(tp=2), sequence_parallel=True, seq_len=33)
 
 
-def _saved_activation_bytes(rank: int, port: int, sequence_parallel: bool, results) -> None:
+def _saved_activation_bytes(rank: int, init_method: str, world_size: int, results, sequence_parallel: bool) -> None:
     """One tp rank's forward: the bytes autograd keeps for the backward (distinct storages)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,7 +78,7 @@ def _saved_activation_bytes(rank: int, port: int, sequence_parallel: bool, resul
     from plans.training.model_spec import preset
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         config = preset("tiny", dim=128, ffn_dim=256)
         model = build_on_meta(config)
@@ -109,18 +109,10 @@ def _saved_activation_bytes(rank: int, port: int, sequence_parallel: bool, resul
 
 
 def test_sp_keeps_less_activation_memory_per_rank():
-    import socket
+    from tests.forked_ranks import run_ranks
 
-    import torch.multiprocessing as mp
-
-    kept = {}
-    for sequence_parallel in (False, True):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        results = mp.Manager().dict()
-        mp.spawn(_saved_activation_bytes, args=(port, sequence_parallel, results), nprocs=2)
-        kept[sequence_parallel] = max(results.values())
+    kept = {sequence_parallel: max(run_ranks(_saved_activation_bytes, 2, sequence_parallel).values())
+            for sequence_parallel in (False, True)}
     # The norms' inputs and the residual stream are kept for 1/tp of the tokens.
     assert kept[True] < 0.85 * kept[False], kept
     print(f"activation bytes kept per tp rank: without sp {kept[False] >> 10} KiB, with sp {kept[True] >> 10} KiB")

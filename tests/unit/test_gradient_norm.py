@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import math
 import random
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from actors.model.parallelize import clip_grad_norm
+from tests.forked_ranks import run_ranks
 
 WORLD = 4
 PARTITIONS = [(seed, layout) for seed in range(4) for layout in range(4)]
@@ -56,10 +55,10 @@ def _clip_on_this_rank(pieces: list[torch.Tensor], coords: dict, max_norm: float
     return norm, [p.grad for p in parameters]
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _rank(rank: int, init_method: str, world_size: int, results) -> None:
     """Ranks 0-2 hold different pieces of the gradients (primary holders); rank 3 is a dp replica
     of all of them (dp=1), whose copies the norm must not count again."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         outcome = {}
         for seed, layout in PARTITIONS:
@@ -75,13 +74,7 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def test_the_all_reduced_norm_is_the_exact_one_on_every_rank_however_a_layout_cuts_the_gradients():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(port, results), nprocs=WORLD)
-        outcome = dict(results)
+    outcome = run_ranks(_rank, WORLD)
     for seed, layout in PARTITIONS:
         reference = _exact_norm(_gradients(seed))
         assert reference > 1.0  # so the clip scales, and a wrong norm shows in the gradients too

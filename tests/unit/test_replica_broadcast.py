@@ -3,13 +3,11 @@ destination and a bucket limit small enough to cut several buckets; every piece 
 not read arrives bit for bit."""
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from actors.checkpoint.replica_broadcast import HandedPiece, broadcast_pieces, buckets
+from tests.forked_ranks import run_ranks
 
 READERS = [0, 0, 1, 0, 1, 1, 0, 0]
 
@@ -33,8 +31,8 @@ def _pieces(rank: int):
     return truth, held
 
 
-def _run(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _run(rank: int, init_method: str, world_size: int, results) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         group = dist.new_group([0, 1])
         truth, held = _pieces(rank)
@@ -46,13 +44,7 @@ def _run(rank: int, port: int, results) -> None:
 
 
 def test_every_piece_arrives_bit_for_bit_across_several_buckets():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_run, args=(port, results), nprocs=2)
-        outcome = dict(results)
+    outcome = run_ranks(_run, 2)
     truth, _ = _pieces(0)
     for rank in (0, 1):
         expected = sum(t.numel() * t.element_size() for t, reader in zip(truth, READERS) if reader != rank)
