@@ -66,7 +66,7 @@ class HuggingFaceLoop:
         self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).to(device).train()
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                           weight_decay=opt.weight_decay, foreach=True)
+                                           weight_decay=opt.weight_decay, fused=True)
         self.config, self.device = config, device
         if config.ac != "none":
             options = {"use_reentrant": False}

@@ -133,7 +133,8 @@ def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: se
         # new ones need no zero fill.
         moments = {kind: state[kind] if kind in state and state[kind].shape == param.shape and state[kind].dtype == param.dtype
                    else torch.empty_like(param) for kind in MOMENTS}
-        optimizer.state[param] = {"step": torch.tensor(float(step)), **moments}
+        # Fused AdamW keeps its step count on the parameter's device (a GPU's, for a GPU rank).
+        optimizer.state[param] = {"step": torch.tensor(float(step), device=param.device), **moments}
     targets = load_destinations(model, optimizer, hands_over, placement)
     stored = StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True)
     return step, metadata, stored, targets
