@@ -1,37 +1,36 @@
 """`--ac full` lowers a rank's peak memory on the small preset (the process's peak RSS).
 
-Each mode trains one step in a fresh process (a CPU process's peak RSS cannot be reset), on one
-rank, with a batch whose activations outweigh the weights and optimizer state.
+Each mode trains one step in a process of its own (a CPU process's peak RSS cannot be reset),
+forked from the test, on one rank, with a batch whose activations outweigh the weights and
+optimizer state. A forked child's peak starts at its resident set when it was forked, so the step's
+own addition is its peak after the step less its peak before it.
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from pathlib import Path
 
-import pytest
-
-STEP = """
-import json, socket, sys
-from actors.training.device_memory import peak_memory_bytes
-from actors.training.trainer import Trainer
-from plans.config import TrainConfig
-from plans.training.model_spec import preset
-probe = socket.socket(); probe.bind(("127.0.0.1", 0)); port = probe.getsockname()[1]; probe.close()
-config = TrainConfig(model_preset="small", model=preset("small"), steps=1, global_batch=4, seq_len=512,
-                     ac=sys.argv[1], store=sys.argv[2], run="m").validate()
-trainer = Trainer(config, 0, f"tcp://127.0.0.1:{port}")
-before = peak_memory_bytes(trainer.device)
-metrics = trainer.train_step()
-print(json.dumps({"before_step": before, "peak": metrics.peak_memory_bytes, "loss": metrics.loss}))
-trainer.shutdown()
-"""
+from tests.forked_ranks import run_ranks
 
 
-def _peak(ac: str, tmp_path) -> dict:
-    done = subprocess.run([sys.executable, "-c", STEP, ac, str(tmp_path / ac)], capture_output=True, text=True,
-                          timeout=300, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _one_step(rank: int, init_method: str, world_size: int, results, ac: str, store: str) -> None:
+    from actors.training.device_memory import peak_memory_bytes
+    from actors.training.trainer import Trainer
+    from plans.config import TrainConfig
+    from plans.training.model_spec import preset
+
+    config = TrainConfig(model_preset="small", model=preset("small"), steps=1, global_batch=4, seq_len=512,
+                         ac=ac, store=store, run="m").validate()
+    trainer = Trainer(config, rank, init_method)
+    try:
+        before = peak_memory_bytes(trainer.device)
+        metrics = trainer.train_step()
+        results[rank] = {"before_step": before, "peak": metrics.peak_memory_bytes, "loss": metrics.loss}
+    finally:
+        trainer.shutdown()
+
+
+def _peak(ac: str, tmp_path: Path) -> dict:
+    return run_ranks(_one_step, 1, ac, str(tmp_path / ac))[0]
 
 
 def test_full_activation_checkpointing_lowers_peak_memory(tmp_path):

@@ -4,7 +4,9 @@ expert loop specialised on those sizes (dynamo specialises 0 and 1 always) recom
 loads until torch's recompile limit (8) and then ran uncompiled with a warning (moe-tiny hit it
 at step 5). The dispatch and experts now run outside dynamo; the rest of the block compiles.
 
-One rank in this process (the trainer does not need Ray): dynamo's counters are per process."""
+One rank in this process (the trainer does not need Ray): dynamo's counters are per process.
+Two layers of moe-tiny, one dense block and one MoE block: each kind compiles once (4 layers cost
+8 s more of compiling on a 2-core machine and check nothing more)."""
 from __future__ import annotations
 
 import math
@@ -52,7 +54,7 @@ def _train(config) -> tuple[list, list[int], set]:
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_compiled_moe_blocks_do_not_recompile_as_the_routing_changes(tmp_path, ac):
     def config(compile_blocks: bool):
-        return small_config(tmp_path / str(compile_blocks), ParallelLayout(), model=preset("moe-tiny"),
+        return small_config(tmp_path / str(compile_blocks), ParallelLayout(), model=preset("moe-tiny", n_layers=2),
                             model_preset="moe-tiny", global_batch=8, seq_len=16, steps=10, compile=compile_blocks, ac=ac)
 
     losses, graphs, loads = _train(config(True))
