@@ -102,7 +102,7 @@ class Trainer:
         # Fused: one kernel per param group and step (torchtitan's default) instead of ~14 foreach
         # ops. DTensor plans the sharding of every op for each of its tensors on a run's first
         # step; on a 2-D mesh that took 1.7 s of a tiny model's first step for foreach, 0.7 for
-        # fused (docs/decisions.md 79). The same values: an elementwise update either way.
+        # fused (docs/decisions.md 79). Elementwise either way, so as independent of the layout.
         self.optimizer = torch.optim.AdamW(param_groups_by_mesh(self.model.parameters()), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                            eps=opt.eps, weight_decay=opt.weight_decay, fused=True)
         self.data = open_training_data(config, self.layout.data_rank_of(rank), self.layout.data_parallel_size)
