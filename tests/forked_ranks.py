@@ -6,24 +6,19 @@ already loaded. The children use only torch and gloo, never the parent's Ray con
 through os._exit, so nothing of Ray runs in them."""
 from __future__ import annotations
 
-import socket
 from typing import Callable
 
 import torch.multiprocessing as mp
+
+from tests.free_port import free_port
 
 
 def run_ranks(function: Callable, world_size: int, *args) -> dict:
     """Calls function(rank, init_method, world_size, results, *args) in world_size forked
     processes; returns what each rank stored in `results` (a Manager dict: rank -> its answer)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_as_rank, args=(function, f"tcp://127.0.0.1:{port}", world_size, results, args),
+        # start_processes calls function(rank, *args).
+        mp.start_processes(function, args=(f"tcp://127.0.0.1:{free_port()}", world_size, results, *args),
                            nprocs=world_size, start_method="fork")
         return dict(results)
-
-
-def _as_rank(rank: int, function: Callable, init_method: str, world_size: int, results, args: tuple) -> None:
-    function(rank, init_method, world_size, results, *args)

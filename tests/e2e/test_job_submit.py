@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import secrets
 import subprocess
 import sys
@@ -17,13 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.free_port import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +35,10 @@ def ray_head():
                RAY_AUTH_TOKEN_PATH=token_path, RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_ADDRESS", None)
-    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs_port, dashboard_port = free_port(), free_port()
     # Every agent gets a free port: the defaults (52365, ...) collide with any other Ray on the
     # machine, and a job agent that cannot bind answers "No available agent to submit job".
-    agent_ports = [f"--{flag}={_free_port()}" for flag in (
+    agent_ports = [f"--{flag}={free_port()}" for flag in (
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
         "ray-client-server-port")]
     head = subprocess.Popen(

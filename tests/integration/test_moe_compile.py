@@ -10,7 +10,6 @@ Two layers of moe-tiny, one dense block and one MoE block: each kind compiles on
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
@@ -18,12 +17,7 @@ import torch
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_spec import preset
 from tests.conftest import small_config
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from tests.free_port import free_port
 
 
 def _train(config) -> tuple[list, list[int], set]:
@@ -34,7 +28,7 @@ def _train(config) -> tuple[list, list[int], set]:
 
     torch._dynamo.reset()
     counters.clear()
-    trainer = Trainer(config, 0, f"tcp://127.0.0.1:{_free_port()}")
+    trainer = Trainer(config, 0, f"tcp://127.0.0.1:{free_port()}")
     losses, graphs, loads = [], [], set()
     try:
         for _ in range(config.steps):

@@ -1,0 +1,10 @@
+"""A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous or a server a test starts)."""
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
