@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from actors.model.feed_forward import FeedForward
-from actors.model.swiglu import interleaved_swiglu
+from actors.model.swiglu import gate_up_swiglu
 from plans.training.model_spec import EXPERT_TENSORS, ModelConfig
 
 
@@ -64,7 +64,7 @@ class Experts(nn.Module):
         down = local_part(self.down.weight).to(tokens.dtype).unbind(0)
         outputs = []
         for rows, gate_up_e, down_e in zip(tokens.split(counts), gate_up, down):
-            outputs.append(F.linear(interleaved_swiglu(F.linear(rows, gate_up_e)), down_e))
+            outputs.append(F.linear(gate_up_swiglu(rows, gate_up_e), down_e))
         return torch.cat(outputs)
 
 
