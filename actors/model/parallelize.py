@@ -22,7 +22,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 from actors.model.block_wrappers import wrap_blocks
 from actors.model.expert_dispatch import AllToAllDispatch, TensorParallelDispatch
 from actors.model.moe import is_expert_parameter, moe_layers
-from actors.model.precision import fsdp_policy, uses_fsdp
+from actors.model.parameter_casts import cast_parameters
+from actors.model.precision import compute_dtype, fsdp_policy, uses_fsdp
 from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, is_primary_replica
 from plans.layout.parallel_layout import DATA_MESH_DIMS
 from plans.training.model_plan import ModelPlan
@@ -193,8 +194,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size:
     interleaves microbatches' forwards and backwards, and regathering per microbatch would
     multiply the all-gathers by the microbatch count.
     sequence_parallel: the TP plan's sequence-parallel form (`tp_plan.with_sequence_parallel`).
-    precision "bf16": FSDP2 with bf16 parameters and float32 reduction, even over a one-rank data
-    mesh (`actors/model/precision.py` says why).
+    precision "bf16": FSDP2 with bf16 parameters and float32 reduction; over a one-rank data mesh
+    outside a pipeline, FSDP2's casts alone (`actors/model/precision.py` says why).
     plan: the model's plan, data (`ModelConfig.plan`): its tp styles (sequence-parallel form
     derived, not repeated) and its blocks, the unit of AC, compile and FSDP2.
     ep: expert parallelism for MoE layers (`apply_expert_parallel`)."""
@@ -209,12 +210,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size:
             model.output.weight = model.tok_embeddings.weight
     placed_experts = apply_expert_parallel(model, mesh, tp, ep)
     wrap_blocks(model, ac, compile_blocks, plan.blocks)
-    if uses_fsdp(precision, data_parallel_size):
+    if uses_fsdp(precision, data_parallel_size, pipeline):
         # Over a one-rank data mesh resharding frees nothing a regather would not rebuild: it only
         # repeats each block's bf16 cast and copies in the backward (decision 78).
         reshard = not pipeline and data_parallel_size > 1
         apply_data_parallel(model, mesh[DATA_MESH_DIMS], reshard_after_forward=reshard, precision=precision,
                             blocks_attr=plan.blocks, ignored=placed_experts)
+    elif precision != "fp32":
+        cast_parameters(model, compute_dtype(precision), plan.blocks, ignored=placed_experts)
     return model
 
 
