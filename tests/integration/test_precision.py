@@ -119,6 +119,17 @@ def test_bf16_checkpoint_holds_fp32_master_state_and_resumes(run_training, tmp_p
     assert _relative(other.losses[4], whole.losses[4]) <= FP32_RTOL
 
 
+def test_bf16_on_one_data_rank_checkpoints_float32_and_resumes_bit_exact(run_training, tmp_path):
+    """tp2 has one data rank: bf16 there is parameter casts without FSDP2 (decision 80); its
+    checkpoints must still hold the float32 masters, never the casts, and resume bit-exact."""
+    layout = ParallelLayout(tp=2)
+    whole = run_training(_config(tmp_path, layout, precision="bf16", steps=4, ckpt_every=2, run="whole"))
+    chunks, _ = read_manifest(Store(str(tmp_path / "store")).resolve("whole@2").url)
+    assert {chunk.dtype for chunk in chunks} == {"float32"}
+    same = run_training(_config(tmp_path, layout, precision="bf16", steps=4, run="same", resume="whole@2"))
+    assert {step: same.losses[step] for step in (3, 4)} == {step: whole.losses[step] for step in (3, 4)}
+
+
 def test_bf16_gradients_are_reduced_in_float32(rank_pool, tmp_path):
     """Each rank's gradient is computed in bf16; the reduction over data ranks adds them in
     float32, so the reduced gradient holds values bf16 cannot represent (a bf16 reduction would
