@@ -47,8 +47,9 @@ RUN = "elastic"
 MID_SAVE_STEP = 6
 
 
-def scenario_config(store: str, steps: int = STEPS) -> TrainConfig:
-    return TrainConfig(model=preset("tiny"), steps=steps, ckpt_every=EVERY, global_batch=8, seq_len=32, seed=7,
+def scenario_config(store: str, steps: int = STEPS, moe: bool = False) -> TrainConfig:
+    model = "moe-tiny" if moe else "tiny"
+    return TrainConfig(model=preset(model), model_preset=model, steps=steps, ckpt_every=EVERY, global_batch=8, seq_len=32, seed=7,
                        optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3),
                        data=DataConfig(max_bytes=1_000_000), store=store, run=RUN, resume="auto",
                        verify_resume=True)
@@ -169,7 +170,9 @@ def kill_one_rank(store: str, proxy, events: list) -> None:
         killed.set()
 
 
-def main(out: str, small: bool = False) -> None:
+def main(out: str, small: bool = False, moe: bool = False) -> None:
+    """small: a head and one worker node, one rank killed; moe: the MoE model with ep pinned to 2,
+    so every layout the recovery picks exchanges tokens between ranks."""
     server, proxy, store = start_s3()  # before the cluster: its nodes inherit the S3 environment
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(1 if small else 3)]
@@ -180,7 +183,7 @@ def main(out: str, small: bool = False) -> None:
 
     def run_training():
         outcome["controller"], outcome["state"] = train_elastic(
-            scenario_config(store, SMALL_STEPS if small else STEPS), pinned={},
+            scenario_config(store, SMALL_STEPS if small else STEPS, moe), pinned={"ep": 2} if moe else {},
             scaling=ScalingPolicy(min_ranks=2, max_ranks=4 if small else 8),
             failure=FailurePolicy(max_failures=2 if small else 4, backoff_s=0.5))
 
@@ -213,4 +216,4 @@ def main(out: str, small: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], small="--small" in sys.argv[2:])
+    main(sys.argv[1], small="--small" in sys.argv[2:], moe="--moe" in sys.argv[2:])

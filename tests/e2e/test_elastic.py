@@ -42,6 +42,26 @@ def test_a_rank_killed_on_a_small_cluster_is_replaced_and_the_run_resumes_from_l
     assert redone and redone[0]["step"] == EVERY + 1  # at most the steps since the last checkpoint are redone
 
 
+@pytest.mark.slow  # the small cluster again, with the MoE model: about a minute on 2 cores
+def test_an_expert_parallel_rank_killed_is_replaced_and_the_run_resumes_on_ep(tmp_path):
+    """ep pinned to 2: every rank holds half of each MoE layer's experts and exchanges tokens with
+    its ep peer, so a killed rank takes experts no other rank holds. The controller restarts on 4
+    ranks with ep 2 again, resumes from step 2 verified tensor for tensor (the experts included)
+    and finishes."""
+    result = _run_scenario(tmp_path, "--small", "--moe")
+    assert result["state"] == "finished" and result["latest_step"] == SMALL_STEPS
+    assert [e["event"] for e in result["events"]] == ["kill_rank"]
+    states = [h["state"] for h in result["history"]]
+    assert states.count("restarting") == 1, result["history"]
+    running = [h["detail"].split("running ")[1] for h in result["history"] if h["state"] == "running"]
+    assert len(running) == 2 and all("(ep2)" in layout and layout.endswith(" on 4") for layout in running), running
+    [check] = result["resume_checks"]
+    assert check["step"] == EVERY and check["equal"] and check["tensors"] > 0, check
+    assert ParallelLayout.parse(check["layout"]).ep == 2, check
+    assert [m["step"] for m in result["metrics"]] == list(range(1, SMALL_STEPS + 1))
+    assert all(m.get("expert_tokens") for m in result["metrics"]), result["metrics"][0]
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
     return _run_scenario(tmp_path_factory.mktemp("elastic"))
