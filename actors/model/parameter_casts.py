@@ -1,7 +1,7 @@
 """bf16 over a one-rank data mesh: the casts FSDP2's `MixedPrecisionPolicy` makes, without FSDP2.
 
-Decision 57 wants bf16 to mean the same numbers on every layout, so the one-rank data mesh (one
-rank, tp-only, ep-only) computes what FSDP2 with `param_dtype=bfloat16, reduce_dtype=float32`
+Decision 57 wants bf16 to mean the same numbers on every layout, so a one-rank data mesh (one
+rank, tp-only) computes what FSDP2 with `param_dtype=bfloat16, reduce_dtype=float32`
 computes there. Over one rank FSDP2's collectives move nothing, but its buffers still cost: each
 step it copies every block's bf16 parameters out of the all-gather buffer into freshly allocated
 storage, and every float32 gradient from the reduce-scatter input into a fresh output; on a CPU
@@ -20,7 +20,8 @@ before nn.Module's `_parameters`), so `parameters()`, `state_dict()`, the optimi
 checkpoints see only the float32 masters. They are recast at every forward of their unit, which
 an activation-checkpointing recompute is not (it reads the casts of its forward), and dropped at
 the end of the backward, or right after a forward without gradients.
-`tests/integration/test_precision.py` checks losses and gradients bit-equal to FSDP2's.
+`tests/integration/test_parameter_casts.py` checks losses, gradient norms and parameters
+bit-equal to FSDP2's.
 """
 from __future__ import annotations
 
@@ -51,12 +52,14 @@ class ParameterCasts:
                     if param is not None and param not in claimed:
                         owners.append((module, name))
                         claimed.add(param)
-            unit.register_forward_pre_hook(self._pre_forward_hook(owners), with_kwargs=True)
+            unit.register_forward_pre_hook(self._pre_forward_hook(owners, unit is units[-1]), with_kwargs=True)
         # The root's forward ends last (its own units' forwards run inside it).
         units[-1].register_forward_hook(self._post_forward)
 
-    def _pre_forward_hook(self, owners: list[tuple[nn.Module, str]]):
+    def _pre_forward_hook(self, owners: list[tuple[nn.Module, str]], root: bool):
         def pre_forward(unit: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if root:  # a new forward: its backward queues its own drop (a failed one never ran it)
+                self._drop_queued = False
             casts: dict[nn.Parameter, torch.Tensor] = {}
             for module, name in owners:
                 param = module._parameters[name]
