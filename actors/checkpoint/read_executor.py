@@ -46,7 +46,9 @@ def _copy_item(item: ReadItem, data, destination: Destination, path: str) -> Non
     tensor, target_offsets = destination.tensor, destination.offsets
     dtype = _TORCH_DTYPES.get(chunk.dtype)
     if tensor.dtype != dtype:
-        raise CheckpointError(f"{chunk.name} ({chunk.kind}): stored as {chunk.dtype}, model expects {dtype_name(tensor.dtype)}")
+        raise CheckpointError(f"{path}: {chunk.name} ({chunk.kind}) is stored as {chunk.dtype}, the model expects "
+                              f"{dtype_name(tensor.dtype)}. Fix: build the model with the checkpoint's dtypes (the "
+                              "run's own model config), or convert the checkpoint")
     with warnings.catch_warnings():  # read-only bytes are fine: the data is only copied out
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(data, dtype=dtype)
