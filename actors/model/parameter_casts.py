@@ -46,12 +46,13 @@ class ParameterCasts:
         for unit in units:
             # (module, attribute) pairs, not the parameters: a model built on the meta device gets
             # new Parameter objects from `to_empty` after this, so each forward reads them afresh.
-            owners: list[tuple[nn.Module, str]] = []
-            for module in unit.modules():
-                for name, param in module._parameters.items():
-                    if param is not None and param not in claimed:
-                        owners.append((module, name))
-                        claimed.add(param)
+            # Every pair of the unit's own parameters, twice for a tied one (the embedding and the
+            # LM head): both modules must read the cast.
+            mine = {param for module in unit.modules() for param in module._parameters.values()
+                    if param is not None and param not in claimed}
+            owners = [(module, name) for module in unit.modules()
+                      for name, param in module._parameters.items() if param in mine]
+            claimed |= mine
             unit.register_forward_pre_hook(self._pre_forward_hook(owners, unit is units[-1]), with_kwargs=True)
         # The root's forward ends last (its own units' forwards run inside it).
         units[-1].register_forward_hook(self._post_forward)
@@ -65,7 +66,7 @@ class ParameterCasts:
                 param = module._parameters[name]
                 if param not in casts:  # one cast for a parameter two modules share (tied embeddings)
                     casts[param] = param.to(self.dtype)
-                    if casts[param].requires_grad:
+                    if casts[param] is not param and casts[param].requires_grad:  # (a master already in dtype: itself)
                         casts[param].register_hook(self._queue_drop)
                 module.__dict__[name] = casts[param]
                 self._live.add((module, name))

@@ -37,26 +37,36 @@ class _GateUpSwiGLU(torch.autograd.Function):
         gate, up = rows @ weight[0::2].t(), rows @ weight[1::2].t()
         activated = F.silu(gate)
         ctx.save_for_backward(x, weight, gate, up, activated)
-        return (activated * up).unflatten(0, x.shape[:-1])
+        return (activated * up).view(*x.shape[:-1], up.shape[-1])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, weight, gate, up, activated = ctx.saved_tensors
-        grad = grad.reshape(-1, grad.shape[-1])
+        # The forward's matmuls ran in gate's dtype: the inputs', or autocast's if one was active.
+        compute = gate.dtype
+        grad = grad.reshape(-1, grad.shape[-1]).to(compute)
+        weight_in = weight.to(compute)
         # What autograd computes for silu(gate) * up.
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
         grad_up = grad * activated
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_x = (grad_gate @ weight[0::2]).addmm_(grad_up, weight[1::2]).view_as(x)
+            grad_x = (grad_gate @ weight_in[0::2]).addmm_(grad_up, weight_in[1::2]).view(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            rows = x.reshape(-1, x.shape[-1])
-            grad_weight = torch.empty_like(weight)
-            # grad.T @ rows, straight into the half's rows (a row-major matrix with leading
-            # dimension 2 * dim). autograd computes (rows.T @ grad).T: the same dot products,
-            # summed in another order by BLAS, and a transposed copy this avoids.
-            torch.mm(grad_gate.t(), rows, out=grad_weight[0::2])
-            torch.mm(grad_up.t(), rows, out=grad_weight[1::2])
+            rows = x.reshape(-1, x.shape[-1]).to(compute)
+            if torch.compiler.is_compiling():
+                # Dynamo refuses a strided `out=` and would break the graph here (under selective
+                # AC that leaves the whole block uncompiled); interleaving the two halves is a
+                # copy that inductor plans and fuses.
+                grad_weight = torch.stack((grad_gate.t() @ rows, grad_up.t() @ rows), dim=1).flatten(0, 1)
+            else:
+                # grad.T @ rows, straight into the half's rows (a row-major matrix with leading
+                # dimension 2 * dim). autograd computes (rows.T @ grad).T: the same dot products,
+                # summed in another order by BLAS, and a transposed copy this avoids.
+                grad_weight = torch.empty_like(weight_in)
+                torch.mm(grad_gate.t(), rows, out=grad_weight[0::2])
+                torch.mm(grad_up.t(), rows, out=grad_weight[1::2])
+            grad_weight = grad_weight.to(weight.dtype)
         return grad_x, grad_weight
 
 

@@ -53,6 +53,8 @@ def _assert_same(casts, fsdp) -> None:
     pytest.param({"ac": "full"}, id="full-ac"),
     pytest.param({"ac": "selective"}, id="selective-ac"),
     pytest.param({"model": preset("moe-tiny"), "model_preset": "moe-tiny"}, id="moe"),
+    # The embedding and the LM head share one parameter: both modules must read its one cast.
+    pytest.param({"model": preset("tiny", tie_embeddings=True)}, id="tied-embeddings"),
     pytest.param({"compile": True}, id="compile", marks=pytest.mark.slow),
 ])
 def test_one_rank_casts_match_fsdp2_bit_for_bit(tmp_path, overrides):

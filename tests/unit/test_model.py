@@ -57,6 +57,29 @@ def test_gate_up_rows_interleave_gate_and_up_per_unit():
     torch.testing.assert_close(shard(x), partial)
 
 
+def test_gate_up_swiglu_under_autocast_and_on_one_token():
+    """Under autocast the matmuls run in bf16 over float32 inputs: the gradients come back in the
+    inputs' dtypes, equal to plain autograd's under the same autocast. A 1-D x is one token."""
+    from actors.model.swiglu import gate_up_swiglu
+
+    generator = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(3, 4, 6, generator=generator), torch.randn(10, 6, generator=generator)
+    results = []
+    for function in (lambda x, w: F.silu(x @ w[0::2].t()) * (x @ w[1::2].t()), gate_up_swiglu):
+        x_leaf, w_leaf = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = function(x_leaf, w_leaf)
+        out.float().sum().backward()
+        results.append((out, x_leaf.grad, w_leaf.grad))
+    (out, grad_x, grad_w), (ours, ours_grad_x, ours_grad_w) = results
+    assert ours.dtype == out.dtype == torch.bfloat16 and torch.equal(ours, out)
+    assert ours_grad_x.dtype == ours_grad_w.dtype == torch.float32
+    torch.testing.assert_close(ours_grad_x, grad_x, rtol=2e-2, atol=2e-2 * float(grad_x.abs().amax()))
+    torch.testing.assert_close(ours_grad_w, grad_w, rtol=2e-2, atol=2e-2 * float(grad_w.abs().amax()))
+    one = gate_up_swiglu(x[0, 0], weight)
+    assert one.shape == (5,) and torch.equal(one, gate_up_swiglu(x[:1, :1], weight).reshape(5))
+
+
 def test_causal_model_output_does_not_depend_on_future_tokens():
     torch.manual_seed(2)
     model = Transformer(preset("tiny"))

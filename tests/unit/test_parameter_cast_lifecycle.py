@@ -3,6 +3,7 @@ and its backward, everything else sees the float32 masters, and no cast outlives
 made for. The numbers against FSDP2 are tests/integration/test_parameter_casts.py's."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from actors.model.parameter_casts import cast_parameters
@@ -11,9 +12,9 @@ from actors.training.step_runner import microbatch_loss
 from plans.training.model_spec import preset
 
 
-def _model():
+def _model(**overrides):
     torch.manual_seed(0)
-    model = Transformer(preset("tiny"))
+    model = Transformer(preset("tiny", **overrides))
     cast_parameters(model, torch.bfloat16)
     return model
 
@@ -22,8 +23,9 @@ def _shadowed(model) -> int:
     return sum(name in module.__dict__ for module in model.modules() for name in module._parameters)
 
 
-def test_modules_read_casts_in_the_forward_while_parameters_stay_float32():
-    model = _model()
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_modules_read_casts_in_the_forward_while_parameters_stay_float32(tied):
+    model = _model(tie_embeddings=tied)
     seen = {}
 
     def look(module, args, output):
