@@ -25,10 +25,12 @@ bit-equal to FSDP2's.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
 from torch.distributed.utils import _apply_to_tensors
 
 
@@ -40,6 +42,10 @@ class ParameterCasts:
 
     def __init__(self, units: list[nn.Module], dtype: torch.dtype, ignored: set[nn.Parameter] = frozenset()):
         self.dtype = dtype
+        # FSDP2's own input cast (`cast_forward_inputs`): floating-point tensors to dtype, the rest as
+        # they are; its function (private, torch is pinned), so the rule cannot drift from the one
+        # it stands in for.
+        self._cast_input = functools.partial(_cast_fp_tensor, dtype)
         self._live: set[tuple[nn.Module, str]] = set()  # (module, attribute) shadowed now
         self._drop_queued = False
         claimed: set[nn.Parameter] = set(ignored)
@@ -72,12 +78,6 @@ class ParameterCasts:
                 self._live.add((module, name))
             return _apply_to_tensors(self._cast_input, args), _apply_to_tensors(self._cast_input, kwargs)
         return pre_forward
-
-    def _cast_input(self, value: Any) -> Any:
-        """FSDP2's `_cast_fp_tensor`: floating-point tensors to the compute dtype, others as they are."""
-        if isinstance(value, torch.Tensor) and torch.is_floating_point(value) and value.dtype != self.dtype:
-            return value.to(self.dtype)
-        return value
 
     def _post_forward(self, unit: nn.Module, args: tuple, output: Any) -> None:
         if not torch.is_grad_enabled():  # no backward will come to drop them
