@@ -1,13 +1,14 @@
 """Training throughput: rayshard's trainer against the same model in Hugging Face transformers.
 
 What a user would pick instead: `transformers.LlamaForCausalLM` of the same sizes, trained in a
-plain single-process loop with the same batch, sequence length, optimizer (AdamW, foreach, the
-same hyperparameters, gradient clipping at 1.0), precision, activation checkpointing and
-compile. For bf16 the plain loop runs under `torch.autocast(bfloat16)` over float32 weights (the
-usual single-device recipe); rayshard runs FSDP2's bf16 parameters with float32 reduction over
-its one-rank mesh (decision 57). AC in the plain loop is transformers' own
-`activation_checkpointing_enable` per decoder layer (non-reentrant; selective passes the same
-op-level policy as ours through its `context_fn`); compile is `torch.compile(model)`, whole.
+plain single-process loop with the same batch, sequence length, optimizer (fused AdamW, the same
+hyperparameters, gradient clipping at 1.0), precision, activation checkpointing and compile. For
+bf16 the plain loop runs under `torch.autocast(bfloat16)` over float32 weights (the usual
+single-device recipe); rayshard makes FSDP2's casts over its one-rank data mesh, bf16 parameters
+and float32 gradients (decisions 57 and 80). AC in the plain loop is transformers' own per decoder
+layer (`activation_checkpointing_enable`, `gradient_checkpointing_enable` before transformers 5.2x;
+non-reentrant; selective passes the same op-level policy as ours through its `context_fn`);
+compile is `torch.compile(model)`, whole.
 Both run in this process, one rank, alternating step by step after warm-up, and the median step
 time of each gives tokens/s, model TFLOP/s and MFU (torchtitan's FLOPs per token; `mfu n/a` on a
 CPU). Prints ours/HF: goal >= 1.0 on CPU (small preset), >= 1.3 and MFU >= 40% on one GPU.
@@ -72,7 +73,11 @@ class HuggingFaceLoop:
             options = {"use_reentrant": False}
             if config.ac == "selective":
                 options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _saves_matmuls)
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+            # `activation_checkpointing_enable` since transformers 5.2x; before it (the GPU machines'
+            # 5.17) only `gradient_checkpointing_enable`, now its deprecated alias. Same options.
+            enable = (getattr(self.model, "activation_checkpointing_enable", None)
+                      or self.model.gradient_checkpointing_enable)
+            enable(options)
         generator = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(0, config.model.vocab_size, (config.global_batch, config.seq_len + 1),
                                     generator=generator).to(device)

@@ -57,6 +57,7 @@ def gradient_norm(parameters, coords: dict[str, int], timeout: timedelta | None 
     copies: the rank's pipeline copies (a tied embedding's last-stage copy): counted by the first stage.
     The gradients are left as they are: `clip_divisor` says what the optimizer divides them by.
     """
+    parameters = list(parameters)
     with_grads = [p for p in parameters if p.grad is not None]
     for param in with_grads:
         # A gradient left Partial (sequence-parallel norm weights without FSDP to reduce them:
@@ -67,7 +68,8 @@ def gradient_norm(parameters, coords: dict[str, int], timeout: timedelta | None 
             param.grad = grad.redistribute(grad.device_mesh, param.placements)
     grads = [p.grad for p in with_grads]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    squared = torch.zeros((), dtype=torch.float64, device=local[0].device if local else None)
+    # On the parameters' device even where this rank holds no gradient: NCCL reduces device tensors only.
+    squared = torch.zeros((), dtype=torch.float64, device=parameters[0].device if parameters else None)
     # Replication follows the gradient (DTensor may replicate a sharded parameter's gradient);
     # being a pipeline copy (tied embeddings) is a property of the parameter.
     owned = [piece for param, grad, piece in zip(with_grads, grads, local)
