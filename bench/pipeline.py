@@ -73,7 +73,7 @@ class _TorchSchedule1F1B:
     def train_step(self) -> None:
         import torch.distributed as dist
 
-        from actors.model.gradient_norm import clip_divisor, gradient_norm
+        from actors.model.gradient_norm import clip_grad_norm
         from plans.training.lr_schedule import learning_rate
 
         trainer, config = self.trainer, self.trainer.config
@@ -89,8 +89,7 @@ class _TorchSchedule1F1B:
             self.schedule.step(target=torch.cat(targets), losses=losses)
         else:
             self.schedule.step()
-        norm = gradient_norm(self.module.parameters(), trainer.coord_map, copies=trainer.pipeline_copies)
-        trainer.optimizer.grad_scale = clip_divisor(norm, opt.grad_clip)  # clipped inside fused AdamW, as the trainer does
+        clip_grad_norm(self.module.parameters(), opt.grad_clip, trainer.coord_map, copies=trainer.pipeline_copies)
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         loss = torch.stack(losses).mean() if losses else torch.zeros(())

@@ -13,7 +13,7 @@ stage keeps FSDP2 over its one-rank mesh.
 
 Activations and gradients between pipeline stages travel in the compute dtype (`compute_dtype`),
 halving the bytes of every transfer. Loss and gradient norm stay float32 (`step_runner.py`,
-`gradient_norm.py`), and checkpoints hold only the float32 master state.
+`gradient_norm.clip_grad_norm`), and checkpoints hold only the float32 master state.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from actors.checkpoint.async_save import AsyncSaver
 from actors.checkpoint.load import HandoverGroups, load_rank_shard
 from actors.checkpoint.save import save_rank_shard
-from actors.model.gradient_norm import clip_divisor, gradient_norm
+from actors.model.gradient_norm import clip_grad_norm
 from actors.model.moe import moe_layers
 from actors.model.parallelize import (expert_parameters, reduce_expert_gradients, sum_partial_gradients,
                                       tp_partial_parameters)
@@ -146,10 +146,8 @@ class Trainer:
         reset_peak_memory(self.device)
         total_loss, record = self._forward_backward()
         with self.runner.after_forward_backward():
-            grad_norm = gradient_norm(self.model.parameters(), self.coord_map, timeout=self.runner.collective_timeout,
-                                      copies=self.pipeline_copies)
-            # Clipped inside fused AdamW, which divides each gradient by grad_scale as it reads it.
-            self.optimizer.grad_scale = clip_divisor(grad_norm, opt.grad_clip)
+            grad_norm = clip_grad_norm(self.model.parameters(), opt.grad_clip, self.coord_map,
+                                       timeout=self.runner.collective_timeout, copies=self.pipeline_copies)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             total_loss = self._mean_loss(total_loss)

@@ -1,10 +1,9 @@
 """The gradient norm, which scales every gradient when it clips, must not depend on the layout:
 only on the gradient values, however a layout cuts them into pieces and spreads them over ranks.
 
-Checked through `gradient_norm` itself, on real gloo process groups (its all-reduce across ranks),
+Checked through `clip_grad_norm` itself, on real gloo process groups (its all-reduce across ranks),
 against an exact reference that shares no code with it: the correctly rounded square root of the
-exact (math.fsum) sum of squares, rounded to float32. The clip itself happens inside fused AdamW
-(`clip_divisor` becomes its grad_scale): checked against AdamW stepping on gradients clipped by hand."""
+exact (math.fsum) sum of squares, rounded to float32."""
 from __future__ import annotations
 
 import math
@@ -13,7 +12,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from actors.model.gradient_norm import clip_divisor, gradient_norm
+from actors.model.gradient_norm import clip_grad_norm
 from tests.forked_ranks import run_ranks
 
 WORLD = 4
@@ -48,13 +47,12 @@ def _deal(gradients: list[torch.Tensor], seed: int, ranks: int) -> list[list[tor
     return dealt
 
 
-def _norm_on_this_rank(pieces: list[torch.Tensor], coords: dict) -> torch.Tensor:
+def _clip_on_this_rank(pieces: list[torch.Tensor], coords: dict, max_norm: float):
     parameters = [torch.nn.Parameter(torch.zeros(p.shape)) for p in pieces]
     for parameter, piece in zip(parameters, pieces):
         parameter.grad = piece.clone()
-    norm = gradient_norm(parameters, coords=coords)
-    assert all(torch.equal(p.grad, piece) for p, piece in zip(parameters, pieces))  # measured, not changed
-    return norm
+    norm = clip_grad_norm(parameters, max_norm=max_norm, coords=coords)
+    return norm, [p.grad for p in parameters]
 
 
 def _rank(rank: int, init_method: str, world_size: int, results) -> None:
@@ -69,7 +67,7 @@ def _rank(rank: int, init_method: str, world_size: int, results) -> None:
                 pieces, coords = _deal(gradients, seed * 100 + layout, WORLD - 1)[rank], PRIMARY
             else:
                 pieces, coords = [g.clone() for g in gradients], {"dp": 1, "fsdp": 0, "tp": 0}
-            outcome[seed, layout] = _norm_on_this_rank(pieces, coords)
+            outcome[seed, layout] = (pieces, *_clip_on_this_rank(pieces, coords, max_norm=1.0))
         results[rank] = outcome
     finally:
         dist.destroy_process_group()
@@ -79,55 +77,43 @@ def test_the_all_reduced_norm_is_the_exact_one_on_every_rank_however_a_layout_cu
     outcome = run_ranks(_rank, WORLD)
     for seed, layout in PARTITIONS:
         reference = _exact_norm(_gradients(seed))
+        assert reference > 1.0  # so the clip scales, and a wrong norm shows in the gradients too
+        scale = torch.clamp(1.0 / (reference + 1e-6), max=1.0)
         for rank in range(WORLD):
-            norm = outcome[rank][seed, layout]
+            pieces, norm, clipped = outcome[rank][seed, layout]
             assert norm.dtype == torch.float32
             assert torch.equal(norm, reference), (seed, layout, rank, float(norm), float(reference))
+            assert all(torch.equal(c, p * scale) for c, p in zip(clipped, pieces)), (seed, layout, rank)
 
 
-def test_one_rank_without_a_process_group_measures_the_exact_norm():
+def test_one_rank_without_a_process_group_clips_to_the_exact_norm():
     gradients = _gradients(3)
-    norm = _norm_on_this_rank(gradients, PRIMARY)
-    assert norm.dtype == torch.float32 and torch.equal(norm, _exact_norm(gradients))
+    norm, clipped = _clip_on_this_rank(gradients, PRIMARY, max_norm=1.0)
+    reference = _exact_norm(gradients)
+    assert norm.dtype == torch.float32 and torch.equal(norm, reference)
+    scale = torch.clamp(1.0 / (reference + 1e-6), max=1.0)
+    assert all(torch.equal(c, g * scale) for c, g in zip(clipped, gradients))
+    assert abs(float(_exact_norm(clipped)) - 1.0) < 1e-5
+
+
+def test_a_norm_under_the_limit_leaves_the_gradients_alone_and_max_norm_0_only_measures():
+    small = [g * 1e-4 for g in _gradients(5)]
+    assert _exact_norm(small) < 1.0
+    norm, clipped = _clip_on_this_rank(small, PRIMARY, max_norm=1.0)
+    assert torch.equal(norm, _exact_norm(small)) and all(torch.equal(c, g) for c, g in zip(clipped, small))
+    large = _gradients(5)
+    norm, clipped = _clip_on_this_rank(large, PRIMARY, max_norm=0.0)
+    assert torch.equal(norm, _exact_norm(large)) and all(torch.equal(c, g) for c, g in zip(clipped, large))
 
 
 def test_a_replica_counts_nothing_on_its_own():
     gradients = _gradients(2)
-    assert float(_norm_on_this_rank(gradients, {"dp": 0, "fsdp": 0, "tp": 1})) == 0.0
+    norm, clipped = _clip_on_this_rank(gradients, {"dp": 0, "fsdp": 0, "tp": 1}, max_norm=1.0)
+    assert float(norm) == 0.0
 
 
-def test_the_divisor_clips_to_max_norm_and_is_exactly_one_under_it():
-    gradients = _gradients(3)
-    norm = _exact_norm(gradients)
-    assert norm > 2.0
-    divisor = clip_divisor(norm, 2.0)
-    assert divisor.shape == () and torch.equal(divisor, (norm + 1e-6) / 2.0)
-    assert abs(float(_exact_norm([g / divisor for g in gradients])) - 2.0) < 1e-5
-    assert float(clip_divisor(norm, float(norm) * 4)) == 1.0  # under the limit: gradients untouched
-    assert clip_divisor(norm, 0.0) is None  # max_norm 0: measure only, never clip
-
-
-def _adamw_step(gradients: list[torch.Tensor], grad_scale: torch.Tensor | None) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
-    parameters = [torch.nn.Parameter(torch.randn(g.shape, generator=generator)) for g in gradients]
-    optimizer = torch.optim.AdamW(parameters, lr=1e-2, weight_decay=0.1, fused=True)
-    for _ in range(2):
-        for parameter, gradient in zip(parameters, gradients):
-            parameter.grad = gradient.clone()
-        optimizer.grad_scale = grad_scale
-        optimizer.step()
-    return [p.detach() for p in parameters]
-
-
-def test_fused_adamw_with_the_divisor_steps_as_on_gradients_clipped_by_hand():
-    """The trainer clips by handing `clip_divisor` to fused AdamW as its grad_scale: the update
-    must be the one on gradients divided first, bit for bit, and differ from the unclipped one."""
-    gradients = _gradients(4)
-    divisor = clip_divisor(_exact_norm(gradients), 1.0)
-    assert float(divisor) > 1.5
-    inside = _adamw_step(gradients, divisor)
-    by_hand = _adamw_step([g / divisor for g in gradients], None)
-    unclipped = _adamw_step(gradients, None)
-    assert all(torch.equal(a, b) for a, b in zip(inside, by_hand))
-    assert not all(torch.equal(a, b) for a, b in zip(inside, unclipped))
-    assert all(torch.equal(a, b) for a, b in zip(_adamw_step(gradients, torch.tensor(1.0)), unclipped))
+def test_a_rank_without_gradients_sums_on_its_parameters_device():
+    """NCCL all-reduces device tensors only: a rank holding no gradient still makes its (zero)
+    sum on the parameters' device, not on the CPU (meta stands in for the GPU here)."""
+    parameters = [torch.nn.Parameter(torch.empty(4, 3, device="meta"))]
+    assert clip_grad_norm(parameters, max_norm=1.0, coords=PRIMARY).device.type == "meta"
