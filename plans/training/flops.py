@@ -9,13 +9,18 @@ with tied embeddings the head shares the embedding's weight, which torchtitan co
 subtracts, so the head's matmul drops out with it, and here too. torchtitan's head width is
 dim // n_heads; ours is the configured head_dim, which equals it except in families that set it
 apart (Qwen3). These are model FLOPs: activation recomputation is work the hardware does on top,
-and MFU does not count it.
+and MFU does not count it. A mixture of experts counts the parameters a token runs through: the
+routed experts' by experts_per_token / n_experts (each token meets top-k of them), the router and
+the shared expert whole (torchtitan's `nparams_sparse_active` for its MoE models); counting every
+expert would put moe-small's FLOPs, and so its MFU, 1.9x too high.
 """
 from __future__ import annotations
 
+import fnmatch
+import math
 from dataclasses import dataclass
 
-from plans.training.model_spec import ModelConfig, parameter_count
+from plans.training.model_spec import EXPERT_TENSORS, ModelConfig, parameter_shapes
 
 # Dense peak TFLOP/s per device, (bf16, fp32) (fp32 without TF32, torch's default for matmuls).
 # Longer names first: "H100 NVL" and "H100 PCIe" must not match the SXM row.
@@ -28,9 +33,17 @@ PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
 )
 
 
+def active_parameters(model: ModelConfig) -> float:
+    """Parameters one token's forward runs through: all of a dense model's; of an MoE model's
+    routed experts, top-k of n_experts (the stacked expert tensors hold every expert)."""
+    routed_share = model.experts_per_token / model.n_experts if model.is_moe else 1.0
+    return sum(math.prod(shape) * (routed_share if fnmatch.fnmatchcase(name, EXPERT_TENSORS) else 1.0)
+               for name, shape in parameter_shapes(model).items())
+
+
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     embedding = model.vocab_size * model.dim
-    return 6.0 * (parameter_count(model) - embedding) + 12.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
+    return 6.0 * (active_parameters(model) - embedding) + 12.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:

@@ -21,6 +21,20 @@ def test_tied_embeddings_leave_the_shared_weight_out_once():
     assert flops_per_token(untied, 8) - flops_per_token(tied, 8) == 6 * 256 * 64
 
 
+def test_an_moe_model_counts_the_experts_a_token_runs_through_by_hand():
+    # moe-tiny: the tiny shapes with q/k/v biases; layers 1 and 3 MoE: a router over 8 experts of
+    # 32 hidden units, top-2, and a shared expert of 64 (with its 1-wide gate); layers 0 and 2 dense.
+    attention = 2 * 64 + (4 + 2 * 2) * 16 * (64 + 1) + 64 * 64  # norms, qkv weight and bias, wo
+    dense = 2 * 160 * 64 + 64 * 160
+    routed = 8 * (2 * 32 * 64 + 64 * 32)  # every expert's gate_up and down: a token meets 2 of 8
+    moe_active = 8 * 64 + routed * 2 // 8 + (2 * 64 * 64 + 64 * 64 + 64)  # router, 2 experts, shared
+    active = 4 * attention + 2 * dense + 2 * moe_active + 64 + 256 * 64  # final norm, untied head
+    assert active == 178_368
+    assert flops_per_token(preset("moe-tiny"), 32) == 6 * active + 12 * 4 * 4 * 16 * 32 == 1_168_512
+    # Counting every expert (top-8 of 8) adds 6 x 36,864 FLOPs per token in each of the two MoE layers.
+    assert flops_per_token(preset("moe-tiny", experts_per_token=8), 32) - flops_per_token(preset("moe-tiny"), 32) == 6 * 2 * (routed - routed // 4)
+
+
 @pytest.mark.parametrize("name, precision, peak", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H100 NVL", "fp32", 60.0),
     ("NVIDIA H200", "bf16", 989.4), ("NVIDIA A100-SXM4-80GB", "fp32", 19.5), ("cpu", "bf16", None),
