@@ -122,12 +122,17 @@ class RoutingStatistics:
 
 @torch.compiler.disable
 def _dispatch_uncompiled(dispatch, routed: torch.Tensor, counts: torch.Tensor, experts: Experts,
-                         statistics: RoutingStatistics | None) -> torch.Tensor:
+                         statistics: RoutingStatistics | None, aux: torch.Tensor | None) -> torch.Tensor:
     """The dispatch and the experts outside torch.compile (`--compile` compiles whole blocks).
     Their shapes are the routing's: rows per expert change every step, dynamo specialises sizes
     0 and 1 whatever its dynamic-shape setting, so a compiled expert loop recompiled for new loads
     until the recompile limit (8) and then ran uncompiled anyway. The collectives and the
-    host-side split sizes in between would break the graph there regardless."""
+    host-side split sizes in between would break the graph there regardless.
+    The routing statistics are recorded here too (`statistics` None: not counted): their
+    host-side sums (`float(aux)`, the counts copied to the CPU) broke the compiled block's graph
+    a second time, with a warning per layer and step."""
+    if statistics is not None:
+        statistics.record(counts, aux)
     return dispatch(routed, counts, experts, statistics)
 
 
@@ -181,18 +186,18 @@ class MoEFeedForward(nn.Module):
         # Counted once per microbatch: not in a forward without gradients (a zero-bubble pipeline
         # runs F so when it recomputes the stage later) nor in the recomputation inside a backward.
         counting = self.training and torch.is_grad_enabled() and not _in_backward()
-        done = _dispatch_uncompiled(self.dispatch, routed, counts, self.experts, self.statistics if counting else None)
+        aux = None
+        if self.training and torch.is_grad_enabled() and self.aux_loss_scale:
+            aux = self.balance_loss(scores, chosen, batch, seq)
+        done = _dispatch_uncompiled(self.dispatch, routed, counts, self.experts,
+                                    self.statistics if counting else None, aux)
         done = done.index_select(0, order.argsort())
         out = (done.view(-1, self.top_k, dim) * weights.to(done.dtype).unsqueeze(-1)).sum(dim=1)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(tokens)) * self.shared(tokens)
         out = out.view(batch, seq, dim)
-        aux = None
-        if self.training and torch.is_grad_enabled() and self.aux_loss_scale:
-            aux = self.balance_loss(scores, chosen, batch, seq)
+        if aux is not None:
             out = _AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
-        if counting:
-            self.statistics.record(counts, aux)
         return out
 
 

@@ -39,6 +39,9 @@ def _train(config) -> tuple[list, list[int], set]:
             # Each token's k slots counted once: not again when full AC recomputes a compiled block.
             assert all(sum(counts) == config.global_batch * config.seq_len * config.model.experts_per_token
                        for counts in metrics.expert_tokens.values()), metrics.expert_tokens
+        # The routing statistics' host-side sums are made outside the compiled block (with the
+        # dispatch, which breaks the graph anyway): a `float(aux)` inside broke it a second time.
+        assert not [reason for reason in counters["graph_break"] if "item()" in reason], dict(counters["graph_break"])
     finally:
         trainer.shutdown()
         torch._dynamo.reset()
