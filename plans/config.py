@@ -144,7 +144,7 @@ class TrainConfig:
         if self.microbatches < 1 or per_rank % self.microbatches:
             raise ConfigError("microbatches", self.microbatches,
                               f"must divide the per-rank batch ({per_rank} = global_batch / (dp*fsdp))",
-                              f"use --microbatches in {_divisors(per_rank)}")
+                              self._microbatch_fix(per_rank))
         self._validate_pipeline()
         if self.ckpt_every < 0:
             raise ConfigError("ckpt_every", self.ckpt_every, "must be >= 0 (0 saves only at the end)", "set --ckpt-every 0 or more")
@@ -221,13 +221,35 @@ class TrainConfig:
             raise ConfigError("compile", True, f"the {spec.title} schedule splits each stage's backward into input and "
                               "weight halves, which cannot see inside a compiled block's backward",
                               "drop --compile, or use --schedule 1f1b, gpipe or interleaved1f1b")
-        build_schedule(spec.name, lay.pp, self.microbatches, lay.vpp)  # ScheduleError names valid counts
+        if not spec.accepts(lay.pp, lay.vpp, self.microbatches):
+            raise ConfigError("microbatches", self.microbatches,
+                              f"{spec.title} on pp={lay.pp}" + (f" with vpp={lay.vpp}" if lay.vpp > 1 else "")
+                              + f" needs {spec.counts_rule.format(two_pp=2 * lay.pp)}",
+                              self._microbatch_fix(self.global_batch // lay.data_parallel_size))
+        build_schedule(spec.name, lay.pp, self.microbatches, lay.vpp)
         try:
             stage_partition(self.model, lay, spec.name, self.stage_layout)
         except ConfigError as error:
             if error.field != "layout":
                 raise
             raise ConfigError("stage_layout", self.stage_layout, error.constraint, error.fix) from None
+
+    def _microbatch_fix(self, per_rank: int) -> str:
+        """The microbatch counts that both divide the per-rank batch and suit the pipeline
+        schedule, or, where none does, the smallest global batch with one: so that following one
+        error's fix never runs into the other's."""
+        lay = self.layout
+        spec = schedule_spec(self.schedule) if lay.pp > 1 and not self.schedule_csv else None
+        if spec is None or (spec.fixed_vpp and lay.vpp != spec.default_vpp):  # the vpp error comes first
+            return f"use --microbatches in {_divisors(per_rank)}"
+        fitting = [m for m in _divisors(per_rank) if spec.accepts(lay.pp, lay.vpp, m)]
+        if fitting:
+            return f"use --microbatches in {fitting}"
+        smallest = next((m for m in range(1, 64 * lay.pp * lay.vpp + 1) if spec.accepts(lay.pp, lay.vpp, m)), None)
+        if smallest is None:
+            return f"use another --schedule: {spec.title} serves no microbatch count on pp={lay.pp}"
+        return (f"no count divides the per-rank batch ({per_rank}) and suits {spec.title} on pp={lay.pp}: raise "
+                f"--global-batch to a multiple of {smallest * lay.data_parallel_size} and use --microbatches {smallest}")
 
     def _validate_pipeline_order(self) -> None:
         """A pipeline order from a file: its ranks, stages and microbatches must be the run's."""

@@ -80,6 +80,24 @@ def test_bad_configs_name_field_constraint_and_fix(overrides, field, fragment):
     assert fragment in message and "Fix:" in message
 
 
+@pytest.mark.parametrize("global_batch, microbatches, fix, following_it", [
+    # Per-rank batch 2: DualPipeV on pp=2 needs >= 4 microbatches, and 4 does not divide 2. Each
+    # error's fix must satisfy the other rule too, rather than send the user back and forth.
+    (2, 2, "raise --global-batch to a multiple of 4 and use --microbatches 4", (4, 4)),
+    (2, 4, "raise --global-batch to a multiple of 4 and use --microbatches 4", (4, 4)),
+    (8, 2, "use --microbatches in [4, 8]", (8, 4)),
+    (12, 5, "use --microbatches in [4, 6, 12]", (12, 6)),
+])
+def test_a_pipeline_microbatch_fix_meets_the_schedule_and_the_batch_at_once(global_batch, microbatches, fix, following_it):
+    config = with_overrides(_config(), global_batch=global_batch, microbatches=microbatches, schedule="dualpipev",
+                            **{"layout.pp": 2, "layout.vpp": 2, "world_size": 2})
+    with pytest.raises(ConfigError) as error:
+        config.validate()
+    assert error.value.field == "microbatches" and str(error.value).endswith(fix), str(error.value)
+    fixed_batch, fixed_microbatches = following_it
+    with_overrides(config, global_batch=fixed_batch, microbatches=fixed_microbatches).validate()
+
+
 def test_model_constraints():
     with pytest.raises(ConfigError, match="must divide model.n_heads"):
         preset("tiny", n_kv_heads=3)

@@ -21,7 +21,7 @@ def _config(**overrides):
 @pytest.mark.parametrize("overrides, error, fragment", [
     (dict(schedule="zbv"), ConfigError, "layout.vpp=1: the ZB-V schedule runs exactly 2 stage(s) per rank. Fix: use --vpp 2"),
     (dict(schedule="1f1b", layout=ParallelLayout(pp=2, vpp=2)), ConfigError, "use --vpp 1"),
-    (dict(schedule="dualpipev", layout=ParallelLayout(pp=2, vpp=2), microbatches=2), ScheduleError, "at least 2 * pp = 4"),
+    (dict(schedule="dualpipev", layout=ParallelLayout(pp=2, vpp=2), microbatches=2), ConfigError, "at least 2 * pp = 4"),
     (dict(schedule="zbh2"), ScheduleError, "unknown schedule 'zbh2'"),
     (dict(stage_layout=(1, 1, 2)), ConfigError, "stage_layout=(1, 1, 2): has 3 stages but pp=2 x vpp=1 needs 2"),
     (dict(stage_layout=(1, 2)), ConfigError, "the model has 4"),
