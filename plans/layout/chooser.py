@@ -237,7 +237,8 @@ def _reasons(layout, ranks, model, work, budget, ranks_per_node, pinned) -> list
                        f"model's constraints, or need pipeline stages that {work.microbatches} microbatch(es) would leave idle")
     simplest = ParallelLayout(dp=layout.data_parallel_size * layout.tp * layout.pp)
     if layout.tp == 1 and layout.pp == 1:
-        reasons.append("no model parallelism needed: the model state fits on every data rank")
+        reasons.append("no tensor or pipeline parallelism needed: the model state fits "
+                       + ("on every data rank" if layout.fsdp == 1 else f"once sharded over the {layout.fsdp} fsdp ranks"))
     else:
         if layout.tp > 1:
             reasons.append(f"tp={layout.tp}: smaller degrees do not fit the budget (tp stays within a node of {ranks_per_node} "

@@ -29,6 +29,10 @@ def test_tight_memory_moves_to_sharding_then_model_parallelism():
     sharded = choose_layout(4, model, work, replicated * 0.8)
     assert sharded.layout.fsdp > 1 or sharded.layout.tp > 1
     assert sharded.estimate.total <= replicated * 0.8
+    if sharded.layout.tp == 1 and sharded.layout.pp == 1:  # the reasons agree: sharded because replicas do not fit
+        explained = sharded.explain()
+        assert f"fits once sharded over the {sharded.layout.fsdp} fsdp ranks" in explained, explained
+        assert "fits on every data rank" not in explained, explained
 
 
 def test_pins_are_honoured_and_impossible_requests_say_why():
