@@ -3,22 +3,49 @@
 Forked, not spawned: a spawned child imports torch again, ~4 s a process on a loaded 2-core
 machine (a 4-rank test spent 17 s of its 18 there); a forked one starts with the parent's torch
 already loaded. The children use only torch and gloo, never the parent's Ray connection, and leave
-through os._exit, so nothing of Ray runs in them."""
+through os._exit, so nothing of Ray runs in them.
+
+The wait is bounded: ranks still running at the deadline print every thread's stack (faulthandler,
+on SIGUSR1) and are killed, and the test fails naming the function, rather than waiting out
+pytest's timeout with nothing to show where the children stood."""
 from __future__ import annotations
 
+import faulthandler
+import os
+import signal
+import time
 from typing import Callable
 
 import torch.multiprocessing as mp
 
 from tests.free_port import free_port
 
+DEADLINE_S = 240.0
 
-def run_ranks(function: Callable, world_size: int, *args) -> dict:
+
+def _rank_with_stack_dumps(rank: int, function: Callable, *args) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    function(rank, *args)
+
+
+def run_ranks(function: Callable, world_size: int, *args, deadline_s: float = DEADLINE_S) -> dict:
     """Calls function(rank, init_method, world_size, results, *args) in world_size forked
     processes; returns what each rank stored in `results` (a Manager dict: rank -> its answer)."""
     with mp.Manager() as manager:
         results = manager.dict()
-        # start_processes calls function(rank, *args).
-        mp.start_processes(function, args=(f"tcp://127.0.0.1:{free_port()}", world_size, results, *args),
-                           nprocs=world_size, start_method="fork")
+        # start_processes calls _rank_with_stack_dumps(rank, *args).
+        context = mp.start_processes(_rank_with_stack_dumps,
+                                     args=(function, f"tcp://127.0.0.1:{free_port()}", world_size, results, *args),
+                                     nprocs=world_size, start_method="fork", join=False)
+        deadline = time.monotonic() + deadline_s
+        while not context.join(timeout=1.0):  # raises as soon as a rank fails
+            if time.monotonic() > deadline:
+                running = [process for process in context.processes if process.is_alive()]
+                for process in running:
+                    os.kill(process.pid, signal.SIGUSR1)
+                time.sleep(2.0)  # let them write their stacks to stderr
+                for process in running:
+                    process.kill()
+                raise TimeoutError(f"{function.__name__}: ranks {[context.processes.index(p) for p in running]} "
+                                   f"still running after {deadline_s:.0f} s (their stacks are on stderr above)")
         return dict(results)
