@@ -5,12 +5,19 @@ machine (a 4-rank test spent 17 s of its 18 there); a forked one starts with the
 already loaded. The children use only torch and gloo, never the parent's Ray connection, and leave
 through os._exit, so nothing of Ray runs in them.
 
+The objects the children inherit are frozen out of their garbage collector (`gc.freeze` in the
+parent, just for the fork, as Python's docs advise for forking): a child's collection otherwise
+walked the test process's whole heap and ran finalizers of objects it merely inherited (a Ray
+handle's, a process group's), which could block forever; two tp ranks were once found in
+"Garbage-collecting" inside a DTensor op, four minutes into a 6-second test.
+
 The wait is bounded: ranks still running at the deadline print every thread's stack (faulthandler,
 on SIGUSR1) and are killed, and the test fails naming the function, rather than waiting out
 pytest's timeout with nothing to show where the children stood."""
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import signal
 import time
@@ -34,9 +41,13 @@ def run_ranks(function: Callable, world_size: int, *args, deadline_s: float = DE
     with mp.Manager() as manager:
         results = manager.dict()
         # start_processes calls _rank_with_stack_dumps(rank, *args).
-        context = mp.start_processes(_rank_with_stack_dumps,
-                                     args=(function, f"tcp://127.0.0.1:{free_port()}", world_size, results, *args),
-                                     nprocs=world_size, start_method="fork", join=False)
+        gc.freeze()
+        try:
+            context = mp.start_processes(_rank_with_stack_dumps,
+                                         args=(function, f"tcp://127.0.0.1:{free_port()}", world_size, results, *args),
+                                         nprocs=world_size, start_method="fork", join=False)
+        finally:
+            gc.unfreeze()
         deadline = time.monotonic() + deadline_s
         while not context.join(timeout=1.0):  # raises as soon as a rank fails
             if time.monotonic() > deadline:
