@@ -14,7 +14,7 @@ from plans.training.model_plan import check_tp_divides
 from plans.training.model_spec import PRESETS, ModelConfig, check_experts_fit, preset
 from plans.pipeline.csv_order import pipeline_order
 from plans.pipeline.plan import stage_partition
-from plans.pipeline.schedules import build_schedule, schedule_spec
+from plans.pipeline.schedules import build_schedule, schedule_spec, valid_microbatch_counts
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PRECISIONS = ("fp32", "bf16")
@@ -242,12 +242,13 @@ class TrainConfig:
         spec = schedule_spec(self.schedule) if lay.pp > 1 and not self.schedule_csv else None
         if spec is None or (spec.fixed_vpp and lay.vpp != spec.default_vpp):  # the vpp error comes first
             return f"use --microbatches in {_divisors(per_rank)}"
-        fitting = [m for m in _divisors(per_rank) if spec.accepts(lay.pp, lay.vpp, m)]
+        fitting = [m for m in valid_microbatch_counts(spec.name, lay.pp, lay.vpp, up_to=per_rank) if per_rank % m == 0]
         if fitting:
             return f"use --microbatches in {fitting}"
-        smallest = next((m for m in range(1, 64 * lay.pp * lay.vpp + 1) if spec.accepts(lay.pp, lay.vpp, m)), None)
-        if smallest is None:
+        served = valid_microbatch_counts(spec.name, lay.pp, lay.vpp, up_to=64 * lay.pp * lay.vpp)
+        if not served:
             return f"use another --schedule: {spec.title} serves no microbatch count on pp={lay.pp}"
+        smallest = served[0]
         return (f"no count divides the per-rank batch ({per_rank}) and suits {spec.title} on pp={lay.pp}: raise "
                 f"--global-batch to a multiple of {smallest * lay.data_parallel_size} and use --microbatches {smallest}")
 

@@ -51,12 +51,13 @@ def run_ranks(function: Callable, world_size: int, *args, deadline_s: float = DE
         deadline = time.monotonic() + deadline_s
         while not context.join(timeout=1.0):  # raises as soon as a rank fails
             if time.monotonic() > deadline:
-                running = [process for process in context.processes if process.is_alive()]
-                for process in running:
+                running = {rank: process for rank, process in enumerate(context.processes) if process.is_alive()}
+                for process in running.values():
                     os.kill(process.pid, signal.SIGUSR1)
                 time.sleep(2.0)  # let them write their stacks to stderr
-                for process in running:
+                for process in running.values():
                     process.kill()
-                raise TimeoutError(f"{function.__name__}: ranks {[context.processes.index(p) for p in running]} "
-                                   f"still running after {deadline_s:.0f} s (their stacks are on stderr above)")
+                    process.join(timeout=10.0)  # reaped: no zombie outlives the test
+                raise TimeoutError(f"{function.__name__}: ranks {sorted(running)} still running after {deadline_s:.0f} s "
+                                   "(their stacks are on stderr above)")
         return dict(results)
