@@ -55,13 +55,31 @@ def _assert_losses_close(actual: dict[int, float], expected: dict[int, float], s
         assert actual[step] == pytest.approx(expected[step], rel=LOSS_RTOL), (step, actual[step], expected[step])
 
 
+SINGLE = ("--dp", "1", "--tp", "1")
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One rank on the GPU and one on the CPU, same config; 8 steps, checkpoints at 4 and 8."""
-    store = str(tmp_path_factory.mktemp("gpu-store"))
-    single = ("--dp", "1", "--tp", "1")
-    logs = {"gpu": _train(store, "gpu", *single, gpu=True), "cpu": _train(store, "cpu", *single, gpu=False)}
-    return store, logs
+def store(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("gpu-store"))
+
+
+@pytest.fixture(scope="module")
+def gpu_run(store) -> str:
+    """One rank on the GPU, fp32; 8 steps, checkpoints at 4 and 8. Its own fixture, apart from the
+    CPU run, so the bf16 checks (the first a lent machine's short budget runs) start one process
+    fewer (tests/gpu/device_check.sh)."""
+    return _train(store, "gpu", *SINGLE, gpu=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(store) -> str:
+    """The same config on one CPU rank."""
+    return _train(store, "cpu", *SINGLE, gpu=False)
+
+
+@pytest.fixture(scope="module")
+def runs(store, gpu_run, cpu_run):
+    return store, {"gpu": gpu_run, "cpu": cpu_run}
 
 
 def test_a_gpu_rank_trains_on_nccl_like_a_cpu_rank(runs):
@@ -117,10 +135,10 @@ def bf16_runs(tmp_path_factory):
     return store, logs
 
 
-def test_bf16_compile_and_ac_train_on_the_gpu(bf16_runs, runs):
-    store, logs = bf16_runs
+def test_bf16_compile_and_ac_train_on_the_gpu(bf16_runs, store, gpu_run):
+    bf16_store, logs = bf16_runs
     assert "rank actors ready on cuda:0" in logs["sync"]
-    losses, fp32 = _losses(store, "bf16"), _losses(runs[0], "gpu")
+    losses, fp32 = _losses(bf16_store, "bf16"), _losses(store, "gpu")
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in losses:  # bf16 follows fp32 within bf16's rounding
         assert losses[step] == pytest.approx(fp32[step], rel=5e-2), (step, losses[step], fp32[step])
