@@ -27,6 +27,7 @@ from actors.pipeline.interpreter import StepRecord
 from actors.training.data import row_hashes
 from actors.training.dataset_source import open_training_data
 from actors.training.device_memory import device_name, peak_memory_bytes, reset_peak_memory
+from actors.training.host_allocator import keep_freed_host_memory
 from actors.training.pipelined import PipelinedRunner
 from actors.training.reports import StepMetrics
 from actors.training.single_stage import SingleStageRunner
@@ -84,6 +85,8 @@ class Trainer:
         self.coord_map = {"dp": self.coords.dp, "fsdp": self.coords.fsdp, "tp": self.coords.tp}
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # a step's activations live in host memory: reuse, not refault, them
         forget_previous_meshes()
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.layout.world_size,
                                 timeout=timedelta(seconds=config.collective_timeout_s))
