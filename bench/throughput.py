@@ -225,12 +225,12 @@ def main() -> None:
     print(f"ours/HF {medians['transformers'] / medians['rayshard']:.2f} (tokens/s)")
     if args.device == "cpu":
         cpu = {name: statistics.median(samples) for name, samples in cpu_times.items()}
-        print(f"ours/HF by CPU time per step, HF in rayshard's process {cpu[IN_PROCESS] / cpu['rayshard']:.2f} "
+        print(f"ours/HF by CPU time per step, HF in rayshard's process {cpu[IN_PROCESS] / cpu['rayshard']:.3f} "
               "(the code alone: both under rayshard's process settings)")
         ratio = cpu["transformers"] / cpu["rayshard"]  # both single-threaded: the work without waits for a core
     else:
         ratio = medians["transformers"] / medians["rayshard"]
-    print(f"ours/HF {ratio:.2f}{' by CPU time per step' if args.device == 'cpu' else ''}: "
+    print(f"ours/HF {ratio:.3f}{' by CPU time per step' if args.device == 'cpu' else ''}: "
           f"goal >= {goal}: {'met' if ratio >= goal else 'MISSED'}")
 
 
