@@ -11,12 +11,14 @@ non-reentrant; selective passes the same op-level policy as ours through its `co
 compile is `torch.compile(model)`, whole.
 One rank (one core on a CPU, one GPU), alternating step by step after warm-up; the median step
 time of each gives tokens/s, model TFLOP/s and MFU (torchtitan's FLOPs per token; `mfu n/a` on a
-CPU). rayshard's trainer runs in this process; the plain loop runs in a process of its own (as a
-user runs it), so what rayshard sets for its ranks' processes (on a CPU, the host allocator:
-`actors/training/host_allocator.py`, decision 84) does not reach it. On a CPU the same loop also
-runs inside this process, where those settings do reach it: that ratio is the code's alone.
-Prints ours/HF: goal >= 1.0 on CPU (small preset; by thread CPU time per step, both loops being
-single-threaded), >= 1.3 and MFU >= 40% on one GPU.
+CPU). rayshard's trainer runs in this process. On a CPU the plain loop runs in a process of its
+own (as a user runs it), so what rayshard sets for its CPU ranks' processes (the host allocator:
+`actors/training/host_allocator.py`, decision 84) does not reach it, and the same loop also runs
+inside this process, where those settings do reach it: that ratio is the code's alone. On a GPU
+the plain loop runs in this process (the host allocator is not set for GPU ranks). Prints ours/HF:
+goal >= 1.0 on CPU (small preset; by thread CPU time per step: both loops are single-threaded, and
+the bench's byte-level corpus is read in the step's own thread, no prefetch thread), >= 1.3 and
+MFU >= 40% on one GPU.
 
     .venv/bin/python bench/throughput.py [--preset small] [--precision fp32|bf16] [--ac none|full|selective]
                                          [--compile] [--batch 4] [--seq-len N] [--steps 6] [--device cpu|cuda]
@@ -30,6 +32,7 @@ import argparse
 import contextlib
 import functools
 import multiprocessing
+import multiprocessing.connection
 import os
 import socket
 import statistics
@@ -162,45 +165,61 @@ def _anchor_process(conn, args: dict) -> None:
 
 
 class AnchorProcess:
-    """The parent's handle on `_anchor_process`; every wait is bounded (a compile's first step
-    on a GPU takes minutes, so the bound is generous)."""
+    """The parent's handle on `_anchor_process`. Every wait is bounded, and ends early with the
+    child's exit code if the child dies (an import error, memory)."""
 
-    def __init__(self, args: argparse.Namespace, timeout_s: float = 1800.0):
+    def __init__(self, args: argparse.Namespace, timeout_s: float = 600.0):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.timeout_s = timeout_s
         self.process = context.Process(target=_anchor_process, args=(child, vars(args)), daemon=True)
         self.process.start()
-        self.parameters = self._receive("build the model")
+        child.close()  # the child's end lives in the child alone, so its death closes the pipe
+        self._receive("build the model")  # the child is ready: its model is built
 
     def _receive(self, what: str):
-        if not self.conn.poll(self.timeout_s):
-            self.process.kill()
+        ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], self.timeout_s)
+        if self.conn in ready:
+            try:
+                return self.conn.recv()
+            except EOFError:  # the child's end closed: it died
+                pass
+        if ready:  # it is exiting: let it, for its exit code
+            self.process.join(10)
+        self.process.kill()
+        self.process.join(10)
+        if not ready:
             raise TimeoutError(f"the transformers process did not {what} in {self.timeout_s:.0f} s")
-        return self.conn.recv()
+        raise RuntimeError(f"the transformers process died before it could {what} (exit code {self.process.exitcode})")
 
     def timed_step(self) -> tuple[float, float]:
         self.conn.send("step")
         return self._receive("finish a step")
 
     def close(self) -> None:
-        self.conn.send("stop")
-        self.process.join(60)
+        if self.process.is_alive():
+            try:
+                self.conn.send("stop")
+            except OSError:
+                pass
+            self.process.join(60)
+        if self.process.is_alive():
+            self.process.kill()
 
 
-def main() -> None:
-    args = _parse_args()
-    _one_core_per_rank(args)
-    config = _config(args)
-    ours = Trainer(config, 0, f"tcp://127.0.0.1:{_free_port()}", device=args.device)
-    anchor = AnchorProcess(args)
-    loops = {"rayshard": lambda: _timed(ours.train_step), "transformers": anchor.timed_step}
-    if args.device == "cpu":
+def _measure(args: argparse.Namespace, config: TrainConfig, ours: Trainer, anchor: AnchorProcess | None):
+    """Alternate the loops step by step after warm-up; (wall seconds, CPU seconds) by loop name."""
+    if anchor is not None:
+        loops = {"rayshard": lambda: _timed(ours.train_step), "transformers": anchor.timed_step}
         # The same loop inside this process too, where rayshard's process settings reach it: the
-        # two then differ by their code alone. (On a GPU the host allocator is not in the step, and
-        # a second 1b model would not fit beside the two.)
+        # two then differ by their code alone.
         in_process = HuggingFaceLoop(config, torch.device(args.device))
         loops[IN_PROCESS] = lambda: _timed(in_process.train_step)
+    else:
+        # On a GPU the host allocator is not in the step (the Trainer sets it on CPU ranks only),
+        # and a second 1b model and CUDA context would crowd the GPU: the plain loop runs here.
+        in_process = HuggingFaceLoop(config, torch.device(args.device))
+        loops = {"rayshard": lambda: _timed(ours.train_step), "transformers": lambda: _timed(in_process.train_step)}
     times = {name: [] for name in loops}
     cpu_times = {name: [] for name in loops}
     for index in range(WARMUP + args.steps):  # alternate, so all see the same machine
@@ -209,11 +228,24 @@ def main() -> None:
             if index >= WARMUP:
                 times[name].append(seconds)
                 cpu_times[name].append(cpu_seconds)
-    ours.shutdown()
-    anchor.close()
+    return times, cpu_times, sum(p.numel() for p in in_process.model.parameters())
+
+
+def main() -> None:
+    args = _parse_args()
+    _one_core_per_rank(args)
+    config = _config(args)
+    ours = Trainer(config, 0, f"tcp://127.0.0.1:{_free_port()}", device=args.device)
+    anchor = AnchorProcess(args) if args.device == "cpu" else None
+    try:
+        times, cpu_times, parameters = _measure(args, config, ours, anchor)
+    finally:
+        ours.shutdown()
+        if anchor is not None:
+            anchor.close()
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     tokens = args.batch * args.seq_len
-    print(f"{args.preset} ({anchor.parameters / 1e6:.1f}M parameters), batch {args.batch} "
+    print(f"{args.preset} ({parameters / 1e6:.1f}M parameters), batch {args.batch} "
           f"x {args.seq_len} tokens, {args.precision}, ac {args.ac}{', compile' if args.compile else ''}, "
           f"{device_name}, {args.steps} timed steps each after {WARMUP} warm-up, alternating")
     medians = {}

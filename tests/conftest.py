@@ -15,7 +15,8 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray waits 30 s for a new GCS to publish its port; the first start of a fresh clone's .venv, on a
 # CI machine other jobs load, once took longer ("Timed out waiting for file .../gcs_server_port_*",
 # the first e2e test's own cluster). 120 s is Ray's own wait for its slower RocksDB backend; the
-# scenarios' subprocesses and `ray start` inherit it.
+# scenarios' subprocesses and `ray start` inherit it. (It is also Ray's count of retries when a
+# driver joins a cluster, so a dead RAY_ADDRESS would take two minutes to fail: no test uses one.)
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 

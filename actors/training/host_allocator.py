@@ -4,14 +4,18 @@ the OS and faulting it in again.
 glibc's malloc serves a block above its mmap threshold (128 KiB, raised as blocks are freed, to at
 most 32 MiB) with fresh pages and returns the heap's free top to the OS once it exceeds the trim
 threshold (twice the mmap threshold). A training step frees its activations and gradients and
-allocates the same sizes again the next step, so with those defaults every step faulted tens of
-MiB of fresh, zeroed pages back in: on the small preset, one rank, fp32, a median of ~12k minor
-page faults a step inside the forward and backward, 60-85 ms of a ~950 ms step on the 2-core VM
-(docs/decisions.md 84). With the mmap threshold fixed at glibc's maximum (32 MiB) and the heap
-trimmed only past 2 GiB of free top, a step reuses the previous step's pages: 0-4 faults a step.
-Blocks over 32 MiB (a checkpoint's staging buffers) are still mapped and unmapped, so one-off
-large buffers do not stay resident; what stays is the step's own working set, which the next
-step needs again. PyTorch's CPU performance guide gives the same advice (tcmalloc or jemalloc).
+allocates the same sizes again the next step; whether a block then comes back or is faulted in
+afresh depends on where small allocations happened to land between the large ones. A standalone
+small-preset rank saw 752-8,176 minor page faults a step in fp32 and 17-30k in bf16 (its casts
+are ~50 MB of fresh tensors a step): bf16 steps of 464-504 ms, against 446-457 ms with the
+thresholds below and 0-128 faults a step; fp32 steps did not change measurably (docs/decisions.md 84).
+
+The mmap threshold is fixed at 32 MiB, glibc's own ceiling for its dynamic threshold: blocks
+larger than that (a checkpoint's staging buffers, a long sequence's activations) are still mapped
+and returned, and still refaulted. The heap is trimmed only past 2 GiB of free top, so up to that
+much of freed smaller blocks stays resident between steps: the step's working set, which the next
+step needs again, but also whatever a save or load freed. PyTorch's CPU performance guide makes
+the same point with tcmalloc or jemalloc.
 
 Process-wide, and only where the C library has glibc's `mallopt` (elsewhere, a no-op).
 """
@@ -21,7 +25,7 @@ import ctypes
 
 _M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit); mallopt refuses more
+MMAP_THRESHOLD_BYTES = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, where glibc's dynamic threshold stops
 TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int
 
 

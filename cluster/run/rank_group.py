@@ -29,10 +29,14 @@ def connect_ray() -> None:
     cluster) last left on this machine, and a run would land on it, its ranks then killed with it
     ("actor creation cancelled"), instead of on its own Ray."""
     if not ray.is_initialized():
-        # A local start waits 120 s (Ray's default is 30) for its new GCS to come up: on a loaded
-        # machine the first start from a fresh environment took longer, and the run died of it.
-        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", logging_level="WARNING", log_to_driver=True,
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        if address == "local":
+            # A local start waits 120 s (Ray's default is 30) for its new GCS to come up: on a
+            # loaded machine the first start from a fresh environment took longer, and the run died
+            # of it. Not when joining a cluster: the same setting is Ray's count of connection
+            # retries, and a dead address would then take two minutes to fail instead of 20 s.
+            os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+        ray.init(address=address, logging_level="WARNING", log_to_driver=True,
                  include_dashboard=False, configure_logging=True)
 
 

@@ -35,25 +35,31 @@ export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 RAY
 } > "$out/versions.txt" 2>&1
 cat "$out/versions.txt"
 
-# part NAME SECONDS_NEEDED COMMAND...: runs COMMAND if about SECONDS_NEEDED are left, at most
-# until the deadline; its output goes to $out/NAME.log and its last lines to the console.
+# part NAME NEEDED CAP COMMAND...: runs COMMAND if about NEEDED seconds are left, for at most CAP
+# seconds and never past the deadline, so a part that hangs cannot take the later parts' time;
+# its output goes to $out/NAME.log and its last lines to the console. A part stopped by its time
+# may leave Ray and its ranks behind: they are stopped before the next part.
 part() {
-  local name=$1 need=$2 left
-  shift 2
+  local name=$1 need=$2 cap=$3 left
+  shift 3
   case " $parts " in *" $name "*) ;; *) return 0 ;; esac
   left=$((deadline - SECONDS))
   if ((left < need)); then
     echo "$name: skipped, $left s left of the budget, it needs about $need" | tee -a "$out/summary.txt"
     return 0
   fi
+  ((left < cap)) || left=$cap
   local start=$SECONDS
   timeout -s INT -k 20 "$left" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   echo "$name: rc $rc in $((SECONDS - start)) s ($*)" | tee -a "$out/summary.txt"
   tail -n 15 "$out/$name.log"
+  if ((rc == 124 || rc == 137)); then
+    python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1 || true
+  fi
 }
 
-part bench 150 python3 bench/throughput.py --device cuda --precision bf16 --compile --ac selective --steps 4
-part bf16 150 python3 -m pytest tests/gpu -q -rA --durations=0 -k bf16
-part rest 150 python3 -m pytest tests/gpu -q -rA --durations=0 -k "not bf16"
+part bench 150 300 python3 bench/throughput.py --device cuda --precision bf16 --compile --ac selective --steps 4
+part bf16 150 300 python3 -m pytest tests/gpu -q -rA --durations=0 -k bf16
+part rest 150 600 python3 -m pytest tests/gpu -q -rA --durations=0 -k "not bf16"
 echo "budget: $((deadline - SECONDS)) s of $budget left" | tee -a "$out/summary.txt"

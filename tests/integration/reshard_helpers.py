@@ -66,17 +66,18 @@ def load_and_save(config, source_url: str, actors, loaded: list | None = None) -
         group.shutdown()
 
 
-def relative_difference(run, reference, step: int) -> float:
-    return abs(run.losses[step] - reference.losses[step]) / abs(reference.losses[step])
-
-
 def resume_continuity(run_training, tmp_path, config, a, b, before: int, after: int, tolerance: float,
-                      tight_steps: int | None = None):
+                      tight_steps: int | None = None, ceiling: float | None = None):
     """Train `before` steps on layout `a`, resume on `b` to `before + after`, against an
-    uninterrupted run on `a`: each of the first `tight_steps` resumed steps' loss (None: every
-    resumed step's) within `tolerance` (relative), and the continuity picture drawn.
-    config(layout, steps, total, run, **overrides) makes each run's config (the lr schedule's length
-    is the whole run's in all three). Returns (picture summary, the uninterrupted run, the resumed run)."""
+    uninterrupted run on `a`: every resumed step's loss within `tolerance` (relative), and the
+    continuity picture drawn. config(layout, steps, total, run, **overrides) makes each run's
+    config (the lr schedule's length is the whole run's in all of them). Returns (picture summary,
+    the uninterrupted run, the resumed run).
+
+    tight_steps: only the first `tight_steps` resumed steps are held to `tolerance`. The later ones,
+    where float rounding has grown as it does under any change of layout (docs/decisions.md 85),
+    are held to `ceiling` and to no further from the uninterrupted run than a run on `b` from
+    step 0 is (trained here too)."""
     from cluster.pictures.resume_plot import plot_resume
     from cluster.storage.store import Store
 
@@ -85,12 +86,20 @@ def resume_continuity(run_training, tmp_path, config, a, b, before: int, after: 
     run_training(config(a, before, total, "resumed"))
     resumed = run_training(config(b, total, total, "resumed", resume="latest"))
     assert resumed.start_step == before
-    held = after if tight_steps is None else tight_steps
-    for step in range(before + 1, before + held + 1):
-        assert relative_difference(resumed, full, step) <= tolerance, (step, resumed.losses[step], full.losses[step])
+    relative = lambda run, step: abs(run.losses[step] - full.losses[step]) / abs(full.losses[step])
+    for step in range(before + 1, before + (after if tight_steps is None else tight_steps) + 1):
+        assert relative(resumed, step) <= tolerance, (step, resumed.losses[step], full.losses[step])
     picture = plot_resume(Store(str(tmp_path / "store")), ["resumed"], str(tmp_path / "resume.png"), reference="uninterrupted")
     assert picture["steps_compared"] == total
-    assert tight_steps is not None or picture["max_relative_difference"] <= tolerance
+    if tight_steps is None:
+        assert picture["max_relative_difference"] <= tolerance
+    else:
+        on_b = run_training(config(b, total, total, "on-b-from-the-start"))
+        later = range(before + tight_steps + 1, total + 1)
+        drift, layout_drift = (max(relative(run, step) for step in later) for run in (resumed, on_b))
+        print(f"max relative difference after the first {tight_steps} resumed steps: {drift:.2e} "
+              f"(ceiling {ceiling:.0e}); a run on the target layout from step 0: {layout_drift:.2e}")
+        assert drift <= ceiling and drift <= max(tolerance, layout_drift), (drift, ceiling, layout_drift)
     assert len(picture["segments"]) == 2  # layout A, then layout B, in their own colours
     assert (tmp_path / "resume.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return picture, full, resumed

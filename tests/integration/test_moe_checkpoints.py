@@ -19,8 +19,8 @@ from plans.errors import CheckpointError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_spec import preset
 from tests.conftest import small_config
-from tests.integration.reshard_helpers import (chunk_fingerprint, digests, load_and_save, relative_difference,
-                                               resume_continuity, writer_rank)
+from tests.integration.reshard_helpers import (chunk_fingerprint, digests, load_and_save, resume_continuity,
+                                               writer_rank)
 
 MOE = preset("moe-tiny")
 SOURCE = ParallelLayout(dp=2, fsdp=2, ep=2)
@@ -139,25 +139,29 @@ def _matches(pattern: str, text: str) -> bool:
 
 
 EP2, EP4 = ParallelLayout(fsdp=2, ep=2), ParallelLayout(fsdp=4, ep=4)
-TIGHT_STEPS = 20  # the long version's resumed steps held to 1e-5 (test_reshard_continuity.py says why)
+# The long version (test_reshard_continuity.py says why it is split): resumed steps held to 1e-5
+# with equal tokens per expert, then a ceiling. Seeds 7, 1, 2, 3 on the machine that drifted most:
+# routing first differed 28, never, never and 25 resumed steps in; the later steps reached 6.0e-4,
+# 2.4e-7, 2.0e-7 and 4.3e-4, against 4.0e-3 to 4.6e-2 for a run on fsdp4(ep4) from step 0.
+TIGHT_STEPS = 15
+CEILING = 3e-3  # 5x the worst seed
 
 
-def _moe_config(tmp_path, layout, steps, total, run, **overrides):
-    from plans.config import OptimizerConfig
-
-    optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=total)
-    return _config(tmp_path, layout, run, steps=steps, optimizer=optimizer, **overrides)
-
-
-def _continuity(run_training, tmp_path, before, after, tight_steps=None):
+def _continuity(run_training, tmp_path, before, after, tight_steps=None, ceiling=None):
     """`before` steps on fsdp2(ep2), resumed on fsdp4(ep4) for `after` more, against an
     uninterrupted run on fsdp2(ep2); over the steps held to the tolerance, the tokens each expert
     got match too."""
-    config = lambda layout, steps, total, run, **overrides: _moe_config(tmp_path, layout, steps, total, run, **overrides)
-    picture, full, resumed = resume_continuity(run_training, tmp_path, config, EP2, EP4, before, after, 1e-5, tight_steps)
-    for step in range(before + 1, before + (after if tight_steps is None else tight_steps) + 1):
+    from plans.config import OptimizerConfig
+
+    def config(layout, steps, total, run, **overrides):
+        optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=total)
+        return _config(tmp_path, layout, run, steps=steps, optimizer=optimizer, **overrides)
+
+    picture, full, resumed = resume_continuity(run_training, tmp_path, config, EP2, EP4, before, after, 1e-5,
+                                               tight_steps, ceiling)
+    for step in range(before + 1, before + (tight_steps or after) + 1):
         assert resumed.expert_tokens[step] == full.expert_tokens[step], step
-    return picture, full, resumed
+    return picture
 
 
 def test_resumed_on_ep4_the_losses_continue(run_training, tmp_path):
@@ -167,15 +171,5 @@ def test_resumed_on_ep4_the_losses_continue(run_training, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_fifty_steps_on_ep2_resumed_on_ep4(run_training, tmp_path):
-    """After the first TIGHT_STEPS, rounding has grown as it does under any layout change (this
-    machine's BLAS, decision 85): the resumed run stays no further from the uninterrupted one than
-    a run on fsdp4(ep4) from step 0."""
-    before, after = 50, 50
-    picture, full, resumed = _continuity(run_training, tmp_path, before, after, tight_steps=TIGHT_STEPS)
-    on_ep4 = run_training(_moe_config(tmp_path, EP4, before + after, before + after, "on-ep4-from-the-start"))
-    later = range(before + TIGHT_STEPS + 1, before + after + 1)
-    resumed_drift = max(relative_difference(resumed, full, step) for step in later)
-    layout_drift = max(relative_difference(on_ep4, full, step) for step in later)
-    print(f"max relative difference over {after} resumed steps: {picture['max_relative_difference']:.2e}; "
-          f"after the first {TIGHT_STEPS}: {resumed_drift:.2e}, a run on ep4 from step 0: {layout_drift:.2e}")
-    assert resumed_drift <= max(1e-5, layout_drift), (resumed_drift, layout_drift)
+    picture = _continuity(run_training, tmp_path, before=50, after=50, tight_steps=TIGHT_STEPS, ceiling=CEILING)
+    print(f"max relative difference over 50 resumed steps: {picture['max_relative_difference']:.2e}")

@@ -117,3 +117,15 @@ def test_a_rank_without_gradients_sums_on_its_parameters_device():
     sum on the parameters' device, not on the CPU (meta stands in for the GPU here)."""
     parameters = [torch.nn.Parameter(torch.empty(4, 3, device="meta"))]
     assert clip_grad_norm(parameters, max_norm=1.0, coords=PRIMARY).device.type == "meta"
+
+
+def test_pieces_longer_than_a_chunk_and_chunk_tails_sum_exactly(monkeypatch):
+    """The CPU sum converts a chunk at a time (`_NORM_CHUNK`): pieces several chunks long, with a
+    tail shorter than a chunk, and pieces shorter than one, must all be counted exactly once."""
+    import actors.model.gradient_norm as gradient_norm
+
+    monkeypatch.setattr(gradient_norm, "_NORM_CHUNK", 97)  # odd, smaller than most pieces, not dividing them
+    gradients = _gradients(6)
+    assert max(g.numel() for g in gradients) > 10 * 97 and min(g.numel() for g in gradients) < 97
+    norm, _ = _clip_on_this_rank(gradients, PRIMARY, max_norm=0.0)
+    assert torch.equal(norm, _exact_norm(gradients))
