@@ -159,7 +159,7 @@ def _anchor_process(conn, args: dict) -> None:
     namespace = argparse.Namespace(**args)
     _one_core_per_rank(namespace)
     loop = HuggingFaceLoop(_config(namespace), torch.device(namespace.device))
-    conn.send(sum(p.numel() for p in loop.model.parameters()))
+    conn.send("ready")
     while conn.recv() == "step":
         conn.send(_timed(loop.train_step))
 
@@ -175,7 +175,7 @@ class AnchorProcess:
         self.process = context.Process(target=_anchor_process, args=(child, vars(args)), daemon=True)
         self.process.start()
         child.close()  # the child's end lives in the child alone, so its death closes the pipe
-        self._receive("build the model")  # the child is ready: its model is built
+        self._receive("build the model")
 
     def _receive(self, what: str):
         ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], self.timeout_s)
@@ -209,17 +209,14 @@ class AnchorProcess:
 
 def _measure(args: argparse.Namespace, config: TrainConfig, ours: Trainer, anchor: AnchorProcess | None):
     """Alternate the loops step by step after warm-up; (wall seconds, CPU seconds) by loop name."""
+    # On a GPU the host allocator is not in the step (the Trainer sets it on CPU ranks only), and a
+    # second 1b model and CUDA context would crowd the GPU: there the plain loop runs here alone.
+    in_process = HuggingFaceLoop(config, torch.device(args.device))
+    loops = {"rayshard": lambda: _timed(ours.train_step), "transformers": lambda: _timed(in_process.train_step)}
     if anchor is not None:
-        loops = {"rayshard": lambda: _timed(ours.train_step), "transformers": anchor.timed_step}
-        # The same loop inside this process too, where rayshard's process settings reach it: the
-        # two then differ by their code alone.
-        in_process = HuggingFaceLoop(config, torch.device(args.device))
-        loops[IN_PROCESS] = lambda: _timed(in_process.train_step)
-    else:
-        # On a GPU the host allocator is not in the step (the Trainer sets it on CPU ranks only),
-        # and a second 1b model and CUDA context would crowd the GPU: the plain loop runs here.
-        in_process = HuggingFaceLoop(config, torch.device(args.device))
-        loops = {"rayshard": lambda: _timed(ours.train_step), "transformers": lambda: _timed(in_process.train_step)}
+        # The plain loop in its own process is the anchor; the copy here, where rayshard's process
+        # settings reach it, differs from ours by the code alone.
+        loops = {"rayshard": loops["rayshard"], "transformers": anchor.timed_step, IN_PROCESS: loops["transformers"]}
     times = {name: [] for name in loops}
     cpu_times = {name: [] for name in loops}
     for index in range(WARMUP + args.steps):  # alternate, so all see the same machine
