@@ -33,7 +33,7 @@ class StepMetrics:
     pipeline: StepRecord | None = None  # a pipeline rank's per-action timings; None without pp
     tokens: int = 0  # tokens this rank's data slice held this step (tp and pp peers count the same ones)
     # The rank's peak memory during the step: the CUDA allocator's peak on a GPU; on a CPU rank
-    # the process's peak resident set so far (the OS keeps no per-step peak).
+    # the process's peak resident set during the step (Linux; elsewhere since the process began).
     peak_memory_bytes: int = 0
     device_name: str = "cpu"  # torch.cuda.get_device_name() on a GPU: the MFU table's key
     # This rank's rows of the step's batch, one short digest per sample in row order; the driver
