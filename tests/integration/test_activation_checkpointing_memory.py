@@ -10,7 +10,7 @@ whose activations outweigh the weights and optimizer state: a process keeps the 
 free (actors/training/host_allocator.py), so a second mode in the same process would start from the
 first one's peak. The resident set moves with where the allocator places the backward's blocks
 among the long-lived gradients: on 2-core machines `full` added 0.47-0.62 of what `none` added
-(913-946 MiB against 413-585 MiB), hence the resident-set bound of 0.75; the kept bytes are
+(413-585 MiB against 893-964 MiB), hence the resident-set bound of 0.75; the kept bytes are
 exact (about 46 MiB against 735 MiB: the blocks' inputs, the embedding and the loss's).
 """
 from __future__ import annotations
