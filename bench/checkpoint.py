@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from actors.training.device_memory import peak_memory_bytes, resident_memory_bytes  # noqa: E402
 from plans.config import DataConfig, TrainConfig  # noqa: E402
 from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
 from plans.training.model_spec import preset  # noqa: E402
@@ -41,31 +42,26 @@ LAYOUT_A = ParallelLayout(dp=2, tp=2)
 LAYOUT_B = ParallelLayout(fsdp=4)
 MiB = 2**20
 LOAD_METHODS = ("rayshard", "dcp", "raw", "checked")
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 class PeakRSS:
     """Largest resident set above the starting one while the block runs (sampled every 2 ms)."""
 
     def __enter__(self):
-        self.base = self.peak = self._rss()
+        self.base = self.peak = resident_memory_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * PAGE
-
     def _sample(self):
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self._rss())
+            self.peak = max(self.peak, resident_memory_bytes())
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._rss())
+        self.peak = max(self.peak, resident_memory_bytes())
         self.extra = self.peak - self.base
 
 
@@ -265,9 +261,9 @@ def _phase_b(rank, config, port, root, repeats, queue):
 
 
 def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # The rank process's peak resident set: since its start in phase B; in phase A since its one
+    # training step began (a step resets the mark), which is above what building the model took.
+    return peak_memory_bytes(torch.device("cpu"))
 
 
 def _spawn(phase, config, root, repeats):

@@ -21,32 +21,20 @@ from tests.forked_ranks import run_ranks
 
 
 def _one_step(rank: int, init_method: str, world_size: int, results, ac: str, store: str) -> None:
-    import torch
-
     from actors.training.device_memory import resident_memory_bytes
     from actors.training.trainer import Trainer
     from plans.config import TrainConfig
     from plans.training.model_spec import preset
+    from tests.saved_activations import kept_for_backward
 
     config = TrainConfig(model_preset="small", model=preset("small"), steps=1, global_batch=4, seq_len=512,
                          ac=ac, store=store, run="m").validate()
     trainer = Trainer(config, rank, init_method)
-    parameter_storages = {parameter.untyped_storage().data_ptr() for parameter in trainer.model.parameters()}
-    kept: dict[int, int] = {}  # storage address -> bytes, each storage once (views share one)
-
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameter_storages:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     try:
         before = resident_memory_bytes()
-        # The checkpoint's own hooks take over inside a checkpointed block: this one sees only what
-        # is kept outside them.
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with kept_for_backward(trainer.model.parameters()) as kept:
             metrics = trainer.train_step()
-        results[rank] = {"added": metrics.peak_memory_bytes - before, "kept": sum(kept.values()), "loss": metrics.loss}
+        results[rank] = {"added": metrics.peak_memory_bytes - before, "kept": kept.total, "loss": metrics.loss}
     finally:
         trainer.shutdown()
 

@@ -69,13 +69,13 @@ def _saved_activation_bytes(rank: int, init_method: str, world_size: int, result
     """One tp rank's forward: the bytes autograd keeps for the backward (distinct storages)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     from actors.model.init_weights import initialize_parameters
     from actors.model.parallelize import parallelize
     from actors.model.transformer import build_on_meta
     from plans.layout.parallel_layout import MESH_DIM_NAMES
     from plans.training.model_spec import preset
+    from tests.saved_activations import kept_for_backward
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
@@ -86,24 +86,10 @@ def _saved_activation_bytes(rank: int, init_method: str, world_size: int, result
                     sequence_parallel=sequence_parallel)
         model.to_empty(device="cpu")
         initialize_parameters(model, 1, config.n_layers)
-        parameters = {p.to_local().untyped_storage().data_ptr() if isinstance(p, DTensor) else p.untyped_storage().data_ptr()
-                      for p in model.parameters()}
-        storages = {}
-
-        def pack(tensor):
-            local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-            try:
-                key, nbytes = local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()
-            except RuntimeError:  # a wrapper without storage of its own (a collective's pending result)
-                key, nbytes = id(local), local.numel() * local.element_size()
-            if key not in parameters:
-                storages[key] = nbytes
-            return tensor
-
         tokens = torch.randint(0, config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with kept_for_backward(model.parameters()) as kept:
             model(tokens)
-        results[rank] = sum(storages.values())
+        results[rank] = kept.total
     finally:
         dist.destroy_process_group()
 

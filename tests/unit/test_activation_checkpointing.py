@@ -19,6 +19,7 @@ from plans.config import TrainConfig
 from plans.pipeline.lowering import lower
 from plans.pipeline.schedules import build_schedule
 from plans.training.model_spec import preset
+from tests.saved_activations import kept_for_backward
 
 CONFIG = preset("tiny")
 BATCH, SEQ = 2, 16
@@ -60,19 +61,14 @@ class _CountMatmuls(TorchDispatchMode):
 
 
 def _step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], int, int]:
-    """Loss, gradients, the bytes autograd saved outside checkpointed regions, and matmuls run."""
+    """Loss, gradients, the bytes autograd kept outside checkpointed regions (distinct storages,
+    parameters left out), and matmuls run."""
     inputs, targets = _tokens()
-    saved = []
-
-    def pack(tensor):
-        saved.append(tensor.untyped_storage().nbytes())
-        return tensor
-
     with _CountMatmuls() as matmuls:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with kept_for_backward(model.parameters()) as kept:
             loss = microbatch_loss(model(inputs), targets, 1)
         loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}, sum(saved), matmuls.count
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}, kept.total, matmuls.count
 
 
 def test_each_mode_recomputes_as_stated_and_changes_no_bit():
