@@ -6,8 +6,9 @@ field, the constraint and a fix. Pure: reading the file is the CLI's job.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
+from plans.config_values import checked_section
 from plans.errors import ConfigError
 from plans.layout.parallel_layout import ParallelLayout
 from plans.training.model_plan import check_tp_divides
@@ -273,25 +274,23 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
-        """Build from nested plain data; unknown keys are errors (typos must not pass silently)."""
+        """Build from nested plain data (a YAML file's contents): unknown keys and values of the
+        wrong type are errors naming the key (typos must not pass silently)."""
         data = dict(data)
-        model_data = dict(data.pop("model", {}) or {})
-        if isinstance(model_data, str):
+        model_data = data.pop("model", None) or {}
+        if isinstance(model_data, str):  # `model: small`, a preset's name alone
             model_data = {"preset": model_data}
+        model_data = checked_section("model", model_data, ModelConfig, extra_keys=frozenset({"preset"}),
+                                     internal_keys=frozenset({"user"}))
         preset_name = model_data.pop("preset", data.pop("model_preset", "tiny"))
-        _check_keys("model", model_data, ModelConfig)
+        if not isinstance(preset_name, str):
+            raise ConfigError("model.preset", preset_name, "must be a preset's name",
+                              f"write one of {', '.join(PRESETS)}")
         kwargs = {"model_preset": preset_name, "model": preset(preset_name, **model_data)}
-        if "layout" in data:
-            layout = data.pop("layout") or {}
-            _check_keys("layout", layout, ParallelLayout)
-            kwargs["layout"] = ParallelLayout(**layout)
-        for name, kind in (("optimizer", OptimizerConfig), ("data", DataConfig)):
+        for name, kind in (("layout", ParallelLayout), ("optimizer", OptimizerConfig), ("data", DataConfig)):
             if name in data:
-                section = data.pop(name) or {}
-                _check_keys(name, section, kind)
-                kwargs[name] = kind(**section)
-        _check_keys("config", data, cls)
-        kwargs.update(data)
+                kwargs[name] = kind(**checked_section(name, data.pop(name) or {}, kind))
+        kwargs.update(checked_section("", data, cls))
         return cls(**kwargs)
 
 
@@ -309,16 +308,8 @@ def with_overrides(config: TrainConfig, **overrides) -> TrainConfig:
             flat[key] = value
     for head, values in nested.items():
         section = getattr(config, head)
-        _check_keys(head, values, type(section))
-        flat[head] = replace(section, **values)
-    return replace(config, **flat)
-
-
-def _check_keys(section: str, values: dict, kind) -> None:
-    known = {f.name for f in fields(kind)} | ({"preset"} if kind is ModelConfig else set())
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(section, unknown, f"unknown key(s) {unknown}", f"known keys are {sorted(known)}")
+        flat[head] = replace(section, **checked_section(head, values, type(section)))
+    return replace(config, **checked_section("", flat, TrainConfig))
 
 
 def _divisors(n: int) -> list[int]:
