@@ -48,6 +48,21 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+class VocabEmbeddingParallel(RowwiseParallel):
+    """The vocab-parallel embedding (torch's RowwiseParallel on an nn.Embedding) whose output the
+    model receives as a tensor of its own, not as `to_local()`'s view of the DTensor's local
+    tensor. That output is the first block's input, and gradients through such a view go astray
+    in torch 2.13: a compiled block's AOTAutograd replays a view input on its base, so DTensor's
+    redistribute backward receives a plain tensor (a user model with --sp --compile failed), and
+    local_map's to_local gave the embedding a wrong gradient. Done in the style, it holds for
+    every model, built-in or the user's; it costs one copy of the embedding output per microbatch."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        output = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return output.clone() if use_local_output else output
+
+
 class StackedShard(ParallelStyle):
     """Stacked expert weights [experts, out, in] split along `dim` over tp (each expert's hidden
     units); the MoE layer computes on the local piece (`actors/model/moe.py`), and its dispatch
@@ -67,11 +82,11 @@ class StackedShard(ParallelStyle):
 TORCH_STYLES: dict[str, ParallelStyle] = {
     COLWISE: ColwiseParallel(),
     ROWWISE: RowwiseParallel(),
-    VOCAB_EMBEDDING: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    VOCAB_EMBEDDING: VocabEmbeddingParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     VOCAB_HEAD: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     # Sequence parallelism: the residual stream is Shard(1) (the sequence) between the matmuls.
     ROWWISE_TO_SEQUENCE: RowwiseParallel(output_layouts=Shard(1)),
-    VOCAB_EMBEDDING_TO_SEQUENCE: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    VOCAB_EMBEDDING_TO_SEQUENCE: VocabEmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     VOCAB_HEAD_FROM_SEQUENCE: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     SEQUENCE_PARALLEL: SequenceParallel(),
     GATHER_SEQUENCE: GatherSequence(),

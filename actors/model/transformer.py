@@ -107,12 +107,6 @@ class Transformer(nn.Module):
         seq = inputs.shape[1] if self.tok_embeddings is not None else inputs.shape[1] * self.sequence_shards
         cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta, inputs.device)
         h = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
-        if h._base is not None:
-            # Under TP the embedding's output is `to_local()` of a DTensor: a view of its local
-            # tensor. Gradients through such a view go astray in torch 2.13 where it meets a
-            # compiled block (AOTAutograd replays the view on its base) or local_map's
-            # to_local (the embedding's gradient came out wrong): one copy per microbatch.
-            h = h.clone()
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.output is None:
