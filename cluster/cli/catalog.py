@@ -5,6 +5,7 @@ import argparse
 
 from cluster import progress
 from cluster.cli.ckpt import add_checkpoint_argument, ckpt_subcommands
+from cluster.cli.numbers import AT_LEAST_ZERO, NON_NEGATIVE
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -25,10 +26,10 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     gc = group.add_parser("gc", help="keep the newest N checkpoints per run; remove the rest and leftovers",
                           description="Never removes LATEST, checkpoints being read, or anything written within --grace.")
-    gc.add_argument("--keep", type=int, required=True, metavar="N", help="checkpoints to keep per run (besides LATEST)")
+    gc.add_argument("--keep", type=AT_LEAST_ZERO, required=True, metavar="N", help="checkpoints to keep per run (besides LATEST)")
     gc.add_argument("--store", default="./runs", metavar="URL", help="store URL (default ./runs)")
     gc.add_argument("--run", metavar="NAME", help="only this run")
-    gc.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+    gc.add_argument("--grace", type=NON_NEGATIVE, default=3600.0, metavar="SECONDS",
                     help="leave leftovers and uploads younger than this alone (default 3600: saves in progress)")
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     gc.set_defaults(run_command="cluster.cli.commands.catalog:run_gc")

@@ -6,6 +6,7 @@ import argparse
 
 from cluster import progress
 from cluster.cli.groups import command_group
+from cluster.cli.numbers import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE
 
 
 def ckpt_subcommands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -46,17 +47,17 @@ def register(commands: argparse._SubParsersAction) -> None:
     plan = group.add_parser("plan", help="dry run: what each rank of another layout would read (no data moved)")
     add_checkpoint_argument(plan)
     _target_arguments(plan)
-    plan.add_argument("--min-segment-kib", type=float, default=256, metavar="K",
+    plan.add_argument("--min-segment-kib", type=NON_NEGATIVE, default=256, metavar="K",
                       help="read only the needed columns when a row segment is at least K KiB, else whole rows (default 256)")
-    plan.add_argument("--show-ranks", type=int, default=16, metavar="N", help="list every rank up to N ranks (default 16)")
+    plan.add_argument("--show-ranks", type=AT_LEAST_ZERO, default=16, metavar="N", help="list every rank up to N ranks (default 16)")
     plan.set_defaults(run_command="cluster.cli.commands.ckpt:run_plan")
 
     reshard = group.add_parser("reshard", help="write a copy laid out for another layout, as a new run (offline, on Ray)")
     add_checkpoint_argument(reshard)
     _target_arguments(reshard)
     reshard.add_argument("--run", required=True, metavar="NAME", help="run name of the copy (same store)")
-    reshard.add_argument("--workers", type=int, metavar="N", help="Ray actors playing the target ranks (default one per rank, at most as many as the cluster's CPUs hold)")
-    reshard.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="F", help="CPUs each actor reserves (default 1)")
+    reshard.add_argument("--workers", type=AT_LEAST_ONE, metavar="N", help="Ray actors playing the target ranks (default one per rank, at most as many as the cluster's CPUs hold)")
+    reshard.add_argument("--cpus-per-worker", type=POSITIVE, default=1.0, metavar="F", help="CPUs each actor reserves (default 1)")
     reshard.add_argument("--local", action="store_true", help="play every rank in this process instead of Ray actors")
     progress.add_arguments(reshard)
     reshard.set_defaults(run_command="cluster.cli.commands.ckpt:run_reshard")
@@ -64,7 +65,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     digest = group.add_parser("digest", help="per-tensor SHA-256 of the global tensors: equal whatever layout wrote them")
     add_checkpoint_argument(digest)
     digest.add_argument("--json", action="store_true")
-    digest.add_argument("--block-mib", type=float, default=64, metavar="M", help="rows streamed per read (default 64 MiB)")
+    digest.add_argument("--block-mib", type=POSITIVE, default=64, metavar="M", help="rows streamed per read (default 64 MiB)")
     progress.add_arguments(digest)
     digest.set_defaults(run_command="cluster.cli.commands.ckpt:run_digest")
 
@@ -80,7 +81,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--format", choices=["hf"], default="hf")
     export.add_argument("--out", required=True, metavar="DIR")
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: as stored)")
-    export.add_argument("--max-shard-mib", type=float, default=2048, metavar="M",
+    export.add_argument("--max-shard-mib", type=POSITIVE, default=2048, metavar="M",
                         help="split into model-0000i-of-0000n.safetensors + index past M MiB (default 2048)")
     export.add_argument("--no-optimizer", action="store_true", help="leave out the optimizer moments (rayshard-optimizer/)")
     progress.add_arguments(export)
@@ -90,7 +91,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                                 description="AutoTokenizer + AutoModelForCausalLM.generate (sampled, seeded) on a `ckpt export` --out.")
     generate.add_argument("directory", metavar="DIR", help="the --out of `ckpt export` (with its tokenizer)")
     generate.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    generate.add_argument("--max-new-tokens", type=int, default=24, metavar="N")
+    generate.add_argument("--max-new-tokens", type=AT_LEAST_ONE, default=24, metavar="N")
     generate.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (top-k 40)")
     generate.set_defaults(run_command="cluster.cli.commands.ckpt:run_generate")
 

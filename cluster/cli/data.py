@@ -5,13 +5,14 @@ import argparse
 
 from cluster import progress
 from cluster.cli.groups import command_group
+from cluster.cli.numbers import AT_LEAST_ONE, POSITIVE
 
 
 def _input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", nargs="+", required=True, metavar="URL",
                         help="text, JSONL (.jsonl) or Parquet (.parquet) files, directories or globs; any fsspec URL; "
                              "'stdlib' for this Python's standard library sources")
-    parser.add_argument("--max-bytes", type=int, metavar="N", help="only the first input files, in order, up to N bytes")
+    parser.add_argument("--max-bytes", type=AT_LEAST_ONE, metavar="N", help="only the first input files, in order, up to N bytes")
     parser.add_argument("--field", default="text", metavar="NAME", help="the JSONL field holding each document (default text)")
     parser.add_argument("--column", default="text", metavar="NAME", help="the Parquet column holding each document (default text)")
     parser.add_argument("--skip-bad", action="store_true",
@@ -25,7 +26,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     tokenizer_commands = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="TOKENIZER")
     train = tokenizer_commands.add_parser("train", help="train a byte-level BPE on your text (nothing is downloaded)",
                                           description="Train a byte-level BPE; writes tokenizer.json and tokenizer_config.json.")
-    train.add_argument("--vocab-size", type=int, required=True, metavar="N")
+    train.add_argument("--vocab-size", type=AT_LEAST_ONE, required=True, metavar="N")
     train.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json (an fsspec URL)")
     _input_arguments(train)
     progress.add_arguments(train)
@@ -36,8 +37,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     prepare.add_argument("--tokenizer", required=True, metavar="DIR",
                          help="a tokenizer.json, a Hugging Face model directory, or a `data tokenizer train` --out")
     prepare.add_argument("--out", required=True, metavar="URL", help="where the dataset goes (a directory, s3://...)")
-    prepare.add_argument("--cpus-per-task", type=float, default=1.0, metavar="N", help="CPUs each tokenizing task asks Ray for")
-    prepare.add_argument("--task-timeout", type=float, default=600.0, metavar="SECONDS",
+    prepare.add_argument("--cpus-per-task", type=POSITIVE, default=1.0, metavar="N", help="CPUs each tokenizing task asks Ray for")
+    prepare.add_argument("--task-timeout", type=POSITIVE, default=600.0, metavar="SECONDS",
                          help="fail when no tokenizing task finishes within this")
     _input_arguments(prepare)
     progress.add_arguments(prepare)

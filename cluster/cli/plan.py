@@ -15,6 +15,7 @@ from pathlib import Path
 
 from plans.pipeline.schedules import SPECS
 from cluster.cli.groups import command_group
+from cluster.cli.numbers import AT_LEAST_ONE, NON_NEGATIVE
 
 SCHEDULE_NAMES = list(SPECS) + ["i1f1b"]
 DEFAULT_COSTS = "F=1,B=2,W=1"
@@ -63,22 +64,22 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Cut the model's layers into pp x vpp stages (balanced by cost unless "
         "--layout is given) and place the stages on ranks as the schedule needs.",
     )
-    layers.add_argument("--layers", type=int, required=True, help="number of transformer layers")
-    layers.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    layers.add_argument("--vpp", type=int, help="stages per rank (default: the schedule's, else 1)")
+    layers.add_argument("--layers", type=AT_LEAST_ONE, required=True, help="number of transformer layers")
+    layers.add_argument("--pp", type=AT_LEAST_ONE, required=True, help="pipeline ranks")
+    layers.add_argument("--vpp", type=AT_LEAST_ONE, help="stages per rank (default: the schedule's, else 1)")
     layers.add_argument("--schedule", choices=SCHEDULE_NAMES, metavar="NAME",
                         help="placement follows the schedule: looped for interleaved1f1b, V for zbv/dualpipev")
     layers.add_argument("--layer-costs", help="comma-separated cost per layer (default 1 each)")
-    layers.add_argument("--embedding-cost", type=float, default=0.0, help="cost of the embedding, on stage 0")
-    layers.add_argument("--head-cost", type=float, default=0.0, help="cost of the LM head, on the last stage")
+    layers.add_argument("--embedding-cost", type=NON_NEGATIVE, default=0.0, help="cost of the embedding, on stage 0")
+    layers.add_argument("--head-cost", type=NON_NEGATIVE, default=0.0, help="cost of the LM head, on the last stage")
     layers.add_argument("--layout", help='explicit cut: layer counts per stage "8,7,7,8" or ranges "0-7,8-14,15-21,22-29"')
     layers.set_defaults(run_command="cluster.cli.commands.plan:run_layers")
 
 
 def _add_shape_arguments(parser: argparse.ArgumentParser, shape_from_run: bool = False) -> None:
-    parser.add_argument("--pp", type=int, required=not shape_from_run, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, required=not shape_from_run, help="microbatches per step")
-    parser.add_argument("--vpp", type=int, help="stages per rank (interleaved only; default 2 there, else fixed)")
+    parser.add_argument("--pp", type=AT_LEAST_ONE, required=not shape_from_run, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=AT_LEAST_ONE, required=not shape_from_run, help="microbatches per step")
+    parser.add_argument("--vpp", type=AT_LEAST_ONE, help="stages per rank (interleaved only; default 2 there, else fixed)")
     parser.add_argument("--costs", default=DEFAULT_COSTS,
                         help="time of one rank's share of the model: F, B (= I + W), I, W, C (one "
                         f"transfer), overlap (FB); default {DEFAULT_COSTS}")

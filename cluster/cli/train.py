@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from cluster.cli.numbers import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE
 from plans.layout.parallel_layout import LAYOUT_DEGREES
 
 
@@ -83,9 +84,9 @@ def register(commands) -> None:
     elastic = parser.add_argument_group("elastic training (survive rank failures and topology changes)")
     elastic.add_argument("--elastic", action="store_true",
                          help="choose the layout from the ranks available; on failure or growth, resume from LATEST on a new layout")
-    elastic.add_argument("--min-ranks", type=int, default=1, metavar="N")
-    elastic.add_argument("--max-ranks", type=int, default=None, metavar="N")
-    elastic.add_argument("--max-failures", type=int, default=3, metavar="N")
-    elastic.add_argument("--backoff-s", type=float, default=1.0, metavar="S", help="first restart delay (doubles)")
-    elastic.add_argument("--memory-gib", type=float, default=64.0, metavar="GIB", help="memory budget per rank")
+    elastic.add_argument("--min-ranks", type=AT_LEAST_ONE, default=1, metavar="N")
+    elastic.add_argument("--max-ranks", type=AT_LEAST_ONE, default=None, metavar="N")
+    elastic.add_argument("--max-failures", type=AT_LEAST_ZERO, default=3, metavar="N")
+    elastic.add_argument("--backoff-s", type=NON_NEGATIVE, default=1.0, metavar="S", help="first restart delay (doubles)")
+    elastic.add_argument("--memory-gib", type=POSITIVE, default=64.0, metavar="GIB", help="memory budget per rank")
     parser.set_defaults(run_command="cluster.cli.commands.train:run_train")

@@ -1,0 +1,29 @@
+"""Counts and amounts on the command line are range-checked while the arguments are parsed: a
+zero block size, a NaN memory budget or a negative grace fails naming the flag, exit 2."""
+import pytest
+
+from cluster.cli.main import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "layout", "--ranks", "8", "--microbatches", "0"], "argument --microbatches: must be >= 1, got 0"),
+    (["plan", "layout", "--ranks", "x"], "argument --ranks: must be a whole number >= 1, got 'x'"),
+    (["plan", "layout", "--ranks", "8", "--memory-gib", "nan"], "argument --memory-gib: must be a finite number > 0, got nan"),
+    (["plan", "layout", "--ranks", "8", "--tp", "0"], "argument --tp: must be >= 1, got 0"),
+    (["ckpt", "digest", "run", "--block-mib", "0"], "argument --block-mib: must be a finite number > 0, got 0"),
+    (["ckpt", "export", "run", "--out", "d", "--max-shard-mib", "-1"], "argument --max-shard-mib: must be a finite number > 0"),
+    (["ckpt", "gc", "--keep", "-1"], "argument --keep: must be >= 0, got -1"),
+    (["ckpt", "gc", "--keep", "1", "--grace", "inf"], "argument --grace: must be a finite number >= 0, got inf"),
+    (["plan", "layers", "--layers", "0", "--pp", "2"], "argument --layers: must be >= 1, got 0"),
+    (["train", "--elastic", "--max-failures", "-2"], "argument --max-failures: must be >= 0, got -2"),
+])
+def test_an_out_of_range_number_is_named_at_parse_time(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_numbers_in_range_parse_as_numbers(capsys):
+    assert main(["plan", "layout", "--ranks", "4", "--memory-gib", "1e3", "--model", "tiny", "--microbatches", "1"]) == 0
+    assert "of 1000.00 GiB budget" in capsys.readouterr().out
