@@ -30,5 +30,8 @@ def read_manifest(checkpoint_url: str, data: bytes | None = None) -> tuple[Chunk
     any shard byte is fetched."""
     where = f"{checkpoint_url}/{MANIFEST}"
     chunks, metadata = decode_manifest(manifest_bytes(checkpoint_url) if data is None else data, where)
+    if not len(chunks):
+        raise CheckpointError(f"{where}: the manifest lists no chunks, and a checkpoint holds at least one tensor: it "
+                              "is damaged. Fix: resume from another checkpoint (`rayshard ckpt ls`)")
     check_object_keys(chunks.file_names(), checkpoint_url)  # each file once, not once per chunk
     return chunks, metadata

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import uuid
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from plans.checkpoint.manifest import MANIFEST
 from plans.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+_WARNED_LATEST: set[tuple[str, str]] = set()  # (store URL, run) whose damaged LATEST was reported
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class Store:
         path = f"{self.root}/{run}/LATEST"
         if not self.fs.exists(path):
             return None
-        match = STEP_DIR.match(self.fs.cat_file(path).decode().strip())
+        # A LATEST that is not a step's name (damaged, even binary) points nowhere, as a missing one.
+        match = STEP_DIR.match(self.fs.cat_file(path).decode("utf-8", "replace").strip())
         return int(match.group(1)) if match else None
 
     # ---- addressing -------------------------------------------------------------------------
@@ -129,7 +132,19 @@ class Store:
                                       f"Committed steps: {self.committed_steps(run) or 'none'}")
         else:
             step = self.latest_step(run)
-            if step is None:
+            pointed = step is not None and self.fs.exists(f"{self.root}/{run}/checkpoints/{step_dirname(step)}/{MANIFEST}")
+            committed = () if pointed else self.committed_steps(run)
+            if committed:
+                # A manifest is written last, so each committed step is whole; LATEST only names the
+                # newest. Missing (a crash between the first manifest and its LATEST) or damaged, the
+                # newest committed step is what it would name: an elastic restart must not stop here.
+                step = committed[-1]
+                if (self.url, run) not in _WARNED_LATEST:  # once per process: a resume resolves twice
+                    _WARNED_LATEST.add((self.url, run))
+                    print(f"rayshard: warning: run {run!r}: its LATEST pointer in {self.url} is missing, damaged or names no checkpoint; "
+                      f"using the newest committed step, {step} (the next commit rewrites LATEST)",
+                          file=sys.stderr)
+            elif not pointed:
                 raise CheckpointError(f"run {run!r} has no committed checkpoint in {self.url}. "
                                       f"Runs with checkpoints there: {self.runs() or 'none'}")
         url = self.checkpoint_url(run, step)

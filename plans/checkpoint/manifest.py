@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from plans.checkpoint.chunk_table import ChunkTable
 from plans.checkpoint.chunks import Chunk
+from plans.checkpoint.manifest_rows import check_manifest_rows
 from plans.errors import CheckpointError
 
 # The manifest's object name inside a checkpoint directory.
@@ -77,7 +78,14 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[ChunkTable, d
     raw = (table.schema.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise CheckpointError(f"{where}: Parquet file has no rayshard metadata; it is not a rayshard manifest")
-    metadata = json.loads(raw)
+    try:
+        metadata = json.loads(raw)
+    except ValueError as error:  # bad JSON or bad UTF-8
+        raise CheckpointError(f"{where}: its rayshard metadata is not valid JSON ({error}): the manifest is damaged. "
+                              "Fix: resume from another checkpoint") from None
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{where}: its rayshard metadata is a JSON {type(metadata).__name__}, not an object: the "
+                              "manifest is damaged. Fix: resume from another checkpoint")
     version = str(metadata.get("format_version", ""))
     if not re.fullmatch(r"\d+\.\d+", version):
         raise CheckpointError(f"{where}: its format_version {version!r} is not MAJOR.MINOR: the manifest is damaged or "
@@ -90,4 +98,5 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[ChunkTable, d
     if damaged:
         raise CheckpointError(f"{where}: the manifest's column(s) {', '.join(damaged)} are missing or hold nulls; "
                               "it is damaged. Fix: resume from another checkpoint")
+    check_manifest_rows(table, where)
     return ChunkTable.from_arrow(table), metadata

@@ -181,7 +181,7 @@ def test_manifest_keys_escaping_the_checkpoint_are_refused_and_never_deleted(sto
     url, attempt = write_checkpoint(store, "victim", 1)
     fs, base = fsspec.core.url_to_fs(url)
     evil = Chunk("w", "param", "float32", (64, 4), (0, 0), (32, 4), f"../../../victim/checkpoints/step-00000001/{attempt}/rank-00000.safetensors",
-                 0, 8, "crc32:00000000")
+                 0, 32 * 4 * 4, "crc32:00000000")  # a sound row: only its file escapes
     store.commit("evil", 1, encode_manifest([evil], {"run": "evil", "step": 1, "layout": {}}))
     with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
         store.resolve("evil@1")

@@ -98,3 +98,23 @@ def test_chunks_that_do_not_tile_their_tensor_are_never_committed(store, rows_pe
     with pytest.raises(CheckpointError, match=problem):
         pending.commit(chunks, METADATA)
     assert store.committed_steps("r") == [] and store.latest_step("r") is None
+
+
+@pytest.mark.parametrize("latest", [None, b"\xff\xfe\x00", b"garbage", b"step-00000099"])
+def test_a_missing_or_damaged_latest_resolves_to_the_newest_committed_step(store, capsys, latest):
+    """A manifest is written last, so every committed step is whole: with LATEST gone (a crash
+    between the first manifest and LATEST) or damaged, `latest` is the newest committed step and
+    a warning says so; the next commit writes LATEST again."""
+    for step in (4, 6):
+        pending = store.begin("r", step)
+        pending.commit(_write_ranks(pending, _weight(step)), dict(METADATA, step=step))
+    fs, root = fsspec.core.url_to_fs(store.url)
+    if latest is None:
+        fs.rm(f"{root}/r/LATEST")
+    else:
+        fs.pipe_file(f"{root}/r/LATEST", latest)
+    assert store.resolve("latest", current_run="r").url == store.checkpoint_url("r", 6)
+    assert "its LATEST pointer" in capsys.readouterr().err
+    pending = store.begin("r", 8)
+    pending.commit(_write_ranks(pending, _weight(8)), dict(METADATA, step=8))
+    assert store.latest_step("r") == 8 and store.resolve("r").url == store.checkpoint_url("r", 8)
