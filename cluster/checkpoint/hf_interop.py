@@ -163,7 +163,11 @@ def read_safetensors_index(fs, base: str, prefix: str) -> dict[str, StoredTensor
     """Every tensor of `prefix`'s safetensors file(s): from the index when sharded, by headers."""
     index_path = f"{base}/{prefix}.safetensors.index.json"
     if fs.exists(index_path):
-        files = sorted(set(json.loads(fs.cat_file(index_path))["weight_map"].values()))
+        weight_map = read_json_object(fs, index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index_path}: has no weight_map of tensor names to file names; the index is damaged. "
+                                  "Fix: restore it, or delete it and keep a single model.safetensors")
+        files = sorted(set(weight_map.values()))
         files = [f"{prefix.rsplit('/', 1)[0]}/{f}" if "/" in prefix else f for f in files]
     elif fs.exists(f"{base}/{prefix}.safetensors"):
         files = [f"{prefix}.safetensors"]
@@ -174,21 +178,61 @@ def read_safetensors_index(fs, base: str, prefix: str) -> dict[str, StoredTensor
         path = f"{base}/{file}"
         if not fs.exists(path):
             raise CheckpointError(f"{path}: listed in the index but missing")
+        size = fs.size(path)
         head = fs.cat_file(path, start=0, end=8)
         length = int.from_bytes(head[:8], "little") if len(head) == 8 else 0
+        if 8 + length > size:  # read nothing a damaged length asks for (it may say terabytes)
+            raise CheckpointError(f"{path}: its header claims {length} bytes but the file has {size}; it is truncated "
+                                  "or not safetensors. Fix: export or download it again")
         header, data_start = parse_header(fs.cat_file(path, start=0, end=8 + length), path)
-        size = fs.size(path)
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: its safetensors header is not a JSON object; the file is damaged")
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            start, end = entry["data_offsets"]
-            if data_start + end > size:
-                raise CheckpointError(f"{path}: {name} needs bytes [{data_start + start}, {data_start + end}) but the file "
-                                      f"has {size}; it is truncated")
-            if entry["dtype"] not in DTYPE_NAMES:
-                raise CheckpointError(f"{path}: {name} has dtype {entry['dtype']}, which rayshard cannot import")
-            tensors[name] = StoredTensor(file, DTYPE_NAMES[entry["dtype"]], tuple(entry["shape"]), data_start + start, data_start + end)
+            tensors[name] = _stored_tensor(file, path, name, entry, data_start, size)
     return tensors
+
+
+def _stored_tensor(file: str, path: str, name: str, entry, data_start: int, size: int) -> StoredTensor:
+    """One entry of a safetensors header, checked: a known dtype, a shape of whole numbers, and
+    data offsets inside the file that hold exactly the shape's elements."""
+    def damaged(problem: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {name}: {problem}; the file is damaged. Fix: export or download it again")
+    if not isinstance(entry, dict):
+        raise damaged("its header entry is not a JSON object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_NAMES:
+        raise CheckpointError(f"{path}: {name} has dtype {dtype!r}, which rayshard cannot import "
+                              f"(it imports {', '.join(DTYPE_NAMES)})")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise damaged(f"its shape {shape!r} is not a list of whole numbers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(n, int) for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise damaged(f"its data_offsets {offsets!r} are not [start, end]")
+    start, end = offsets
+    if data_start + end > size:
+        raise CheckpointError(f"{path}: {name} needs bytes [{data_start + start}, {data_start + end}) but the file "
+                              f"has {size}; it is truncated")
+    elements = 1
+    for extent in shape:
+        elements *= extent
+    if end - start != elements * ITEMSIZE[DTYPE_NAMES[dtype]]:
+        raise damaged(f"its {end - start} bytes do not hold shape {shape} of {DTYPE_NAMES[dtype]}")
+    return StoredTensor(file, DTYPE_NAMES[dtype], tuple(shape), data_start + start, data_start + end)
+
+
+def read_json_object(fs, path: str) -> dict:
+    """A JSON file that must hold an object (config.json, an index, rayshard.json), or a
+    CheckpointError naming the file."""
+    try:
+        document = json.loads(fs.cat_file(path))
+    except ValueError as error:  # bad JSON, bad UTF-8
+        raise CheckpointError(f"{path}: is not valid JSON ({error}). Fix: restore the file, or export again") from None
+    if not isinstance(document, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(document).__name__}, not an object. Fix: restore the file, "
+                              "or export again")
+    return document
 
 
 def _reader(fs, base: str, tensors: dict[str, StoredTensor]):
@@ -209,11 +253,17 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
     config_path = f"{base}/{CONFIG}"
     if not fs.exists(config_path):
         raise CheckpointError(f"{directory}: no {CONFIG}; pass a Hugging Face model directory")
-    saved = json.loads(fs.cat_file(f"{base}/{RUN_METADATA}")) if fs.exists(f"{base}/{RUN_METADATA}") else {}
-    model = _model_of(json.loads(fs.cat_file(config_path)), config_path, saved)
+    saved = read_json_object(fs, f"{base}/{RUN_METADATA}") if fs.exists(f"{base}/{RUN_METADATA}") else {}
+    if not isinstance(saved.get("metadata") or {}, dict):
+        raise CheckpointError(f"{base}/{RUN_METADATA}: its metadata is not a JSON object. Fix: restore the file, or "
+                              "delete it to import the weights alone")
+    model = _model_of(read_json_object(fs, config_path), config_path, saved)
     weights = read_safetensors_index(fs, base, WEIGHTS)
     if not weights:
         raise CheckpointError(f"{directory}: no {WEIGHTS}.safetensors or {WEIGHTS}.safetensors.index.json")
+    if model.n_layers > len(weights):  # before listing the model's tensors: a damaged count may say billions
+        raise CheckpointError(f"{config_path}: says {model.n_layers} layers but the weights hold {len(weights)} "
+                              "tensors in all. Fix: import a directory whose config.json matches its weights")
     shapes = parameter_shapes(model)
     streams: dict[str, tuple[GroupStream, MappingPlan]] = {}
     for kind, tensors in [(PARAM, weights)] + [(k, read_safetensors_index(fs, base, f"{OPTIMIZER_DIR}/{k}")) for k in MOMENTS]:
@@ -232,7 +282,10 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
         raise_if_mismatched(expected, found, set(expected), f"{directory} ({kind})",
                             fix="import a directory whose config.json matches its weights")
         streams[kind] = (GroupStream(plan, _reader(fs, base, tensors)), plan)
-    step = int(saved.get("metadata", {}).get("step", 0))
+    step = (saved.get("metadata") or {}).get("step", 0)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{base}/{RUN_METADATA}: its step {step!r} is not a whole number. Fix: restore the file, "
+                              "or delete it to import the weights alone")
     pending = store.begin(run, step)
     pieces = []
     for kind in (PARAM, *MOMENTS):

@@ -31,6 +31,8 @@ A user's model (`--model-factory`) brings its own mapping and config.json in its
 """
 from __future__ import annotations
 
+import math
+
 from plans.checkpoint.transform_codec import decode_mapping
 from plans.checkpoint.transforms import Alias, Cast, Mapping, Rename, SplitRows, Unstack
 from plans.errors import CheckpointError, ConfigError
@@ -199,6 +201,7 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     if family not in ARCHITECTURES:
         raise CheckpointError(f"{where}: model_type {family!r} is not one rayshard computes; supported: "
                               f"{', '.join(sorted(ARCHITECTURES))}")
+    _check_numbers(config, family, where)
     unsupported = [f"{key}={config[key]!r}" for key, fine in _EXPECTED[family] if key in config and config[key] != fine]
     # transformers 5 writes rope_parameters, 4.x rope_scaling; a file edited by hand may hold both.
     for key in ("rope_parameters", "rope_scaling"):
@@ -260,6 +263,38 @@ def _experts_from_hf(config: dict) -> dict:
                 norm_topk=bool(config.get("norm_topk_prob", False)),
                 shared_expert_ffn_dim=config["shared_expert_intermediate_size"] if config["model_type"] == "qwen2_moe" else 0,
                 aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
+
+
+# config.json's sizes: those every family needs, those an MoE family needs besides, and those
+# that may be absent (or null) and take a default. Checked before any is read, so a damaged or
+# hand-written file is named by its key rather than failing in arithmetic.
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_REQUIRED_MOE_SIZES = ("num_experts_per_tok", "moe_intermediate_size")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "num_experts",
+                   "num_local_experts", "decoder_sparse_step", "shared_expert_intermediate_size")
+_OPTIONAL_REALS = ("rms_norm_eps", "rope_theta", "router_aux_loss_coef")
+
+
+def _check_numbers(config: dict, family: str, where: str) -> None:
+    required = _REQUIRED_SIZES + (_REQUIRED_MOE_SIZES if family in MOE_FAMILIES else ())
+    missing = [key for key in required if config.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{where}: this {family} config.json has no {', '.join(missing)}. Fix: restore the "
+                              "file, or save it again with transformers' save_pretrained")
+    for key in required + tuple(k for k in _OPTIONAL_SIZES if config.get(k) is not None):
+        value = config[key]
+        zero_allowed = key in ("shared_expert_intermediate_size", "num_experts", "num_local_experts")
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if zero_allowed else 1):
+            raise CheckpointError(f"{where}: {key}={value!r} is not a positive whole number. Fix: restore the file")
+    for key in ("rope_parameters", "rope_scaling"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise CheckpointError(f"{where}: {key}={config[key]!r} is not a JSON object. Fix: restore the file")
+    if not isinstance(config.get("layer_types") or [], list):
+        raise CheckpointError(f"{where}: layer_types={config['layer_types']!r} is not a list. Fix: restore the file")
+    for key in (k for k in _OPTIONAL_REALS if config.get(k) is not None):
+        value = config[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise CheckpointError(f"{where}: {key}={value!r} is not a finite number. Fix: restore the file")
 
 
 # config.json keys whose other values change what the family's class computes.

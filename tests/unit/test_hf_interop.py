@@ -111,3 +111,71 @@ def test_import_refuses_models_ours_cannot_compute(written, tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(settings))
     with pytest.raises(CheckpointError, match="attention_bias=True"):
         import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "bad", log=lambda *_: None)
+
+
+def _edit_json(path, change):
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+
+
+def _set(key, value):
+    return lambda document: document.__setitem__(key, value)
+
+
+def _drop(key):
+    return lambda document: document.pop(key)
+
+
+def _damage_header(directory, change):
+    """Rewrite model.safetensors with its JSON header edited by `change` (the data left as is)."""
+    path = directory / "model.safetensors"
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    change(header)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data[8 + length:])
+
+
+def _first_tensor(change):
+    return lambda header: change(header[next(name for name in header if name != "__metadata__")])
+
+
+DAMAGED_DIRECTORIES = {
+    "config not JSON": (lambda d: (d / "config.json").write_bytes(b"{'model_type': 'llama'"), "config.json: is not valid JSON"),
+    "config a list": (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json: holds a JSON list, not an object"),
+    "no hidden_size": (lambda d: _edit_json(d / "config.json", _drop("hidden_size")), "llama config.json has no hidden_size"),
+    "hidden_size a string": (lambda d: _edit_json(d / "config.json", _set("hidden_size", "64")),
+                             "hidden_size='64' is not a positive whole number"),
+    "no heads": (lambda d: _edit_json(d / "config.json", _set("num_attention_heads", 0)), "num_attention_heads=0 is not"),
+    "eps not a number": (lambda d: _edit_json(d / "config.json", _set("rms_norm_eps", "x")), "rms_norm_eps='x' is not a finite"),
+    "a billion layers": (lambda d: _edit_json(d / "config.json", _set("num_hidden_layers", 10**9)),
+                         "says 1000000000 layers but the weights hold"),
+    "header length huge": (lambda d: (d / "model.safetensors").write_bytes(
+        (2**60).to_bytes(8, "little") + (d / "model.safetensors").read_bytes()[8:]), "its header claims"),
+    "unknown dtype": (lambda d: _damage_header(d, _first_tensor(lambda e: e.update(dtype="F8_E4M3"))),
+                      "has dtype 'F8_E4M3', which rayshard cannot import"),
+    "shape not numbers": (lambda d: _damage_header(d, _first_tensor(lambda e: e.update(shape=["a"]))),
+                          "its shape ['a'] is not a list of whole numbers"),
+    "offsets inverted": (lambda d: _damage_header(d, _first_tensor(lambda e: e.update(data_offsets=[8, 0]))),
+                         "its data_offsets [8, 0] are not [start, end]"),
+    "bytes and shape disagree": (lambda d: _damage_header(d, _first_tensor(lambda e: e.update(shape=[1]))),
+                                 "do not hold shape [1] of float32"),
+    "rayshard.json a list": (lambda d: (d / "rayshard.json").write_text("[]"), "rayshard.json: holds a JSON list"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_DIRECTORIES))
+def test_a_damaged_directory_is_named_and_nothing_is_committed(written, tmp_path, damage):
+    url, _, _ = written(False)
+    directory = tmp_path / "hf"
+    export_hf(url, str(directory), include_optimizer=False, log=lambda *_: None)
+    change, fragment = DAMAGED_DIRECTORIES[damage]
+    change(directory)
+    store = Store(str(tmp_path / "store"))
+    with pytest.raises(CheckpointError) as raised:
+        import_hf(str(directory), store, "bad", log=lambda *_: None)
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+    assert store.committed_steps("bad") == []
