@@ -283,7 +283,7 @@ def _check_numbers(config: dict, family: str, where: str) -> None:
                               "file, or save it again with transformers' save_pretrained")
     for key in required + tuple(k for k in _OPTIONAL_SIZES if config.get(k) is not None):
         value = config[key]
-        zero_allowed = key in ("shared_expert_intermediate_size", "num_experts", "num_local_experts")
+        zero_allowed = key in ("shared_expert_intermediate_size", "num_experts", "num_local_experts", "sliding_window")
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if zero_allowed else 1):
             raise CheckpointError(f"{where}: {key}={value!r} is not a positive whole number. Fix: restore the file")
     for key in ("rope_parameters", "rope_scaling"):
