@@ -6,7 +6,7 @@ import argparse
 
 from cluster import progress
 from cluster.cli.groups import command_group
-from cluster.cli.numbers import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE
+from cluster.cli.numbers import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts, png_path
 
 
 def ckpt_subcommands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -108,11 +108,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     plot.add_argument("--run", action="append", required=True, metavar="NAME",
                       help="run(s) to draw; each layout segment gets its own colour (repeatable)")
     plot.add_argument("--reference", metavar="NAME", help="the uninterrupted run to compare with")
-    plot.add_argument("--out", default="resume.png", metavar="PNG")
+    plot.add_argument("--out", type=png_path, default="resume.png", metavar="PNG")
     plot.set_defaults(run_command="cluster.cli.commands.ckpt:run_plot_resume")
 
 
 def _target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", required=True, metavar="LAYOUT", help="target layout, e.g. dp=1,tp=2,pp=2")
     parser.add_argument("--schedule", metavar="NAME", help="pipeline schedule of the target (decides stage placement)")
-    parser.add_argument("--stage-layout", metavar="COUNTS", help="layers per stage, e.g. 1,3 (default: even)")
+    parser.add_argument("--stage-layout", type=layer_counts, metavar="COUNTS", help="layers per stage, e.g. 1,3 (default: even)")

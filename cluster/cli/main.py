@@ -72,6 +72,19 @@ def main(argv: list[str] | None = None) -> int:
         if _from_ray(error):
             raise  # Ray's own errors (a lost node, a timeout) carry their own cause and traceback
         return _report(error)
+    except (ValueError, ImportError) as error:
+        # fsspec refuses a URL scheme it does not know (ValueError) or whose package is not
+        # installed (ImportError), wherever a URL is first opened: the store, --resume, --out.
+        if not _unknown_protocol(error):
+            raise
+        return _report(RayshardError(f"a URL's scheme is not served here ({_first_line(error)}). Fix: use a local path "
+                                     "or s3://bucket/prefix, or install the fsspec package the scheme needs"))
+
+
+def _unknown_protocol(error: BaseException) -> bool:
+    text = str(error)
+    return (isinstance(error, ValueError) and text.startswith("Protocol not known")) or (
+        isinstance(error, ImportError) and any("fsspec" in frame.filename for frame in traceback.extract_tb(error.__traceback__)))
 
 
 def _report(error: BaseException) -> int:

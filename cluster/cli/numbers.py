@@ -1,6 +1,6 @@
-"""Argument types for the counts and amounts the command line takes: a value out of range fails
-while the arguments are parsed, in argparse's one error line naming the flag, before it can
-divide by zero, loop without end or wait forever further in."""
+"""Argument types for the counts, amounts and file names the command line takes: a value out of
+range fails while the arguments are parsed, in argparse's one error line naming the flag, before
+it can divide by zero, loop without end, wait forever or fail deep in a library further in."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +35,24 @@ def finite_number(minimum: float = 0.0, above: bool = True):
         return value
     parse.__name__ = f"number {bound}"
     return parse
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated whole numbers (layers per pipeline stage), e.g. 1,3."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated layer counts, e.g. 1,3") from None
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: a stage cannot hold fewer than 0 layers")
+    return counts
+
+
+def png_path(text: str) -> str:
+    """An argparse type: a file name ending in .png (the pictures are drawn as PNG only)."""
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"{text!r} does not end in .png; the picture is a PNG, e.g. resume.png")
+    return text
 
 
 POSITIVE = finite_number(0.0, above=True)

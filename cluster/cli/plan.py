@@ -15,7 +15,7 @@ from pathlib import Path
 
 from plans.pipeline.schedules import SPECS
 from cluster.cli.groups import command_group
-from cluster.cli.numbers import AT_LEAST_ONE, NON_NEGATIVE
+from cluster.cli.numbers import AT_LEAST_ONE, NON_NEGATIVE, png_path
 
 SCHEDULE_NAMES = list(SPECS) + ["i1f1b"]
 DEFAULT_COSTS = "F=1,B=2,W=1"
@@ -46,7 +46,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     schedule.add_argument("--from-csv", type=Path, metavar="FILE",
                           help="a pipeline order in torch.distributed.pipelining's CSV format (one row per rank) "
                                "instead of --schedule")
-    schedule.add_argument("--png", type=Path, help="also draw a Gantt chart into this PNG file")
+    schedule.add_argument("--png", type=lambda text: Path(png_path(text)), help="also draw a Gantt chart into this PNG file")
     schedule.add_argument("--json", type=Path, help="also write the lowered per-rank action lists as JSON")
     schedule.add_argument("--no-grid", action="store_true", help="skip the text grid")
     schedule.set_defaults(run_command="cluster.cli.commands.plan:run_schedule")

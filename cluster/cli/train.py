@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from cluster.cli.numbers import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE
+from cluster.cli.numbers import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts
 from plans.layout.parallel_layout import LAYOUT_DEGREES
 
 
@@ -36,7 +36,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", metavar="NAME",
                         help="pipeline schedule with --pp > 1: gpipe, 1f1b, interleaved1f1b, zbh1, zbv, dualpipev "
                         "(--vpp defaults to the schedule's: 2 for interleaved1f1b, zbv and dualpipev)")
-    parser.add_argument("--stage-layout", type=_layer_counts, metavar="N,N,..",
+    parser.add_argument("--stage-layout", type=layer_counts, metavar="N,N,..",
                         help="layers per pipeline stage (pp x vpp counts), e.g. 1,3; default: an even cut")
     parser.add_argument("--schedule-csv", metavar="FILE",
                         help="run a pipeline order from a file (torch.distributed.pipelining's CSV: one row per rank) "
@@ -68,13 +68,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--tensorboard", action="store_true", default=None,
                        help="write TensorBoard event files under the run directory (tensorboard/)")
     speed.add_argument("--wandb-project", metavar="NAME", help="also log step metrics to Weights & Biases (needs wandb)")
-
-
-def _layer_counts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated layer counts, e.g. 1,3") from None
 
 
 def register(commands) -> None:

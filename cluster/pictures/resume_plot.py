@@ -8,7 +8,6 @@ log scale next to the 1e-5 bar.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import matplotlib
@@ -17,6 +16,7 @@ matplotlib.use("Agg")  # headless: no display on cluster nodes or in CI
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from cluster.run.json_lines import json_records
 from plans.errors import CheckpointError
 from plans.layout.parallel_layout import ParallelLayout
 
@@ -43,7 +43,16 @@ def read_metrics(store, run: str) -> list[dict]:
     text = store.read_text(f"{run}/metrics.jsonl")
     if text is None:
         raise CheckpointError(f"run {run!r} has no metrics.jsonl in {store.url}; train it first (or check --store)")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    where = f"{store.url}/{run}/metrics.jsonl"
+    records = [r for r in json_records(text, where) if _number(r.get("step")) and _number(r.get("loss"))]
+    if not records:
+        raise CheckpointError(f"{where}: holds no step records with a loss; nothing to draw. Fix: train the run "
+                              "(or check --store)")
+    return records
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def segments(run: str, records: list[dict]) -> list[Segment]:

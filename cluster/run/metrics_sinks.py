@@ -19,6 +19,7 @@ import tempfile
 from fsspec.implementations.local import LocalFileSystem
 from torch.utils.tensorboard import SummaryWriter
 
+from cluster.run.json_lines import json_records
 from cluster.storage.store import Store
 from plans.config import TrainConfig
 from plans.errors import ConfigError
@@ -34,9 +35,9 @@ class MetricsLog:
 
     def __init__(self, store: Store, run: str, start_step: int):
         self.store, self.relative = store, f"{run}/metrics.jsonl"
-        existing = store.read_text(self.relative) or ""
-        self.lines = [line for line in existing.splitlines()
-                      if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        existing = json_records(store.read_text(self.relative) or "", f"{store.url}/{self.relative}")
+        self.lines = [json.dumps(record, sort_keys=True) for record in existing
+                      if isinstance(record.get("step", 0), int) and record.get("step", 0) <= start_step]
 
     def append(self, record: dict) -> None:
         self.lines.append(json.dumps(record, sort_keys=True))

@@ -16,3 +16,6 @@ def read_csv_rows(path) -> tuple[tuple[str, ...], ...]:
     except FileNotFoundError:
         raise ConfigError("--schedule-csv", str(path), "file not found",
                           "pass a CSV with one row of actions per pipeline rank, e.g. `0F0,0F1,0B0,0B1`") from None
+    except (UnicodeDecodeError, csv.Error) as error:
+        raise ConfigError("--schedule-csv", str(path), f"is not a readable CSV text file ({error})",
+                          "pass a CSV with one row of actions per pipeline rank, e.g. `0F0,0F1,0B0,0B1`") from None

@@ -100,15 +100,19 @@ class MeasuredCosts:
         for url in candidates:
             fs, path = fsspec.core.url_to_fs(url)
             if fs.exists(path):
-                record = json.loads(fs.cat_file(path))
+                record = _timings_record(fs.cat_file(path), url, ref)
                 break
         else:
             raise ConfigError("--costs-from", ref, f"no {FILE_NAME} found (looked at {', '.join(candidates)})",
                               "name a run trained with --pp 2 or more (its driver writes the file), its "
                               "directory, or the JSON file itself; use --store for runs outside ./runs")
         layout = record["layout"]
-        return cls(url, record["schedule"], int(layout["pp"]), int(layout.get("vpp", 1)), int(record["microbatches"]),
-                   read_durations(record), float(record["median_plan_seconds"]), float(record["median_step_seconds"]))
+        try:
+            return cls(url, record["schedule"], int(layout["pp"]), int(layout.get("vpp", 1)), int(record["microbatches"]),
+                       read_durations(record), float(record["median_plan_seconds"]), float(record["median_step_seconds"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ConfigError("--costs-from", ref, f"{url} lacks or garbles a field the timings need ({error!r})",
+                              "retrain the run with --pp 2 or more to write it again, or name another run") from None
 
     @property
     def trained_from_file(self) -> bool:
@@ -139,3 +143,16 @@ class MeasuredCosts:
                else f"per-stage means{' rescaled to ' + str(schedule.num_stages) + ' stages' if schedule.num_stages != self.num_stages else ''}")
         return (f"costs measured by {self.schedule} pp={self.pp} vpp={self.vpp} m={self.microbatches} "
                 f"({self.source}); using {how}; stage 0: {costs.describe()} (seconds)")
+
+
+def _timings_record(data: bytes, url: str, ref: str) -> dict:
+    """The JSON object of a pipeline_timings.json, or a ConfigError naming the file."""
+    try:
+        record = json.loads(data)
+    except ValueError as error:
+        raise ConfigError("--costs-from", ref, f"{url} is not valid JSON ({error})",
+                          "retrain the run with --pp 2 or more to write it again, or name another run") from None
+    if not isinstance(record, dict) or not isinstance(record.get("layout"), dict):
+        raise ConfigError("--costs-from", ref, f"{url} is not a pipeline timings record (no layout object)",
+                          "name a run trained with --pp 2 or more, or its pipeline_timings.json")
+    return record

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 from actors.checkpoint.stored import StoredCheckpoint
 from cluster.checkpoint.digest import checkpoint_digest, digest_checkpoint
+from cluster.run.json_lines import json_records
 from cluster.storage.store import Store, step_dirname
 from plans.checkpoint.chunks import Chunk
 from plans.errors import CheckpointError
@@ -68,8 +69,7 @@ def verify_resumed_state(group, store: Store, run: str, step: int, checkpoint_ur
 
 
 def resume_checks(store: Store, run: str) -> list[dict]:
-    text = store.read_text(f"{run}/{CHECKS_FILE}") or ""
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json_records(store.read_text(f"{run}/{CHECKS_FILE}") or "", f"{store.url}/{run}/{CHECKS_FILE}")
 
 
 def _append(store: Store, run: str, record: ResumeCheck) -> None:

@@ -22,8 +22,8 @@ def _layout(text: str):
     return ParallelLayout.parse(text)
 
 
-def _stage_layout(text: str | None):
-    return [int(x) for x in text.split(",")] if text else None
+def _stage_layout(counts: tuple[int, ...] | None):
+    return list(counts) if counts else None
 
 
 def run_plan(args: argparse.Namespace) -> int:
