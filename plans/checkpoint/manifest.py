@@ -98,5 +98,17 @@ def decode_manifest(data: bytes, where: str = "manifest") -> tuple[ChunkTable, d
     if damaged:
         raise CheckpointError(f"{where}: the manifest's column(s) {', '.join(damaged)} are missing or hold nulls; "
                               "it is damaged. Fix: resume from another checkpoint")
+    mistyped = [f"{field.name} ({table.schema.field(field.name).type}, not {field.type})" for field in MANIFEST_SCHEMA
+                if field.name in table.column_names and not _same_type(table.schema.field(field.name).type, field.type)]
+    if mistyped:
+        raise CheckpointError(f"{where}: the manifest's column(s) {', '.join(mistyped)} have the wrong type; it is "
+                              "damaged. Fix: resume from another checkpoint")
     check_manifest_rows(table, where)
     return ChunkTable.from_arrow(table), metadata
+
+
+def _same_type(found: pa.DataType, expected: pa.DataType) -> bool:
+    """A column's type as the schema says, string columns also as read dictionary-encoded."""
+    if pa.types.is_dictionary(found):
+        found = found.value_type
+    return found == expected

@@ -85,3 +85,13 @@ def test_the_checks_cost_little_on_a_16k_rank_manifest():
     table, _ = decode_manifest(data)
     print(f"decoded and checked {rows} rows in {time.perf_counter() - started:.3f} s")
     assert len(table) == rows and np.array_equal(table.byte_end[:3], [4096] * 3)
+
+
+def test_a_column_of_the_wrong_type_is_named():
+    table = pq.read_table(pa.BufferReader(encode_manifest(GOOD, {"step": 3})))
+    index = table.column_names.index("byte_start")
+    as_text = table.set_column(index, "byte_start", pa.array([str(v) for v in table.column("byte_start").to_pylist()]))
+    sink = pa.BufferOutputStream()
+    pq.write_table(as_text, sink)
+    with pytest.raises(CheckpointError, match=r"column\(s\) byte_start \(string, not int64\) have the wrong type"):
+        decode_manifest(sink.getvalue().to_pybytes(), "m")
