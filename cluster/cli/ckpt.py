@@ -57,7 +57,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     _target_arguments(reshard)
     reshard.add_argument("--run", required=True, metavar="NAME", help="run name of the copy (same store)")
     reshard.add_argument("--workers", type=AT_LEAST_ONE, metavar="N", help="Ray actors playing the target ranks (default one per rank, at most as many as the cluster's CPUs hold)")
-    reshard.add_argument("--cpus-per-worker", type=POSITIVE, default=1.0, metavar="F", help="CPUs each actor reserves (default 1)")
+    reshard.add_argument("--cpus-per-worker", type=NON_NEGATIVE, default=1.0, metavar="F", help="CPUs each actor reserves (default 1)")
     reshard.add_argument("--local", action="store_true", help="play every rank in this process instead of Ray actors")
     progress.add_arguments(reshard)
     reshard.set_defaults(run_command="cluster.cli.commands.ckpt:run_reshard")

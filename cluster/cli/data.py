@@ -5,7 +5,7 @@ import argparse
 
 from cluster import progress
 from cluster.cli.groups import command_group
-from cluster.cli.numbers import AT_LEAST_ONE, POSITIVE
+from cluster.cli.numbers import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
 
 
 def _input_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     prepare.add_argument("--tokenizer", required=True, metavar="DIR",
                          help="a tokenizer.json, a Hugging Face model directory, or a `data tokenizer train` --out")
     prepare.add_argument("--out", required=True, metavar="URL", help="where the dataset goes (a directory, s3://...)")
-    prepare.add_argument("--cpus-per-task", type=POSITIVE, default=1.0, metavar="N", help="CPUs each tokenizing task asks Ray for")
+    prepare.add_argument("--cpus-per-task", type=NON_NEGATIVE, default=1.0, metavar="N", help="CPUs each tokenizing task asks Ray for")
     prepare.add_argument("--task-timeout", type=POSITIVE, default=600.0, metavar="SECONDS",
                          help="fail when no tokenizing task finishes within this")
     _input_arguments(prepare)
