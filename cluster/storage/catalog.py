@@ -117,6 +117,11 @@ class Catalog:
         committed = {d: files for d, files in listing.steps.items() if MANIFEST in files}
         manifests = self._read_manifests(run, sorted(committed))
         latest = self.store.latest_step(run)
+        steps = sorted(int(STEP_DIR.match(d).group(1)) for d in committed)
+        if latest not in steps and steps:
+            # LATEST missing, damaged or dangling: the newest committed step is the one a resume
+            # takes (`Store.resolve`, decision 88), so it is the one gc must keep.
+            latest = steps[-1]
         readers = leases.active(self.store, run)
         entries = []
         for step_dir in sorted(committed):
@@ -166,10 +171,11 @@ class Catalog:
             for step_dir, files in sorted(listing.steps.items()):
                 step = int(STEP_DIR.match(step_dir).group(1))
                 decoded = manifests.get(step_dir)
+                if any(relative.startswith(f"{MANIFEST}/") for relative in files) or (
+                        MANIFEST in files and _damaged(decoded)):
+                    continue  # a damaged manifest is reported by ls/verify, never collected by guesswork
                 if MANIFEST not in files:
                     referenced, kind = set(), "incomplete save"
-                elif isinstance(decoded, Exception):
-                    continue  # a damaged manifest is reported by ls/verify, never collected by guesswork
                 else:
                     referenced, kind = {f.split("/", 1)[0] for f in decoded[0].file_names()}, "orphaned attempt"
                 groups: dict[str, list[dict]] = {}
@@ -229,3 +235,12 @@ def _describe_layout(layout) -> str:
     parts = [f"{dim}{layout[dim]}" for dim in LAYOUT_DEGREES if int(layout.get(dim, 1)) > 1]
     return "x".join(parts) or "single"
 
+
+
+def _damaged(decoded) -> bool:
+    """A manifest that failed to decode, lists nothing, or names files outside its checkpoint:
+    which attempts it references cannot be trusted, so none of them is a leftover."""
+    if isinstance(decoded, Exception):
+        return True
+    names = decoded[0].file_names()
+    return not len(decoded[0]) or any(escape_reason(name) is not None for name in names)

@@ -190,3 +190,34 @@ def test_manifest_keys_escaping_the_checkpoint_are_refused_and_never_deleted(sto
     store.fs.pipe_file(f"{store.root}/evil/LATEST", b"step-00000000")
     collect(store, keep=0, grace_s=0)
     assert verify(url, deep=True).ok  # the other run's shard is untouched
+
+
+@pytest.mark.parametrize("latest", [None, b"garbage", b"\xff\xfe", b"step-00000099"])
+def test_gc_keeps_the_newest_checkpoint_when_latest_is_missing_or_damaged(store, latest):
+    """The newest committed step is what a resume takes when LATEST cannot say (decision 88), so
+    gc must keep it: it once removed the run's only checkpoint here."""
+    write_checkpoint(store, "r", 1)
+    newest, _ = write_checkpoint(store, "r", 2)
+    if latest is None:
+        store.fs.rm_file(f"{store.root}/r/LATEST")
+    else:
+        store.fs.pipe_file(f"{store.root}/r/LATEST", latest)
+    report = collect(store, keep=0, grace_s=0)
+    assert store.committed_steps("r") == [2] and verify(newest, deep=True).ok
+    assert [url.rsplit("/", 1)[-1] for url in report.removed_checkpoints] == ["step-00000001"]
+
+
+@pytest.mark.parametrize("damage", ["no rows", "escaping file", "manifest a directory"])
+def test_gc_never_removes_the_shards_of_a_checkpoint_whose_manifest_is_damaged(store, damage):
+    url, attempt = write_checkpoint(store, "r", 1)
+    fs, base = fsspec.core.url_to_fs(url)
+    if damage == "manifest a directory":
+        fs.rm_file(f"{base}/manifest.parquet")
+        fs.makedirs(f"{base}/manifest.parquet", exist_ok=True)
+        fs.pipe_file(f"{base}/manifest.parquet/part", b"x")
+    else:
+        chunks = [] if damage == "no rows" else [Chunk("w", "param", "float32", (64, 4), (0, 0), (64, 4),
+                                                       "../../../x/rank-00000.safetensors", 0, 1024, "crc32:0")]
+        fs.pipe_file(f"{base}/manifest.parquet", encode_manifest(chunks, {"run": "r", "step": 1, "layout": {}}))
+    collect(store, keep=0, grace_s=0)
+    assert fs.exists(f"{base}/{attempt}/rank-00000.safetensors") and fs.exists(f"{base}/{attempt}/rank-00001.safetensors")
