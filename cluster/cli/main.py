@@ -95,8 +95,8 @@ def _report(error: BaseException) -> int:
         remote = getattr(error, "remote_traceback", "")
         if remote:
             print(_without_userinfo(remote), file=sys.stderr)
-        else:
-            traceback.print_exception(error, file=sys.stderr)
+        else:  # a store URL written with credentials shows up in frames and messages: hidden here too
+            print(_without_userinfo("".join(traceback.format_exception(error))), file=sys.stderr, end="")
     prefix = "rayshard: error: " + (f"rank {rank}: " if rank is not None else "")
     if isinstance(error, RayshardError):
         print(f"{prefix}{_without_userinfo(str(error))}", file=sys.stderr)
@@ -129,7 +129,8 @@ def _from_ray(error: BaseException) -> bool:
 
 def _without_userinfo(text: str) -> str:
     """An endpoint written as scheme://user:secret@host must not print its secret."""
-    return re.sub(r"(://)[^@\s\"'<>]+@", r"\1***@", text)  # '/' too: secrets hold it unescaped
+    text = re.sub(r"(://)[^@\s\"'<>]+@", r"\1***@", text)  # '/' too: secrets hold it unescaped
+    return re.sub(r"(?<![\w/])[A-Za-z0-9+/=_.-]+:(?!//)[^@\s\"'<>]+@", "***@", text)  # key:secret@ with its scheme cut off
 
 
 def _storage_errors() -> tuple[type[BaseException], ...]:

@@ -29,9 +29,10 @@ from cluster.storage import object_store
 from cluster.storage.object_store import PreconditionFailed, StorageOptions, create_only, read_versioned, replace_if
 from cluster.storage.pending import PendingCheckpoint
 from plans.checkpoint.manifest import MANIFEST
-from plans.errors import CheckpointError
+from plans.errors import CheckpointError, ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")  # scheme://user[:secret]@
 _WARNED_LATEST: set[tuple[str, str]] = set()  # (store URL, run) whose damaged LATEST was reported
 
 
@@ -54,6 +55,10 @@ class Store:
         self._open(url)
 
     def _open(self, url: str) -> None:
+        if USERINFO.match(url):  # s3fs would take "key:secret@bucket" as a bucket name, and print it
+            raise ConfigError("--store", USERINFO.sub(r"\1***@", url), "a store URL cannot carry credentials",
+                              "give them as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an AWS profile, "
+                              "and the URL as s3://bucket/prefix")
         self.url = url.rstrip("/") or url
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self._protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
