@@ -5,7 +5,7 @@ import argparse
 
 from cluster import progress
 from cluster.cli.ckpt import add_checkpoint_argument, ckpt_subcommands
-from cluster.cli.numbers import AT_LEAST_ZERO, NON_NEGATIVE
+from cluster.cli.arg_types import AT_LEAST_ZERO, NON_NEGATIVE
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -6,7 +6,7 @@ import argparse
 
 from cluster import progress
 from cluster.cli.groups import command_group
-from cluster.cli.numbers import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts, png_path
+from cluster.cli.arg_types import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts, png_path, run_name
 
 
 def ckpt_subcommands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -55,7 +55,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     reshard = group.add_parser("reshard", help="write a copy laid out for another layout, as a new run (offline, on Ray)")
     add_checkpoint_argument(reshard)
     _target_arguments(reshard)
-    reshard.add_argument("--run", required=True, metavar="NAME", help="run name of the copy (same store)")
+    reshard.add_argument("--run", type=run_name, required=True, metavar="NAME", help="run name of the copy (same store)")
     reshard.add_argument("--workers", type=AT_LEAST_ONE, metavar="N", help="Ray actors playing the target ranks (default one per rank, at most as many as the cluster's CPUs hold)")
     reshard.add_argument("--cpus-per-worker", type=NON_NEGATIVE, default=1.0, metavar="F", help="CPUs each actor reserves (default 1)")
     reshard.add_argument("--local", action="store_true", help="play every rank in this process instead of Ray actors")
@@ -97,7 +97,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     importer = group.add_parser("import", help="make a checkpoint (RUN@STEP) from a Hugging Face directory (Llama, Qwen2/3, Mistral, Qwen2/3-MoE)")
     importer.add_argument("directory", metavar="DIR")
-    importer.add_argument("--run", required=True, metavar="NAME")
+    importer.add_argument("--run", type=run_name, required=True, metavar="NAME")
     importer.add_argument("--store", default="./runs", metavar="URL")
     importer.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="training dtype (default float32)")
     progress.add_arguments(importer)

@@ -5,7 +5,7 @@ import argparse
 
 from cluster import progress
 from cluster.cli.groups import command_group
-from cluster.cli.numbers import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
+from cluster.cli.arg_types import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
 
 
 def _input_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from cluster.cli.plan import plan_subcommands
-from cluster.cli.numbers import AT_LEAST_ONE, POSITIVE
+from cluster.cli.arg_types import AT_LEAST_ONE, POSITIVE
 from plans.layout.chooser import PINNABLE_DEGREES
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from plans.pipeline.schedules import SPECS
 from cluster.cli.groups import command_group
-from cluster.cli.numbers import AT_LEAST_ONE, NON_NEGATIVE, png_path
+from cluster.cli.arg_types import AT_LEAST_ONE, NON_NEGATIVE, png_path
 
 SCHEDULE_NAMES = list(SPECS) + ["i1f1b"]
 DEFAULT_COSTS = "F=1,B=2,W=1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from cluster.cli.numbers import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts
+from cluster.cli.arg_types import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts
 from plans.layout.parallel_layout import LAYOUT_DEGREES
 
 

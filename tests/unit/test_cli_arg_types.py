@@ -1,5 +1,6 @@
-"""Counts and amounts on the command line are range-checked while the arguments are parsed: a
-zero block size, a NaN memory budget or a negative grace fails naming the flag, exit 2."""
+"""Counts, amounts, run names and file names on the command line are checked while the
+arguments are parsed: a zero block size, a NaN memory budget, a negative grace or a run name
+that would write outside the store fails naming the flag, exit 2."""
 import pytest
 
 from cluster.cli.main import main
@@ -16,6 +17,11 @@ from cluster.cli.main import main
     (["ckpt", "gc", "--keep", "1", "--grace", "inf"], "argument --grace: must be a finite number >= 0, got inf"),
     (["plan", "layers", "--layers", "0", "--pp", "2"], "argument --layers: must be >= 1, got 0"),
     (["train", "--elastic", "--max-failures", "-2"], "argument --max-failures: must be >= 0, got -2"),
+    (["ckpt", "import", "hf-dir", "--run", "../escape"], "argument --run: '../escape' is not a run name"),
+    (["ckpt", "reshard", "src", "--to", "tp=2", "--run", "a/b"], "argument --run: 'a/b' is not a run name"),
+    (["ckpt", "import", "hf-dir", "--run", ""], "argument --run: '' is not a run name"),
+    (["ckpt", "plot-resume", "--run", "r", "--out", "picture.txt"], "argument --out: 'picture.txt' does not end in .png"),
+    (["ckpt", "plan", "r", "--to", "pp=2", "--stage-layout", "1,x"], "argument --stage-layout: '1,x' is not comma-separated"),
 ])
 def test_an_out_of_range_number_is_named_at_parse_time(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from plans.config import RUN_NAME
+
 
 def whole_number(minimum: int):
     """An argparse type: an integer >= minimum."""
@@ -46,6 +48,15 @@ def layer_counts(text: str) -> tuple[int, ...]:
     if any(count < 0 for count in counts):
         raise argparse.ArgumentTypeError(f"{text!r}: a stage cannot hold fewer than 0 layers")
     return counts
+
+
+def run_name(text: str) -> str:
+    """An argparse type: a new run's name (letters, digits, '.', '_', '-'), as `train --run`
+    checks it: a name with '/' or '..' would write outside the run's directory or the store."""
+    if not RUN_NAME.match(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a run name: 1-128 letters, digits, '.', '_' or '-', "
+                                         "starting with a letter or digit, e.g. my-run-01")
+    return text
 
 
 def png_path(text: str) -> str:
