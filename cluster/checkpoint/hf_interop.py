@@ -113,6 +113,16 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
               include_optimizer: bool = True, log=print, progress=None) -> ExportResult:
     """progress: a bar (cluster/progress.py) advanced by the bytes of each tensor written."""
     started = time.perf_counter()
+    fs, base = fsspec.core.url_to_fs(directory) if directory.strip() else (None, "")
+    if fs is None:
+        raise CheckpointError("export --out is empty. Fix: name a new directory, e.g. --out ./hf-export")
+    if fs.isdir(base) and fs.ls(base, detail=False):
+        # Stale shards or an old index beside the new files would be read back by `ckpt import`
+        # (or transformers) as part of this export.
+        present = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(base, detail=False))
+        raise CheckpointError(f"{directory}: already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
+                              "an export into it would mix with those files. Fix: export to a new or empty directory, "
+                              "or remove it first")
     stored = StoredCheckpoint(checkpoint_url)
     model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
     stored_kinds = {kind for _, kind in stored.index}
@@ -125,8 +135,10 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         stored_dtype = next(iter(metas.values())).dtype if metas else "float32"
         mapping = export_mapping(model, dtype if kind == PARAM else None, source_dtype=stored_dtype)
         plans.append((kind, metas, mapping.plan(metas)))
+    if not plans[0][1]:
+        raise CheckpointError(f"{checkpoint_url}: holds no model parameters (kind 'param') to export; the manifest is "
+                              "damaged. Fix: export another checkpoint (`rayshard ckpt ls`)")
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for *_, plan in plans for name, meta in plan.outputs.items()))
-    fs, base = fsspec.core.url_to_fs(directory)
     fs.makedirs(base, exist_ok=True)
     written = []
     for kind, metas, plan in plans:
@@ -162,6 +174,9 @@ class StoredTensor:
 def read_safetensors_index(fs, base: str, prefix: str) -> dict[str, StoredTensor]:
     """Every tensor of `prefix`'s safetensors file(s): from the index when sharded, by headers."""
     index_path = f"{base}/{prefix}.safetensors.index.json"
+    if fs.exists(index_path) and fs.exists(f"{base}/{prefix}.safetensors"):
+        raise CheckpointError(f"{base}: holds both {prefix}.safetensors and {prefix}.safetensors.index.json, so one is "
+                              "left from another export. Fix: export again into an empty directory")
     if fs.exists(index_path):
         weight_map = read_json_object(fs, index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):

@@ -179,3 +179,16 @@ def test_a_damaged_directory_is_named_and_nothing_is_committed(written, tmp_path
         import_hf(str(directory), store, "bad", log=lambda *_: None)
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
     assert store.committed_steps("bad") == []
+
+
+def test_an_export_refuses_a_directory_that_holds_files_and_an_import_refuses_two_exports_mixed(written, tmp_path):
+    """Stale shards and an old index beside a new export were read back by import as part of it."""
+    url, _, _ = written(False)
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    export_hf(url, str(sharded), include_optimizer=False, max_shard_bytes=64 * 1024, log=lambda *_: None)
+    with pytest.raises(CheckpointError, match="already holds config.json, model-00001-of-"):
+        export_hf(url, str(sharded), include_optimizer=False, log=lambda *_: None)
+    export_hf(url, str(single), include_optimizer=False, log=lambda *_: None)
+    (sharded / "model.safetensors").write_bytes((single / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="holds both model.safetensors and model.safetensors.index.json"):
+        import_hf(str(sharded), Store(str(tmp_path / "store")), "mixed", log=lambda *_: None)
