@@ -9,8 +9,9 @@ import math
 from plans.config import RUN_NAME
 
 
-def whole_number(minimum: int):
-    """An argparse type: an integer >= minimum."""
+def whole_number(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer >= minimum (and <= maximum, where a planning command would
+    otherwise build a plan too large for memory)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -18,6 +19,9 @@ def whole_number(minimum: int):
             raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum} (a plan past it outgrows a planning command's "
+                                             f"memory and time), got {value}")
         return value
     parse.__name__ = f"whole number >= {minimum}"
     return parse
@@ -69,4 +73,11 @@ def png_path(text: str) -> str:
 POSITIVE = finite_number(0.0, above=True)
 NON_NEGATIVE = finite_number(0.0, above=False)
 AT_LEAST_ONE = whole_number(1)
+# What the planning commands simulate or cut: past any real pipeline (the largest published runs
+# use pp <= 64 and a few hundred microbatches), and small enough that the worst plan (256 x 1024)
+# is simulated in minutes, not hours or out of memory (64 x 512 takes ~15 s on one core).
+PIPELINE_RANKS = whole_number(1, maximum=256)
+STAGES_PER_RANK = whole_number(1, maximum=64)
+MICROBATCHES = whole_number(1, maximum=1024)
+LAYERS = whole_number(1, maximum=100_000)
 AT_LEAST_ZERO = whole_number(0)

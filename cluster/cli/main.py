@@ -101,6 +101,13 @@ def _report(error: BaseException) -> int:
     if isinstance(error, RayshardError):
         print(f"{prefix}{_without_userinfo(str(error))}", file=sys.stderr)
         return 2
+    if isinstance(error, (FileExistsError, NotADirectoryError, IsADirectoryError)):
+        # A path given on the command line that is in the way (a file where a directory must go, or
+        # the reverse): the user's input, not the store's health.
+        print(f"{prefix}{_without_userinfo(error.filename or '')}: {error.strerror or type(error).__name__}. Fix: "
+              "pass a path that is free or of the right kind (a new directory for --out, a file for --png/--json)",
+              file=sys.stderr)
+        return 2
     # s3fs turns S3 failures into OSError once its retries are spent; a user needs the object
     # and the reason, not a botocore traceback (which never holds credentials either way).
     print(f"{prefix}storage request failed: {type(error).__name__}: {_without_userinfo(_first_line(error))}. "

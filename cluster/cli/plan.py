@@ -15,7 +15,7 @@ from pathlib import Path
 
 from plans.pipeline.schedules import SPECS
 from cluster.cli.groups import command_group
-from cluster.cli.arg_types import AT_LEAST_ONE, NON_NEGATIVE, png_path
+from cluster.cli.arg_types import LAYERS, MICROBATCHES, NON_NEGATIVE, PIPELINE_RANKS, STAGES_PER_RANK, png_path
 
 SCHEDULE_NAMES = list(SPECS) + ["i1f1b"]
 DEFAULT_COSTS = "F=1,B=2,W=1"
@@ -64,9 +64,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Cut the model's layers into pp x vpp stages (balanced by cost unless "
         "--layout is given) and place the stages on ranks as the schedule needs.",
     )
-    layers.add_argument("--layers", type=AT_LEAST_ONE, required=True, help="number of transformer layers")
-    layers.add_argument("--pp", type=AT_LEAST_ONE, required=True, help="pipeline ranks")
-    layers.add_argument("--vpp", type=AT_LEAST_ONE, help="stages per rank (default: the schedule's, else 1)")
+    layers.add_argument("--layers", type=LAYERS, required=True, help="number of transformer layers")
+    layers.add_argument("--pp", type=PIPELINE_RANKS, required=True, help="pipeline ranks")
+    layers.add_argument("--vpp", type=STAGES_PER_RANK, help="stages per rank (default: the schedule's, else 1)")
     layers.add_argument("--schedule", choices=SCHEDULE_NAMES, metavar="NAME",
                         help="placement follows the schedule: looped for interleaved1f1b, V for zbv/dualpipev")
     layers.add_argument("--layer-costs", help="comma-separated cost per layer (default 1 each)")
@@ -77,9 +77,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_shape_arguments(parser: argparse.ArgumentParser, shape_from_run: bool = False) -> None:
-    parser.add_argument("--pp", type=AT_LEAST_ONE, required=not shape_from_run, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=AT_LEAST_ONE, required=not shape_from_run, help="microbatches per step")
-    parser.add_argument("--vpp", type=AT_LEAST_ONE, help="stages per rank (interleaved only; default 2 there, else fixed)")
+    parser.add_argument("--pp", type=PIPELINE_RANKS, required=not shape_from_run, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=MICROBATCHES, required=not shape_from_run, help="microbatches per step")
+    parser.add_argument("--vpp", type=STAGES_PER_RANK, help="stages per rank (interleaved only; default 2 there, else fixed)")
     parser.add_argument("--costs", default=DEFAULT_COSTS,
                         help="time of one rank's share of the model: F, B (= I + W), I, W, C (one "
                         f"transfer), overlap (FB); default {DEFAULT_COSTS}")

@@ -17,6 +17,8 @@ from cluster.cli.main import main
     (["ckpt", "gc", "--keep", "1", "--grace", "inf"], "argument --grace: must be a finite number >= 0, got inf"),
     (["plan", "layers", "--layers", "0", "--pp", "2"], "argument --layers: must be >= 1, got 0"),
     (["train", "--elastic", "--max-failures", "-2"], "argument --max-failures: must be >= 0, got -2"),
+    (["plan", "schedule", "--pp", "2", "-m", "10000000"], "argument --microbatches/-m: must be <= 1024"),
+    (["plan", "layers", "--layers", "8", "--pp", "1000000000"], "argument --pp: must be <= 256"),
     (["ckpt", "import", "hf-dir", "--run", "../escape"], "argument --run: '../escape' is not a run name"),
     (["ckpt", "reshard", "src", "--to", "tp=2", "--run", "a/b"], "argument --run: 'a/b' is not a run name"),
     (["ckpt", "import", "hf-dir", "--run", ""], "argument --run: '' is not a run name"),

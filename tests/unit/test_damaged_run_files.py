@@ -63,3 +63,10 @@ def test_damaged_schedule_inputs_are_one_line(tmp_path, capsys):
         timings.write_text(content)
         code, err = _cli(["plan", "schedule", "--costs-from", str(timings)], capsys)
         assert code == 2 and len(err) == 1 and fragment in err[0], err
+
+
+def test_a_local_path_in_the_way_is_the_users_input_not_a_storage_failure(tmp_path, capsys):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("x")
+    code, err = _cli(["plan", "schedule", "--pp", "2", "-m", "4", "--schedule", "1f1b", "--json", str(tmp_path)], capsys)
+    assert code == 2 and len(err) == 1 and f"{tmp_path}: Is a directory. Fix: pass a path that is free" in err[0]
