@@ -116,10 +116,10 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     fs, base = fsspec.core.url_to_fs(directory) if directory.strip() else (None, "")
     if fs is None:
         raise CheckpointError("export --out is empty. Fix: name a new directory, e.g. --out ./hf-export")
-    if fs.isdir(base) and fs.ls(base, detail=False):
+    present = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(base, detail=False)) if fs.isdir(base) else []
+    if present:
         # Stale shards or an old index beside the new files would be read back by `ckpt import`
         # (or transformers) as part of this export.
-        present = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(base, detail=False))
         raise CheckpointError(f"{directory}: already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
                               "an export into it would mix with those files. Fix: export to a new or empty directory, "
                               "or remove it first")

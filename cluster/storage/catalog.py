@@ -22,7 +22,7 @@ from pyarrow.fs import FSSpecHandler, PyFileSystem
 from plans.checkpoint.manifest import decode_manifest
 from plans.checkpoint.manifest import MANIFEST
 from cluster.storage import leases
-from cluster.storage.store import STEP_DIR, Store
+from cluster.storage.store import STEP_DIR, Store, resumed_step
 from plans.errors import CheckpointError
 from plans.layout.parallel_layout import LAYOUT_DEGREES, PARALLEL_DEGREES
 from plans.checkpoint.object_keys import escape_reason
@@ -116,12 +116,8 @@ class Catalog:
     def _run_checkpoints(self, run: str, listing: RunListing) -> list[CheckpointEntry]:
         committed = {d: files for d, files in listing.steps.items() if MANIFEST in files}
         manifests = self._read_manifests(run, sorted(committed))
-        latest = self.store.latest_step(run)
-        steps = sorted(int(STEP_DIR.match(d).group(1)) for d in committed)
-        if latest not in steps and steps:
-            # LATEST missing, damaged or dangling: the newest committed step is the one a resume
-            # takes (`Store.resolve`, decision 88), so it is the one gc must keep.
-            latest = steps[-1]
+        # The step a resume takes (LATEST's, or the newest where LATEST cannot say): gc keeps it.
+        latest = resumed_step(self.store.latest_step(run), sorted(int(STEP_DIR.match(d).group(1)) for d in committed))
         readers = leases.active(self.store, run)
         entries = []
         for step_dir in sorted(committed):

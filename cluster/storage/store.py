@@ -43,6 +43,12 @@ class CheckpointRef:
     step: int | None
 
 
+def resumed_step(latest: int | None, committed: list[int]) -> int | None:
+    """The step `latest` resolves to: the one LATEST names where it is committed, else (LATEST
+    missing, damaged or dangling) the newest committed step (decision 88)."""
+    return latest if latest in committed or not committed else committed[-1]
+
+
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -143,7 +149,7 @@ class Store:
                 # A manifest is written last, so each committed step is whole; LATEST only names the
                 # newest. Missing (a crash between the first manifest and its LATEST) or damaged, the
                 # newest committed step is what it would name: an elastic restart must not stop here.
-                step = committed[-1]
+                step = resumed_step(step, committed)
                 if (self.url, run) not in _WARNED_LATEST:  # once per process: a resume resolves twice
                     _WARNED_LATEST.add((self.url, run))
                     print(f"rayshard: warning: run {run!r}: its LATEST pointer in {self.url} is missing, damaged or names no checkpoint; "

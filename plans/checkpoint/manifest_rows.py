@@ -23,12 +23,8 @@ def check_manifest_rows(table: pa.Table, where: str) -> None:
     """Raise a CheckpointError naming the first impossible row of `table` (the manifest's columns)."""
     if table.num_rows == 0:
         return  # (a committed checkpoint has rows: `read_manifest` refuses an empty one)
-    dtypes = table.column("dtype").combine_chunks()
-    names = dtypes.dictionary.to_pylist() if pa.types.is_dictionary(dtypes.type) else None
-    codes = dtypes.indices.to_numpy(zero_copy_only=False) if names is not None else None
-    if names is None:
-        names, codes = np.unique(dtypes.to_numpy(zero_copy_only=False), return_inverse=True)
-        names = names.tolist()
+    dtypes = pc.dictionary_encode(table.column("dtype")).combine_chunks()  # as decoded already: a no-op
+    names, codes = dtypes.dictionary.to_pylist(), dtypes.indices.to_numpy(zero_copy_only=False)
     unknown = [name for name in names if name not in ITEMSIZE]
     if unknown:
         row = int(np.flatnonzero(np.isin(codes, [names.index(name) for name in unknown]))[0])
