@@ -24,11 +24,11 @@ DEMO_CONFIG := configs/demo-bpe.yaml
 DEMO_CORPUS := --input stdlib --max-bytes 4000000 --skip-bad
 
 $(DEMO_DATA)/tokenizer/tokenizer.json: | $(STAMP)
-	$(PY) -m cluster data tokenizer train --vocab-size 512 $(DEMO_CORPUS) --out $(DEMO_DATA)/tokenizer
+	$(PY) -m rayshard data tokenizer train --vocab-size 512 $(DEMO_CORPUS) --out $(DEMO_DATA)/tokenizer
 
 $(DEMO_DATA)/dataset/index.parquet: $(DEMO_DATA)/tokenizer/tokenizer.json | $(STAMP)
 	rm -rf $(DEMO_DATA)/dataset  # a dataset of an older tokenizer, or a crashed prepare's attempt
-	$(PY) -m cluster data prepare --tokenizer $(DEMO_DATA)/tokenizer $(DEMO_CORPUS) --out $(DEMO_DATA)/dataset
+	$(PY) -m rayshard data prepare --tokenizer $(DEMO_DATA)/tokenizer $(DEMO_CORPUS) --out $(DEMO_DATA)/dataset
 
 # The product's story: train on 4 ranks, reshard, resume on 2 ranks, prove nothing changed, and
 # hand the result to Hugging Face.
@@ -38,28 +38,28 @@ demo: DEMO_NAME := $(DEMO_RUN)
 demo: $(STAMP) $(DEMO_DATA)/dataset/index.parquet
 	@echo "== 0. data: a 512-id BPE and the standard library's sources tokenized with it, in $(DEMO_DATA) (made once)"
 	@echo "== 1. train on 4 ranks (dp2 x tp2), 30 steps, a checkpoint every 10"
-	$(PY) -m cluster train --config $(DEMO_CONFIG) --run $(DEMO_NAME)
+	$(PY) -m rayshard train --config $(DEMO_CONFIG) --run $(DEMO_NAME)
 	@echo "== 2. dry run: what 2 ranks ($(DEMO_TO)) would read from step 10, no data moved"
-	$(PY) -m cluster ckpt plan $(DEMO_NAME)@10 --to $(DEMO_TO)
+	$(PY) -m rayshard ckpt plan $(DEMO_NAME)@10 --to $(DEMO_TO)
 	@echo "== 3. offline reshard of step 10 to $(DEMO_TO), on Ray actors; digests are layout-independent"
-	$(PY) -m cluster ckpt reshard $(DEMO_NAME)@10 --to $(DEMO_TO) --run $(DEMO_NAME)-resharded
-	@$(PY) -m cluster ckpt digest $(DEMO_NAME)@10 | tail -1
-	@$(PY) -m cluster ckpt digest $(DEMO_NAME)-resharded@10 | tail -1
-	$(PY) -m cluster ckpt diff $(DEMO_NAME)@10 $(DEMO_NAME)-resharded@10
+	$(PY) -m rayshard ckpt reshard $(DEMO_NAME)@10 --to $(DEMO_TO) --run $(DEMO_NAME)-resharded
+	@$(PY) -m rayshard ckpt digest $(DEMO_NAME)@10 | tail -1
+	@$(PY) -m rayshard ckpt digest $(DEMO_NAME)-resharded@10 | tail -1
+	$(PY) -m rayshard ckpt diff $(DEMO_NAME)@10 $(DEMO_NAME)-resharded@10
 	@echo "== 4. resume step 10 on 2 ranks ($(DEMO_TO)) to step 30, resharding at load time"
-	$(PY) -m cluster train --config $(DEMO_CONFIG) --run $(DEMO_NAME)-resumed --resume $(DEMO_NAME)@10 $(DEMO_TO_FLAGS)
+	$(PY) -m rayshard train --config $(DEMO_CONFIG) --run $(DEMO_NAME)-resumed --resume $(DEMO_NAME)@10 $(DEMO_TO_FLAGS)
 	@echo "== 5. loss continuity against the uninterrupted run, and the picture"
-	$(PY) -m cluster ckpt plot-resume --run $(DEMO_NAME) --run $(DEMO_NAME)-resumed --reference $(DEMO_NAME) \
+	$(PY) -m rayshard ckpt plot-resume --run $(DEMO_NAME) --run $(DEMO_NAME)-resumed --reference $(DEMO_NAME) \
 		--out runs/$(DEMO_NAME)-resume.png
 	@echo "== 6. the same checkpoint resumed in bf16 with selective activation checkpointing on fsdp2: checkpoints"
 	@echo "      hold the float32 master state, so precision is a choice at resume time too (stages 1-5 stay fp32:"
 	@echo "      their exact continuity across layouts above is what bf16's rounding would blur)"
-	$(PY) -m cluster train --config $(DEMO_CONFIG) --run $(DEMO_NAME)-bf16 --resume $(DEMO_NAME)@10 --steps 30 \
+	$(PY) -m rayshard train --config $(DEMO_CONFIG) --run $(DEMO_NAME)-bf16 --resume $(DEMO_NAME)@10 --steps 30 \
 		--dp 1 --fsdp 2 --tp 1 --precision bf16 --ac selective
 	@echo "== 7. export step 30 to a Hugging Face directory (weights, config and the BPE tokenizer), and"
 	@echo "      generate a line with transformers' AutoTokenizer + AutoModelForCausalLM from it"
-	$(PY) -m cluster ckpt export $(DEMO_NAME)@30 --out runs/$(DEMO_NAME)-hf --no-optimizer
-	$(PY) -m cluster ckpt generate runs/$(DEMO_NAME)-hf --prompt "def " --max-new-tokens 24
+	$(PY) -m rayshard ckpt export $(DEMO_NAME)@30 --out runs/$(DEMO_NAME)-hf --no-optimizer
+	$(PY) -m rayshard ckpt generate runs/$(DEMO_NAME)-hf --prompt "def " --max-new-tokens 24
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -1,6 +1,6 @@
 """RankActor: the Ray actor that owns one rank (one GPU, or a CPU share with gloo).
 
-A thin shell around `actors.training.trainer.Trainer`: Ray only places the process and carries one RPC
+A thin shell around `rayshard.actors.training.trainer.Trainer`: Ray only places the process and carries one RPC
 per step; activations and gradients move between ranks over torch.distributed.
 """
 from __future__ import annotations
@@ -9,14 +9,14 @@ import importlib
 import os
 import socket
 
-import fsspec
 import ray
 import torch
 
-from actors.training.reports import RankSetup, StepMetrics
-from actors.training.trainer import Trainer, WrapRunner
-from plans.checkpoint.chunk_table import ChunkTable
-from plans.config import TrainConfig
+from rayshard.actors.training.reports import RankSetup, StepMetrics
+from rayshard.actors.training.trainer import Trainer, WrapRunner
+from rayshard.plans.checkpoint.chunk_table import ChunkTable
+from rayshard.plans.config import TrainConfig
+from rayshard.storage.options import apply_conf
 
 # "module:function" naming a WrapRunner (`actors/training/trainer.py`) that each rank applies to
 # its step runner. Read from the actor's environment (Ray's runtime_env env_vars, or the
@@ -62,8 +62,8 @@ class RankActor:
 
     def configure_storage(self, conf: dict) -> None:
         """The driver's object-store options (endpoint, retries, timeouts, part size — never
-        credentials) as fsspec defaults, so this process's checkpoint I/O uses the same policy."""
-        fsspec.config.conf.update(conf)
+        credentials), so this process's checkpoint I/O uses the same policy."""
+        apply_conf(conf)
 
     def load(self, checkpoint_url: str, manifest: bytes | None = None) -> dict:
         """manifest: its bytes as the driver read them (passed by object reference, so a node

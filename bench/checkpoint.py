@@ -1,6 +1,6 @@
 """Checkpoint save and load against torch DCP and raw storage, on the same state and ranks.
 
-Four ranks (torch.multiprocessing + gloo, the same `actors.training.trainer.Trainer` the Ray actors run)
+Four ranks (torch.multiprocessing + gloo, the same `rayshard.actors.training.trainer.Trainer` the Ray actors run)
 train the `small` preset one step on layout A (dp2 x tp2), so params and AdamW moments exist,
 then, repeatedly and in rotating order:
 - save: rayshard (`save_rank_shard` + manifest), DCP (`dcp.save` with `FileSystemWriter`, the
@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from actors.training.device_memory import peak_memory_bytes, resident_memory_bytes  # noqa: E402
-from plans.config import DataConfig, TrainConfig  # noqa: E402
-from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
+from rayshard.actors.training.device_memory import peak_memory_bytes, resident_memory_bytes  # noqa: E402
+from rayshard.plans.config import DataConfig, TrainConfig  # noqa: E402
+from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 LAYOUT_A = ParallelLayout(dp=2, tp=2)
 LAYOUT_B = ParallelLayout(fsdp=4)
@@ -82,10 +82,10 @@ def _our_save(trainer, url: str):
     import fsspec
     import torch.distributed as dist
 
-    from plans.checkpoint.manifest import encode_manifest
-    from actors.checkpoint.save import save_rank_shard
-    from plans.checkpoint.manifest import MANIFEST
-    from plans.checkpoint.chunks import Chunk
+    from rayshard.plans.checkpoint.manifest import encode_manifest
+    from rayshard.actors.checkpoint.save import save_rank_shard
+    from rayshard.plans.checkpoint.manifest import MANIFEST
+    from rayshard.plans.checkpoint.chunks import Chunk
 
     rows = save_rank_shard(trainer.model, trainer.optimizer, trainer.coord_map, url, f"attempt-bench/rank-{trainer.rank:05d}.safetensors",
                            trainer.pipeline_copies)
@@ -121,7 +121,7 @@ def _dcp_load(trainer, path: str):
 
 
 def _raw_bytes(trainer) -> list[memoryview]:
-    from actors.checkpoint.save import pieces_to_write
+    from rayshard.actors.checkpoint.save import pieces_to_write
 
     return [piece.tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
             for piece in pieces_to_write(trainer.model, trainer.optimizer, trainer.pipeline_copies)]
@@ -155,8 +155,8 @@ def _raw_ranges(ranges, buffer: memoryview):
 
 
 def _our_load(trainer, url: str) -> dict:
-    from actors.checkpoint.load import load_rank_shard
-    from plans.training.model_spec import parameter_shapes
+    from rayshard.actors.checkpoint.load import load_rank_shard
+    from rayshard.plans.training.model_spec import parameter_shapes
 
     return load_rank_shard(trainer.model, trainer.optimizer, url, set(parameter_shapes(trainer.config.model)))
 
@@ -165,9 +165,9 @@ def _planned_ranges(trainer, url: str) -> list[tuple[str, int, int, list[tuple[i
     """The byte ranges rayshard's load on this rank reads (for the raw-read anchors), each with the
     spans inside it that the load checksums: every chunk or part of a chunk (not the headers,
     which are small)."""
-    from actors.checkpoint.load import load_destinations, read_once_for
-    from actors.checkpoint.stored import StoredCheckpoint
-    from plans.checkpoint.reshard import ReadItem
+    from rayshard.actors.checkpoint.load import load_destinations, read_once_for
+    from rayshard.actors.checkpoint.stored import StoredCheckpoint
+    from rayshard.plans.checkpoint.reshard import ReadItem
 
     stored = StoredCheckpoint(url)
     destinations = load_destinations(trainer.model, trainer.optimizer, read_once_for(url)).destinations
@@ -182,8 +182,8 @@ def _checked_raw_ranges(ranges, buffer: memoryview):
     read) run through the checksum right after it lands. No manifest, no plan, no placement, no
     scattering into rows: what a load costs when it checks what it reads (the figure rayshard's
     own overhead is measured against)."""
-    from actors.checkpoint.read_executor import CHECK_BLOCK_BYTES
-    from actors.checkpoint.checksums import RunningChecksum
+    from rayshard.actors.checkpoint.read_executor import CHECK_BLOCK_BYTES
+    from rayshard.storage.checksums import RunningChecksum
 
     at = 0
     for path, start, end, spans in ranges:
@@ -206,7 +206,7 @@ def _rotated(methods, repeat: int):
 
 
 def _phase_a(rank, config, port, root, repeats, queue):
-    from actors.training.trainer import Trainer
+    from rayshard.actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
     trainer.train_step()
@@ -238,7 +238,7 @@ def _phase_a(rank, config, port, root, repeats, queue):
 
 
 def _phase_b(rank, config, port, root, repeats, queue):
-    from actors.training.trainer import Trainer
+    from rayshard.actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
     results = {f"reshard/{method}": [] for method in LOAD_METHODS}

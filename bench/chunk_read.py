@@ -30,12 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsspec  # noqa: E402
 import torch  # noqa: E402
 
-from actors.checkpoint.read_executor import fill_from_reads  # noqa: E402
+from rayshard.actors.checkpoint.read_executor import fill_from_reads  # noqa: E402
 
-from actors.checkpoint.shard_writer import Piece, write_shard  # noqa: E402
-from actors.checkpoint.checksums import running_like  # noqa: E402
-from actors.checkpoint.partial_reads import PartialRead, check_partial_reads  # noqa: E402
-from plans.checkpoint.reshard import plan_reads  # noqa: E402
+from rayshard.actors.checkpoint.shard_writer import Piece, write_shard  # noqa: E402
+from rayshard.storage.checksums import running_like  # noqa: E402
+from rayshard.storage.partial_reads import PartialRead, check_partial_reads  # noqa: E402
+from rayshard.plans.checkpoint.reshard import plan_reads  # noqa: E402
 
 COLUMNS = 4096
 

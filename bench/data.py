@@ -28,15 +28,15 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from actors.training.data import stdlib_files  # noqa: E402
-from actors.training.trainer import Trainer  # noqa: E402
+from rayshard.actors.training.data import stdlib_files  # noqa: E402
+from rayshard.actors.training.trainer import Trainer  # noqa: E402
 from bench.storage import start_s3_server  # noqa: E402
-from cluster.data.documents import ReadOptions  # noqa: E402
-from cluster.data.prepare import prepare_dataset  # noqa: E402
-from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
-from cluster.storage import object_store  # noqa: E402
-from plans.config import DataConfig, TrainConfig  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
+from rayshard.cluster.data.documents import ReadOptions  # noqa: E402
+from rayshard.cluster.data.prepare import prepare_dataset  # noqa: E402
+from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
+from rayshard.storage import options as storage_options  # noqa: E402
+from rayshard.plans.config import DataConfig, TrainConfig  # noqa: E402
+from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 
 def corpus_files(mib: float) -> list[str]:
@@ -133,7 +133,7 @@ def main() -> int:
     try:
         os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
                            "AWS_ENDPOINT_URL": endpoint})
-        object_store.configure()
+        storage_options.configure()
         boto3.client("s3").create_bucket(Bucket="bench-data")
         fs = fsspec.filesystem("s3")
         local = fsspec.filesystem("file")

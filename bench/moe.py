@@ -33,15 +33,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
-from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
+from rayshard.plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 WARMUP = 2
 
 
 def _rank(rank, config, port, queue):
-    from actors.training.trainer import Trainer
+    from rayshard.actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
     times, metrics = [], None

@@ -1,8 +1,8 @@
 """Ray actors vs torch.multiprocessing.spawn: what does Ray orchestration cost per step?
 
-Runs the same model, layout, batch and steps through `cluster.run.rank_group.RankGroup` (one Ray
+Runs the same model, layout, batch and steps through `rayshard.cluster.run.rank_group.RankGroup` (one Ray
 actor per rank, one RPC per step) and through `torch.multiprocessing.spawn` (the same
-`actors.training.trainer.Trainer`, no Ray), alternating several times, and prints the median step time of
+`rayshard.actors.training.trainer.Trainer`, no Ray), alternating several times, and prints the median step time of
 each and their ratio. Goal: Ray adds at most 5%.
 
     .venv/bin/python bench/orchestration.py [--model tiny|small] [--dp 2 --tp 2] [--steps 20] [--repeats 3]
@@ -20,15 +20,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from plans.config import DataConfig, TrainConfig  # noqa: E402
-from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
+from rayshard.plans.config import DataConfig, TrainConfig  # noqa: E402
+from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 WARMUP_STEPS = 3
 
 
 def _spawned_rank(rank, config, port, queue):
-    from actors.training.trainer import Trainer
+    from rayshard.actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
     times = []
@@ -51,7 +51,7 @@ def step_times_multiprocessing(config: TrainConfig) -> list[float]:
 
 
 def step_times_ray(config: TrainConfig) -> list[float]:
-    from cluster.run.rank_group import RankGroup
+    from rayshard.cluster.run.rank_group import RankGroup
 
     group = RankGroup(config)
     try:

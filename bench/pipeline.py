@@ -5,7 +5,7 @@ against the clock.
                                        [--global-batch 16] [--seq-len 128] [--steps 8]
 
 One process per rank (torch.multiprocessing, gloo on CPU, one thread each). Every rank builds
-its stage once (`actors.training.trainer.Trainer`) and three executors drive the same stage modules,
+its stage once (`rayshard.actors.training.trainer.Trainer`) and three executors drive the same stage modules,
 optimizer and batches, taking turns step by step so that drifting machine load hits each alike:
 
 - ours 1F1B: the trainer's interpreter replaying the lowered 1F1B plan;
@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from plans.config import DataConfig, TrainConfig  # noqa: E402
-from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
-from plans.pipeline.plan import build_pipeline_plan  # noqa: E402
+from rayshard.plans.config import DataConfig, TrainConfig  # noqa: E402
+from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from rayshard.plans.training.model_spec import preset  # noqa: E402
+from rayshard.plans.pipeline.plan import build_pipeline_plan  # noqa: E402
 
 VARIANTS = ("ours-1f1b", "torch-1f1b", "ours-zbh1")
 WARMUP_ROUNDS = 1
@@ -73,8 +73,8 @@ class _TorchSchedule1F1B:
     def train_step(self) -> None:
         import torch.distributed as dist
 
-        from actors.model.gradient_norm import clip_grad_norm
-        from plans.training.lr_schedule import learning_rate
+        from rayshard.actors.model.gradient_norm import clip_grad_norm
+        from rayshard.plans.training.lr_schedule import learning_rate
 
         trainer, config = self.trainer, self.trainer.config
         opt, pp_rank, last = config.optimizer, trainer.coords.pp, trainer.layout.pp - 1
@@ -98,7 +98,7 @@ class _TorchSchedule1F1B:
 
 
 def _rank_main(rank: int, config: TrainConfig, port: int, rounds: int, out_dir: str) -> None:
-    from actors.training.trainer import Trainer
+    from rayshard.actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")  # builds the 1F1B plan's runner
     zbh1 = build_pipeline_plan(config.model, config.layout, "zbh1", config.microbatches)
@@ -130,7 +130,7 @@ def _rank_main(rank: int, config: TrainConfig, port: int, rounds: int, out_dir: 
 def _simulated_vs_measured(config: TrainConfig, schedule: str, ranks: list[dict]) -> tuple[float, float]:
     """Median measured plan time (slowest rank per step), and the simulator's replay of the plan
     with every action's median measured time."""
-    from plans.pipeline.simulator import simulate_measured
+    from rayshard.plans.pipeline.simulator import simulate_measured
 
     samples: dict[tuple, list[float]] = {}
     for result in ranks:

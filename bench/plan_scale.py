@@ -34,20 +34,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plans.checkpoint.manifest import FORMAT_VERSION, chunk_key, decode_manifest, encode_manifest  # noqa: E402
-from actors.checkpoint.checksums import checksum  # noqa: E402
-from plans.checkpoint.chunks import STATE_KINDS, Chunk  # noqa: E402
-from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-from plans.training.model_spec import parameter_count, preset  # noqa: E402
-from plans.checkpoint.chunk_table import ChunkTable  # noqa: E402
-from cluster.checkpoint.digest import _tensors, row_blocks  # noqa: E402
-from cluster.storage.pending import PendingCheckpoint  # noqa: E402
-from cluster.storage.store import Store  # noqa: E402
-from actors.checkpoint.stored import StoredCheckpoint  # noqa: E402
-from plans.checkpoint.reshard import header_checks, index_chunks, plan_rank  # noqa: E402
-from plans.checkpoint.safetensors_layout import Entry, file_layout  # noqa: E402
-from plans.checkpoint.writers import predicted_writes  # noqa: E402
-from plans.checkpoint.regions import layout_targets, pipeline_partition  # noqa: E402
+from rayshard.plans.checkpoint.manifest import FORMAT_VERSION, chunk_key, decode_manifest, encode_manifest  # noqa: E402
+from rayshard.storage.checksums import checksum  # noqa: E402
+from rayshard.plans.checkpoint.chunks import STATE_KINDS, Chunk  # noqa: E402
+from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from rayshard.plans.training.model_spec import parameter_count, preset  # noqa: E402
+from rayshard.plans.checkpoint.chunk_table import ChunkTable  # noqa: E402
+from rayshard.cluster.checkpoint.digest import _tensors, row_blocks  # noqa: E402
+from rayshard.cluster.catalog.pending import PendingCheckpoint  # noqa: E402
+from rayshard.cluster.catalog.store import Store  # noqa: E402
+from rayshard.actors.checkpoint.stored import StoredCheckpoint  # noqa: E402
+from rayshard.plans.checkpoint.reshard import header_checks, index_chunks, plan_rank  # noqa: E402
+from rayshard.plans.checkpoint.safetensors_layout import Entry, file_layout  # noqa: E402
+from rayshard.plans.checkpoint.writers import predicted_writes  # noqa: E402
+from rayshard.plans.checkpoint.regions import layout_targets, pipeline_partition  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 
@@ -111,7 +111,7 @@ def _sparse_store(root: str, manifest: bytes, extents: dict[str, int]) -> Store:
 # own memory, which, unlike ru_maxrss, does not carry over the forked parent's across exec).
 COMMAND = """
 import sys
-from cluster.cli.main import main
+from rayshard.cluster.cli.main import main
 code = main(sys.argv[1:])
 peak = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
 print(f"peak_rss_gib={int(peak) / 2**20:.3f}", flush=True)

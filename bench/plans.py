@@ -25,10 +25,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from plans.pipeline.checker import check  # noqa: E402
-from plans.pipeline.lowering import lower  # noqa: E402
-from plans.pipeline.schedules import build_schedule  # noqa: E402
-from plans.pipeline.simulator import simulate  # noqa: E402
+from rayshard.plans.pipeline.checker import check  # noqa: E402
+from rayshard.plans.pipeline.lowering import lower  # noqa: E402
+from rayshard.plans.pipeline.schedules import build_schedule  # noqa: E402
+from rayshard.plans.pipeline.simulator import simulate  # noqa: E402
 
 TARGET_SECONDS = 2.0
 

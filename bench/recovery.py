@@ -28,10 +28,10 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
-from cluster.run.elastic import train_elastic  # noqa: E402
-from plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
-from plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
+from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
+from rayshard.plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
+from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 
 def _latest(store: Path) -> int:

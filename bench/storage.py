@@ -104,13 +104,13 @@ def run(args) -> None:
     import boto3
     import ray
 
-    from cluster.run.async_save import AsyncCheckpointer
-    from cluster.run.rank_group import RankGroup
-    from cluster.storage.store import Store
-    from cluster.run.train import checkpoint_metadata, save_checkpoint
-    from plans.config import DataConfig, TrainConfig
-    from plans.layout.parallel_layout import ParallelLayout
-    from plans.training.model_spec import preset
+    from rayshard.cluster.run.async_save import AsyncCheckpointer
+    from rayshard.cluster.run.rank_group import RankGroup
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.run.train import checkpoint_metadata, save_checkpoint
+    from rayshard.plans.config import DataConfig, TrainConfig
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+    from rayshard.plans.training.model_spec import preset
 
     boto3.client("s3").create_bucket(Bucket=BUCKET)
     config = TrainConfig(model_preset=args.model, model=preset(args.model),
@@ -133,7 +133,7 @@ def run(args) -> None:
             url = save_checkpoint(group, store, config, step, None, fingerprint)
             times["save"].append(time.perf_counter() - started)
 
-            from actors.checkpoint.manifest_io import manifest_bytes, read_manifest
+            from rayshard.storage.manifest_io import manifest_bytes, read_manifest
 
             chunks, _ = read_manifest(url)
             files = sorted({c.file for c in chunks})

@@ -45,12 +45,12 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: E402
 
-from actors.model.block_wrappers import SAVED_OPS  # noqa: E402
-from actors.training.trainer import Trainer  # noqa: E402
-from plans.checkpoint.hf_families import hf_config  # noqa: E402
-from plans.config import OptimizerConfig, TrainConfig  # noqa: E402
-from plans.training.flops import throughput  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
+from rayshard.actors.model.block_wrappers import SAVED_OPS  # noqa: E402
+from rayshard.actors.training.trainer import Trainer  # noqa: E402
+from rayshard.plans.checkpoint.hf_families import hf_config  # noqa: E402
+from rayshard.plans.config import OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.training.flops import throughput  # noqa: E402
+from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 WARMUP = 2
 IN_PROCESS = "transformers (in rayshard's process)"

@@ -8,14 +8,14 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from plans.config_values import checked_section
-from plans.errors import ConfigError
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_plan import check_tp_divides
-from plans.training.model_spec import PRESETS, ModelConfig, check_experts_fit, preset
-from plans.pipeline.csv_order import pipeline_order
-from plans.pipeline.plan import stage_partition
-from plans.pipeline.schedules import build_schedule, schedule_spec, valid_microbatch_counts
+from rayshard.plans.config_values import checked_section
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_plan import check_tp_divides
+from rayshard.plans.training.model_spec import PRESETS, ModelConfig, check_experts_fit, preset
+from rayshard.plans.pipeline.csv_order import pipeline_order
+from rayshard.plans.pipeline.plan import stage_partition
+from rayshard.plans.pipeline.schedules import build_schedule, schedule_spec, valid_microbatch_counts
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 PRECISIONS = ("fp32", "bf16")

@@ -16,7 +16,7 @@ import typing
 from dataclasses import MISSING, fields
 from functools import cache
 
-from plans.errors import ConfigError
+from rayshard.plans.errors import ConfigError
 
 
 def checked_section(section: str, values, kind, extra_keys: frozenset[str] = frozenset(),

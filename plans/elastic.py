@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plans.errors import ConfigError
+from rayshard.plans.errors import ConfigError
 
 
 @dataclass(frozen=True)

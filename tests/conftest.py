@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from plans.config import DataConfig, OptimizerConfig, TrainConfig
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.plans.config import DataConfig, OptimizerConfig, TrainConfig
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray waits 30 s for a new GCS to publish its port; the first start of a fresh clone's .venv, on a
@@ -35,7 +35,7 @@ def ray_session():
 def rank_pool(ray_session):
     """Eight live RankActors shared by the session: each training run borrows the first N, so
     tests pay the process start and torch import once instead of once per run."""
-    from cluster.run.rank_group import start_actors
+    from rayshard.cluster.run.rank_group import start_actors
 
     placement, actors = start_actors(8, start_timeout_s=600)  # eight torch imports on a loaded 2-core machine
     yield actors
@@ -47,7 +47,7 @@ def rank_pool(ray_session):
 @pytest.fixture(scope="session")
 def run_training(rank_pool):
     """train(config) on the shared actor pool."""
-    from cluster.run.train import train
+    from rayshard.cluster.run.train import train
 
     return lambda config: train(config, rank_pool)
 

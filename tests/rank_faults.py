@@ -12,7 +12,7 @@ import json
 import os
 import time
 
-from actors.rank import WRAP_RUNNER_ENV, RankActor
+from rayshard.actors.rank import WRAP_RUNNER_ENV, RankActor
 
 FAULT_ENV = "RAYSHARD_TEST_RANK_FAULT"
 KINDS = ("stall", "exit")

@@ -98,6 +98,6 @@ def s3_store(fault_proxy, monkeypatch):
     yield f"s3://{bucket}/store"
     monkeypatch.undo()
     # The next test may use another endpoint: the process-wide fsspec options follow the env.
-    from cluster.storage import object_store
+    from rayshard.storage import options as storage_options
 
-    object_store.configure()
+    storage_options.configure()

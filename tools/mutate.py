@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "mutate"
 DOC = ROOT / "docs" / "mutation-testing.md"
-COPIED = ("plans", "actors", "cluster", "tests", "configs", "pyproject.toml")
+COPIED = ("rayshard", "plans", "storage", "actors", "cluster", "setup.py", "tests", "configs", "pyproject.toml")
 GOAL = 0.90
 
 # module -> the fast unit tests that decide it. The reshard planner and the chunk table come last.
@@ -52,7 +52,7 @@ MODULES: dict[str, list[str]] = {
     "cluster/checkpoint/transform_exec.py": _TRANSFORM_TESTS,
     "plans/checkpoint/replicas.py": ["tests/unit/test_writer_selection.py", "tests/unit/test_replica_broadcast.py"],
     "plans/layout/parallel_layout.py": ["tests/unit/test_layout_and_config.py", "tests/unit/test_layout_chooser.py"],
-    "actors/checkpoint/checksums.py": _READ_PATH_TESTS,
+    "storage/checksums.py": _READ_PATH_TESTS,
     "actors/checkpoint/read_executor.py": _READ_PATH_TESTS,
     "plans/checkpoint/expert_coverage.py": ["tests/unit/test_expert_coverage.py"],
     "plans/checkpoint/regions.py": _PLANNER_TESTS,

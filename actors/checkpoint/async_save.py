@@ -22,10 +22,10 @@ import time
 import fsspec
 import torch
 
-from actors.checkpoint.save import pieces_to_write
-from actors.checkpoint.shard_writer import Piece, write_shard
-from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
-from plans.checkpoint.chunk_table import ChunkTable
+from rayshard.actors.checkpoint.save import pieces_to_write
+from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
+from rayshard.actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
+from rayshard.plans.checkpoint.chunk_table import ChunkTable
 
 
 class AsyncSaver:

@@ -11,25 +11,24 @@ import threading
 import time
 from dataclasses import dataclass
 
-import fsspec
 import torch
 import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.tensor import DTensor
 
-from actors.checkpoint.manifest_io import read_manifest
-from actors.checkpoint.rank_pieces import MOMENTS, local_tensor, ties_embeddings, rank_layout, replicated_dims, state_tensors
-from actors.checkpoint.read_executor import Destination
-from actors.checkpoint.replica_broadcast import HandedPiece, broadcast_pieces, buckets
-from actors.checkpoint.shard_writer import dtype_name
-from actors.checkpoint.stored import StoredCheckpoint
-from actors.model.shards import local_region
-from plans.checkpoint.chunks import PARAM, Chunk
-from plans.checkpoint.model_check import raise_if_mismatched
-from plans.checkpoint.reshard import Target
-from plans.checkpoint.replicas import assign_readers, group_salt, handover_dims
-from plans.errors import CheckpointError
-from plans.layout.parallel_layout import DATA_MESH_DIMS, STAGE_MESH_DIMS, ParallelLayout, RankCoords
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.actors.checkpoint.rank_pieces import MOMENTS, local_tensor, ties_embeddings, rank_layout, replicated_dims, state_tensors
+from rayshard.actors.checkpoint.read_executor import Destination
+from rayshard.actors.checkpoint.replica_broadcast import HandedPiece, broadcast_pieces, buckets
+from rayshard.actors.checkpoint.shard_writer import dtype_name
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.actors.model.shards import local_region
+from rayshard.plans.checkpoint.chunks import PARAM, Chunk
+from rayshard.plans.checkpoint.model_check import raise_if_mismatched
+from rayshard.plans.checkpoint.reshard import Target
+from rayshard.plans.checkpoint.replicas import assign_readers, group_salt, handover_dims
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS, STAGE_MESH_DIMS, ParallelLayout, RankCoords
+from rayshard.storage.backends.registry import open_url
 
 # Replicas hand over read-once pieces in buckets this big: small enough that the first one goes
 # out early in a read, large enough that a load is a few dozen collectives, not hundreds.
@@ -233,8 +232,8 @@ def read_once_for(checkpoint_url: str) -> bool:
         return True
     if setting in ("0", "false", "no"):
         return False
-    fs, _ = fsspec.core.url_to_fs(checkpoint_url)
-    return not isinstance(fs, LocalFileSystem)
+    backend, _ = open_url(checkpoint_url)
+    return not backend.local_paths
 
 
 def _fill_local_copies(model, optimizer) -> None:

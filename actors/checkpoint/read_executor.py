@@ -13,15 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
-from actors.checkpoint.checksums import RunningChecksum, matches, running_like
-from actors.checkpoint.partial_reads import partial_read
-from actors.checkpoint.ranged_fetch import fetch_ranges
-from actors.checkpoint.shard_writer import STAGE_BYTES, dtype_name
-from plans.checkpoint.reshard import HeaderCheck, ReadItem, Request, coalesce
-from plans.checkpoint.safetensors_layout import SAFETENSORS_DTYPES
-from plans.errors import CheckpointError
+from rayshard.storage.checksums import RunningChecksum, matches, running_like
+from rayshard.storage.partial_reads import partial_read
+from rayshard.storage.backends.registry import backend_for
+from rayshard.actors.checkpoint.shard_writer import STAGE_BYTES, dtype_name
+from rayshard.plans.checkpoint.reshard import HeaderCheck, ReadItem, Request, coalesce
+from rayshard.plans.checkpoint.safetensors_layout import SAFETENSORS_DTYPES
+from rayshard.plans.errors import CheckpointError
 
 WINDOW_BYTES = 64 * 2**20
 
@@ -74,7 +73,7 @@ def _check_header(part: HeaderCheck, data, path: str) -> None:
 class _Report:
     """Where a read reports each item: `served(item)` once it is verified and in place, and, when
     `partial` is a list, a PartialRead with the checksum of every item that holds only part of
-    its chunk (`actors/checkpoint/partial_reads.py`: such parts are verified together, by whoever sees them
+    its chunk (`storage/partial_reads.py`: such parts are verified together, by whoever sees them
     all)."""
 
     __slots__ = ("served", "partial")
@@ -106,14 +105,15 @@ def execute_requests(fs, base: str, requests: Sequence[Request], destinations: d
     Local files are read item by item straight into the destination when its slice is contiguous
     (a same-layout load copies nothing twice and needs no buffer), else through one reused buffer.
     Object stores stream: GETs run concurrently with at most `window_bytes` fetched and not yet
-    placed, and each is placed as it arrives (`actors/checkpoint/ranged_fetch.py`)."""
+    placed, and each is placed as it arrives (`storage/ranged_fetch.py`)."""
     lookup = destinations if callable(destinations) else destinations.__getitem__
     report = _Report(served, partial)
-    if isinstance(fs, LocalFileSystem):
+    backend = backend_for(fs)
+    if backend.local_paths:
         return _execute_local(base, requests, lookup, report)
     total = 0
     small = [r for r in requests if r.nbytes <= window_bytes]
-    with contextlib.closing(fetch_ranges(fs, base, small, window_bytes)) as arrivals:
+    with contextlib.closing(backend.fetch_ranges(base, small, window_bytes)) as arrivals:
         for request, blob in arrivals:
             path = f"{base}/{request.file}"
             if isinstance(blob, BaseException) or len(blob) != request.nbytes:

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.checkpoint.checksums import RunningChecksum, checksum
-from actors.checkpoint.object_writer import open_object_writer
-from plans.checkpoint.chunks import Chunk
-from plans.checkpoint.manifest import FORMAT_VERSION, chunk_key
-from plans.checkpoint.safetensors_layout import Entry, file_layout
-from plans.errors import CheckpointError
+from rayshard.storage.checksums import RunningChecksum, checksum
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.manifest import FORMAT_VERSION, chunk_key
+from rayshard.plans.checkpoint.safetensors_layout import Entry, file_layout
+from rayshard.plans.errors import CheckpointError
+from rayshard.storage.backends.registry import backend_for
 
 STAGE_BYTES = 16 * 2**20
 
@@ -99,7 +99,7 @@ def write_shard(fs, base: str, file: str, pieces: Sequence[Piece], stage_bytes: 
     """Write pieces to base/file on an fsspec file system, streaming."""
     path = f"{base}/{file}"
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with open_object_writer(fs, path) as handle:  # S3: parallel multipart, bounded memory, stall bound
+    with backend_for(fs).open_writer(path) as handle:  # S3: parallel multipart, bounded memory, stall bound
         return write_pieces(handle, pieces, file, stage_bytes)
 
 

@@ -11,13 +11,13 @@ from collections.abc import Callable
 import fsspec
 import torch
 
-from actors.checkpoint.manifest_io import read_manifest
-from actors.checkpoint.partial_reads import PartialRead, check_partial_reads, mismatch_error
-from actors.checkpoint.read_executor import WINDOW_BYTES, Destination, execute_requests
-from plans.checkpoint.chunk_table import ChunkTable, as_table
-from plans.checkpoint.chunks import Chunk
-from plans.checkpoint.object_keys import check_object_keys
-from plans.checkpoint.reshard import ReadItem, Target, header_checks, index_chunks, plan_rank
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.storage.partial_reads import PartialRead, check_partial_reads, mismatch_error
+from rayshard.actors.checkpoint.read_executor import WINDOW_BYTES, Destination, execute_requests
+from rayshard.plans.checkpoint.chunk_table import ChunkTable, as_table
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.object_keys import check_object_keys
+from rayshard.plans.checkpoint.reshard import ReadItem, Target, header_checks, index_chunks, plan_rank
 
 
 class StoredCheckpoint:

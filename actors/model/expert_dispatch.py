@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional
 
-from actors.model.moe import Experts, RoutingStatistics
+from rayshard.actors.model.moe import Experts, RoutingStatistics
 
 
 class _SumOverTensorParallel(torch.autograd.Function):

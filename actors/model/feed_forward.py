@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from actors.model.swiglu import GateUpSwiGLU
+from rayshard.actors.model.swiglu import GateUpSwiGLU
 
 
 class FeedForward(nn.Module):

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from actors.model.shards import local_region
+from rayshard.actors.model.shards import local_region
 
 ROWS_PER_BLOCK = 64
 

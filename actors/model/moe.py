@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from actors.model.feed_forward import FeedForward
-from actors.model.swiglu import gate_up_swiglu
-from plans.training.model_spec import EXPERT_TENSORS, ModelConfig
+from rayshard.actors.model.feed_forward import FeedForward
+from rayshard.actors.model.swiglu import gate_up_swiglu
+from rayshard.plans.training.model_spec import EXPERT_TENSORS, ModelConfig
 
 
 def is_expert_parameter(name: str) -> bool:

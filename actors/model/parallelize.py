@@ -19,15 +19,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from actors.model.block_wrappers import wrap_blocks
-from actors.model.expert_dispatch import AllToAllDispatch, TensorParallelDispatch
-from actors.model.moe import is_expert_parameter, moe_layers
-from actors.model.parameter_casts import cast_parameters
-from actors.model.precision import compute_dtype, fsdp_policy, uses_fsdp
-from plans.layout.parallel_layout import DATA_MESH_DIMS
-from plans.training.model_plan import ModelPlan
-from plans.training.model_spec import REFERENCE_PLAN
-from plans.training.tp_plan import (COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE,
+from rayshard.actors.model.block_wrappers import wrap_blocks
+from rayshard.actors.model.expert_dispatch import AllToAllDispatch, TensorParallelDispatch
+from rayshard.actors.model.moe import is_expert_parameter, moe_layers
+from rayshard.actors.model.parameter_casts import cast_parameters
+from rayshard.actors.model.precision import compute_dtype, fsdp_policy, uses_fsdp
+from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS
+from rayshard.plans.training.model_plan import ModelPlan
+from rayshard.plans.training.model_spec import REFERENCE_PLAN
+from rayshard.plans.training.tp_plan import (COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE,
                                     SEQUENCE_PARALLEL, VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
                                     VOCAB_HEAD_FROM_SEQUENCE, with_sequence_parallel)
 

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from plans.layout.parallel_layout import STAGE_MESH_DIMS
+from rayshard.plans.layout.parallel_layout import STAGE_MESH_DIMS
 
 # DTensor's computation costs ~0.5 ms a call (it builds small tensors); a load or save asks for
 # every parameter and moment several times, which on the small preset was half the load time.

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from actors.model.transformer import Transformer, build_on_meta
-from plans.training.model_plan import ModelPlan
-from plans.training.model_spec import ModelConfig
+from rayshard.actors.model.transformer import Transformer, build_on_meta
+from rayshard.plans.training.model_plan import ModelPlan
+from rayshard.plans.training.model_spec import ModelConfig
 
 TIED_NAME = "tok_embeddings.weight"
 TIED_COPY_NAME = "output.weight"

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.model.feed_forward import FeedForward
-from actors.model.local_ops import rms_norm
-from actors.model.moe import MoEFeedForward
-from actors.model.rope import apply_rope, rope_tables
-from plans.training.model_spec import ModelConfig
+from rayshard.actors.model.feed_forward import FeedForward
+from rayshard.actors.model.local_ops import rms_norm
+from rayshard.actors.model.moe import MoEFeedForward
+from rayshard.actors.model.rope import apply_rope, rope_tables
+from rayshard.plans.training.model_spec import ModelConfig
 
 
 class RMSNorm(nn.Module):

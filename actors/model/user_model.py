@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from plans.errors import ConfigError
-from plans.training.model_plan import CROSS_ENTROPY, ModelPlan, UserModel, recorded_parameters, validate_plan
-from plans.training.model_spec import USER_FAMILY, ModelConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.training.model_plan import CROSS_ENTROPY, ModelPlan, UserModel, recorded_parameters, validate_plan
+from rayshard.plans.training.model_spec import USER_FAMILY, ModelConfig
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -58,7 +58,7 @@ def call_on_meta(path: str) -> FactoryModel:
         made = import_factory(path)()
     if not isinstance(made, FactoryModel):
         raise ConfigError("model.factory", path, f"returned {type(made).__name__}, not a FactoryModel",
-                          "return actors.model.user_model.FactoryModel(module, plan, loss)")
+                          "return rayshard.actors.model.user_model.FactoryModel(module, plan, loss)")
     return made
 
 

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from actors.pipeline.backward_split import PendingWeightGrad, backward_input, backward_weight
-from plans.pipeline.actions import Action, Kind
+from rayshard.actors.pipeline.backward_split import PendingWeightGrad, backward_input, backward_weight
+from rayshard.plans.pipeline.actions import Action, Kind
 
 _FORWARD, _BACKWARD = 0, 1
 
@@ -144,7 +144,7 @@ class PipelineRunner:
         leftovers = [key for key in (*self._stage_outputs, *self._pending_weights, *self._incoming)]
         if leftovers:
             raise PipelineStepError(f"rank {self.rank}: the plan left work unfinished for {leftovers[:5]}; "
-                                    "a lowered plan from plans.pipeline.plan never does (is this the rank's own list?)")
+                                    "a lowered plan from rayshard.plans.pipeline.plan never does (is this the rank's own list?)")
         self._record.plan_seconds = time.perf_counter() - started
         loss, record = self._loss, self._record
         self._reset_step_state()  # drop this step's tensors

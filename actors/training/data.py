@@ -15,6 +15,8 @@ import zlib
 import fsspec
 import torch
 
+from rayshard.storage.backends.registry import backend_for
+
 
 def stdlib_files() -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
@@ -33,8 +35,8 @@ def _source_files(source: str) -> list[str]:
         paths = fs.glob(path) if fs.isfile(path) is False and any(c in path for c in "*?[") else [path]
         if len(paths) == 1 and fs.isdir(paths[0]):
             paths = sorted(p for p in fs.find(paths[0]))
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        return [f"{protocol}://{p}" if protocol != "file" else p for p in sorted(paths)]
+        backend = backend_for(fs)
+        return [backend.url(p) for p in sorted(paths)]
     if os.path.isdir(source):
         return sorted(os.path.join(d, f) for d, _, fs in os.walk(source) for f in fs)
     matches = sorted(glob.glob(source))

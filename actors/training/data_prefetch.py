@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Generic, TypeVar
 
-from plans.errors import RayshardError
+from rayshard.plans.errors import RayshardError
 
 Batch = TypeVar("Batch")
 

@@ -11,11 +11,11 @@ import fsspec
 import numpy as np
 import torch
 
-from actors.training.document_checks import DocumentChecks
-from plans.data.dataset_index import INDEX, DatasetIdentity, decode_index
-from plans.data.packing import sample_count, sample_reads
-from plans.data.sample_order import batch_sample_ids
-from plans.errors import ConfigError, RayshardError
+from rayshard.actors.training.document_checks import DocumentChecks
+from rayshard.plans.data.dataset_index import INDEX, DatasetIdentity, decode_index
+from rayshard.plans.data.packing import sample_count, sample_reads
+from rayshard.plans.data.sample_order import batch_sample_ids
+from rayshard.plans.errors import ConfigError, RayshardError
 
 
 def holds_prepared_dataset(url: str) -> bool:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from actors.training.data import corpus_fingerprint, load_corpus, rank_batch
-from actors.training.data_prefetch import StepPrefetcher
-from actors.training.dataset_reader import PreparedDataset, holds_prepared_dataset
-from actors.training.mixed_dataset import MixedDataset
-from plans.config import TrainConfig
-from plans.data.compatibility import check_vocab_fits
-from plans.data.mixture import is_mixture, parse_mixture
+from rayshard.actors.training.data import corpus_fingerprint, load_corpus, rank_batch
+from rayshard.actors.training.data_prefetch import StepPrefetcher
+from rayshard.actors.training.dataset_reader import PreparedDataset, holds_prepared_dataset
+from rayshard.actors.training.mixed_dataset import MixedDataset
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.data.compatibility import check_vocab_fits
+from rayshard.plans.data.mixture import is_mixture, parse_mixture
 
 
 def prepared_dataset_url(config: TrainConfig) -> str | None:

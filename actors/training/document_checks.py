@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pyarrow as pa
 
-from plans.errors import RayshardError
+from rayshard.plans.errors import RayshardError
 
 
 class DocumentChecks:

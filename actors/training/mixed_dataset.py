@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from actors.training.dataset_reader import PreparedDataset
-from plans.data.dataset_index import DatasetIdentity
-from plans.data.mixture import Mixture, mixed_batch_ids
-from plans.errors import ConfigError
+from rayshard.actors.training.dataset_reader import PreparedDataset
+from rayshard.plans.data.dataset_index import DatasetIdentity
+from rayshard.plans.data.mixture import Mixture, mixed_batch_ids
+from rayshard.plans.errors import ConfigError
 
 
 class MixedDataset:

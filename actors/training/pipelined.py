@@ -17,18 +17,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from actors.model.init_weights import initialize_parameters
-from actors.model.moe import set_aux_loss_scale
-from actors.model.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
-from actors.model.precision import compute_dtype
-from actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
-from actors.model.stage import RankStages, build_stage_on_meta, carve_stage, local_tensor, stage_global_names
-from actors.model.user_model import build_user_on_meta
-from actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail
-from actors.training.step_runner import loss_context, microbatch_loss
-from plans.config import TrainConfig
-from plans.layout.parallel_layout import RankCoords
-from plans.pipeline.plan import PipelinePlan
+from rayshard.actors.model.init_weights import initialize_parameters
+from rayshard.actors.model.moe import set_aux_loss_scale
+from rayshard.actors.model.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
+from rayshard.actors.model.precision import compute_dtype
+from rayshard.actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
+from rayshard.actors.model.stage import RankStages, build_stage_on_meta, carve_stage, local_tensor, stage_global_names
+from rayshard.actors.model.user_model import build_user_on_meta
+from rayshard.actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail
+from rayshard.actors.training.step_runner import loss_context, microbatch_loss
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.layout.parallel_layout import RankCoords
+from rayshard.plans.pipeline.plan import PipelinePlan
 
 _TIED_TAG = 2**30  # above every pipeline transfer's tag
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.pipeline.interpreter import StepRecord
+from rayshard.actors.pipeline.interpreter import StepRecord
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from actors.model.init_weights import initialize_parameters
-from actors.model.moe import set_aux_loss_scale
-from actors.model.parallelize import parallelize
-from actors.model.shards import NO_PIPELINE_COPIES
-from actors.model.transformer import build_on_meta
-from actors.model.user_model import Criterion, build_user_on_meta
-from actors.training.step_runner import loss_context, microbatch_loss
-from plans.config import TrainConfig
+from rayshard.actors.model.init_weights import initialize_parameters
+from rayshard.actors.model.moe import set_aux_loss_scale
+from rayshard.actors.model.parallelize import parallelize
+from rayshard.actors.model.shards import NO_PIPELINE_COPIES
+from rayshard.actors.model.transformer import build_on_meta
+from rayshard.actors.model.user_model import Criterion, build_user_on_meta
+from rayshard.actors.training.step_runner import loss_context, microbatch_loss
+from rayshard.plans.config import TrainConfig
 
 
 class SingleStageRunner:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from actors.model.shards import PipelineCopies
-from actors.pipeline.interpreter import StepRecord
+from rayshard.actors.model.shards import PipelineCopies
+from rayshard.actors.pipeline.interpreter import StepRecord
 
 
 class ModelParts(Protocol):

@@ -15,29 +15,29 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-from actors.checkpoint.async_save import AsyncSaver
-from actors.checkpoint.load import HandoverGroups, load_rank_shard
-from actors.checkpoint.save import save_rank_shard
-from actors.model.gradient_norm import clip_grad_norm
-from actors.model.moe import moe_layers
-from actors.model.parallelize import (expert_parameters, reduce_expert_gradients, sum_partial_gradients,
+from rayshard.actors.checkpoint.async_save import AsyncSaver
+from rayshard.actors.checkpoint.load import HandoverGroups, load_rank_shard
+from rayshard.actors.checkpoint.save import save_rank_shard
+from rayshard.actors.model.gradient_norm import clip_grad_norm
+from rayshard.actors.model.moe import moe_layers
+from rayshard.actors.model.parallelize import (expert_parameters, reduce_expert_gradients, sum_partial_gradients,
                                       tp_partial_parameters)
-from actors.model.shards import is_primary_replica
-from actors.pipeline.interpreter import StepRecord
-from actors.training.data import row_hashes
-from actors.training.dataset_source import open_training_data
-from actors.training.device_memory import device_name, peak_memory_bytes, reset_peak_memory
-from actors.training.host_allocator import keep_freed_host_memory
-from actors.training.pipelined import PipelinedRunner
-from actors.training.reports import StepMetrics
-from actors.training.single_stage import SingleStageRunner
-from actors.training.step_runner import StepRunner
-from plans.checkpoint.chunk_table import ChunkTable
-from plans.config import TrainConfig
-from plans.layout.parallel_layout import MESH_DIM_NAMES
-from plans.training.lr_schedule import learning_rate
-from plans.training.model_spec import parameter_shapes
-from plans.pipeline.plan import PipelinePlan, build_pipeline_plan
+from rayshard.actors.model.shards import is_primary_replica
+from rayshard.actors.pipeline.interpreter import StepRecord
+from rayshard.actors.training.data import row_hashes
+from rayshard.actors.training.dataset_source import open_training_data
+from rayshard.actors.training.device_memory import device_name, peak_memory_bytes, reset_peak_memory
+from rayshard.actors.training.host_allocator import keep_freed_host_memory
+from rayshard.actors.training.pipelined import PipelinedRunner
+from rayshard.actors.training.reports import StepMetrics
+from rayshard.actors.training.single_stage import SingleStageRunner
+from rayshard.actors.training.step_runner import StepRunner
+from rayshard.plans.checkpoint.chunk_table import ChunkTable
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.layout.parallel_layout import MESH_DIM_NAMES
+from rayshard.plans.training.lr_schedule import learning_rate
+from rayshard.plans.training.model_spec import parameter_shapes
+from rayshard.plans.pipeline.plan import PipelinePlan, build_pipeline_plan
 
 # Given the rank's step runner and the rank, returns the runner the trainer drives: a generic hook
 # (`actors/rank.py` takes one by name), through which tests install faults from outside.

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actors.checkpoint.stored import StoredCheckpoint
-from cluster.progress import advance, set_total
-from plans.checkpoint.chunks import STATE_KINDS, Chunk
-from plans.checkpoint.reshard import TableTensor
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.cluster.progress import advance, set_total
+from rayshard.plans.checkpoint.chunks import STATE_KINDS, Chunk
+from rayshard.plans.checkpoint.reshard import TableTensor
 
 BLOCK_BYTES = 64 * 2**20
 

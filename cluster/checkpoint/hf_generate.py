@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from plans.errors import RayshardError
+from rayshard.plans.errors import RayshardError
 
 
 def generate_text(directory: str, prompt: str, max_new_tokens: int = 24, seed: int = 0) -> str:

@@ -23,20 +23,20 @@ from dataclasses import dataclass
 import fsspec
 import torch
 
-from actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
+from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 
-from actors.checkpoint.stored import StoredCheckpoint
-from cluster.progress import advance, set_total
-from cluster.checkpoint.transform_exec import run_group
-from cluster.data.tokenizer import copy_tokenizer_files, tokenizer_url_of
-from plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
-from plans.errors import CheckpointError
-from plans.layout.parallel_layout import ParallelLayout
-from plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
-from plans.training.model_spec import ModelConfig, parameter_shapes
-from plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
-from plans.checkpoint.hf_families import export_config, export_mapping, model_config_from_hf
-from plans.checkpoint.transforms import Cast, Mapping, MappingPlan, Meta
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.cluster.progress import advance, set_total
+from rayshard.cluster.checkpoint.transform_exec import run_group
+from rayshard.cluster.data.tokenizer import copy_tokenizer_files, tokenizer_url_of
+from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
+from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
+from rayshard.plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
+from rayshard.plans.checkpoint.hf_families import export_config, export_mapping, model_config_from_hf
+from rayshard.plans.checkpoint.transforms import Cast, Mapping, MappingPlan, Meta
 
 CONFIG = "config.json"
 WEIGHTS = "model"

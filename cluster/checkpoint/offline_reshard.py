@@ -6,7 +6,7 @@ for). A rank writes exactly the pieces it would write if it had trained in the t
 (`plans/checkpoint/writers.py`: its regions, replicas written once and spread), and it gets each piece by
 the same planned ranged reads a training load uses (`StoredCheckpoint.read`), a window of pieces
 at a time, streaming them into its safetensors file. The driver then verifies the source chunks
-that ranks read in parts (`actors/checkpoint/partial_reads.py`), checks the new chunks tile every tensor and
+that ranks read in parts (`storage/partial_reads.py`), checks the new chunks tile every tensor and
 commits the manifest exactly as training does (create-only manifest, then LATEST).
 """
 from __future__ import annotations
@@ -18,24 +18,24 @@ import fsspec
 import ray
 import torch
 
-from actors.checkpoint.read_executor import WINDOW_BYTES, Destination
+from rayshard.actors.checkpoint.read_executor import WINDOW_BYTES, Destination
 
-from actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
+from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 
-from actors.checkpoint.manifest_io import read_manifest
-from actors.checkpoint.partial_reads import PartialRead
-from actors.checkpoint.stored import StoredCheckpoint, verify_parts
-from cluster.progress import advance, set_total
-from cluster.run.rank_group import connect_ray
-from cluster.storage.object_store import apply_conf
-from plans.checkpoint.chunks import Chunk
-from plans.errors import CheckpointError
-from plans.layout.parallel_layout import ParallelLayout
-from plans.checkpoint.model_check import check_against_own_model
-from plans.training.model_spec import ModelConfig
-from plans.checkpoint.reshard import Target
-from plans.checkpoint.writers import PlannedPiece, predicted_writes
-from plans.checkpoint.regions import check_layout_fits, pipeline_partition
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.storage.partial_reads import PartialRead
+from rayshard.actors.checkpoint.stored import StoredCheckpoint, verify_parts
+from rayshard.cluster.progress import advance, set_total
+from rayshard.cluster.run.rank_group import connect_ray
+from rayshard.storage.options import apply_conf
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.checkpoint.model_check import check_against_own_model
+from rayshard.plans.training.model_spec import ModelConfig
+from rayshard.plans.checkpoint.reshard import Target
+from rayshard.plans.checkpoint.writers import PlannedPiece, predicted_writes
+from rayshard.plans.checkpoint.regions import check_layout_fits, pipeline_partition
 
 
 @dataclass

@@ -6,13 +6,13 @@ import time
 
 import numpy as np
 
-from plans.checkpoint.chunk_table import ChunkTable, as_table
-from plans.checkpoint.chunks import Chunk
-from plans.layout.parallel_layout import ParallelLayout
-from plans.checkpoint.model_check import check_against_own_model
-from plans.checkpoint.layout_plan import LayoutPlan, plan_layout
-from plans.checkpoint.reshard import DEFAULT_MIN_SEGMENT_BYTES
-from plans.checkpoint.regions import check_layout_fits, layout_target_table
+from rayshard.plans.checkpoint.chunk_table import ChunkTable, as_table
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.checkpoint.model_check import check_against_own_model
+from rayshard.plans.checkpoint.layout_plan import LayoutPlan, plan_layout
+from rayshard.plans.checkpoint.reshard import DEFAULT_MIN_SEGMENT_BYTES
+from rayshard.plans.checkpoint.regions import check_layout_fits, layout_target_table
 
 MiB = 2**20
 

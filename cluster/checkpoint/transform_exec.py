@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from plans.errors import CheckpointError
-from plans.checkpoint.transforms import (Add, Cast, ConcatRows, Drop, Group, Rename, SplitRows, Stack, Transpose, Unalias,
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.checkpoint.transforms import (Add, Cast, ConcatRows, Drop, Group, Rename, SplitRows, Stack, Transpose, Unalias,
                                          Unstack)
 
 

@@ -3,7 +3,7 @@ long enough; with deep=True every chunk's bytes and every file's header are read
 CRC32 compared with the manifest — the check that catches a truncated or replaced shard that
 still has the right name.
 
-Deep reads go through the same streamed ranged reads as a load (`actors/checkpoint/ranged_fetch.py`:
+Deep reads go through the same streamed ranged reads as a load (`storage/ranged_fetch.py`:
 concurrent on S3, at most `window_bytes` fetched and not yet checked), so memory stays bounded
 whatever the checkpoint size.
 """
@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import fsspec
 
-from actors.checkpoint.checksums import running_like
-from actors.checkpoint.manifest_io import read_manifest
-from actors.checkpoint.ranged_fetch import fetch_ranges
-from plans.errors import CheckpointError
-from plans.checkpoint.model_check import check_against_own_model
-from plans.checkpoint.reshard import Request, check_chunks_disjoint_and_complete
-from cluster.progress import advance, set_total
+from rayshard.storage.checksums import running_like
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.storage.backends.registry import backend_for
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.checkpoint.model_check import check_against_own_model
+from rayshard.plans.checkpoint.reshard import Request, check_chunks_disjoint_and_complete
+from rayshard.cluster.progress import advance, set_total
 
 WINDOW_BYTES = 64 * 2**20
 
@@ -79,7 +79,7 @@ def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, p
     ranges = _ranges(members)
     base, name = path.rsplit("/", 1)
     small = {Request(name, start, end, ()): chunk for start, end, chunk in ranges if end - start <= window_bytes}
-    with contextlib.closing(fetch_ranges(fs, base, list(small), window_bytes)) as arrivals:  # concurrent, streamed
+    with contextlib.closing(backend_for(fs).fetch_ranges(base, list(small), window_bytes)) as arrivals:  # concurrent, streamed
         for request, blob in arrivals:
             chunk, start, end = small[request], request.byte_start, request.byte_end
             if not isinstance(blob, BaseException) and len(blob) == end - start:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from plans.config import RUN_NAME
+from rayshard.plans.config import RUN_NAME
 
 
 def whole_number(minimum: int, maximum: int | None = None):

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from cluster import progress
-from cluster.cli.ckpt import add_checkpoint_argument, ckpt_subcommands
-from cluster.cli.arg_types import AT_LEAST_ZERO, NON_NEGATIVE
+from rayshard.cluster import progress
+from rayshard.cluster.cli.ckpt import add_checkpoint_argument, ckpt_subcommands
+from rayshard.cluster.cli.arg_types import AT_LEAST_ZERO, NON_NEGATIVE
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -16,13 +16,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     ls.add_argument("--run", metavar="NAME", help="only this run")
     ls.add_argument("--all", action="store_true", help="also list leftovers of failed or running saves")
     ls.add_argument("--json", action="store_true", help="one JSON record per checkpoint")
-    ls.set_defaults(run_command="cluster.cli.commands.catalog:run_ls")
+    ls.set_defaults(run_command="rayshard.cluster.cli.commands.catalog:run_ls")
 
     verify = group.add_parser("verify", help="check that a checkpoint's files exist with their sizes (--deep: checksums)")
     add_checkpoint_argument(verify)
     verify.add_argument("--deep", action="store_true", help="read every chunk back and compare its CRC32")
     progress.add_arguments(verify)
-    verify.set_defaults(run_command="cluster.cli.commands.catalog:run_verify")
+    verify.set_defaults(run_command="rayshard.cluster.cli.commands.catalog:run_verify")
 
     gc = group.add_parser("gc", help="keep the newest N checkpoints per run; remove the rest and leftovers",
                           description="Never removes LATEST, checkpoints being read, or anything written within --grace.")
@@ -32,4 +32,4 @@ def register(commands: argparse._SubParsersAction) -> None:
     gc.add_argument("--grace", type=NON_NEGATIVE, default=3600.0, metavar="SECONDS",
                     help="leave leftovers and uploads younger than this alone (default 3600: saves in progress)")
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
-    gc.set_defaults(run_command="cluster.cli.commands.catalog:run_gc")
+    gc.set_defaults(run_command="rayshard.cluster.cli.commands.catalog:run_gc")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from cluster import progress
-from cluster.cli.groups import command_group
-from cluster.cli.arg_types import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts, png_path, run_name
+from rayshard.cluster import progress
+from rayshard.cluster.cli.groups import command_group
+from rayshard.cluster.cli.arg_types import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts, png_path, run_name
 
 
 def ckpt_subcommands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -42,7 +42,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     show = group.add_parser("show", help="a checkpoint's metadata and size")
     add_checkpoint_argument(show)
     show.add_argument("--json", action="store_true", help="also print the full metadata as JSON")
-    show.set_defaults(run_command="cluster.cli.commands.catalog:run_show")
+    show.set_defaults(run_command="rayshard.cluster.cli.commands.catalog:run_show")
 
     plan = group.add_parser("plan", help="dry run: what each rank of another layout would read (no data moved)")
     add_checkpoint_argument(plan)
@@ -50,7 +50,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--min-segment-kib", type=NON_NEGATIVE, default=256, metavar="K",
                       help="read only the needed columns when a row segment is at least K KiB, else whole rows (default 256)")
     plan.add_argument("--show-ranks", type=AT_LEAST_ZERO, default=16, metavar="N", help="list every rank up to N ranks (default 16)")
-    plan.set_defaults(run_command="cluster.cli.commands.ckpt:run_plan")
+    plan.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_plan")
 
     reshard = group.add_parser("reshard", help="write a copy laid out for another layout, as a new run (offline, on Ray)")
     add_checkpoint_argument(reshard)
@@ -60,21 +60,21 @@ def register(commands: argparse._SubParsersAction) -> None:
     reshard.add_argument("--cpus-per-worker", type=NON_NEGATIVE, default=1.0, metavar="F", help="CPUs each actor reserves (default 1)")
     reshard.add_argument("--local", action="store_true", help="play every rank in this process instead of Ray actors")
     progress.add_arguments(reshard)
-    reshard.set_defaults(run_command="cluster.cli.commands.ckpt:run_reshard")
+    reshard.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_reshard")
 
     digest = group.add_parser("digest", help="per-tensor SHA-256 of the global tensors: equal whatever layout wrote them")
     add_checkpoint_argument(digest)
     digest.add_argument("--json", action="store_true")
     digest.add_argument("--block-mib", type=POSITIVE, default=64, metavar="M", help="rows streamed per read (default 64 MiB)")
     progress.add_arguments(digest)
-    digest.set_defaults(run_command="cluster.cli.commands.ckpt:run_digest")
+    digest.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_digest")
 
     diff = group.add_parser("diff", help="compare two checkpoints tensor by tensor (exit 1 if they differ)")
     add_checkpoint_argument(diff, "a", store=False)
     add_checkpoint_argument(diff, "b")
     diff.add_argument("--all", action="store_true", help="also list the equal tensors")
     progress.add_arguments(diff)
-    diff.set_defaults(run_command="cluster.cli.commands.ckpt:run_diff")
+    diff.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_diff")
 
     export = group.add_parser("export", help="write a Hugging Face directory (config.json + safetensors)")
     add_checkpoint_argument(export)
@@ -85,7 +85,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="split into model-0000i-of-0000n.safetensors + index past M MiB (default 2048)")
     export.add_argument("--no-optimizer", action="store_true", help="leave out the optimizer moments (rayshard-optimizer/)")
     progress.add_arguments(export)
-    export.set_defaults(run_command="cluster.cli.commands.ckpt:run_export")
+    export.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_export")
 
     generate = group.add_parser("generate", help="a line of text from an exported directory, with transformers",
                                 description="AutoTokenizer + AutoModelForCausalLM.generate (sampled, seeded) on a `ckpt export` --out.")
@@ -93,7 +93,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
     generate.add_argument("--max-new-tokens", type=AT_LEAST_ONE, default=24, metavar="N")
     generate.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (top-k 40)")
-    generate.set_defaults(run_command="cluster.cli.commands.ckpt:run_generate")
+    generate.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_generate")
 
     importer = group.add_parser("import", help="make a checkpoint (RUN@STEP) from a Hugging Face directory (Llama, Qwen2/3, Mistral, Qwen2/3-MoE)")
     importer.add_argument("directory", metavar="DIR")
@@ -101,7 +101,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     importer.add_argument("--store", default="./runs", metavar="URL")
     importer.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="training dtype (default float32)")
     progress.add_arguments(importer)
-    importer.set_defaults(run_command="cluster.cli.commands.ckpt:run_import")
+    importer.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_import")
 
     plot = group.add_parser("plot-resume", help="PNG of loss curves: a run on layout A, its resume on layout B, a reference")
     plot.add_argument("--store", default="./runs", metavar="URL")
@@ -109,7 +109,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                       help="run(s) to draw; each layout segment gets its own colour (repeatable)")
     plot.add_argument("--reference", metavar="NAME", help="the uninterrupted run to compare with")
     plot.add_argument("--out", type=png_path, default="resume.png", metavar="PNG")
-    plot.set_defaults(run_command="cluster.cli.commands.ckpt:run_plot_resume")
+    plot.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_plot_resume")
 
 
 def _target_arguments(parser: argparse.ArgumentParser) -> None:

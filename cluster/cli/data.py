@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from cluster import progress
-from cluster.cli.groups import command_group
-from cluster.cli.arg_types import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
+from rayshard.cluster import progress
+from rayshard.cluster.cli.groups import command_group
+from rayshard.cluster.cli.arg_types import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
 
 
 def _input_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json (an fsspec URL)")
     _input_arguments(train)
     progress.add_arguments(train)
-    train.set_defaults(run_command="cluster.cli.commands.data:run_tokenizer_train")
+    train.set_defaults(run_command="rayshard.cluster.cli.commands.data:run_tokenizer_train")
 
     prepare = data.add_parser("prepare", help="tokenize corpora on Ray into token shards plus a Parquet index",
                               description="Tokenize on Ray; write token shards and index.parquet (the commit) to --out.")
@@ -42,4 +42,4 @@ def register(commands: argparse._SubParsersAction) -> None:
                          help="fail when no tokenizing task finishes within this")
     _input_arguments(prepare)
     progress.add_arguments(prepare)
-    prepare.set_defaults(run_command="cluster.cli.commands.data:run_prepare")
+    prepare.set_defaults(run_command="rayshard.cluster.cli.commands.data:run_prepare")

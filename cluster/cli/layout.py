@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.cli.plan import plan_subcommands
-from cluster.cli.arg_types import AT_LEAST_ONE, POSITIVE
-from plans.layout.chooser import PINNABLE_DEGREES
+from rayshard.cluster.cli.plan import plan_subcommands
+from rayshard.cluster.cli.arg_types import AT_LEAST_ONE, POSITIVE
+from rayshard.plans.layout.chooser import PINNABLE_DEGREES
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -26,4 +26,4 @@ def register(commands: argparse._SubParsersAction) -> None:
     for name in PINNABLE_DEGREES:
         parser.add_argument(f"--{name}", type=AT_LEAST_ONE, metavar="N", help=f"pin {name}" + (
             " (1 or fsdp; an MoE model otherwise gets ep = fsdp where fsdp divides its experts)" if name == "ep" else ""))
-    parser.set_defaults(run_command="cluster.cli.commands.layout:run_layout")
+    parser.set_defaults(run_command="rayshard.cluster.cli.commands.layout:run_layout")

@@ -16,13 +16,13 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from cluster.cli import catalog as catalog_cli
-from cluster.cli import ckpt as ckpt_cli
-from cluster.cli import data as data_cli
-from cluster.cli import layout as layout_cli
-from cluster.cli import plan as plan_cli
-from cluster.cli import train as train_cli
-from plans.errors import RayshardError, StepFailed, from_rank, rank_of
+from rayshard.cluster.cli import catalog as catalog_cli
+from rayshard.cluster.cli import ckpt as ckpt_cli
+from rayshard.cluster.cli import data as data_cli
+from rayshard.cluster.cli import layout as layout_cli
+from rayshard.cluster.cli import plan as plan_cli
+from rayshard.cluster.cli import train as train_cli
+from rayshard.plans.errors import RayshardError, StepFailed, from_rank, rank_of
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from plans.pipeline.schedules import SPECS
-from cluster.cli.groups import command_group
-from cluster.cli.arg_types import LAYERS, MICROBATCHES, NON_NEGATIVE, PIPELINE_RANKS, STAGES_PER_RANK, png_path
+from rayshard.plans.pipeline.schedules import SPECS
+from rayshard.cluster.cli.groups import command_group
+from rayshard.cluster.cli.arg_types import LAYERS, MICROBATCHES, NON_NEGATIVE, PIPELINE_RANKS, STAGES_PER_RANK, png_path
 
 SCHEDULE_NAMES = list(SPECS) + ["i1f1b"]
 DEFAULT_COSTS = "F=1,B=2,W=1"
@@ -49,7 +49,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     schedule.add_argument("--png", type=lambda text: Path(png_path(text)), help="also draw a Gantt chart into this PNG file")
     schedule.add_argument("--json", type=Path, help="also write the lowered per-rank action lists as JSON")
     schedule.add_argument("--no-grid", action="store_true", help="skip the text grid")
-    schedule.set_defaults(run_command="cluster.cli.commands.plan:run_schedule")
+    schedule.set_defaults(run_command="rayshard.cluster.cli.commands.plan:run_schedule")
 
     compare = subcommands.add_parser(
         "compare", help="simulate every schedule on the same pipeline, side by side",
@@ -57,7 +57,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "interleaved 1F1B (ZB-V and DualPipeV always run 2 stages per rank).",
     )
     _add_shape_arguments(compare)
-    compare.set_defaults(run_command="cluster.cli.commands.plan:run_compare")
+    compare.set_defaults(run_command="rayshard.cluster.cli.commands.plan:run_compare")
 
     layers = subcommands.add_parser(
         "layers", help="which layers go on which stage and rank",
@@ -73,7 +73,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     layers.add_argument("--embedding-cost", type=NON_NEGATIVE, default=0.0, help="cost of the embedding, on stage 0")
     layers.add_argument("--head-cost", type=NON_NEGATIVE, default=0.0, help="cost of the LM head, on the last stage")
     layers.add_argument("--layout", help='explicit cut: layer counts per stage "8,7,7,8" or ranges "0-7,8-14,15-21,22-29"')
-    layers.set_defaults(run_command="cluster.cli.commands.plan:run_layers")
+    layers.set_defaults(run_command="rayshard.cluster.cli.commands.plan:run_layers")
 
 
 def _add_shape_arguments(parser: argparse.ArgumentParser, shape_from_run: bool = False) -> None:

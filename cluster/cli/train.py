@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import os
+from importlib.resources import files
 
-from cluster.cli.arg_types import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts
-from plans.layout.parallel_layout import LAYOUT_DEGREES
+from rayshard.cluster.cli.arg_types import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts
+from rayshard.plans.layout.parallel_layout import LAYOUT_DEGREES
 
+# configs/ ships as package data (rayshard.configs): found the same way in a checkout, an editable
+# install and a wheel.
+DEFAULT_CONFIG = str(files("rayshard.configs") / "demo.yaml")
 
-
-# cluster/cli/train.py -> the repository root, where configs/ lives.
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "demo.yaml")
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: configs/demo.yaml embedded defaults)")
@@ -82,4 +82,4 @@ def register(commands) -> None:
     elastic.add_argument("--max-failures", type=AT_LEAST_ZERO, default=3, metavar="N")
     elastic.add_argument("--backoff-s", type=NON_NEGATIVE, default=1.0, metavar="S", help="first restart delay (doubles)")
     elastic.add_argument("--memory-gib", type=POSITIVE, default=64.0, metavar="GIB", help="memory budget per rank")
-    parser.set_defaults(run_command="cluster.cli.commands.train:run_train")
+    parser.set_defaults(run_command="rayshard.cluster.cli.commands.train:run_train")

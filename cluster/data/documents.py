@@ -14,8 +14,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actors.training.data import stdlib_files
-from plans.data.errors import DataInputError
+from rayshard.actors.training.data import stdlib_files
+from rayshard.plans.data.errors import DataInputError
+from rayshard.storage.backends.registry import backend_for
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -48,7 +49,7 @@ def input_files(urls: list[str], max_bytes: int | None = None) -> list[tuple[str
             found += [(path, os.path.getsize(path)) for path in stdlib_files()]
             continue
         fs, path = fsspec.core.url_to_fs(url)
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        backend = backend_for(fs)
         if any(c in path for c in "*?["):
             entries = fs.glob(path, detail=True)
         elif fs.isdir(path):
@@ -60,7 +61,7 @@ def input_files(urls: list[str], max_bytes: int | None = None) -> list[tuple[str
         files = sorted((p, int(info.get("size") or 0)) for p, info in entries.items() if info.get("type") != "directory")
         if not files:
             raise DataInputError(url, None, "no such file, directory or glob match", "pass existing files or URLs")
-        found += [(p if protocol in ("file", "local") else f"{protocol}://{p}", size) for p, size in files]
+        found += [(backend.url(p), size) for p, size in files]
     if max_bytes is not None:
         sizes = np.cumsum([size for _, size in found])
         found = found[:max(1, int(np.searchsorted(sizes, max_bytes, side="right")))]

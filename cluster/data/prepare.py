@@ -19,14 +19,14 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from cluster.data.documents import ReadOptions, input_files
-from cluster.data.prepare_pipeline import run_units
-from cluster.data.prepare_task import UnitResult
-from cluster.data.tokenizer import LoadedTokenizer, save_tokenizer
-from cluster.storage import object_store
-from cluster.storage.object_store import create_only
-from plans.data.dataset_index import INDEX, INDEX_SCHEMA, DatasetMeta, encode_index, index_hash, token_dtype_for
-from plans.errors import RayshardError
+from rayshard.cluster.data.documents import ReadOptions, input_files
+from rayshard.cluster.data.prepare_pipeline import run_units
+from rayshard.cluster.data.prepare_task import UnitResult
+from rayshard.cluster.data.tokenizer import LoadedTokenizer, save_tokenizer
+from rayshard.storage import options as storage_options
+from rayshard.storage.backends.registry import backend_for
+from rayshard.plans.data.dataset_index import INDEX, INDEX_SCHEMA, DatasetMeta, encode_index, index_hash, token_dtype_for
+from rayshard.plans.errors import RayshardError
 
 UNIT_BYTES = 64 << 20  # input bytes per task at most: a shard per unit, a few per CPU on small inputs
 
@@ -94,7 +94,7 @@ def prepare_dataset(inputs: list[str], tokenizer: LoadedTokenizer, out_url: str,
         if meta.documents == 0:
             raise RayshardError(f"no documents in {inputs} ({meta.skipped} bad input(s) skipped). "
                                 "Fix: pass files that hold text")
-        create_only(fs, f"{root}/{INDEX}", encode_index(documents, meta))
+        backend_for(fs).create_only(f"{root}/{INDEX}", encode_index(documents, meta))
     except BaseException:
         if fs.exists(f"{root}/{attempt}"):  # nothing names it; leave no orphan behind
             fs.rm(f"{root}/{attempt}", recursive=True)
@@ -108,7 +108,7 @@ def _run_units(units, files, tokenizer_json, eos_id, dtype, url, attempt, option
                task_timeout_s, progress) -> list[UnitResult]:
     """Every unit's result in unit order, or only the first bad input's unit when not skipping."""
     sizes = dict(files)
-    storage_conf = object_store.configure()  # the tasks reach the store as the driver does
+    storage_conf = storage_options.configure()  # the tasks reach the store as the driver does
     results: dict[int, UnitResult] = {}
     stream = run_units(units, tokenizer_json, eos_id, dtype, url, attempt, options, storage_conf, cpus_per_task,
                        concurrency, task_timeout_s)

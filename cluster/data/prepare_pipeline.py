@@ -17,10 +17,10 @@ import numpy as np
 import ray
 import ray.data
 
-from cluster.data.documents import ReadOptions
-from cluster.data.prepare_task import UnitResult, tokenize_unit
-from plans.data.errors import DataInputError
-from plans.errors import RayshardError
+from rayshard.cluster.data.documents import ReadOptions
+from rayshard.cluster.data.prepare_task import UnitResult, tokenize_unit
+from rayshard.plans.data.errors import DataInputError
+from rayshard.plans.errors import RayshardError
 
 _LIST_COLUMNS = ("sources", "rows", "tokens", "crc32", "skipped")
 

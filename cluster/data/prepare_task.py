@@ -15,8 +15,9 @@ import fsspec
 import numpy as np
 from tokenizers import Tokenizer
 
-from cluster.data.documents import ReadOptions, read_documents
-from plans.data.errors import DataInputError
+from rayshard.cluster.data.documents import ReadOptions, read_documents
+from rayshard.plans.data.errors import DataInputError
+from rayshard.storage.options import apply_conf
 
 ENCODE_BATCH = 256  # documents encoded at once: bounds a task's memory on a large JSONL file
 _tokenizers: dict[str, Tokenizer] = {}  # per worker process: parse each tokenizer.json once
@@ -46,7 +47,7 @@ def tokenize_unit(unit: int, files: list[str], tokenizer_json: str, eos_id: int,
                   dataset_url: str, shard: str, options: ReadOptions, storage_conf: dict) -> UnitResult:
     """Tokenize `files` in order into dataset_url/shard; every document ends with eos_id.
     storage_conf: the driver's object-store options (endpoint, retries; never credentials)."""
-    fsspec.config.conf.update(storage_conf)
+    apply_conf(storage_conf)
     # One CPU per task: tokenizers' own thread pool would oversubscribe the node.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     started = time.perf_counter()

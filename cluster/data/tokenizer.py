@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import fsspec
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cluster.data.documents import ReadOptions, input_files, read_documents
-from plans.errors import ConfigError, RayshardError
+from rayshard.cluster.data.documents import ReadOptions, input_files, read_documents
+from rayshard.plans.errors import ConfigError, RayshardError
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"

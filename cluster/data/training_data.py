@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from actors.training.dataset_reader import PreparedDataset
-from actors.training.dataset_source import open_prepared, prepared_dataset_url
-from actors.training.mixed_dataset import MixedDataset
-from actors.training.reports import StepMetrics
-from plans.config import TrainConfig
-from plans.data.batch_hash import global_batch_hash
-from plans.data.compatibility import check_same_dataset, check_vocab_fits
-from plans.data.errors import DatasetMismatch
-from plans.data.mixture import mixture_record
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.actors.training.dataset_reader import PreparedDataset
+from rayshard.actors.training.dataset_source import open_prepared, prepared_dataset_url
+from rayshard.actors.training.mixed_dataset import MixedDataset
+from rayshard.actors.training.reports import StepMetrics
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.data.batch_hash import global_batch_hash
+from rayshard.plans.data.compatibility import check_same_dataset, check_vocab_fits
+from rayshard.plans.data.errors import DatasetMismatch
+from rayshard.plans.data.mixture import mixture_record
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 # (dataset URL or mixture, seq_len) -> what checkpoints record: read from the index(es) when a run
 # starts (check_training_data), then reused by every save instead of re-reading the index.

@@ -16,9 +16,9 @@ matplotlib.use("Agg")  # headless: no display on cluster nodes or in CI
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from cluster.run.json_lines import json_records
-from plans.errors import CheckpointError
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.cluster.run.json_lines import json_records
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 

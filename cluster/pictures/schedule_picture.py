@@ -15,11 +15,11 @@ matplotlib.use("Agg")  # headless: no display on cluster nodes or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-from plans.pipeline.actions import Kind  # noqa: E402
-from plans.pipeline.text_grid import stage_chunks  # noqa: E402
-from plans.pipeline.csv_order import CSV_SCHEDULE  # noqa: E402
-from plans.pipeline.schedules import schedule_spec  # noqa: E402
-from plans.pipeline.simulator import Simulation  # noqa: E402
+from rayshard.plans.pipeline.actions import Kind  # noqa: E402
+from rayshard.plans.pipeline.text_grid import stage_chunks  # noqa: E402
+from rayshard.plans.pipeline.csv_order import CSV_SCHEDULE  # noqa: E402
+from rayshard.plans.pipeline.schedules import schedule_spec  # noqa: E402
+from rayshard.plans.pipeline.simulator import Simulation  # noqa: E402
 
 COLOURS = {
     Kind.F: "#4e79a7",

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.storage.pending import PendingCheckpoint
-from cluster.storage.store import Store
-from plans.checkpoint.chunk_table import ChunkTable, as_table
-from plans.checkpoint.chunks import Chunk
-from plans.errors import CheckpointError
+from rayshard.cluster.catalog.pending import PendingCheckpoint
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.checkpoint.chunk_table import ChunkTable, as_table
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.errors import CheckpointError
 
 
 @dataclass(frozen=True)

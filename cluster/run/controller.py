@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from plans.elastic import FailurePolicy, ScalingPolicy
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.elastic import FailurePolicy, ScalingPolicy
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 
 class State(str, enum.Enum):

@@ -14,15 +14,15 @@ from dataclasses import dataclass, replace
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from cluster.run.controller import Controller, Outcome, RunResult
-from cluster.run.rank_group import StepFailed, connect_ray
-from cluster.run.train import train
-from plans.config import TrainConfig
-from plans.elastic import FailurePolicy, ScalingPolicy
-from plans.errors import ConfigError, ResourcesUnavailable
-from plans.layout.parallel_layout import ParallelLayout
-from plans.layout.resources import equal_cpu_share, rank_bundle, ranks_offered
-from plans.layout.chooser import Workload, choose_layout, pinned_ranks
+from rayshard.cluster.run.controller import Controller, Outcome, RunResult
+from rayshard.cluster.run.rank_group import StepFailed, connect_ray
+from rayshard.cluster.run.train import train
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.elastic import FailurePolicy, ScalingPolicy
+from rayshard.plans.errors import ConfigError, ResourcesUnavailable
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.layout.resources import equal_cpu_share, rank_bundle, ranks_offered
+from rayshard.plans.layout.chooser import Workload, choose_layout, pinned_ranks
 
 # What a rank losing its process or node, an unrecoverable step, or ranks the cluster did not
 # grant in time (ResourcesUnavailable: the policy decides whether to wait again) look like.

@@ -16,13 +16,12 @@ import os
 import shutil
 import tempfile
 
-from fsspec.implementations.local import LocalFileSystem
 from torch.utils.tensorboard import SummaryWriter
 
-from cluster.run.json_lines import json_records
-from cluster.storage.store import Store
-from plans.config import TrainConfig
-from plans.errors import ConfigError
+from rayshard.cluster.run.json_lines import json_records
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
 
 # The numbers a step record carries that are worth a curve.
 SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_rank", "tflops_per_rank", "mfu",
@@ -56,7 +55,7 @@ class MetricsLog:
 class TensorBoardSink:
     def __init__(self, store: Store, run: str, start_step: int = 0):
         self.store, self.run = store, run
-        local = isinstance(store.fs, LocalFileSystem)
+        local = store.backend.local_paths
         self.directory = (os.path.join(store.root, run, "tensorboard") if local
                           else tempfile.mkdtemp(prefix=f"rayshard-tensorboard-{run}-"))
         self.remote = None if local else f"{store.root}/{run}/tensorboard"

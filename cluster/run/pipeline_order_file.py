@@ -5,7 +5,7 @@ import csv
 
 import fsspec
 
-from plans.errors import ConfigError
+from rayshard.plans.errors import ConfigError
 
 
 def read_csv_rows(path) -> tuple[tuple[str, ...], ...]:

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING
 
 import fsspec
 
-from plans.pipeline.actions import Schedule
-from plans.pipeline.csv_order import CSV_SCHEDULE
-from plans.config import TrainConfig
-from plans.errors import ConfigError
-from plans.layout.parallel_layout import RankCoords
-from plans.pipeline.schedules import schedule_spec
-from plans.pipeline.simulator import PipelineCosts, costs_from_measurements
+from rayshard.plans.pipeline.actions import Schedule
+from rayshard.plans.pipeline.csv_order import CSV_SCHEDULE
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import RankCoords
+from rayshard.plans.pipeline.schedules import schedule_spec
+from rayshard.plans.pipeline.simulator import PipelineCosts, costs_from_measurements
 
 if TYPE_CHECKING:  # a rank's report; importing it would bring torch into `rayshard plan`
-    from actors.training.reports import StepMetrics
+    from rayshard.actors.training.reports import StepMetrics
 
 FILE_NAME = "pipeline_timings.json"
 WARMUP_STEPS = 1
@@ -71,7 +71,7 @@ class PipelineTimings:
 
 
 def read_durations(record: dict) -> dict[tuple[str, int, int], float]:
-    """The {(kind, stage, microbatch): seconds} table `plans.pipeline.simulator` takes."""
+    """The {(kind, stage, microbatch): seconds} table `rayshard.plans.pipeline.simulator` takes."""
     return {(kind, int(stage), int(mb)): float(seconds) for kind, stage, mb, seconds in record["actions"]}
 
 

@@ -11,11 +11,11 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.rank import RankActor
-from plans.config import TrainConfig
-from plans.errors import ConfigError, RayshardError, ResourcesUnavailable, StepFailed, from_rank
-from plans.layout.resources import GRAIN, not_ready_failure, placement_failure, rank_bundle
-from plans.pipeline.plan import build_pipeline_plan
+from rayshard.actors.rank import RankActor
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError, RayshardError, ResourcesUnavailable, StepFailed, from_rank
+from rayshard.plans.layout.resources import GRAIN, not_ready_failure, placement_failure, rank_bundle
+from rayshard.plans.pipeline.plan import build_pipeline_plan
 
 __all__ = ["RankGroup", "StepFailed", "connect_ray", "start_actors", "bundle_for_rank"]
 

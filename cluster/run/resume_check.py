@@ -17,13 +17,13 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from actors.checkpoint.stored import StoredCheckpoint
-from cluster.checkpoint.digest import checkpoint_digest, digest_checkpoint
-from cluster.run.json_lines import json_records
-from cluster.storage.store import Store, step_dirname
-from plans.checkpoint.chunks import Chunk
-from plans.errors import CheckpointError
-from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.cluster.checkpoint.digest import checkpoint_digest, digest_checkpoint
+from rayshard.cluster.run.json_lines import json_records
+from rayshard.cluster.catalog.store import Store, step_dirname
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.checkpoint.reshard import check_chunks_disjoint_and_complete
 
 CHECKS_FILE = "resume-checks.jsonl"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.storage.store import Store
-from plans.config import TrainConfig
-from plans.errors import ConfigError
-from plans.training.model_spec import ModelConfig, model_differences
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.training.model_spec import ModelConfig, model_differences
 
 
 def checkpoint_model(config: TrainConfig, ref: str) -> tuple[str | None, ModelConfig] | None:

@@ -1,4 +1,4 @@
-"""The training driver: what `rayshard train` and `ray job submit -- python -m cluster train` run.
+"""The training driver: what `rayshard train` and `ray job submit -- python -m rayshard train` run.
 
 Thin by design: validate the config, resolve what to resume from, start the rank group, then
 one RPC per rank per step; ranks talk to each other over torch.distributed, not through here.
@@ -12,20 +12,20 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cluster.run.pipeline_timings import PipelineTimings
-from actors.checkpoint.manifest_io import manifest_bytes, read_manifest
-from actors.checkpoint.stored import check_loaded_parts
-from cluster.storage import leases
-from cluster.run.async_save import AsyncCheckpointer
-from cluster.run.rank_group import RankGroup, connect_ray
-from cluster.run.resume_check import verify_resumed_state
-from cluster.data.training_data import check_training_data, dataset_record, step_batch_hash, with_resolved_dataset
-from cluster.run.metrics_sinks import check_sinks, open_sinks
-from cluster.storage.store import Store
-from plans.checkpoint.chunk_table import ChunkTable
-from plans.config import TrainConfig
-from plans.errors import ConfigError
-from plans.training.flops import throughput
+from rayshard.cluster.run.pipeline_timings import PipelineTimings
+from rayshard.storage.manifest_io import manifest_bytes, read_manifest
+from rayshard.actors.checkpoint.stored import check_loaded_parts
+from rayshard.cluster.catalog import leases
+from rayshard.cluster.run.async_save import AsyncCheckpointer
+from rayshard.cluster.run.rank_group import RankGroup, connect_ray
+from rayshard.cluster.run.resume_check import verify_resumed_state
+from rayshard.cluster.data.training_data import check_training_data, dataset_record, step_batch_hash, with_resolved_dataset
+from rayshard.cluster.run.metrics_sinks import check_sinks, open_sinks
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.checkpoint.chunk_table import ChunkTable
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.training.flops import throughput
 
 
 @dataclass

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.model.user_model import FactoryModel
-from plans.training.model_plan import ModelPlan
-from plans.training.tp_plan import COLWISE, GATHER_SEQUENCE, ROWWISE, SEQUENCE_PARALLEL, VOCAB_EMBEDDING, VOCAB_HEAD
+from rayshard.actors.model.user_model import FactoryModel
+from rayshard.plans.training.model_plan import ModelPlan
+from rayshard.plans.training.tp_plan import COLWISE, GATHER_SEQUENCE, ROWWISE, SEQUENCE_PARALLEL, VOCAB_EMBEDDING, VOCAB_HEAD
 
 
 class SelfAttention(nn.Module):

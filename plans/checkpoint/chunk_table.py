@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.chunks import Chunk
 
 STRING_COLUMNS = ("name", "kind", "dtype", "file", "file_header")
 BOX_COLUMNS = ("global_shape", "offsets", "sizes")

@@ -9,7 +9,7 @@ import math
 
 from dataclasses import asdict, dataclass
 
-from plans.checkpoint.safetensors_layout import ITEMSIZE as DTYPE_SIZES
+from rayshard.plans.checkpoint.safetensors_layout import ITEMSIZE as DTYPE_SIZES
 
 # Kinds of state a chunk can hold; optimizer moments share their parameter's name and region.
 PARAM = "param"

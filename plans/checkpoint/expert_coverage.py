@@ -10,7 +10,7 @@ import fnmatch
 import math
 from collections.abc import Sequence
 
-from plans.training.model_spec import EXPERT_TENSORS
+from rayshard.plans.training.model_spec import EXPERT_TENSORS
 
 
 def expert_note(name: str, global_shape: Sequence[int], chunks: Sequence,

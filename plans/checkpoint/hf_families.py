@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import math
 
-from plans.checkpoint.transform_codec import decode_mapping
-from plans.checkpoint.transforms import Alias, Cast, Mapping, Rename, SplitRows, Unstack
-from plans.errors import CheckpointError, ConfigError
-from plans.training.model_spec import MOE_FAMILIES, ModelConfig
+from rayshard.plans.checkpoint.transform_codec import decode_mapping
+from rayshard.plans.checkpoint.transforms import Alias, Cast, Mapping, Rename, SplitRows, Unstack
+from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}

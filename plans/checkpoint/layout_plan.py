@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from plans.checkpoint.chunk_table import ChunkTable, FileHeaders, as_table
-from plans.checkpoint.chunks import Chunk
-from plans.checkpoint.reshard import (DEFAULT_MIN_SEGMENT_BYTES, ChunkIndex, RankReadPlan, Target,
+from rayshard.plans.checkpoint.chunk_table import ChunkTable, FileHeaders, as_table
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.reshard import (DEFAULT_MIN_SEGMENT_BYTES, ChunkIndex, RankReadPlan, Target,
                                       check_chunks_disjoint_and_complete, header_checks, index_chunks, plan_rank)
-from plans.checkpoint.safetensors_layout import ITEMSIZE
-from plans.checkpoint.target_table import READS_ITSELF, TargetTable
-from plans.errors import CheckpointError
+from rayshard.plans.checkpoint.safetensors_layout import ITEMSIZE
+from rayshard.plans.checkpoint.target_table import READS_ITSELF, TargetTable
+from rayshard.plans.errors import CheckpointError
 
 # Targets planned per batch: bounds the candidate-pair columns (~100 bytes a pair, ~7 pairs a
 # target at 16k ranks) to ~100 MiB whatever the layout.
@@ -101,7 +101,7 @@ class LayoutPlan:
 def plan_layout(chunks: Sequence[Chunk], targets: TargetTable | Sequence[Sequence[Target]],
                 min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES, check_sources: bool = True,
                 batch_targets: int = BATCH_TARGETS) -> LayoutPlan:
-    """Plan every target rank of a layout (targets from `plans.checkpoint.regions`: a
+    """Plan every target rank of a layout (targets from `rayshard.plans.checkpoint.regions`: a
     `TargetTable`, or per-rank `Target` lists)."""
     table = as_table(chunks)
     if check_sources:

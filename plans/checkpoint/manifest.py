@@ -13,16 +13,16 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from plans.checkpoint.chunk_table import ChunkTable
-from plans.checkpoint.chunks import Chunk
-from plans.checkpoint.manifest_rows import check_manifest_rows
-from plans.errors import CheckpointError
+from rayshard.plans.checkpoint.chunk_table import ChunkTable
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.manifest_rows import check_manifest_rows
+from rayshard.plans.errors import CheckpointError
 
 # The manifest's object name inside a checkpoint directory.
 MANIFEST = "manifest.parquet"
 # 2.0: chunk and header checksums are CRC32C (1.x: CRC32); a 1.x reader refuses 2.0 by its major
 # version rather than report every chunk corrupt. 2.1: CRC32 again, computed by ISA-L (any reader
-# that knows CRC32 verifies it, so a minor version; actors/checkpoint/checksums.py).
+# that knows CRC32 verifies it, so a minor version; storage/checksums.py).
 FORMAT_VERSION = "2.1"
 READABLE_MAJORS = ("1", "2")
 METADATA_KEY = b"rayshard"

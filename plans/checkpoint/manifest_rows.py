@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from plans.checkpoint.safetensors_layout import ITEMSIZE
-from plans.errors import CheckpointError
+from rayshard.plans.checkpoint.safetensors_layout import ITEMSIZE
+from rayshard.plans.errors import CheckpointError
 
 FIX = "Fix: the manifest is damaged; resume from another checkpoint (`rayshard ckpt ls`)"
 

@@ -3,10 +3,10 @@ key, every unexpected key and every shape or dtype mismatch together, so one loo
 wrong, instead of a failure at the first tensor a reader happens to reach."""
 from __future__ import annotations
 
-from plans.checkpoint.chunk_table import ChunkTable
-from plans.checkpoint.chunks import Chunk
-from plans.errors import CheckpointError
-from plans.training.model_spec import ModelConfig, parameter_shapes
+from rayshard.plans.checkpoint.chunk_table import ChunkTable
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 
 SHOWN = 20
 

@@ -3,14 +3,14 @@
 A manifest is data from storage, possibly written by someone else. A `file` such as
 `../../other-run/...`, `/etc/passwd` or `s3://other-bucket/key` would make a load read (and a
 gc delete) outside the checkpoint, so every key is checked before any byte is fetched. Pure:
-applied by `actors.checkpoint.manifest_io.read_manifest`, the one function every reader of a manifest
+applied by `rayshard.storage.manifest_io.read_manifest`, the one function every reader of a manifest
 (driver, rank actors, CLI) goes through, and by StoredCheckpoint for chunks decoded elsewhere.
 """
 from __future__ import annotations
 
 import re
 
-from plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # s3:, file:, C: (a Windows drive)
 

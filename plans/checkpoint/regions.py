@@ -26,17 +26,17 @@ from functools import lru_cache
 
 import numpy as np
 
-from plans.checkpoint.replicas import read_once_readers, read_once_readers_by_copies
-from plans.checkpoint.reshard import Target
-from plans.checkpoint.target_table import READS_ITSELF, TargetTable
-from plans.errors import ConfigError
-from plans.layout.parallel_layout import ParallelLayout, RankCoords
-from plans.pipeline.partition import StagePartition
-from plans.pipeline.plan import stage_partition
-from plans.pipeline.schedules import schedule_for_vpp
-from plans.training.model_plan import check_tp_divides, stage_part
-from plans.training.model_spec import ModelConfig, check_experts_fit, parameter_shapes
-from plans.training.tp_plan import split_dim_under
+from rayshard.plans.checkpoint.replicas import read_once_readers, read_once_readers_by_copies
+from rayshard.plans.checkpoint.reshard import Target
+from rayshard.plans.checkpoint.target_table import READS_ITSELF, TargetTable
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout, RankCoords
+from rayshard.plans.pipeline.partition import StagePartition
+from rayshard.plans.pipeline.plan import stage_partition
+from rayshard.plans.pipeline.schedules import schedule_for_vpp
+from rayshard.plans.training.model_plan import check_tp_divides, stage_part
+from rayshard.plans.training.model_spec import ModelConfig, check_experts_fit, parameter_shapes
+from rayshard.plans.training.tp_plan import split_dim_under
 
 EMBEDDING = "tok_embeddings.weight"
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
 
-from plans.layout.parallel_layout import MESH_DIM_NAMES, ParallelLayout, RankCoords
+from rayshard.plans.layout.parallel_layout import MESH_DIM_NAMES, ParallelLayout, RankCoords
 
 
 def replica_members(layout: ParallelLayout, coords: RankCoords, replicated_over: Sequence[str]) -> tuple[int, int]:

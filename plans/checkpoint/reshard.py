@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from plans.checkpoint.chunk_table import ChunkTable, FileHeaders, as_table
-from plans.checkpoint.chunks import Chunk
-from plans.checkpoint.expert_coverage import expert_note
-from plans.errors import CheckpointError
+from rayshard.plans.checkpoint.chunk_table import ChunkTable, FileHeaders, as_table
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.expert_coverage import expert_note
+from rayshard.plans.errors import CheckpointError
 
 DEFAULT_MIN_SEGMENT_BYTES = 256 * 1024
 

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError
 
 # rayshard dtype name (torch's, without "torch.") -> safetensors dtype tag, and bytes per element.
 SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plans.checkpoint.reshard import Target
+from rayshard.plans.checkpoint.reshard import Target
 
 READS_ITSELF = -1  # receive_from of a piece its own rank reads from storage
 

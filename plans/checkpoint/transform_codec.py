@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from plans.checkpoint.transforms import (Add, Alias, Cast, ConcatRows, Drop, Mapping, Rename, SplitRows, Stack, Transpose,
+from rayshard.plans.checkpoint.transforms import (Add, Alias, Cast, ConcatRows, Drop, Mapping, Rename, SplitRows, Stack, Transpose,
                                          Unstack)
-from plans.errors import CheckpointError, ConfigError
+from rayshard.plans.errors import CheckpointError, ConfigError
 
 RULES = {"rename": Rename, "split_rows": SplitRows, "concat_rows": ConcatRows, "unstack": Unstack, "stack": Stack,
          "transpose": Transpose,

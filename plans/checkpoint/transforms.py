@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError
 
 # `{word}` or `{word+N}` / `{word-N}`: an index, shifted by N in the name.
 PLACEHOLDER = re.compile(r"\{(\w+)([+-]\d+)?\}")

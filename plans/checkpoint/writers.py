@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plans.checkpoint.chunks import STATE_KINDS
-from plans.checkpoint.regions import Region, rank_regions
-from plans.checkpoint.replicas import pieces_written
-from plans.checkpoint.safetensors_layout import ITEMSIZE
-from plans.layout.parallel_layout import ParallelLayout, RankCoords
-from plans.pipeline.partition import StagePartition
-from plans.training.model_spec import ModelConfig
+from rayshard.plans.checkpoint.chunks import STATE_KINDS
+from rayshard.plans.checkpoint.regions import Region, rank_regions
+from rayshard.plans.checkpoint.replicas import pieces_written
+from rayshard.plans.checkpoint.safetensors_layout import ITEMSIZE
+from rayshard.plans.layout.parallel_layout import ParallelLayout, RankCoords
+from rayshard.plans.pipeline.partition import StagePartition
+from rayshard.plans.training.model_spec import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Whether a model and a checkpoint can train on a prepared dataset: checked before any rank starts."""
 from __future__ import annotations
 
-from plans.data.mixture import describe
-from plans.data.errors import DatasetMismatch
-from plans.errors import ConfigError
+from rayshard.plans.data.mixture import describe
+from rayshard.plans.data.errors import DatasetMismatch
+from rayshard.plans.errors import ConfigError
 
 
 def check_vocab_fits(model_vocab_size: int, tokenizer_vocab_size: int, dataset_url: str) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from plans.errors import RayshardError
+from rayshard.plans.errors import RayshardError
 
 INDEX = "index.parquet"
 FORMAT = "rayshard-dataset/1"

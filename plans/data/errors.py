@@ -1,7 +1,7 @@
 """Errors of the user's data: a file or row that cannot be read as text, said in one line."""
 from __future__ import annotations
 
-from plans.errors import RayshardError
+from rayshard.plans.errors import RayshardError
 
 
 class DataInputError(RayshardError, ValueError):

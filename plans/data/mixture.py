@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plans.data.sample_order import permuted
-from plans.errors import ConfigError
+from rayshard.plans.data.sample_order import permuted
+from rayshard.plans.errors import ConfigError
 
 MIX_BLOCK = 1024
 _ITEM = re.compile(r"^(?P<url>.+)=(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")

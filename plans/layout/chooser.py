@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
 
-from plans.errors import ConfigError
-from plans.layout.experts import (ExpertFootprint, check_pinned_ep, exchange_elements, expert_degree,
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.experts import (ExpertFootprint, check_pinned_ep, exchange_elements, expert_degree,
                                   expert_parameters_per_layer, largest_block)
-from plans.layout.parallel_layout import PARALLEL_DEGREES, ParallelLayout
-from plans.training.model_spec import ModelConfig, parameter_count
+from rayshard.plans.layout.parallel_layout import PARALLEL_DEGREES, ParallelLayout
+from rayshard.plans.training.model_spec import ModelConfig, parameter_count
 
 BYTES_PER_PARAM_STATE = 16  # fp32 parameter + gradient + two AdamW moments
 # What a user may pin: the rank dimensions, and ep (vpp comes from the run's schedule instead).

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import ModelConfig, check_experts_fit, moe_shapes, parameter_shapes
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import ModelConfig, check_experts_fit, moe_shapes, parameter_shapes
 
 
 def expert_degree(model: ModelConfig, fsdp: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from plans.errors import ConfigError
+from rayshard.plans.errors import ConfigError
 
 # The device mesh's dims, outermost first (the rank order below).
 MESH_DIM_NAMES = ("pp", "dp", "fsdp", "tp")

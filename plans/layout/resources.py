@@ -7,7 +7,7 @@ the cluster holds (rounding 2/3 to 0.67 once asked for 2.01 CPUs of 2 and waited
 """
 from __future__ import annotations
 
-from plans.errors import ConfigError
+from rayshard.plans.errors import ConfigError
 
 GRAIN = 10_000  # Ray's resource unit: 1/10000 of a CPU or GPU
 MAX_CPUS_PER_RANK = 1.0  # a rank runs torch with one thread; more CPUs would idle

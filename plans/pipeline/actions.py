@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from plans.errors import ScheduleError
+from rayshard.plans.errors import ScheduleError
 
 
 class Kind(str, enum.Enum):
@@ -138,7 +138,7 @@ class Schedule:
 
     `ranks[r]` is rank r's plain list of actions, executed in order. `stage_ranks[s]` is the
     rank that owns stage s. A schedule straight from a generator holds compute actions only;
-    `plans.pipeline.lowering.lower` returns one that also holds SEND/RECV/HANDOFF actions.
+    `rayshard.plans.pipeline.lowering.lower` returns one that also holds SEND/RECV/HANDOFF actions.
     """
 
     name: str

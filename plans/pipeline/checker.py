@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plans.pipeline.actions import MATCHING_KIND, RECV_KINDS, SEND_KINDS, Action, Kind, Schedule
-from plans.errors import ScheduleError
+from rayshard.plans.pipeline.actions import MATCHING_KIND, RECV_KINDS, SEND_KINDS, Action, Kind, Schedule
+from rayshard.plans.errors import ScheduleError
 
 _MAX_LISTED_VIOLATIONS = 20
 
@@ -114,7 +114,7 @@ def check(schedule: Schedule) -> CheckReport:
     if schedule.pp > 1 and not schedule.is_lowered:
         raise ScheduleError(
             f"schedule {schedule.name!r} has no SEND/RECV actions, so no stage would ever get "
-            "its input. Fix: check plans.pipeline.lowering.lower(schedule)"
+            "its input. Fix: check rayshard.plans.pipeline.lowering.lower(schedule)"
         )
     return _Run(schedule, verify=True).report()
 

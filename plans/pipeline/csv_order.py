@@ -18,9 +18,9 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plans.errors import ScheduleError
-from plans.pipeline.actions import COMM_KINDS, Action, Kind, Schedule
-from plans.pipeline.partition import Placement, stage_ranks
+from rayshard.plans.errors import ScheduleError
+from rayshard.plans.pipeline.actions import COMM_KINDS, Action, Kind, Schedule
+from rayshard.plans.pipeline.partition import Placement, stage_ranks
 
 _CELL = re.compile(r"^(\d+)(F|I|B|W|SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)$")
 _OVERLAP = re.compile(r"^\((.+)\)OVERLAP_F_B$")
@@ -161,7 +161,7 @@ def _one(text: str, where: str) -> Action | None:
 
 
 def schedule_of(order: CsvOrder) -> Schedule:
-    """The compute-only schedule (lower it with `plans.pipeline.lowering.lower`)."""
+    """The compute-only schedule (lower it with `rayshard.plans.pipeline.lowering.lower`)."""
     ranks = [[action for action in actions if action.kind not in COMM_KINDS] for actions in order.ranks]
     return Schedule(CSV_SCHEDULE, order.pp, order.vpp, order.microbatches, order.stage_ranks, ranks)
 

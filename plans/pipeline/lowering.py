@@ -23,8 +23,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 
-from plans.pipeline.actions import COMPUTE_KINDS, Action, Kind, Schedule
-from plans.errors import ScheduleError
+from rayshard.plans.pipeline.actions import COMPUTE_KINDS, Action, Kind, Schedule
+from rayshard.plans.errors import ScheduleError
 
 _UNIT_COSTS = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0, Kind.FB: 3.0}
 # Zero-length computes would tie with the transfers they produce; a tiny length keeps the
@@ -46,7 +46,7 @@ def lower(schedule: Schedule, duration: Callable[[Action], float] | None = None)
     if schedule.is_lowered:
         raise ScheduleError(
             f"schedule {schedule.name!r} already holds communication actions. Fix: lower the "
-            "compute-only schedule from plans.pipeline.schedules.build_schedule"
+            "compute-only schedule from rayshard.plans.pipeline.schedules.build_schedule"
         )
     timeline = _Timeline(schedule, duration or unit_duration)
     starts, ends = timeline.starts, timeline.ends

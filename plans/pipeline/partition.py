@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plans.errors import ConfigError
+from rayshard.plans.errors import ConfigError
 
 
 class Placement(str, enum.Enum):

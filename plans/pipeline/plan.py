@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plans.pipeline.actions import Schedule
-from plans.errors import ScheduleError
-from plans.pipeline.csv_order import CsvOrder, lowered_as_written, pipeline_order, schedule_of
-from plans.pipeline.checker import check
-from plans.layout.parallel_layout import ParallelLayout
-from plans.pipeline.lowering import lower
-from plans.training.model_spec import ModelConfig
-from plans.pipeline.partition import StagePartition, partition_layers
-from plans.pipeline.schedules import build_schedule, schedule_spec
+from rayshard.plans.pipeline.actions import Schedule
+from rayshard.plans.errors import ScheduleError
+from rayshard.plans.pipeline.csv_order import CsvOrder, lowered_as_written, pipeline_order, schedule_of
+from rayshard.plans.pipeline.checker import check
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.pipeline.lowering import lower
+from rayshard.plans.training.model_spec import ModelConfig
+from rayshard.plans.pipeline.partition import StagePartition, partition_layers
+from rayshard.plans.pipeline.schedules import build_schedule, schedule_spec
 
 
 CsvRows = tuple[tuple[str, ...], ...]  # a pipeline order file's cells, one tuple per rank

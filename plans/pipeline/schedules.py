@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from plans.pipeline.actions import Action, Kind, Schedule
-from plans.errors import ConfigError, ScheduleError
-from plans.pipeline.partition import Placement, stage_ranks
+from rayshard.plans.pipeline.actions import Action, Kind, Schedule
+from rayshard.plans.errors import ConfigError, ScheduleError
+from rayshard.plans.pipeline.partition import Placement, stage_ranks
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 

@@ -34,9 +34,9 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from plans.pipeline.actions import Action, Kind, Schedule
-from plans.pipeline.checker import CheckReport, execute
-from plans.errors import ConfigError, ScheduleError
+from rayshard.plans.pipeline.actions import Action, Kind, Schedule
+from rayshard.plans.pipeline.checker import CheckReport, execute
+from rayshard.plans.errors import ConfigError, ScheduleError
 
 COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB)
 
@@ -209,7 +209,7 @@ def simulate(
 ) -> Simulation:
     """Simulate a lowered schedule with per-stage costs (default: F=I=W=1, B=2, free comm).
 
-    checked: a CheckReport of this schedule from `plans.pipeline.checker.check`, to reuse its trace.
+    checked: a CheckReport of this schedule from `rayshard.plans.pipeline.checker.check`, to reuse its trace.
     """
     costs = costs or PipelineCosts.uniform(schedule.num_stages)
     if len(costs.stages) != schedule.num_stages:
@@ -301,7 +301,7 @@ def _replay(
     if not schedule.is_lowered and schedule.pp > 1:
         raise ScheduleError(
             f"schedule {schedule.name!r} has no communication actions. Fix: simulate "
-            "plans.pipeline.lowering.lower(schedule)"
+            "rayshard.plans.pipeline.lowering.lower(schedule)"
         )
     report = checked if checked is not None and checked.schedule is schedule else execute(schedule)
     if report.deadlock is not None:

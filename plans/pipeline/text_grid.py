@@ -8,8 +8,8 @@ of microbatch 3 on the rank's second or later stage); an overlapped pair reads "
 """
 from __future__ import annotations
 
-from plans.pipeline.actions import Action, Kind, Schedule
-from plans.pipeline.simulator import Simulation
+from rayshard.plans.pipeline.actions import Action, Kind, Schedule
+from rayshard.plans.pipeline.simulator import Simulation
 
 MAX_SLOTS = 400  # wider grids stop being readable in a terminal; draw the PNG instead
 LEGEND = (

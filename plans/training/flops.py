@@ -20,7 +20,7 @@ import fnmatch
 import math
 from dataclasses import dataclass
 
-from plans.training.model_spec import EXPERT_TENSORS, ModelConfig, parameter_shapes
+from rayshard.plans.training.model_spec import EXPERT_TENSORS, ModelConfig, parameter_shapes
 
 # Dense peak TFLOP/s per device, (bf16, fp32) (fp32 without TF32, torch's default for matmuls).
 # Longer names first: "H100 NVL" and "H100 PCIe" must not match the SXM row.

@@ -19,10 +19,10 @@ import fnmatch
 import json
 from dataclasses import dataclass, field
 
-from plans.checkpoint.transform_codec import canonical, decode_mapping
-from plans.checkpoint.transforms import Meta
-from plans.errors import CheckpointError, ConfigError
-from plans.training.tp_plan import ALL_STYLES, split_dim_under
+from rayshard.plans.checkpoint.transform_codec import canonical, decode_mapping
+from rayshard.plans.checkpoint.transforms import Meta
+from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.training.tp_plan import ALL_STYLES, split_dim_under
 
 CROSS_ENTROPY = "cross_entropy"  # the built-in criterion: vocab-parallel under tp (`loss_parallel`)
 

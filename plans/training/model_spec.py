@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from plans.errors import ConfigError
-from plans.training.model_plan import ModelPlan, UserModel
-from plans.training.tp_plan import DEFAULT_TP_STYLES, SEQUENCE_PARALLEL_ADDITIONS
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.training.model_plan import ModelPlan, UserModel
+from rayshard.plans.training.tp_plan import DEFAULT_TP_STYLES, SEQUENCE_PARALLEL_ADDITIONS
 
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")

@@ -33,12 +33,12 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
-from cluster.run.elastic import train_elastic  # noqa: E402
-from cluster.run.resume_check import resume_checks  # noqa: E402
-from cluster.storage.store import Store  # noqa: E402
-from plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
-from plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
+from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
+from rayshard.cluster.run.resume_check import resume_checks  # noqa: E402
+from rayshard.cluster.catalog.store import Store  # noqa: E402
+from rayshard.plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
+from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 STEPS, EVERY = 20, 2
 SMALL_STEPS = 6

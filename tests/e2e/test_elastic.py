@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 from tests.e2e.elastic_scenario import EVERY, SMALL_STEPS, STEPS, scenario_config
 

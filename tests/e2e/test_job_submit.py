@@ -1,4 +1,4 @@
-"""A real `ray start --head` and `ray job submit --working-dir . -- python -m cluster train`.
+"""A real `ray start --head` and `ray job submit --working-dir . -- python -m rayshard train`.
 
 The head runs in its own session directory and process group and is torn down by killing that
 group — never `ray stop`, which would also stop the test session's own Ray instance.
@@ -89,7 +89,7 @@ def test_ray_job_submit_trains_commits_and_a_resubmission_resumes(ray_head, tmp_
     def submit(steps: int, dp: int) -> str:
         done = subprocess.run(
             [f"{os.path.dirname(sys.executable)}/ray", "job", "submit", "--address", address, "--working-dir", ".",
-             "--", "python", "-m", "cluster", "train", "--steps", str(steps), "--dp", str(dp), "--tp", "1",
+             "--", "python", "-m", "rayshard", "train", "--steps", str(steps), "--dp", str(dp), "--tp", "1",
              "--global-batch", "4", "--seq-len", "32", "--store", str(store), "--run", "job", "--resume", "auto"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
         output = done.stdout + done.stderr
@@ -132,7 +132,7 @@ def _losses(store: Path, run: str) -> dict[int, float]:
 
 # Enough steps that a stop or kill (polled every 0.5 s) lands before the run could finish on its own.
 STEPS = 24
-TRAIN = ["python", "-m", "cluster", "train", "--steps", str(STEPS), "--ckpt-every", "2", "--global-batch", "8",
+TRAIN = ["python", "-m", "rayshard", "train", "--steps", str(STEPS), "--ckpt-every", "2", "--global-batch", "8",
          "--seq-len", "32", "--tp", "1", "--warmup-steps", "3", "--resume", "auto", "--verify-resume"]
 
 
@@ -169,8 +169,8 @@ def test_stopped_job_resubmitted_on_fewer_ranks_continues_the_losses(ray_head, t
     assert "resumed state verified" in output, output
     [check] = _resume_checks(store, "resub")
     assert check["equal"] and check["step"] == stopped_at and check["layout"].startswith("dp=4,")
-    from cluster.cli.main import build_parser
-    from cluster.cli.commands.train import config_from_args
+    from rayshard.cluster.cli.main import build_parser
+    from rayshard.cluster.cli.commands.train import config_from_args
 
     # The same flags on the same embedded config, uninterrupted, on a third layout.
     reference_args = build_parser().parse_args([*TRAIN[3:], "--dp", "2", "--store", str(tmp_path / "ref"), "--run", "ref"])
@@ -186,7 +186,7 @@ def test_a_new_driver_continues_after_the_old_one_is_killed(ray_head, tmp_path):
     _, env, gcs_address = ray_head
     store = tmp_path / "store"
     steps = STEPS
-    command = [sys.executable, "-m", "cluster", *TRAIN[3:], "--dp", "2", "--store", str(store), "--run", "phoenix"]
+    command = [sys.executable, "-m", "rayshard", *TRAIN[3:], "--dp", "2", "--store", str(store), "--run", "phoenix"]
     driver_env = dict(env, RAY_ADDRESS=gcs_address)  # a driver joining the cluster, as on a head node
     first = subprocess.Popen(command, cwd=REPO, env=driver_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from cluster.checkpoint.digest import checkpoint_digest, digest_checkpoint
+from rayshard.cluster.checkpoint.digest import checkpoint_digest, digest_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -34,7 +34,7 @@ def _train(store: str, run: str, *flags: str, gpu: bool) -> str:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    command = [sys.executable, "-m", "cluster", "train", "--config", "configs/demo.yaml", "--store", store,
+    command = [sys.executable, "-m", "rayshard", "train", "--config", "configs/demo.yaml", "--store", store,
                "--run", run, "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), *flags]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"

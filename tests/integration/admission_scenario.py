@@ -13,9 +13,9 @@ from contextlib import redirect_stderr
 
 import ray
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.cli.main import main
-from cluster.storage.store import Store
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.catalog.store import Store
 
 
 def cli(argv: list[str], debug: bool = False) -> dict:

@@ -17,10 +17,10 @@ from pathlib import Path
 def main(argv: list[str]) -> int:
     import ray
 
-    from actors.rank import RankActor
-    from cluster.run.train import train
-    from plans.config import OptimizerConfig
-    from plans.layout.parallel_layout import ParallelLayout
+    from rayshard.actors.rank import RankActor
+    from rayshard.cluster.run.train import train
+    from rayshard.plans.config import OptimizerConfig
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
     from tests.conftest import small_config
 
     spec = json.loads(argv[0])

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import re
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.checkpoint.digest import digest_checkpoint
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.checkpoint.digest import digest_checkpoint
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 # At least 8 layouts on 1..8 ranks, data/tensor-parallel (LAYOUTS) and pipelines (PP_LAYOUTS).
 LAYOUTS = {
@@ -46,10 +46,10 @@ def writer_rank(file: str) -> int:
 def load_and_save(config, source_url: str, actors, loaded: list | None = None) -> str:
     """Load a checkpoint into training actors of config.layout and save it again, no step taken.
     `loaded` (a list) receives each rank's load result."""
-    from actors.checkpoint.stored import check_loaded_parts
-    from cluster.run.rank_group import RankGroup
-    from cluster.storage.store import Store
-    from cluster.run.train import save_checkpoint
+    from rayshard.actors.checkpoint.stored import check_loaded_parts
+    from rayshard.cluster.run.rank_group import RankGroup
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.run.train import save_checkpoint
 
     store = Store(config.store)
     group = RankGroup(config, actors)
@@ -78,8 +78,8 @@ def resume_continuity(run_training, tmp_path, config, a, b, before: int, after: 
     where float rounding has grown as it does under any change of layout (docs/decisions.md 85),
     are held to `ceiling` and to no further from the uninterrupted run than a run on `b` from
     step 0 is (trained here too)."""
-    from cluster.pictures.resume_plot import plot_resume
-    from cluster.storage.store import Store
+    from rayshard.cluster.pictures.resume_plot import plot_resume
+    from rayshard.cluster.catalog.store import Store
 
     total = before + after
     full = run_training(config(a, total, total, "uninterrupted"))

@@ -21,10 +21,10 @@ from tests.forked_ranks import run_ranks
 
 
 def _one_step(rank: int, init_method: str, world_size: int, results, ac: str, store: str) -> None:
-    from actors.training.device_memory import resident_memory_bytes
-    from actors.training.trainer import Trainer
-    from plans.config import TrainConfig
-    from plans.training.model_spec import preset
+    from rayshard.actors.training.device_memory import resident_memory_bytes
+    from rayshard.actors.training.trainer import Trainer
+    from rayshard.plans.config import TrainConfig
+    from rayshard.plans.training.model_spec import preset
     from tests.saved_activations import kept_for_backward
 
     config = TrainConfig(model_preset="small", model=preset("small"), steps=1, global_batch=4, seq_len=512,

@@ -11,17 +11,17 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint.shard_writer import Piece, write_shard
+from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
 
-from plans.checkpoint.manifest import encode_manifest
-from cluster.storage import leases
-from cluster.storage.catalog import Catalog
-from cluster.cli.main import main
-from cluster.storage.retention import collect
-from cluster.storage.store import Store
-from cluster.checkpoint.verify import verify
-from plans.checkpoint.chunks import Chunk
-from plans.errors import CheckpointError
+from rayshard.plans.checkpoint.manifest import encode_manifest
+from rayshard.cluster.catalog import leases
+from rayshard.cluster.catalog.catalog import Catalog
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.catalog.retention import collect
+from rayshard.cluster.catalog.store import Store
+from rayshard.cluster.checkpoint.verify import verify
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.errors import CheckpointError
 
 
 @pytest.fixture(params=["s3", "local"])

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from cluster.cli.main import main
-from cluster.storage.retention import collect
-from cluster.storage.store import Store
-from plans.training.model_spec import preset
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.catalog.retention import collect
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 COMMANDS = {

@@ -16,13 +16,13 @@ import sys
 
 import pytest
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.storage.catalog import Catalog
-from cluster.storage.retention import collect
-from cluster.checkpoint.verify import verify
-from cluster.storage.store import Store
-from plans.errors import StepFailed
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.catalog.catalog import Catalog
+from rayshard.cluster.catalog.retention import collect
+from rayshard.cluster.checkpoint.verify import verify
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import StepFailed
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.integration.test_s3_training import _config
 from tests.s3_fixtures import TEST_STORAGE_ENV
 
@@ -105,8 +105,8 @@ RANK_POINTS = [pytest.param(p, marks=[] if p in ("between shards", "before the m
 @pytest.mark.parametrize("point", RANK_POINTS)
 def test_rank_killed_during_a_save_leaves_only_whole_checkpoints(point, ray_session, run_training, committed_step_2,
                                                                   s3_store, fault_proxy, tmp_path):
-    from actors.rank import RankActor
-    from cluster.run.train import train
+    from rayshard.actors.rank import RankActor
+    from rayshard.cluster.run.train import train
 
     store, before = committed_step_2
     fresh = [RankActor.options(num_cpus=0).remote() for _ in range(2)]

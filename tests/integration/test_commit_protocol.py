@@ -7,9 +7,8 @@ import uuid
 
 import pytest
 
-from cluster.storage import object_store
-from cluster.storage.store import Store
-from plans.errors import CheckpointError
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import CheckpointError
 
 
 @pytest.fixture(params=["s3", "local", "memory"])
@@ -68,14 +67,15 @@ def test_racing_writers_on_one_step_exactly_one_wins(store_url):
 def test_latest_moved_by_another_writer_during_a_commit_is_a_clear_error(store_url, monkeypatch):
     store, other = Store(store_url), Store(store_url)
     store.commit("r", 2, b"two")
-    real_create_only = object_store.create_only
+    backend_class = type(store.backend)  # the scheme's own create-only, whichever it is
+    real_create_only = backend_class.create_only
 
-    def create_then_lose_the_race(fs, path, data):
-        real_create_only(fs, path, data)
+    def create_then_lose_the_race(backend, path, data):
+        real_create_only(backend, path, data)
         if path.endswith("step-00000004/manifest.parquet"):
             other.commit("r", 6, b"six")  # lands between our manifest and our swap
 
-    monkeypatch.setattr("cluster.storage.store.create_only", create_then_lose_the_race)
+    monkeypatch.setattr(backend_class, "create_only", create_then_lose_the_race)
     with pytest.raises(CheckpointError, match=r"another writer moved LATEST \(now step 6\)"):
         store.commit("r", 4, b"four")
     assert store.latest_step("r") == 6

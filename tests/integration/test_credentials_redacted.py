@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli.main import main
-from plans.training.model_spec import preset
+from rayshard.cluster.cli.main import main
+from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 KEY_ID = "AKIARAYSHARDLEAKTEST7"
@@ -92,13 +92,13 @@ def test_a_rayshard_process_shows_no_credentials(s3_store, fault_proxy):
                PYTHONPATH=str(REPO))
     # One process each way (a process costs a torch import): `verify` without RAYSHARD_DEBUG is
     # checked in this process by test_failing_requests, through the same `main`.
-    done = subprocess.run([sys.executable, "-m", "cluster", "ckpt", "ls", "--store", s3_store], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "rayshard", "ckpt", "ls", "--store", s3_store], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     # It fails with one line naming the storage failure, not a traceback.
     assert done.returncode == 3 and "rayshard: error: storage request failed" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
     _assert_redacted(done.stdout + done.stderr)
-    debug = subprocess.run([sys.executable, "-m", "cluster", "ckpt", "verify", "r@1", "--deep", "--store", s3_store],
+    debug = subprocess.run([sys.executable, "-m", "rayshard", "ckpt", "verify", "r@1", "--deep", "--store", s3_store],
                            cwd=REPO, env=dict(env, RAYSHARD_DEBUG="1"), capture_output=True, text=True, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr  # the traceback, on request
     _assert_redacted(debug.stdout + debug.stderr)

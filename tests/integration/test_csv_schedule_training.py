@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from plans.layout.parallel_layout import ParallelLayout
-from plans.pipeline.csv_order import CSV_SCHEDULE
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.pipeline.csv_order import CSV_SCHEDULE
 from tests.conftest import small_config
 from tests.unit.test_csv_schedule import torch_csv
 

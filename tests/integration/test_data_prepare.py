@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cluster.cli.main import main
-from cluster.data.documents import ReadOptions
-from cluster.data.prepare import prepare_dataset
-from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
-from plans.data.dataset_index import INDEX, decode_index
-from plans.data.errors import DataInputError
-from plans.errors import RayshardError
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.data.documents import ReadOptions
+from rayshard.cluster.data.prepare import prepare_dataset
+from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from rayshard.plans.data.dataset_index import INDEX, decode_index
+from rayshard.plans.data.errors import DataInputError
+from rayshard.plans.errors import RayshardError
 
 CODE = "import os\n\ndef walk(root):\n    for name in os.listdir(root):\n        yield name\n"
 DOCS = {"a.txt": CODE * 3, "b.txt": "naïve café — ünïcode ✓\n\nsecond paragraph\n"}
@@ -89,8 +89,8 @@ def test_the_index_hash_is_the_content(ray_session, local_tokenizer, tmp_path):
 
 def test_stdlib_input_and_max_bytes(tmp_path):
     """`--input stdlib` names the byte-level trainer's corpus; --max-bytes keeps its first files."""
-    from actors.training.data import stdlib_files
-    from cluster.data.documents import input_files
+    from rayshard.actors.training.data import stdlib_files
+    from rayshard.cluster.data.documents import input_files
 
     every = input_files(["stdlib"])
     assert [url for url, _ in every] == stdlib_files() and all(size > 0 for _, size in every[:50])

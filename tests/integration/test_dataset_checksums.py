@@ -6,13 +6,13 @@ import fsspec
 import numpy as np
 import pytest
 
-from actors.training.dataset_reader import PreparedDataset
-from cluster.data.documents import ReadOptions
-from cluster.data.prepare import prepare_dataset
-from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
-from cluster.storage import object_store
-from plans.data.dataset_index import INDEX, decode_index
-from plans.errors import RayshardError
+from rayshard.actors.training.dataset_reader import PreparedDataset
+from rayshard.cluster.data.documents import ReadOptions
+from rayshard.cluster.data.prepare import prepare_dataset
+from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from rayshard.storage import options as storage_options
+from rayshard.plans.data.dataset_index import INDEX, decode_index
+from rayshard.plans.errors import RayshardError
 
 SEQ_LEN = 64
 LINES = [{"text": f"record {i}: {'abcdefgh'[i % 8] * (3 + i % 5)} value={i * 37 % 101}"} for i in range(120)]
@@ -58,7 +58,7 @@ def test_a_damaged_local_shard_is_refused_naming_file_and_document(ray_session, 
 
 def test_a_damaged_s3_shard_is_refused(ray_session, tokenizer, s3_store):
     folder, loaded = tokenizer
-    object_store.configure()
+    storage_options.configure()
     fs, root = fsspec.core.url_to_fs(s3_store)
     fs.pipe_file(f"{root}/in/docs.jsonl", (folder / "docs.jsonl").read_bytes())
     prepare_dataset([f"{s3_store}/in/docs.jsonl"], loaded, f"{s3_store}/ds", ReadOptions(), cpus_per_task=0)

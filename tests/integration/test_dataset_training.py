@@ -11,19 +11,19 @@ import fsspec
 import pytest
 from transformers import AutoTokenizer
 
-from actors.checkpoint.stored import StoredCheckpoint
-from actors.training.dataset_reader import PreparedDataset
-from cluster.checkpoint.hf_interop import export_hf, import_hf
-from cluster.cli.main import main
-from cluster.data.documents import ReadOptions
-from cluster.data.prepare import prepare_dataset
-from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
-from cluster.storage.store import Store
-from plans.config import DataConfig, OptimizerConfig
-from plans.data.errors import DatasetMismatch
-from plans.errors import ConfigError
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.actors.training.dataset_reader import PreparedDataset
+from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.data.documents import ReadOptions
+from rayshard.cluster.data.prepare import prepare_dataset
+from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import DataConfig, OptimizerConfig
+from rayshard.plans.data.errors import DatasetMismatch
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from cluster.checkpoint.hf_interop import export_hf, import_hf
-from cluster.cli.commands.train import config_from_args
-from cluster.cli.main import build_parser
-from cluster.storage.store import Store
+from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.cli.commands.train import config_from_args
+from rayshard.cluster.cli.main import build_parser
+from rayshard.cluster.catalog.store import Store
 from tests.unit.test_hf_families import COMMON, FAMILIES, hf_model, ours_from
 
 

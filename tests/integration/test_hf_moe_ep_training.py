@@ -9,10 +9,10 @@ import math
 import torch
 import transformers
 
-from cluster.checkpoint.hf_interop import export_hf, import_hf
-from cluster.cli.commands.train import config_from_args
-from cluster.cli.main import build_parser
-from cluster.storage.store import Store
+from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.cli.commands.train import config_from_args
+from rayshard.cluster.cli.main import build_parser
+from rayshard.cluster.catalog.store import Store
 from tests.unit.test_hf_families import ours_from
 from tests.unit.test_hf_moe import _hf_moe
 

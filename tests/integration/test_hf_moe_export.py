@@ -10,11 +10,11 @@ import pytest
 import torch
 import transformers
 
-from cluster.checkpoint.digest import digest_checkpoint
-from cluster.checkpoint.hf_interop import export_hf, import_hf
-from cluster.storage.store import Store
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.cluster.checkpoint.digest import digest_checkpoint
+from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.unit.test_hf_families import ours_from
 

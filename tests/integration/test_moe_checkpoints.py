@@ -11,13 +11,13 @@ import dataclasses
 
 import pytest
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.checkpoint.offline_reshard import reshard_checkpoint
-from cluster.checkpoint.verify import verify
-from cluster.storage.store import Store
-from plans.errors import CheckpointError
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
+from rayshard.cluster.checkpoint.verify import verify
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.integration.reshard_helpers import (chunk_fingerprint, digests, load_and_save, resume_continuity,
                                                writer_rank)
@@ -94,7 +94,7 @@ def _run(name: str) -> str:
 
 def _damaged_copy(store, url, run, damage):
     """The checkpoint resharded to a fresh run (same layout), then its manifest rewritten by `damage`."""
-    from plans.checkpoint.manifest import encode_manifest
+    from rayshard.plans.checkpoint.manifest import encode_manifest
 
     copy = reshard_checkpoint(url, SOURCE, store, run, local=True, log=lambda *_: None).url
     chunks, metadata = read_manifest(copy)
@@ -151,7 +151,7 @@ def _continuity(run_training, tmp_path, before, after, tight_steps=None, ceiling
     """`before` steps on fsdp2(ep2), resumed on fsdp4(ep4) for `after` more, against an
     uninterrupted run on fsdp2(ep2); over the steps held to the tolerance, the tokens each expert
     got match too."""
-    from plans.config import OptimizerConfig
+    from rayshard.plans.config import OptimizerConfig
 
     def config(layout, steps, total, run, **overrides):
         optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=total)

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.free_port import free_port
 
@@ -24,7 +24,7 @@ def _train(config) -> tuple[list, list[int], set]:
     """Losses, dynamo's compiled-graph count after each step, and the routings seen."""
     from torch._dynamo.utils import counters
 
-    from actors.training.trainer import Trainer
+    from rayshard.actors.training.trainer import Trainer
 
     torch._dynamo.reset()
     counters.clear()

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.integration.test_pipeline_numerics import ATOL, RTOL, one_step
 
@@ -122,9 +122,9 @@ def test_six_experts_on_three_ranks_move_bit_exact(run_training, rank_pool, tmp_
     """A checkpoint of 6 experts written on fsdp3(ep3) (2 experts a rank, the dense weights cut
     unevenly by FSDP2) loads into fsdp2(ep2) x tp2, fsdp6(ep6) (one expert a rank) and fsdp4 (ep 1) and is
     saved back with every tensor and moment bit-identical; offline to one rank and back too."""
-    from cluster.checkpoint.offline_reshard import reshard_checkpoint
-    from cluster.checkpoint.verify import verify
-    from cluster.storage.store import Store
+    from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from rayshard.cluster.checkpoint.verify import verify
+    from rayshard.cluster.catalog.store import Store
     from tests.integration.reshard_helpers import chunk_fingerprint, digests, load_and_save
 
     model = preset("moe-tiny", n_experts=6)
@@ -198,7 +198,7 @@ def test_async_saved_on_three_ranks_resumed_on_six_with_the_state_verified(run_t
     digests equal the checkpoint's before training on, and the resumed step is the uninterrupted one."""
     model = preset("moe-tiny", n_experts=6)
     full = run_training(_config(tmp_path, ParallelLayout(fsdp=3, ep=3), model, steps=3, run="full"))
-    from cluster.run.train import train
+    from rayshard.cluster.run.train import train
 
     train(_config(tmp_path, ParallelLayout(fsdp=3, ep=3), model, steps=2, run="cut"), rank_pool, async_save=True)
     resumed = run_training(_config(tmp_path, ParallelLayout(fsdp=6, ep=6), model, steps=3, run="cut", resume="latest",

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.integration.test_pipeline_numerics import ATOL, RTOL, one_step
 
@@ -117,7 +117,7 @@ def test_recomputed_forwards_route_and_count_once(run_training, tmp_path):
 def test_bf16_with_ep_follows_fp32(run_training, twenty_steps_on_one_rank, tmp_path):
     """bf16 compute (experts cast where FSDP does not hold them) stays within bf16's reach of
     the float32 run; the float32 master weights are what checkpoints hold."""
-    from plans.config import OptimizerConfig
+    from rayshard.plans.config import OptimizerConfig
 
     same_schedule = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=20)  # the 20-step run's
     bf16 = run_training(_config(tmp_path, LAYOUTS["fsdp2(ep2)"], steps=4, precision="bf16", optimizer=same_schedule))

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-import actors.model.parallelize as parallelize
-from actors.training.trainer import Trainer
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+import rayshard.actors.model.parallelize as parallelize
+from rayshard.actors.training.trainer import Trainer
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.forked_ranks import run_ranks
 from tests.free_port import free_port

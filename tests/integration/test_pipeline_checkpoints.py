@@ -2,10 +2,10 @@
 and a run saved by one pipeline resumes on another layout on the same loss curve."""
 import math
 
-from actors.checkpoint.manifest_io import read_manifest
-from plans.config import OptimizerConfig
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.plans.config import OptimizerConfig
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 
 

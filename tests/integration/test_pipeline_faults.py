@@ -3,10 +3,10 @@ import re
 
 import pytest
 
-from cluster.run.elastic import RANK_FAILURES
-from cluster.run.rank_group import StepFailed
-from cluster.run.train import train
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.cluster.run.elastic import RANK_FAILURES
+from rayshard.cluster.run.rank_group import StepFailed
+from rayshard.cluster.run.train import train
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.rank_faults import ranks_with_fault
 

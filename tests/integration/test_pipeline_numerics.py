@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 
 RTOL, ATOL = 1.3e-6, 1e-5  # assert_close's float32 defaults
@@ -34,7 +34,7 @@ def _config(tmp_path, layout, *, layers=4, tied=False, **overrides):
 
 def one_step(rank_pool, config) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and full gradients of step 0, gathered from every rank's primary pieces."""
-    from cluster.run.rank_group import RankGroup
+    from rayshard.cluster.run.rank_group import RankGroup
 
     group = RankGroup(config, rank_pool)
     try:

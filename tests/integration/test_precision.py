@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.storage.store import Store
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 
 BF16_RTOL = 2e-2  # a bf16 layout against the one-rank bf16 run

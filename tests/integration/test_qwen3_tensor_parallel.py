@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.integration.test_pipeline_numerics import ATOL, RTOL, one_step
 

@@ -9,9 +9,9 @@ import threading
 
 import fsspec
 
-from actors.checkpoint.ranged_fetch import fetch_ranges
-from cluster.storage.store import Store
-from plans.checkpoint.reshard import Request
+from rayshard.storage.ranged_fetch import fetch_ranges
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.checkpoint.reshard import Request
 
 MiB = 2**20
 

@@ -18,8 +18,8 @@ from step 0 is (1.0e-2 to 4.4e-2 on the same seeds and machine).
 """
 import pytest
 
-from plans.config import OptimizerConfig
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.config import OptimizerConfig
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.integration.reshard_helpers import resume_continuity
 

@@ -13,11 +13,11 @@ from dataclasses import replace
 import pytest
 from tqdm import tqdm
 
-from cluster.checkpoint.offline_reshard import planned_writes, reshard_checkpoint
-from cluster.checkpoint.reshard_report import build_plan
-from cluster.storage.store import Store
-from actors.checkpoint.manifest_io import read_manifest
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.cluster.checkpoint.offline_reshard import planned_writes, reshard_checkpoint
+from rayshard.cluster.checkpoint.reshard_report import build_plan
+from rayshard.cluster.catalog.store import Store
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.integration.reshard_helpers import (LAYOUTS, PP_LAYOUTS, chunk_fingerprint, digests, load_and_save,
                                                writer_rank)
@@ -111,7 +111,7 @@ def test_on_an_object_store_dp_replicas_read_each_piece_once(rank_pool, s3_store
     """Through S3 (moto): a dp2 x tp2 load reads the checkpoint once in all (each replica its
     share, then a broadcast), and the state it holds is bit for bit the one saved."""
     config = _training_config(tmp_path, SOURCE, "s3-src")
-    from cluster.run.train import train
+    from rayshard.cluster.run.train import train
 
     url = train(replace(config, store=s3_store, steps=1), rank_pool).checkpoints[-1]
     loaded = []
@@ -123,7 +123,7 @@ def test_on_an_object_store_dp_replicas_read_each_piece_once(rank_pool, s3_store
 
 def _failed_load(config, url, rank_pool) -> dict[int, str]:
     """Load `url` into fresh ranks of `config`, expecting failure; every rank's error (none silent)."""
-    from cluster.run.rank_group import RankGroup, StepFailed
+    from rayshard.cluster.run.rank_group import RankGroup, StepFailed
 
     group = RankGroup(config, rank_pool)
     try:
@@ -143,7 +143,7 @@ def test_a_replica_that_cannot_read_its_share_fails_the_load_on_every_rank(rank_
     comes (every rank answers)."""
     import fsspec
 
-    from cluster.run.train import train
+    from rayshard.cluster.run.train import train
 
     config = _training_config(tmp_path, SOURCE, "s3-corrupt-src")
     url = train(replace(config, store=s3_store, steps=1), rank_pool).checkpoints[-1]
@@ -166,7 +166,7 @@ def test_a_stage_whose_model_does_not_match_fails_the_load_on_every_rank(rank_po
     stage's keys are missing, so only its ranks can tell before reading. They name the missing
     keys; the first stage's ranks are told the load failed instead of starting broadcasts or
     waiting in a collective the others never join (every rank answers)."""
-    from cluster.run.train import train
+    from rayshard.cluster.run.train import train
 
     config = _training_config(tmp_path, SOURCE, "s3-short-src")
     url = train(replace(config, store=s3_store, steps=1), rank_pool).checkpoints[-1]
@@ -222,7 +222,7 @@ def test_full_matrix_through_training_actors(source, rank_pool, tmp_path, tmp_pa
 
 @pytest.fixture(scope="module")
 def tied_source(run_training, tmp_path_factory):
-    from plans.training.model_spec import preset
+    from rayshard.plans.training.model_spec import preset
 
     root = tmp_path_factory.mktemp("tied")
     tied = preset("tiny", tie_embeddings=True)
@@ -246,7 +246,7 @@ def test_tied_embeddings_through_pipeline_layouts(tied_source, rank_pool, tmp_pa
 def test_training_continues_from_an_imported_hugging_face_export(source, run_training, tmp_path):
     """export -> import restores the training state: resuming from the import takes the same
     next step as resuming from the original checkpoint."""
-    from cluster.checkpoint.hf_interop import export_hf, import_hf
+    from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
 
     store, url, source_digests = source
     export_hf(url, str(tmp_path / "hf"), log=lambda *_: None)

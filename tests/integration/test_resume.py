@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from cluster.run.rank_group import RankGroup
-from cluster.run.resume_check import resume_checks, verify_resumed_state
-from cluster.storage.store import Store
-from plans.errors import CheckpointError
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.cluster.run.rank_group import RankGroup
+from rayshard.cluster.run.resume_check import resume_checks, verify_resumed_state
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 
 DP2_TP2 = ParallelLayout(dp=2, tp=2)
@@ -18,7 +18,7 @@ DP2_TP2 = ParallelLayout(dp=2, tp=2)
 def _config(tmp_path, layout, **overrides):
     # The lr schedule's length is fixed (it defaults to --steps), so runs that stop early and
     # are resumed follow the same schedule as the uninterrupted run they are compared with.
-    from plans.config import OptimizerConfig
+    from rayshard.plans.config import OptimizerConfig
 
     optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=8)
     return small_config(tmp_path, layout, optimizer=optimizer, **overrides)
@@ -104,7 +104,7 @@ def test_an_edit_inside_a_chunk_the_new_layout_reads_in_parts_stops_the_resume(r
     """dp2 x tp2 stores wo as two column halves; fsdp2 reads each half's top rows on one rank and
     bottom rows on the other, so no rank sees a whole chunk. An edit in place (same size, same
     header) must still stop the resume before any step trains on it."""
-    from actors.checkpoint.manifest_io import read_manifest
+    from rayshard.storage.manifest_io import read_manifest
 
     url = run_training(_config(tmp_path, DP2_TP2, steps=2, run="e")).checkpoints[-1]
     chunks, _ = read_manifest(url)

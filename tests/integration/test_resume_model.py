@@ -11,12 +11,12 @@ import pytest
 import torch
 import transformers
 
-from cluster.checkpoint.hf_interop import import_hf
-from cluster.cli.commands.train import config_from_args
-from cluster.cli.main import build_parser
-from cluster.storage.store import Store
-from plans.errors import ConfigError
-from plans.training.model_spec import ModelConfig
+from rayshard.cluster.checkpoint.hf_interop import import_hf
+from rayshard.cluster.cli.commands.train import config_from_args
+from rayshard.cluster.cli.main import build_parser
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.training.model_spec import ModelConfig
 
 # Sizes no preset has: 3 layers, 6 heads over 2 kv heads, head_dim 8, vocab 264.
 HF_SIZES = dict(vocab_size=264, hidden_size=48, intermediate_size=112, num_hidden_layers=3, num_attention_heads=6,

@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
-import cluster.run.train as train_module
+import rayshard.cluster.run.train as train_module
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.storage.store import Store
-from cluster.run.train import train
-from plans.errors import CheckpointError
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.catalog.store import Store
+from rayshard.cluster.run.train import train
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.integration.test_s3_training import _config
 
 DP2 = ParallelLayout(dp=2)

@@ -8,9 +8,10 @@ import os
 import boto3
 import pytest
 
-from actors.checkpoint.object_writer import MultipartWriter, open_object_writer
-from cluster.storage.store import Store
-from plans.errors import CheckpointError
+from rayshard.storage.backends.registry import backend_for
+from rayshard.storage.backends.s3_multipart import MultipartWriter
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import CheckpointError
 
 MiB = 2**20
 
@@ -47,7 +48,7 @@ def test_parallel_multipart_upload_is_bit_exact_with_bounded_parts_in_flight(s3_
     monkeypatch.setattr(MultipartWriter, "_send_part", watch)
     parts = fault_proxy.add("delay", method="PUT", path="partNumber=", seconds=0.05)
     path = f"{store.root}/big/rank-00002.safetensors"
-    with open_object_writer(store.fs, path) as handle:
+    with backend_for(store.fs).open_writer(path) as handle:
         _write_in_odd_pieces(handle, data)
     assert store.fs.cat_file(path) == data
     assert parts.injected == 9  # 41 MiB in 5 MiB parts
@@ -63,7 +64,7 @@ def test_parts_survive_throttling_resets_and_server_errors(s3_store, fault_proxy
              fault_proxy.add("error500", method="POST", path="uploadId=", times=1),  # the completion
              fault_proxy.add("reset", method="POST", path="uploads", times=1)]  # the creation
     path = f"{store.root}/faulty/rank-00000.safetensors"
-    with open_object_writer(store.fs, path) as handle:
+    with backend_for(store.fs).open_writer(path) as handle:
         handle.write(data)
     assert store.fs.cat_file(path) == data
     assert all(rule.injected for rule in rules), [(r.fault, r.path, r.injected) for r in rules]
@@ -75,7 +76,7 @@ def test_objects_within_the_memory_budget_are_one_put(s3_store, fault_proxy, nby
     data = _payload(nbytes)
     reset = fault_proxy.add("reset", method="PUT", path="small", times=1)  # the retry must rewind the body
     path = f"{store.root}/small/rank-00001.safetensors"
-    with open_object_writer(store.fs, path) as handle:
+    with backend_for(store.fs).open_writer(path) as handle:
         _write_in_odd_pieces(handle, data)
     assert [m for m, p in fault_proxy.requests if "small" in p] == ["PUT", "PUT"] and reset.injected == 1
     assert store.fs.cat_file(path) == data
@@ -87,7 +88,7 @@ def test_a_stalled_part_fails_in_bounded_time_naming_rank_and_object(s3_store, f
     fault_proxy.add("stall", method="PUT", path="partNumber=2", seconds=20)  # every attempt hangs
     path = f"{store.root}/stalled/rank-00003.safetensors"
     with pytest.raises(CheckpointError) as error:
-        with open_object_writer(store.fs, path) as handle:
+        with backend_for(store.fs).open_writer(path) as handle:
             handle.write(_payload(31 * MiB))
     message = str(error.value)
     assert "rank 3" in message and "stalled/rank-00003.safetensors" in message and "stalled" in message

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.storage.store import Store
-from plans.config import OptimizerConfig
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import OptimizerConfig
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 
 DP2_TP2 = ParallelLayout(dp=2, tp=2)
@@ -65,8 +65,8 @@ def test_saves_and_loads_survive_throttling_resets_and_delays_bit_exact(run_trai
 def test_offline_reshard_on_s3_keeps_digests(run_training, s3_store, tmp_path):
     """The default suite's offline reshard on S3: a one-layer model (few chunks: every chunk is a
     request to a Python S3 server), dp2 -> tp2 in the driver, reading and writing through S3."""
-    from cluster.checkpoint.offline_reshard import reshard_checkpoint
-    from plans.training.model_spec import preset
+    from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from rayshard.plans.training.model_spec import preset
     from tests.integration.reshard_helpers import digests
 
     one_layer = preset("tiny", n_layers=1)
@@ -88,7 +88,7 @@ def test_offline_reshard_on_s3_keeps_digests(run_training, s3_store, tmp_path):
 def test_reshard_on_s3_keeps_digests_and_round_trips_bit_exact(run_training, s3_store, tmp_path, ray_session, workers):
     """The resharding e2e with the store on the S3 server: A -> B keeps digests, A -> B -> A is A
     bit for bit; with Ray workers, they reach S3 with the driver's shipped options."""
-    from cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
     from tests.integration.reshard_helpers import chunk_fingerprint, digests
 
     source = run_training(_config(tmp_path, DP2_TP2, steps=2, run="src", store=s3_store)).checkpoints[-1]

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from plans.errors import ConfigError
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.integration.test_pipeline_numerics import RTOL, ATOL, one_step
 
@@ -70,11 +70,11 @@ def _saved_activation_bytes(rank: int, init_method: str, world_size: int, result
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from actors.model.init_weights import initialize_parameters
-    from actors.model.parallelize import parallelize
-    from actors.model.transformer import build_on_meta
-    from plans.layout.parallel_layout import MESH_DIM_NAMES
-    from plans.training.model_spec import preset
+    from rayshard.actors.model.init_weights import initialize_parameters
+    from rayshard.actors.model.parallelize import parallelize
+    from rayshard.actors.model.transformer import build_on_meta
+    from rayshard.plans.layout.parallel_layout import MESH_DIM_NAMES
+    from rayshard.plans.training.model_spec import preset
     from tests.saved_activations import kept_for_backward
 
     torch.set_num_threads(1)

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from plans.layout.parallel_layout import MESH_DIM_NAMES, ParallelLayout
-from plans.training.model_spec import parameter_shapes, preset
-from plans.checkpoint.regions import tensor_region
+from rayshard.plans.layout.parallel_layout import MESH_DIM_NAMES, ParallelLayout
+from rayshard.plans.training.model_spec import parameter_shapes, preset
+from rayshard.plans.checkpoint.regions import tensor_region
 
 LAYOUTS = [
     ParallelLayout(), ParallelLayout(dp=2), ParallelLayout(fsdp=2), ParallelLayout(tp=2),
@@ -28,10 +28,10 @@ def fake_world():
     def build(layout, model_config):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from actors.checkpoint.rank_pieces import replicated_dims
-        from actors.model.transformer import build_on_meta
-        from actors.model.parallelize import parallelize
-        from actors.model.user_model import build_user_on_meta
+        from rayshard.actors.checkpoint.rank_pieces import replicated_dims
+        from rayshard.actors.model.transformer import build_on_meta
+        from rayshard.actors.model.parallelize import parallelize
+        from rayshard.actors.model.user_model import build_user_on_meta
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
         try:
@@ -54,7 +54,7 @@ def fake_world():
 def test_every_rank_region_matches_dtensor(fake_world, layout, model_name):
     """"user": the GPT-2 example's own plan (examples/gpt2), predicted from its checkpoint record."""
     if model_name == "user":
-        from actors.model.user_model import describe_factory
+        from rayshard.actors.model.user_model import describe_factory
 
         model = describe_factory("examples.gpt2.model:tiny_gpt2")
     else:

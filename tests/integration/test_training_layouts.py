@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 
 LAYOUTS = {
@@ -37,7 +37,7 @@ def test_losses_agree_across_layouts(run_training, tmp_path, reference_losses, n
 
 
 def test_tied_embeddings_agree_across_layouts(run_training, tmp_path):
-    from plans.training.model_spec import preset
+    from rayshard.plans.training.model_spec import preset
 
     tied = preset("tiny", tie_embeddings=True)
     single = run_training(small_config(tmp_path / "a", ParallelLayout(), model=tied, steps=4, run="a")).losses

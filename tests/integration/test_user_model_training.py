@@ -11,11 +11,11 @@ import sys
 import pytest
 import yaml
 
-from actors.model.user_model import describe_factory
-from cluster.cli.commands.train import config_from_args
-from cluster.cli.main import build_parser
-from cluster.storage.store import Store
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.actors.model.user_model import describe_factory
+from rayshard.cluster.cli.commands.train import config_from_args
+from rayshard.cluster.cli.main import build_parser
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.integration.reshard_helpers import chunk_fingerprint, digests, load_and_save
 
@@ -84,7 +84,7 @@ def test_a_reshard_to_pp2_and_back_through_training_actors_is_bit_exact(rank_poo
 def test_an_offline_reshard_there_and_back_is_bit_exact_without_the_users_code(dp2_tp2, layout, monkeypatch):
     """The offline planner reads shapes, tp splits and stage parts from the checkpoint's record:
     the factory's module is made unimportable and the round trip still holds."""
-    from cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
 
     root, _ = dp2_tp2
     store = Store(str(root / "store"))

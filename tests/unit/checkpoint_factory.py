@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from actors.checkpoint.save import save_rank_shard
-from actors.model.init_weights import initialize_parameters
-from actors.model.transformer import Transformer
-from cluster.storage.store import Store
-from plans.checkpoint.chunks import Chunk
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import ModelConfig
+from rayshard.actors.checkpoint.save import save_rank_shard
+from rayshard.actors.model.init_weights import initialize_parameters
+from rayshard.actors.model.transformer import Transformer
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import ModelConfig
 
 
 def trained_model(config: ModelConfig, steps: int = 2, seed: int = 0):
@@ -43,7 +43,7 @@ def write_user_checkpoint(store_url: str, run: str, factory: str, seed: int = 0)
     """A user model's checkpoint (`--model-factory`): the factory's module built on the CPU with
     every parameter drawn at random (norms and biases too, so a mapping that swaps two of them
     shows), one AdamW step for real moments. Returns (checkpoint url, model, optimizer)."""
-    from actors.model.user_model import describe_factory, import_factory
+    from rayshard.actors.model.user_model import describe_factory, import_factory
 
     config = describe_factory(factory)
     torch.manual_seed(seed)

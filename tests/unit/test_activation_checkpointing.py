@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actors.model.block_wrappers import wrap_blocks
-from actors.model.stage import build_stage_on_meta
-from actors.model.transformer import Transformer
-from actors.pipeline.interpreter import PipelineRunner
-from actors.training.pipelined import recomputes_stages
-from actors.training.step_runner import microbatch_loss
-from plans.config import TrainConfig
-from plans.pipeline.lowering import lower
-from plans.pipeline.schedules import build_schedule
-from plans.training.model_spec import preset
+from rayshard.actors.model.block_wrappers import wrap_blocks
+from rayshard.actors.model.stage import build_stage_on_meta
+from rayshard.actors.model.transformer import Transformer
+from rayshard.actors.pipeline.interpreter import PipelineRunner
+from rayshard.actors.training.pipelined import recomputes_stages
+from rayshard.actors.training.step_runner import microbatch_loss
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.pipeline.lowering import lower
+from rayshard.plans.pipeline.schedules import build_schedule
+from rayshard.plans.training.model_spec import preset
 from tests.saved_activations import kept_for_backward
 
 CONFIG = preset("tiny")

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from plans.pipeline.actions import Action, Kind, Schedule
-from plans.pipeline.checker import check, execute
-from plans.errors import ScheduleError
-from plans.pipeline.lowering import lower
-from plans.pipeline.schedules import build_schedule
+from rayshard.plans.pipeline.actions import Action, Kind, Schedule
+from rayshard.plans.pipeline.checker import check, execute
+from rayshard.plans.errors import ScheduleError
+from rayshard.plans.pipeline.lowering import lower
+from rayshard.plans.pipeline.schedules import build_schedule
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
@@ -251,7 +251,7 @@ def test_checking_a_compute_only_schedule_says_to_lower_it():
     with pytest.raises(ScheduleError) as error:
         check(build_schedule("1f1b", 2, 2))
     assert str(error.value) == ("schedule '1f1b' has no SEND/RECV actions, so no stage would ever get its input. "
-                                "Fix: check plans.pipeline.lowering.lower(schedule)")
+                                "Fix: check rayshard.plans.pipeline.lowering.lower(schedule)")
 
 
 def test_lowering_receives_before_sending_where_neighbours_would_both_send():

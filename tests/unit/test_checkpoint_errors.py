@@ -5,13 +5,13 @@ import shutil
 
 import pytest
 
-from actors.checkpoint.manifest_io import read_manifest
-from actors.checkpoint.read_executor import Destination
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.actors.checkpoint.read_executor import Destination
 
-from actors.checkpoint.stored import StoredCheckpoint
-from cluster.checkpoint.digest import digest_checkpoint
-from plans.errors import CheckpointError
-from plans.training.model_spec import preset
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.cluster.checkpoint.digest import digest_checkpoint
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 QKV = "layers.1.attention.qkv.weight"
@@ -105,7 +105,7 @@ def test_an_edit_inside_a_chunk_read_in_parts_is_caught_when_the_parts_meet(chec
 def test_a_chunk_whose_parts_do_not_cover_it_is_read_whole_to_check_it(checkpoint):
     url, chunk, path = checkpoint
     _flip_byte(path, chunk.byte_end - 5)
-    from actors.checkpoint.stored import check_loaded_parts
+    from rayshard.actors.checkpoint.stored import check_loaded_parts
 
     stored = StoredCheckpoint(url)
     stored.read_region(QKV, "param", (0, 0), (64, 64))  # only the first half, which is intact
@@ -118,9 +118,9 @@ def test_a_chunk_whose_parts_do_not_cover_it_is_read_whole_to_check_it(checkpoin
 
 
 def test_an_offline_reshard_that_reads_an_edited_chunk_in_parts_commits_nothing(checkpoint, tmp_path):
-    from cluster.checkpoint.offline_reshard import reshard_checkpoint
-    from cluster.storage.store import Store
-    from plans.layout.parallel_layout import ParallelLayout
+    from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
 
     url, chunk, path = checkpoint
     _flip_byte(path, chunk.byte_start + 3)  # fsdp2 reads the first half of every chunk on one rank
@@ -132,7 +132,7 @@ def test_an_offline_reshard_that_reads_an_edited_chunk_in_parts_commits_nothing(
 
 def _rewrite_manifest(url: str, keep, extra=()) -> None:
     """The checkpoint's manifest with only the chunks `keep` accepts, plus `extra` ones."""
-    from plans.checkpoint.manifest import encode_manifest
+    from rayshard.plans.checkpoint.manifest import encode_manifest
 
     chunks, metadata = read_manifest(url)
     metadata.pop("format_version")
@@ -146,12 +146,12 @@ def test_offline_tools_name_every_tensor_a_manifest_lost_or_gained(checkpoint, t
     everything that is off at once (the reshard used to die with a KeyError on the first one)."""
     import dataclasses
 
-    from cluster.checkpoint.hf_interop import export_hf
-    from cluster.checkpoint.offline_reshard import reshard_checkpoint
-    from cluster.checkpoint.reshard_report import build_plan
-    from cluster.storage.store import Store
-    from cluster.checkpoint.verify import verify
-    from plans.layout.parallel_layout import ParallelLayout
+    from rayshard.cluster.checkpoint.hf_interop import export_hf
+    from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
+    from rayshard.cluster.checkpoint.reshard_report import build_plan
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.checkpoint.verify import verify
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
 
     url, chunk, _ = checkpoint
     if damage == "lost a layer":
@@ -181,7 +181,7 @@ def test_parts_read_from_an_object_store_are_verified_together_too(tmp_path, win
     import fsspec
     import torch
 
-    from plans.checkpoint.reshard import Target
+    from rayshard.plans.checkpoint.reshard import Target
 
     store_url = f"memory://parts-{uuid.uuid4().hex}"
     url, _, _ = write_checkpoint(store_url, "run", preset("tiny"))
@@ -203,8 +203,8 @@ def test_parts_read_from_an_object_store_are_verified_together_too(tmp_path, win
 
 
 def test_verify_reports_damaged_model_metadata_instead_of_crashing(checkpoint):
-    from plans.checkpoint.manifest import encode_manifest
-    from cluster.checkpoint.verify import verify
+    from rayshard.plans.checkpoint.manifest import encode_manifest
+    from rayshard.cluster.checkpoint.verify import verify
 
     url, _, _ = checkpoint
     chunks, metadata = read_manifest(url)

@@ -3,14 +3,14 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint.read_executor import fill_from_reads
+from rayshard.actors.checkpoint.read_executor import fill_from_reads
 
-from actors.checkpoint.read_executor import Destination
-from actors.checkpoint.shard_writer import Piece, encode_shard
+from rayshard.actors.checkpoint.read_executor import Destination
+from rayshard.actors.checkpoint.shard_writer import Piece, encode_shard
 
-from plans.checkpoint.manifest import FORMAT_VERSION, decode_manifest, encode_manifest
-from plans.errors import CheckpointError
-from plans.checkpoint.reshard import plan_reads
+from rayshard.plans.checkpoint.manifest import FORMAT_VERSION, decode_manifest, encode_manifest
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.checkpoint.reshard import plan_reads
 
 
 def _written(tmp_path):
@@ -89,7 +89,7 @@ def _with_checksums(chunks, data: bytes, algorithm: str):
     """The same chunks as a writer using `algorithm` would have recorded them."""
     import dataclasses
 
-    from actors.checkpoint.checksums import checksum
+    from rayshard.storage.checksums import checksum
 
     header = checksum(data[:min(c.byte_start for c in chunks)], algorithm)
     return [dataclasses.replace(c, checksum=checksum(data[c.byte_start:c.byte_end], algorithm), file_header=header)
@@ -120,7 +120,7 @@ def test_written_crc32_values_are_zlibs_so_any_crc32_reader_verifies_them():
     unaligned buffers and on a tensor's own bytes."""
     import zlib
 
-    from actors.checkpoint.checksums import RunningChecksum, checksum
+    from rayshard.storage.checksums import RunningChecksum, checksum
 
     data = bytes((i * 131 + i // 7) % 251 for i in range(3 * 2**20 + 13))
     assert checksum(data) == f"crc32:{zlib.crc32(data):08x}"
@@ -153,8 +153,8 @@ def test_column_chunks_land_in_rows_of_a_wider_target(tmp_path, monkeypatch, dty
     short_reads: the system returns at most 7 bytes a call (as FUSE mounts and >2 GiB reads do)."""
     import os
 
-    from actors.checkpoint import read_executor
-    from actors.checkpoint.read_executor import _direct_buffer
+    from rayshard.actors.checkpoint import read_executor
+    from rayshard.actors.checkpoint.read_executor import _direct_buffer
 
     monkeypatch.setattr(read_executor, "CHECK_BLOCK_BYTES", 16)
 

@@ -11,12 +11,12 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint import checksums
-from actors.checkpoint.checksums import algorithm_of, checksum, combine, matches, running_like
-from actors.checkpoint.read_executor import Destination, execute_requests, fill_from_reads
-from actors.checkpoint.shard_writer import Piece, encode_shard
-from plans.checkpoint.reshard import Target, coalesce, header_checks, index_chunks, plan_rank
-from plans.errors import CheckpointError
+from rayshard.storage import checksums
+from rayshard.storage.checksums import algorithm_of, checksum, combine, matches, running_like
+from rayshard.actors.checkpoint.read_executor import Destination, execute_requests, fill_from_reads
+from rayshard.actors.checkpoint.shard_writer import Piece, encode_shard
+from rayshard.plans.checkpoint.reshard import Target, coalesce, header_checks, index_chunks, plan_rank
+from rayshard.plans.errors import CheckpointError
 
 FILE = "attempt-x/rank-00000.safetensors"
 # Whole requests; parts bigger than the window, read in row blocks of 2 rows (a: 40 bytes a row).

@@ -8,12 +8,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from plans.checkpoint.chunk_table import ChunkTable, as_table
-from plans.checkpoint.chunks import Chunk
-from plans.checkpoint.manifest import MANIFEST_SCHEMA, decode_manifest, encode_manifest
-from plans.checkpoint.reshard import (TensorChunks, _check_tensor, check_chunks_disjoint_and_complete, header_checks,
+from rayshard.plans.checkpoint.chunk_table import ChunkTable, as_table
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.manifest import MANIFEST_SCHEMA, decode_manifest, encode_manifest
+from rayshard.plans.checkpoint.reshard import (TensorChunks, _check_tensor, check_chunks_disjoint_and_complete, header_checks,
                                       index_chunks, plan_reads)
-from plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError
 
 
 def grid(name="w", kind="param", rows=10, cols=6, row_cuts=(0, 3, 7), col_cuts=(0, 4), file="f", header="crc32:h"):

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from cluster.cli.main import main
-from cluster.storage.store import Store
-from plans.training.model_spec import preset
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 
@@ -92,7 +92,7 @@ def test_long_commands_draw_a_byte_progress_bar_on_stderr(store, tmp_path, capsy
 def test_cli_failure_classes(monkeypatch, capsys):
     """Storage failures get one line (secrets in endpoint URLs masked); Ray's own errors and a
     closed pipe are not dressed up as storage failures."""
-    import cluster.cli.main as cli
+    import rayshard.cluster.cli.main as cli
     from ray.exceptions import GetTimeoutError
 
     def command_raising(error):
@@ -126,8 +126,8 @@ class _ParserRunning:
 def test_offline_reshard_workers_are_capped_to_what_the_ray_cluster_holds():
     """Ray queues an actor that does not fit until CPUs free up: four 1-CPU workers on a 2-CPU
     cluster waited forever. Fewer workers each play more ranks; none that fit is an error."""
-    from cluster.checkpoint.offline_reshard import _workers_that_fit
-    from plans.errors import CheckpointError
+    from rayshard.cluster.checkpoint.offline_reshard import _workers_that_fit
+    from rayshard.plans.errors import CheckpointError
 
     said = []
     assert _workers_that_fit(4, 1.0, 2.0, said.append) == 2 and "2 CPUs: 2 worker(s)" in said[0]

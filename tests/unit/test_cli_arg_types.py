@@ -3,7 +3,7 @@ arguments are parsed: a zero block size, a NaN memory budget, a negative grace o
 that would write outside the store fails naming the flag, exit 2."""
 import pytest
 
-from cluster.cli.main import main
+from rayshard.cluster.cli.main import main
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from cluster.cli.main import main
+from rayshard.cluster.cli.main import main
 
 BAD_TRAIN_ARGUMENTS = [
     (["--tp", "4"], "layout.tp=4: must divide the number of kv heads (2). Fix: use --tp in [1, 2]"),
@@ -16,9 +16,9 @@ BAD_TRAIN_ARGUMENTS = [
 
 
 def test_a_bad_argument_is_one_line_and_exit_2_from_the_real_command():
-    """The process as a user meets it: `python -m cluster` (its exit code, nothing but the line)."""
+    """The process as a user meets it: `python -m rayshard` (its exit code, nothing but the line)."""
     args, fragment = BAD_TRAIN_ARGUMENTS[0]
-    done = subprocess.run([sys.executable, "-m", "cluster", "train", *args], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "rayshard", "train", *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr == f"rayshard: error: {fragment}\n", done.stderr
 
@@ -27,7 +27,7 @@ def test_a_bad_argument_is_one_line_and_exit_2_from_the_real_command():
 def test_bad_train_arguments_fail_fast_with_a_fix(args, fragment, capsys, monkeypatch):
     """In this process (a subprocess each costs a torch import): the same `main`, with training,
     which is what starts Ray, replaced by a failure, so an error found only after it would show."""
-    import cluster.cli.commands.train as train_command
+    import rayshard.cluster.cli.commands.train as train_command
 
     def started(*_args, **_kwargs):
         raise AssertionError("training started before the bad input was refused")

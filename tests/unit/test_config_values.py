@@ -5,9 +5,9 @@ import math
 import pytest
 import yaml
 
-from cluster.cli.main import main
-from plans.config import TrainConfig, with_overrides
-from plans.errors import ConfigError
+from rayshard.cluster.cli.main import main
+from rayshard.plans.config import TrainConfig, with_overrides
+from rayshard.plans.errors import ConfigError
 
 
 def from_yaml(text: str) -> TrainConfig:

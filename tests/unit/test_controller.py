@@ -1,10 +1,10 @@
 """The controller's state machine stepped against a fake worker group (no Ray)."""
 import pytest
 
-from cluster.run.controller import Controller, Outcome, RunResult, State
-from plans.elastic import FailurePolicy, ScalingPolicy
-from plans.errors import ConfigError
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.cluster.run.controller import Controller, Outcome, RunResult, State
+from rayshard.plans.elastic import FailurePolicy, ScalingPolicy
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 
 class FakeGroup:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import csv
 import json
 
-from cluster.cli.main import main
-from plans.pipeline.csv_order import parse_pipeline_csv, schedule_of
+from rayshard.cluster.cli.main import main
+from rayshard.plans.pipeline.csv_order import parse_pipeline_csv, schedule_of
 
 # 1F1B on 2 ranks, 2 microbatches, as torch's compute-only CSV.
 ROWS = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]

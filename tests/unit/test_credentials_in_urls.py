@@ -3,7 +3,7 @@ stderr, with RAYSHARD_DEBUG=1's traceback too (s3fs would take key:secret@bucket
 and botocore would print it)."""
 import pytest
 
-from cluster.cli.main import _without_userinfo, main
+from rayshard.cluster.cli.main import _without_userinfo, main
 
 SECRET = "hunter2zz"
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from cluster.cli.main import main
-from plans.errors import ConfigError, ScheduleError
-from plans.pipeline.actions import Kind
-from plans.pipeline.checker import check
-from plans.pipeline.csv_order import lowered_as_written, parse_pipeline_csv, schedule_of
-from plans.pipeline.lowering import lower
-from plans.pipeline.partition import Placement
-from plans.pipeline.schedules import build_schedule
+from rayshard.cluster.cli.main import main
+from rayshard.plans.errors import ConfigError, ScheduleError
+from rayshard.plans.pipeline.actions import Kind
+from rayshard.plans.pipeline.checker import check
+from rayshard.plans.pipeline.csv_order import lowered_as_written, parse_pipeline_csv, schedule_of
+from rayshard.plans.pipeline.lowering import lower
+from rayshard.plans.pipeline.partition import Placement
+from rayshard.plans.pipeline.schedules import build_schedule
 
 TORCH_SCHEDULES = {"interleaved1f1b": (torch_schedules.ScheduleInterleaved1F1B, "looped"),
                    "zbv": (torch_schedules.ScheduleZBVZeroBubble, "v")}
@@ -108,8 +108,8 @@ def test_plan_schedule_from_csv_checks_and_simulates(tmp_path, capsys):
 
 
 def test_train_takes_pp_vpp_and_microbatches_from_the_file(tmp_path):
-    from cluster.cli.commands.train import config_from_args
-    from cluster.cli.main import build_parser
+    from rayshard.cluster.cli.commands.train import config_from_args
+    from rayshard.cluster.cli.main import build_parser
 
     torch_csv("zbv", tmp_path / "zbv.csv")
     config = config_from_args(build_parser().parse_args(["train", "--schedule-csv", str(tmp_path / "zbv.csv"),

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from cluster.cli.main import main
-from cluster.pictures.resume_plot import read_metrics
-from cluster.run.metrics_sinks import open_sinks
-from cluster.storage.store import Store
-from plans.config import TrainConfig
-from plans.errors import CheckpointError
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.pictures.resume_plot import read_metrics
+from rayshard.cluster.run.metrics_sinks import open_sinks
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import CheckpointError
 
 GOOD = [{"step": 1, "loss": 5.5, "layout": "dp=2"}, {"step": 2, "loss": 5.25, "layout": "dp=2"},
         {"step": 3, "loss": 5.0, "layout": "dp=2"}]

@@ -1,6 +1,6 @@
 import torch
 
-from actors.training.data import corpus_fingerprint, global_batch, load_corpus, rank_batch
+from rayshard.actors.training.data import corpus_fingerprint, global_batch, load_corpus, rank_batch
 
 
 def test_default_corpus_is_available_offline_and_deterministic():

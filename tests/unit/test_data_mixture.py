@@ -3,11 +3,11 @@ each dataset still read in whole permuted epochs."""
 import numpy as np
 import pytest
 
-from plans.data.compatibility import check_same_dataset
-from plans.data.dataset_index import DatasetIdentity
-from plans.data.errors import DatasetMismatch
-from plans.data.mixture import MIX_BLOCK, block_counts, is_mixture, mixed_batch_ids, mixture_record, parse_mixture
-from plans.errors import ConfigError
+from rayshard.plans.data.compatibility import check_same_dataset
+from rayshard.plans.data.dataset_index import DatasetIdentity
+from rayshard.plans.data.errors import DatasetMismatch
+from rayshard.plans.data.mixture import MIX_BLOCK, block_counts, is_mixture, mixed_batch_ids, mixture_record, parse_mixture
+from rayshard.plans.errors import ConfigError
 
 
 def test_parse_and_recognise():

@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plans.data.batch_hash import global_batch_hash
-from plans.data.dataset_index import (INDEX_SCHEMA, DatasetMeta, decode_index, encode_index, index_hash,
+from rayshard.plans.data.batch_hash import global_batch_hash
+from rayshard.plans.data.dataset_index import (INDEX_SCHEMA, DatasetMeta, decode_index, encode_index, index_hash,
                                       token_dtype_for)
-from plans.data.packing import TokenRead, sample_count, sample_reads
-from plans.data.sample_order import batch_sample_ids, permuted
-from plans.errors import RayshardError
+from rayshard.plans.data.packing import TokenRead, sample_count, sample_reads
+from rayshard.plans.data.sample_order import batch_sample_ids, permuted
+from rayshard.plans.errors import RayshardError
 
 
 @settings(max_examples=40, deadline=None)

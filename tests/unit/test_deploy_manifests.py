@@ -29,8 +29,8 @@ import yaml
 from botocore import xform_name
 from botocore.validate import ParamValidator
 
-from cluster.cli.main import build_parser
-from cluster.storage.s3_calls import S3_OPERATIONS
+from rayshard.cluster.cli.main import build_parser
+from rayshard.storage.backends.s3_calls import S3_OPERATIONS
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -207,7 +207,7 @@ def test_kuberay_pods_get_shm_requests_and_a_scaling_range_that_means_something(
 def test_the_rayjob_runs_the_readme_command_on_the_policy_bucket(rendered):
     job = _one(rendered, "kuberay-rayjob.yaml", "RayJob")
     entrypoint = shlex.split(job["spec"]["entrypoint"])
-    assert entrypoint[:4] == ["python", "-m", "cluster", "train"]
+    assert entrypoint[:4] == ["python", "-m", "rayshard", "train"]
     args = build_parser().parse_args(entrypoint[3:])
     assert args.elastic and args.resume == "auto"
     assert args.config.startswith(IMAGE_HOME + "/") and (REPO / args.config[len(IMAGE_HOME) + 1:]).is_file()
@@ -325,7 +325,7 @@ def test_runtime_envs_are_valid_and_the_rayjob_sets_what_the_launcher_path_sets(
 
 # The IAM action each S3 API operation is authorized by (AWS Service Authorization Reference,
 # "Actions defined by Amazon S3"; HeadObject and HeadBucket are authorized as GetObject and
-# ListBucket). An operation added to cluster/storage/s3_calls.py and missing here fails the test.
+# ListBucket). An operation added to storage/backends/s3_calls.py and missing here fails the test.
 IAM_ACTION_FOR = {
     "ListObjectsV2": "s3:ListBucket",
     "ListObjects": "s3:ListBucket",
@@ -343,7 +343,7 @@ IAM_ACTION_FOR = {
     "DeleteObjects": "s3:DeleteObject",
 }
 BUCKET_ACTIONS = {"s3:ListBucket", "s3:ListBucketMultipartUploads"}
-LAYERS = ("plans", "actors", "cluster")  # every module is scanned for direct botocore calls
+LAYERS = ("plans", "storage", "actors", "cluster")  # every module is scanned for direct botocore calls
 
 
 def _as_list(value):
@@ -404,7 +404,7 @@ def test_s3_call_list_names_real_operations_and_every_direct_call_in_the_code():
         tree = ast.parse(path.read_text())
         literals = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
         direct = literals & set(by_method)
-        assert direct <= listed, f"{path.relative_to(REPO)} calls {sorted(direct - listed)}: add them to cluster/storage/s3_calls.py"
+        assert direct <= listed, f"{path.relative_to(REPO)} calls {sorted(direct - listed)}: add them to storage/backends/s3_calls.py"
         seen |= direct
     assert {"get_object", "put_object", "list_multipart_uploads", "abort_multipart_upload"} <= seen  # the scan sees the calls
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.training.device_memory import peak_memory_bytes, reset_peak_memory, resident_memory_bytes
+from rayshard.actors.training.device_memory import peak_memory_bytes, reset_peak_memory, resident_memory_bytes
 
 CPU = torch.device("cpu")
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.run.elastic import layout_chooser_for, runs_on
-from plans.config import OptimizerConfig, TrainConfig
-from plans.errors import ConfigError
-from plans.layout.chooser import Workload, choose_layout
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.cluster.run.elastic import layout_chooser_for, runs_on
+from rayshard.plans.config import OptimizerConfig, TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.chooser import Workload, choose_layout
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 
 GIB = 2**30
 

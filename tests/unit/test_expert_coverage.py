@@ -1,8 +1,8 @@
 """Coverage errors of a stacked expert tensor name the experts (`plans/checkpoint/expert_coverage.py`);
 the tiling check's and the planner's messages that carry the note are in test_reshard_planner.py.
 Expected messages are literal, worked by hand."""
-from plans.checkpoint.chunks import Chunk
-from plans.checkpoint.expert_coverage import _spans, expert_note
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.expert_coverage import _spans, expert_note
 
 GATE_UP = "layers.1.feed_forward.experts.gate_up.weight"
 SHAPE = (8, 4, 2)  # 8 experts, each a 4 x 2 block (8 elements, 32 bytes in float32)

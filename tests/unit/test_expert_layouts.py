@@ -14,15 +14,15 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cluster.cli.main import build_parser, main
-from cluster.cli.commands.train import config_from_args
-from cluster.run.elastic import layout_chooser_for, runs_on
-from plans.config import TrainConfig
-from plans.errors import ConfigError
-from plans.layout.chooser import Workload, choose_layout, estimate_memory, pinned_ranks
-from plans.layout.experts import ExpertFootprint, expert_degree, expert_parameters_per_layer, largest_block
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import check_experts_fit, parameter_count, preset
+from rayshard.cluster.cli.main import build_parser, main
+from rayshard.cluster.cli.commands.train import config_from_args
+from rayshard.cluster.run.elastic import layout_chooser_for, runs_on
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.chooser import Workload, choose_layout, estimate_memory, pinned_ranks
+from rayshard.plans.layout.experts import ExpertFootprint, expert_degree, expert_parameters_per_layer, largest_block
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import check_experts_fit, parameter_count, preset
 
 MIB = 2**20
 FSDP2_EP2_TP2 = ParallelLayout(fsdp=2, ep=2, tp=2)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from plans.training.flops import flops_per_token, peak_tflops, throughput
-from plans.training.model_spec import preset
+from rayshard.plans.training.flops import flops_per_token, peak_tflops, throughput
+from rayshard.plans.training.model_spec import preset
 
 
 def test_flops_per_token_of_the_tiny_model_by_hand():

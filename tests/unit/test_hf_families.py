@@ -14,12 +14,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from actors.checkpoint.stored import StoredCheckpoint
-from actors.model.transformer import Transformer
-from cluster.checkpoint.hf_interop import export_hf, import_hf
-from cluster.storage.store import Store
-from plans.errors import CheckpointError
-from plans.training.model_spec import parameter_shapes
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.actors.model.transformer import Transformer
+from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.training.model_spec import parameter_shapes
 
 COMMON = dict(vocab_size=250, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
@@ -44,7 +44,7 @@ def hf_model(family: str, tied: bool, seed: int = 11):
 
 def ours_from(url: str):
     stored = StoredCheckpoint(url)
-    from plans.checkpoint.model_check import check_against_own_model
+    from rayshard.plans.checkpoint.model_check import check_against_own_model
 
     config = check_against_own_model(stored.chunks, stored.metadata, url)
     model = Transformer(config)

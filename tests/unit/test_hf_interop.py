@@ -8,12 +8,12 @@ import transformers
 
 from safetensors.torch import load_file
 
-from actors.checkpoint.stored import StoredCheckpoint
-from cluster.checkpoint.digest import digest_checkpoint
-from cluster.checkpoint.hf_interop import export_hf, import_hf
-from cluster.storage.store import Store
-from plans.errors import CheckpointError
-from plans.training.model_spec import preset
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.cluster.checkpoint.digest import digest_checkpoint
+from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 

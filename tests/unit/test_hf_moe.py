@@ -18,11 +18,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from cluster.checkpoint.digest import digest_checkpoint
-from cluster.checkpoint.hf_interop import export_hf, import_hf
-from cluster.storage.store import Store
-from plans.errors import CheckpointError
-from plans.training.model_spec import preset
+from rayshard.cluster.checkpoint.digest import digest_checkpoint
+from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 from tests.unit.test_hf_families import ours_from
 

@@ -21,7 +21,7 @@ import pytest
 # step after two warm-up steps.
 STEPS = textwrap.dedent("""
     import ctypes, resource, sys
-    from actors.training.host_allocator import keep_freed_host_memory
+    from rayshard.actors.training.host_allocator import keep_freed_host_memory
     if sys.argv[1] == "kept":
         assert keep_freed_host_memory()
     libc = ctypes.CDLL(None)

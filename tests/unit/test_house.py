@@ -1,24 +1,30 @@
 """The house rules, checked on the source tree itself (docs/decisions.md, "The house").
 
-Dependencies point one way (cluster -> actors -> plans), there is no import cycle anywhere,
-`plans/` is pure, imports sit at module level, and the commands a person runs to look at a store
-(`rayshard --help`, `ckpt ls`, `ckpt show`) import neither torch nor Ray.
+Dependencies point one way (cluster -> actors -> storage -> plans), there is no import cycle
+anywhere, `plans/` is pure, the storage layer imports neither torch nor Ray, imports sit at module
+level, the commands a person runs to look at a store (`rayshard --help`, `ckpt ls`, `ckpt show`)
+import neither torch nor Ray, and a built wheel installs `rayshard` and nothing else at top level.
 """
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LAYERS = ("plans", "actors", "cluster")
+LAYERS = ("plans", "storage", "actors", "cluster")
 # What each layer may import from the others.
-ALLOWED = {"plans": {"plans"}, "actors": {"actors", "plans"}, "cluster": {"cluster", "actors", "plans"}}
+ALLOWED = {"plans": {"plans"}, "storage": {"storage", "plans"}, "actors": {"actors", "storage", "plans"},
+           "cluster": {"cluster", "actors", "storage", "plans"}}
 # plans/ plans: no Ray, no process groups, no storage I/O (torch only for dtypes and shapes).
 IMPURE_FOR_PLANS = ("ray", "fsspec", "s3fs", "torch.distributed", "torch.nn", "botocore")
+# storage/ moves bytes: a driver that only looks at a store, and any training loop, import it without torch or Ray.
+IMPURE_FOR_STORAGE = ("ray", "torch")
 
 
 def _modules() -> dict[str, Path]:
@@ -26,11 +32,15 @@ def _modules() -> dict[str, Path]:
     for layer in LAYERS:
         for path in sorted((REPO / layer).rglob("*.py")):
             parts = path.relative_to(REPO).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+            found[".".join(("rayshard",) + (parts[:-1] if parts[-1] == "__init__" else parts))] = path
     return found
 
 
 MODULES = _modules()
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1]
 
 
 def _imports(path: Path) -> list[tuple[str, ast.AST, bool]]:
@@ -58,13 +68,13 @@ def _internal_graph() -> dict[str, set[str]]:
 
 
 def test_the_walk_finds_every_layer():
-    assert {name.split(".")[0] for name in MODULES} == set(LAYERS)
-    assert "plans.checkpoint.manifest" in MODULES and "cluster.cli.main" in MODULES
+    assert {_layer(name) for name in MODULES} == set(LAYERS)
+    assert "rayshard.plans.checkpoint.manifest" in MODULES and "rayshard.cluster.cli.main" in MODULES
 
 
 def test_dependencies_point_one_way():
     wrong = [f"{name} imports {imported}" for name, targets in _internal_graph().items() for imported in targets
-             if imported.split(".")[0] not in ALLOWED[name.split(".")[0]]]
+             if _layer(imported) not in ALLOWED[_layer(name)]]
     assert not wrong, wrong
 
 
@@ -101,10 +111,11 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-def test_plans_stay_pure():
-    impure = [f"{name} imports {imported}" for name, path in MODULES.items() if name.startswith("plans")
+@pytest.mark.parametrize("layer, forbidden", [("plans", IMPURE_FOR_PLANS), ("storage", IMPURE_FOR_STORAGE)])
+def test_lower_layers_stay_pure(layer, forbidden):
+    impure = [f"{name} imports {imported}" for name, path in MODULES.items() if _layer(name) == layer
               for imported, _, _ in _imports(path)
-              if any(imported == bad or imported.startswith(bad + ".") for bad in IMPURE_FOR_PLANS)]
+              if any(imported == bad or imported.startswith(bad + ".") for bad in forbidden)]
     assert not impure, impure
 
 
@@ -125,7 +136,7 @@ LIGHT_COMMANDS = {
 
 @pytest.fixture(scope="module")
 def store_with_a_checkpoint(tmp_path_factory):
-    from plans.training.model_spec import preset
+    from rayshard.plans.training.model_spec import preset
     from tests.unit.checkpoint_factory import write_checkpoint
 
     store = tmp_path_factory.mktemp("light-store")
@@ -136,10 +147,56 @@ def store_with_a_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("command", sorted(LIGHT_COMMANDS))
 def test_looking_at_a_store_imports_neither_torch_nor_ray(command, store_with_a_checkpoint):
     argv = [arg.format(store=store_with_a_checkpoint) for arg in LIGHT_COMMANDS[command]]
-    probe = ("import sys\nfrom cluster.cli.main import main\n"
+    probe = ("import sys\nfrom rayshard.cluster.cli.main import main\n"
              f"try:\n    code = main({argv!r})\nexcept SystemExit as exit:\n    code = exit.code\n"
              "heavy = sorted(m for m in ('torch', 'ray') if m in sys.modules)\n"
              "print('HEAVY', heavy, 'CODE', code)\n")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "HEAVY [] CODE 0" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def built_wheel(tmp_path_factory):
+    """A wheel built from a copy of the sources (the build writes build/ and egg-info beside them)."""
+    source = tmp_path_factory.mktemp("wheel-source")
+    for name in ("rayshard", *LAYERS, "configs"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                           "--wheel-dir", str(out), str(source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = out.glob("rayshard-*.whl")
+    return wheel
+
+
+def test_the_wheel_installs_rayshard_alone_at_top_level(built_wheel):
+    with zipfile.ZipFile(built_wheel) as archive:
+        names = archive.namelist()
+    top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"rayshard"}, top_level
+    for layer in LAYERS:
+        assert f"rayshard/{layer}/__init__.py" in names
+    assert "rayshard/configs/demo.yaml" in names and "rayshard/__main__.py" in names
+
+
+def test_the_installed_wheel_runs_and_finds_its_shipped_config(built_wheel, tmp_path):
+    """Unpacked where nothing of the checkout is on the path: `python -m rayshard` runs from the
+    wheel's files, and the default config is the packaged one, not the checkout's."""
+    target = tmp_path / "site"
+    with zipfile.ZipFile(built_wheel) as archive:
+        archive.extractall(target)
+    probe = ("import rayshard, rayshard.cluster.cli.train as train\n"
+             "print(rayshard.__file__)\nprint(train.DEFAULT_CONFIG)\nprint(sorted(rayshard.__all__)[:2])\n")
+    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r})\n" + probe],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    module_file, default_config, _ = done.stdout.splitlines()
+    assert module_file.startswith(str(target)) and default_config.startswith(str(target)), done.stdout
+    assert Path(default_config).is_file()
+    help_run = subprocess.run([sys.executable, "-m", "rayshard", "--help"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env=env)
+    assert help_run.returncode == 0 and "train" in help_run.stdout, help_run.stderr

@@ -2,10 +2,10 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from plans.config import TrainConfig, with_overrides
-from plans.errors import ConfigError
-from plans.layout.parallel_layout import ParallelLayout, RankCoords
-from plans.training.model_spec import preset
+from rayshard.plans.config import TrainConfig, with_overrides
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout, RankCoords
+from rayshard.plans.training.model_spec import preset
 
 
 @settings(max_examples=60, deadline=None)

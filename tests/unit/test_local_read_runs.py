@@ -13,11 +13,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from actors.checkpoint import read_executor
-from actors.checkpoint.read_executor import Destination, execute_requests
-from actors.checkpoint.shard_writer import Piece, encode_shard
-from plans.errors import CheckpointError
-from plans.checkpoint.reshard import HeaderCheck, Target, coalesce, header_checks, index_chunks, plan_rank
+from rayshard.actors.checkpoint import read_executor
+from rayshard.actors.checkpoint.read_executor import Destination, execute_requests
+from rayshard.actors.checkpoint.shard_writer import Piece, encode_shard
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.checkpoint.reshard import HeaderCheck, Target, coalesce, header_checks, index_chunks, plan_rank
 
 FILE = "attempt-x/rank-00000.safetensors"
 

@@ -3,11 +3,11 @@ happens when its producer finishes, a rank whose neighbour would send at the sam
 first) and by its exact refusals."""
 import pytest
 
-from plans.errors import ScheduleError
-from plans.pipeline.actions import Action, Kind, Schedule
-from plans.pipeline.checker import check
-from plans.pipeline.lowering import lower
-from plans.pipeline.schedules import build_schedule
+from rayshard.plans.errors import ScheduleError
+from rayshard.plans.pipeline.actions import Action, Kind, Schedule
+from rayshard.plans.pipeline.checker import check
+from rayshard.plans.pipeline.lowering import lower
+from rayshard.plans.pipeline.schedules import build_schedule
 
 F, B = Kind.F, Kind.B
 
@@ -89,7 +89,7 @@ def test_a_lowered_schedule_is_not_lowered_again():
     with pytest.raises(ScheduleError) as refused:
         lower(lower(build_schedule("1f1b", 2, 2)))
     assert str(refused.value) == ("schedule '1f1b' already holds communication actions. Fix: lower the compute-only "
-                                  "schedule from plans.pipeline.schedules.build_schedule")
+                                  "schedule from rayshard.plans.pipeline.schedules.build_schedule")
 
 
 def test_an_fb_sends_the_gradient_of_its_backward_half_when_its_forward_half_sends_nothing():

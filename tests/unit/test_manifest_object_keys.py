@@ -6,16 +6,16 @@ from dataclasses import replace
 
 import pytest
 
-from plans.checkpoint.manifest import encode_manifest
-from actors.checkpoint.load import load_rank_shard
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.cli.main import main
-from cluster.checkpoint.digest import digest_checkpoint
-from cluster.checkpoint.hf_interop import export_hf
-from cluster.storage.store import Store
-from cluster.checkpoint.verify import verify
-from plans.errors import CheckpointError
-from plans.training.model_spec import preset
+from rayshard.plans.checkpoint.manifest import encode_manifest
+from rayshard.actors.checkpoint.load import load_rank_shard
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.checkpoint.digest import digest_checkpoint
+from rayshard.cluster.checkpoint.hf_interop import export_hf
+from rayshard.cluster.catalog.store import Store
+from rayshard.cluster.checkpoint.verify import verify
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import trained_model, write_checkpoint
 
 

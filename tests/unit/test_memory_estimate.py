@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli.main import main
-from cluster.run.elastic import layout_chooser_for
-from plans.config import TrainConfig
-from plans.errors import ConfigError
-from plans.layout.chooser import Workload, choose_layout, estimate_memory
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.run.elastic import layout_chooser_for
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.chooser import Workload, choose_layout, estimate_memory
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
 
 GIB = 2**30
 

@@ -9,10 +9,10 @@ import uuid
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cluster.run.metrics_sinks import check_sinks, open_sinks
-from cluster.storage.store import Store
-from plans.config import TrainConfig
-from plans.errors import ConfigError
+from rayshard.cluster.run.metrics_sinks import check_sinks, open_sinks
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
 
 
 def test_jsonl_and_tensorboard_hold_every_step(tmp_path):

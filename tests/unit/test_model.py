@@ -3,9 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.model.transformer import Attention, FeedForward, Transformer
-from actors.model.rope import rope_tables
-from plans.training.model_spec import parameter_count, parameter_shapes, preset
+from rayshard.actors.model.transformer import Attention, FeedForward, Transformer
+from rayshard.actors.model.rope import rope_tables
+from rayshard.plans.training.model_spec import parameter_count, parameter_shapes, preset
 
 
 def test_parameters_match_the_spec_with_and_without_tied_embeddings():
@@ -65,7 +65,7 @@ def _plain_gate_up_swiglu(x, weight):
 def test_gate_up_swiglu_under_autocast_and_on_one_token():
     """Under autocast the matmuls run in bf16 over float32 inputs: the gradients come back in the
     inputs' dtypes, equal to plain autograd's under the same autocast. A 1-D x is one token."""
-    from actors.model.swiglu import gate_up_swiglu
+    from rayshard.actors.model.swiglu import gate_up_swiglu
 
     generator = torch.Generator().manual_seed(5)
     x, weight = torch.randn(3, 4, 6, generator=generator), torch.randn(10, 6, generator=generator)
@@ -103,7 +103,7 @@ def test_gate_up_swiglu_matches_plain_autograd_on_the_interleaved_rows(shape, dt
     kernels: bit for bit. The gradients sum the same products in another order (the weight's as
     grad.T @ x where autograd takes (x.T @ grad).T; x's adds the two halves inside one addmm):
     within an ulp or two."""
-    from actors.model.swiglu import gate_up_swiglu
+    from rayshard.actors.model.swiglu import gate_up_swiglu
 
     batch, tokens, hidden, dim = shape
     generator = torch.Generator().manual_seed(3)

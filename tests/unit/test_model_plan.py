@@ -10,16 +10,16 @@ from dataclasses import replace
 
 import pytest
 
-from actors.model.stage import carve_stage
-from actors.model.user_model import FactoryModel, describe_factory
+from rayshard.actors.model.stage import carve_stage
+from rayshard.actors.model.user_model import FactoryModel, describe_factory
 from examples.gpt2.model import GPT2, gpt2_plan, tiny_gpt2
-from plans.checkpoint.regions import rank_regions
-from plans.config import TrainConfig
-from plans.errors import ConfigError
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_plan import ModelPlan, check_tp_divides, validate_plan
-from plans.training.model_spec import ModelConfig, parameter_shapes
-from plans.training.tp_plan import COLWISE
+from rayshard.plans.checkpoint.regions import rank_regions
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_plan import ModelPlan, check_tp_divides, validate_plan
+from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
+from rayshard.plans.training.tp_plan import COLWISE
 
 FACTORY = "examples.gpt2.model:tiny_gpt2"
 
@@ -115,8 +115,8 @@ def test_the_plan_record_is_pure_data():
 
 
 def _cli_config(tmp_path, model_section, *flags):
-    from cluster.cli.commands.train import config_from_args
-    from cluster.cli.main import build_parser
+    from rayshard.cluster.cli.commands.train import config_from_args
+    from rayshard.cluster.cli.main import build_parser
 
     path = tmp_path / "run.yaml"
     path.write_text(f"model: {json.dumps(model_section)}\nlayout: {{dp: 2, tp: 2}}\nstore: {tmp_path}/store\n")
@@ -145,7 +145,7 @@ def test_sp_on_a_plan_that_declares_none_is_refused_naming_the_factory():
 
 
 def test_a_resume_naming_the_same_factory_finds_no_difference_and_another_is_listed_briefly(monkeypatch):
-    from plans.training.model_spec import model_differences
+    from rayshard.plans.training.model_spec import model_differences
     import examples.gpt2.model as example
 
     saved = ModelConfig.from_dict(json.loads(json.dumps(describe_factory(FACTORY).to_dict())))
@@ -158,7 +158,7 @@ def test_a_resume_naming_the_same_factory_finds_no_difference_and_another_is_lis
 
 
 def test_a_resume_naming_the_factory_takes_a_changed_hf_mapping_as_no_difference():
-    from plans.training.model_spec import model_differences
+    from rayshard.plans.training.model_spec import model_differences
 
     named = describe_factory(FACTORY)
     assert named.user.plan.hf_mapping  # the example exports as GPT2LMHeadModel

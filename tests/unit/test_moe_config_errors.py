@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli.main import main
-from plans.training.model_spec import preset
+from rayshard.cluster.cli.main import main
+from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 SINGLE = ["--dp", "1", "--tp", "1"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import csv
 
-from cluster.cli.main import main
-from plans.pipeline.csv_order import parse_pipeline_csv
-from plans.pipeline.plan import check_order_file
+from rayshard.cluster.cli.main import main
+from rayshard.plans.pipeline.csv_order import parse_pipeline_csv
+from rayshard.plans.pipeline.plan import check_order_file
 
 
 def _write(path, rows) -> str:

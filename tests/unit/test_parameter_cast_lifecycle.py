@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.model.parameter_casts import cast_parameters
-from actors.model.transformer import Transformer
-from actors.training.step_runner import microbatch_loss
-from plans.training.model_spec import preset
+from rayshard.actors.model.parameter_casts import cast_parameters
+from rayshard.actors.model.transformer import Transformer
+from rayshard.actors.training.step_runner import microbatch_loss
+from rayshard.plans.training.model_spec import preset
 
 
 def _model(**overrides):

@@ -5,8 +5,8 @@ import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.checkpoint.checksums import combine
-from actors.checkpoint.partial_reads import PartialRead, check_partial_reads
+from rayshard.storage.checksums import combine
+from rayshard.storage.partial_reads import PartialRead, check_partial_reads
 
 FUNCTIONS = {"crc32": zlib.crc32, "crc32c": crc32c.crc32c}
 DATA = bytes((i * 7919 + i // 13) % 256 for i in range(5000))

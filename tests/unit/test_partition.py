@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plans.errors import ConfigError
-from plans.pipeline.partition import Placement, parse_layout, partition_layers, stage_ranks
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.pipeline.partition import Placement, parse_layout, partition_layers, stage_ranks
 
 
 def best_bottleneck(costs: list[float], stages: int) -> float:

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from cluster.cli import plan as plan_cli
-from cluster.cli.main import command_of
-from plans.pipeline.actions import Schedule
-from plans.pipeline.checker import check
-from plans.errors import ConfigError, ScheduleError
+from rayshard.cluster.cli import plan as plan_cli
+from rayshard.cluster.cli.main import command_of
+from rayshard.plans.pipeline.actions import Schedule
+from rayshard.plans.pipeline.checker import check
+from rayshard.plans.errors import ConfigError, ScheduleError
 
 
 def run(*argv: str) -> int:

@@ -3,13 +3,13 @@ import json
 
 import pytest
 
-from cluster.cli.plan import register  # noqa: F401  (the CLI under test)
-from plans.config import TrainConfig
-from plans.errors import ConfigError, ScheduleError
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import preset
-from plans.pipeline.plan import build_pipeline_plan
-from plans.pipeline.schedules import schedule_for_vpp
+from rayshard.cluster.cli.plan import register  # noqa: F401  (the CLI under test)
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError, ScheduleError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import preset
+from rayshard.plans.pipeline.plan import build_pipeline_plan
+from rayshard.plans.pipeline.schedules import schedule_for_vpp
 
 
 def _config(**overrides):
@@ -57,7 +57,7 @@ def _timings_file(tmp_path, schedule="1f1b", pp=2, vpp=1, microbatches=4):
 
 
 def test_plan_schedule_replays_a_runs_measured_costs(tmp_path, capsys):
-    from cluster.cli.main import main
+    from rayshard.cluster.cli.main import main
 
     _timings_file(tmp_path)
     assert main(["plan", "schedule", "--costs-from", "run", "--store", str(tmp_path), "--no-grid"]) == 0
@@ -68,7 +68,7 @@ def test_plan_schedule_replays_a_runs_measured_costs(tmp_path, capsys):
 
 
 def test_measured_costs_predict_other_schedules(tmp_path, capsys):
-    from cluster.cli.main import main
+    from rayshard.cluster.cli.main import main
 
     path = _timings_file(tmp_path)
     assert main(["plan", "schedule", "--costs-from", str(path), "--schedule", "zbv", "--no-grid"]) == 0
@@ -77,7 +77,7 @@ def test_measured_costs_predict_other_schedules(tmp_path, capsys):
 
 
 def test_costs_from_a_missing_run_says_where_it_looked(tmp_path, capsys):
-    from cluster.cli.main import main
+    from rayshard.cluster.cli.main import main
 
     assert main(["plan", "schedule", "--costs-from", "nope", "--store", str(tmp_path)]) == 2
     error = capsys.readouterr().err

@@ -8,18 +8,18 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from plans.checkpoint.chunk_table import ChunkTable
-from plans.checkpoint.chunks import STATE_KINDS, Chunk
-from plans.checkpoint.layout_plan import plan_layout
-from plans.checkpoint.manifest import chunk_key, decode_manifest, encode_manifest
-from plans.checkpoint.regions import layout_target_table, layout_targets, pipeline_partition
-from plans.checkpoint.reshard import header_checks, index_chunks, plan_rank
-from plans.checkpoint.safetensors_layout import Entry, file_layout
-from plans.checkpoint.target_table import TargetTable
-from plans.checkpoint.writers import predicted_writes
-from plans.errors import CheckpointError
-from plans.layout.parallel_layout import ParallelLayout
-from plans.training.model_spec import ModelConfig, preset
+from rayshard.plans.checkpoint.chunk_table import ChunkTable
+from rayshard.plans.checkpoint.chunks import STATE_KINDS, Chunk
+from rayshard.plans.checkpoint.layout_plan import plan_layout
+from rayshard.plans.checkpoint.manifest import chunk_key, decode_manifest, encode_manifest
+from rayshard.plans.checkpoint.regions import layout_target_table, layout_targets, pipeline_partition
+from rayshard.plans.checkpoint.reshard import header_checks, index_chunks, plan_rank
+from rayshard.plans.checkpoint.safetensors_layout import Entry, file_layout
+from rayshard.plans.checkpoint.target_table import TargetTable
+from rayshard.plans.checkpoint.writers import predicted_writes
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import ModelConfig, preset
 
 TIED = ModelConfig(vocab_size=16, dim=8, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=12, tie_embeddings=True).validate()
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from plans.config import TrainConfig
-from plans.errors import ConfigError
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 
 def _config(**overrides) -> TrainConfig:
@@ -39,8 +39,8 @@ def test_unknown_precision_and_ac_name_the_field_and_the_choices():
 
 
 def test_precision_flags_reach_the_config():
-    from cluster.cli.commands.train import config_from_args
-    from cluster.cli.main import build_parser
+    from rayshard.cluster.cli.commands.train import config_from_args
+    from rayshard.cluster.cli.main import build_parser
 
     args = build_parser().parse_args(["train", "--precision", "bf16", "--ac", "selective", "--compile",
                                       "--tensorboard"])

@@ -8,11 +8,11 @@ from contextlib import redirect_stderr
 
 import pytest
 
-from cluster.cli import main as cli_main
-from plans.errors import CheckpointError, ConfigError, StepFailed, from_rank
-from plans.layout.chooser import Workload, choose_layout
-from plans.layout.resources import (GRAIN, equal_cpu_share, placement_failure, rank_bundle, ranks_offered)
-from plans.training.model_spec import preset
+from rayshard.cluster.cli import main as cli_main
+from rayshard.plans.errors import CheckpointError, ConfigError, StepFailed, from_rank
+from rayshard.plans.layout.chooser import Workload, choose_layout
+from rayshard.plans.layout.resources import (GRAIN, equal_cpu_share, placement_failure, rank_bundle, ranks_offered)
+from rayshard.plans.training.model_spec import preset
 
 CPU_COUNTS = [0.5, 1, 1.5, 2, 3, 4, 6, 7, 8, 12, 16, 24, 31, 32, 48, 64, 96, 128, 1.9999, 2.0001, 10.3]
 
@@ -74,7 +74,7 @@ def test_pinned_layout_larger_than_the_cluster_names_the_ranks():
 
 
 def test_elastic_chooser_says_what_the_cluster_offers_and_the_fix():
-    from cluster.run.elastic import layout_chooser_for
+    from rayshard.cluster.run.elastic import layout_chooser_for
     from tests.conftest import small_config
 
     choose = layout_chooser_for(small_config(Path("/tmp")), {"dp": 2, "tp": 2}, 64 * 2**30, 8,
@@ -104,7 +104,7 @@ def _main_with(monkeypatch, error, debug=False):
 
 
 REMOTE = ("Traceback (most recent call last):\n  File \"/a.py\", line 1, in load\n    x()\n"
-          "plans.errors.CheckpointError: /s/rank-00000.safetensors: checksum mismatch at bytes [8, 16)")
+          "rayshard.plans.errors.CheckpointError: /s/rank-00000.safetensors: checksum mismatch at bytes [8, 16)")
 
 
 def test_a_rank_error_prints_one_line_prefixed_with_its_rank(monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from actors.checkpoint.replica_broadcast import HandedPiece, broadcast_pieces, buckets
+from rayshard.actors.checkpoint.replica_broadcast import HandedPiece, broadcast_pieces, buckets
 from tests.forked_ranks import run_ranks
 
 READERS = [0, 0, 1, 0, 1, 1, 0, 0]

@@ -10,11 +10,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from actors.checkpoint.read_executor import fill_from_reads
+from rayshard.actors.checkpoint.read_executor import fill_from_reads
 
-from actors.checkpoint.shard_writer import Piece, encode_shard
-from plans.errors import CheckpointError, ConfigError
-from plans.checkpoint.reshard import check_chunks_disjoint_and_complete, plan_reads
+from rayshard.actors.checkpoint.shard_writer import Piece, encode_shard
+from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.checkpoint.reshard import check_chunks_disjoint_and_complete, plan_reads
 
 
 @st.composite
@@ -77,12 +77,12 @@ def test_gaps_and_overlaps_are_reported():
 
 # ---- whole layouts: random model shapes, random source and target layouts ----------------------
 
-from plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-from plans.training.model_spec import ModelConfig, parameter_shapes  # noqa: E402
-from plans.checkpoint.layout_plan import plan_layout  # noqa: E402
-from plans.checkpoint.writers import predicted_writes  # noqa: E402
-from plans.checkpoint.regions import check_layout_fits, layout_target_table, layout_targets  # noqa: E402
-from plans.training.model_spec import preset  # noqa: E402
+from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes  # noqa: E402
+from rayshard.plans.checkpoint.layout_plan import plan_layout  # noqa: E402
+from rayshard.plans.checkpoint.writers import predicted_writes  # noqa: E402
+from rayshard.plans.checkpoint.regions import check_layout_fits, layout_target_table, layout_targets  # noqa: E402
+from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 
 @st.composite
@@ -131,7 +131,7 @@ def test_any_layout_to_any_layout_covers_exactly_and_reproduces_every_global_ten
     assert [(r.bytes_read, len(r.requests), r.files, r.bytes_needed, r.bytes_received) for r in plan.ranks] == list(zip(
         plan.rank_bytes_read.tolist(), plan.rank_requests.tolist(), plan.rank_files.tolist(),
         plan.rank_bytes_needed.tolist(), plan.rank_bytes_received.tolist()))
-    from actors.checkpoint.read_executor import Destination, execute_requests
+    from rayshard.actors.checkpoint.read_executor import Destination, execute_requests
 
     read_by_rank = [{(t.name, t.kind, t.offsets, t.sizes) for t in r.items} for r in plan.ranks]
     for rank_plan in plan.ranks:
@@ -169,8 +169,8 @@ def test_a_same_layout_read_once_load_reads_back_what_each_replica_wrote(layout)
     layout that saved reads each rank's own file (one sequential read per file on S3), the norm
     weights copied over dp and tp included; only pieces copied across pipeline stages (a tied
     embedding) may be read by another rank of the replica group."""
-    from plans.checkpoint.replicas import read_once_readers
-    from plans.checkpoint.regions import rank_regions
+    from rayshard.plans.checkpoint.replicas import read_once_readers
+    from rayshard.plans.checkpoint.regions import rank_regions
 
     model = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48).validate()
     kinds = ("param", "exp_avg", "exp_avg_sq")
@@ -212,12 +212,12 @@ def test_a_layout_that_holds_the_model_passes_the_fit_check():
 
 # ---- regions worked by hand: a user model's records, tp = 1 / dp = 1, pipeline cuts ------------
 
-from plans.checkpoint.reshard import Target as _Target  # noqa: E402
-from plans.checkpoint.regions import (Region, pipeline_partition, rank_regions, rank_tensor_names,  # noqa: E402
+from rayshard.plans.checkpoint.reshard import Target as _Target  # noqa: E402
+from rayshard.plans.checkpoint.regions import (Region, pipeline_partition, rank_regions, rank_tensor_names,  # noqa: E402
                                       tensor_region)
-from plans.layout.parallel_layout import RankCoords  # noqa: E402
-from plans.training.model_plan import ModelPlan, UserModel  # noqa: E402
-from plans.training.tp_plan import COLWISE, ROWWISE, VOCAB_EMBEDDING  # noqa: E402
+from rayshard.plans.layout.parallel_layout import RankCoords  # noqa: E402
+from rayshard.plans.training.model_plan import ModelPlan, UserModel  # noqa: E402
+from rayshard.plans.training.tp_plan import COLWISE, ROWWISE, VOCAB_EMBEDDING  # noqa: E402
 
 # A user's model as its checkpoint records it (no factory is imported): vocabulary 10, width 4,
 # two blocks of a 6-wide MLP; its names are not the reference model's, and its attention fields
@@ -481,8 +481,8 @@ def test_a_model_without_parameters_gives_an_empty_table_with_the_documented_col
 
 # ---- small cases worked by hand: byte ranges, coalescing, a rank's plan ---------------------------
 
-from plans.checkpoint.chunks import Chunk  # noqa: E402
-from plans.checkpoint.reshard import (HeaderCheck, RankReadPlan, ReadItem, Request, Target, TensorChunks,  # noqa: E402
+from rayshard.plans.checkpoint.chunks import Chunk  # noqa: E402
+from rayshard.plans.checkpoint.reshard import (HeaderCheck, RankReadPlan, ReadItem, Request, Target, TensorChunks,  # noqa: E402
                                       _items_for_overlap, coalesce, header_checks, index_chunks, plan_rank)
 
 
@@ -659,7 +659,7 @@ def test_a_rank_plan_names_the_tensor_it_cannot_fill():
 
 # ---- messages worked by hand: the tiling check and the planner on a stacked expert tensor ----------
 
-from plans.checkpoint.reshard import _check_tensor  # noqa: E402
+from rayshard.plans.checkpoint.reshard import _check_tensor  # noqa: E402
 
 GATE_UP = "layers.1.feed_forward.experts.gate_up.weight"
 

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from actors.model.rope import apply_rope, rope_tables
+from rayshard.actors.model.rope import apply_rope, rope_tables
 
 
 def _asymmetric_tables(seq, head_dim):

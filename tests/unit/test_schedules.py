@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plans.pipeline.actions import Action, Kind, Schedule
-from plans.pipeline.checker import check
-from plans.errors import ConfigError, ScheduleError
-from plans.pipeline.lowering import lower
-from plans.pipeline.schedules import SPECS, build_schedule, memory_bounds, schedule_spec, valid_microbatch_counts
-from plans.pipeline.simulator import PipelineCosts, simulate
+from rayshard.plans.pipeline.actions import Action, Kind, Schedule
+from rayshard.plans.pipeline.checker import check
+from rayshard.plans.errors import ConfigError, ScheduleError
+from rayshard.plans.pipeline.lowering import lower
+from rayshard.plans.pipeline.schedules import SPECS, build_schedule, memory_bounds, schedule_spec, valid_microbatch_counts
+from rayshard.plans.pipeline.simulator import PipelineCosts, simulate
 
 F, B, I, W, FB = Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB  # noqa: E741
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from plans.pipeline.actions import Kind
-from plans.errors import ConfigError, ScheduleError
-from plans.pipeline.lowering import lower
-from plans.pipeline.text_grid import text_grid
-from plans.pipeline.schedules import build_schedule
-from plans.pipeline.simulator import PipelineCosts, costs_from_measurements, simulate, simulate_measured
+from rayshard.plans.pipeline.actions import Kind
+from rayshard.plans.errors import ConfigError, ScheduleError
+from rayshard.plans.pipeline.lowering import lower
+from rayshard.plans.pipeline.text_grid import text_grid
+from rayshard.plans.pipeline.schedules import build_schedule
+from rayshard.plans.pipeline.simulator import PipelineCosts, costs_from_measurements, simulate, simulate_measured
 
 SHAPES = [(2, 1), (2, 5), (3, 7), (4, 4), (4, 8), (5, 13), (8, 8), (8, 32)]
 

@@ -4,12 +4,12 @@ import threading
 
 import torch
 
-import actors.checkpoint.async_save as async_save
-from actors.checkpoint.manifest_io import read_manifest
-from actors.checkpoint.rank_pieces import state_tensors
-from plans.checkpoint.manifest import encode_manifest
-from actors.checkpoint.checksums import checksum
-from plans.checkpoint.chunks import Chunk
+import rayshard.actors.checkpoint.async_save as async_save
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.actors.checkpoint.rank_pieces import state_tensors
+from rayshard.plans.checkpoint.manifest import encode_manifest
+from rayshard.storage.checksums import checksum
+from rayshard.plans.checkpoint.chunks import Chunk
 
 
 def _trained_model():

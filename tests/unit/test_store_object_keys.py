@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from cluster.storage.object_store import StorageOptions
-from plans.errors import CheckpointError, ConfigError
-from plans.checkpoint.object_keys import check_object_keys, escape_reason
+from rayshard.storage.options import StorageOptions
+from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.checkpoint.object_keys import check_object_keys, escape_reason
 
 
 @pytest.mark.parametrize("key", ["attempt-0a1b2c/rank-00000.safetensors", "attempt-x/sub/rank-00001.safetensors",

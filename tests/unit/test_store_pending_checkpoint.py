@@ -10,12 +10,12 @@ import fsspec
 import pytest
 import torch
 
-from actors.checkpoint.manifest_io import read_manifest
-from actors.checkpoint.shard_writer import Piece, write_shard
-from actors.checkpoint.stored import StoredCheckpoint
-from cluster.storage.catalog import Catalog
-from cluster.storage.store import Store
-from plans.errors import CheckpointError
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.cluster.catalog.catalog import Catalog
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import CheckpointError
 
 ROWS, COLS = 6, 3
 METADATA = {"run": "r", "step": 4, "layout": {"dp": 1, "fsdp": 2, "tp": 1, "pp": 1}, "model_preset": "tiny"}

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from cluster.data.documents import ReadOptions
-from cluster.data.tokenizer import (END_OF_DOCUMENT, load_tokenizer, save_tokenizer, tokenizer_url_of,
+from rayshard.cluster.data.documents import ReadOptions
+from rayshard.cluster.data.tokenizer import (END_OF_DOCUMENT, load_tokenizer, save_tokenizer, tokenizer_url_of,
                                     train_tokenizer)
-from plans.data.compatibility import check_vocab_fits
-from plans.errors import ConfigError, RayshardError
+from rayshard.plans.data.compatibility import check_vocab_fits
+from rayshard.plans.errors import ConfigError, RayshardError
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 20 + "naïve café ünïcode ✓\n"
 

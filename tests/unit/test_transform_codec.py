@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from plans.checkpoint.transform_codec import canonical, decode_mapping, decode_rule, encode_rule
-from plans.checkpoint.transforms import Add, Alias, Cast, ConcatRows, Drop, Meta, Rename, SplitRows, Stack, Transpose, Unstack
-from plans.errors import ConfigError
-from plans.training.model_plan import ModelPlan
+from rayshard.plans.checkpoint.transform_codec import canonical, decode_mapping, decode_rule, encode_rule
+from rayshard.plans.checkpoint.transforms import Add, Alias, Cast, ConcatRows, Drop, Meta, Rename, SplitRows, Stack, Transpose, Unstack
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.training.model_plan import ModelPlan
 
 RULES = [Rename("a.{layer}.w", "b.{layer}.weight"), SplitRows("f.{layer}", ("x.{layer}", "y.{layer}"), (3, 1), 2),
          ConcatRows(("x.{layer}", "y.{layer}"), "f.{layer}", (3, 1), 2), Transpose("t.*", (1, 0)),

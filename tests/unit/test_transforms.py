@@ -3,9 +3,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cluster.checkpoint.transform_exec import run_group
-from plans.errors import CheckpointError
-from plans.checkpoint.transforms import (Add, Alias, Application, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows, Stack,
+from rayshard.cluster.checkpoint.transform_exec import run_group
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.checkpoint.transforms import (Add, Alias, Application, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows, Stack,
                                         Transpose, Unalias, Unstack, match)
 
 

@@ -10,11 +10,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from cluster.checkpoint.digest import digest_checkpoint
-from cluster.checkpoint.hf_interop import export_hf, import_hf
-from cluster.storage.store import Store
+from rayshard.cluster.checkpoint.digest import digest_checkpoint
+from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.catalog.store import Store
 from examples.gpt2.model import tiny_gpt2
-from plans.errors import CheckpointError, ConfigError
+from rayshard.plans.errors import CheckpointError, ConfigError
 from tests.unit.checkpoint_factory import write_user_checkpoint
 
 FACTORY = "examples.gpt2.model:tiny_gpt2"

@@ -8,11 +8,11 @@ import zlib
 
 import pytest
 
-from plans.checkpoint.regions import Region
-from plans.checkpoint.replicas import (assign_readers, assign_writers, file_position, group_salt, handover_dims,
+from rayshard.plans.checkpoint.regions import Region
+from rayshard.plans.checkpoint.replicas import (assign_readers, assign_writers, file_position, group_salt, handover_dims,
                                        pieces_written, read_once_readers, read_once_readers_by_copies, replica_members,
                                        replica_rank)
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 
 def test_the_salts_used_below_rotate_as_stated():

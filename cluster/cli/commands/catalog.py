@@ -7,14 +7,14 @@ import json
 
 import numpy as np
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.checkpoint.verify import verify
-from cluster.cli.commands.checkpoint_refs import reading, resolve_checkpoint
-from cluster.progress import byte_bar
-from cluster.storage.catalog import Catalog
-from cluster.storage.retention import collect
-from cluster.storage.store import Store
-from plans.errors import ConfigError
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.checkpoint.verify import verify
+from rayshard.cluster.cli.commands.checkpoint_refs import reading, resolve_checkpoint
+from rayshard.cluster.progress import byte_bar
+from rayshard.cluster.catalog.catalog import Catalog
+from rayshard.cluster.catalog.retention import collect
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.errors import ConfigError
 
 
 def _size(nbytes: int) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from cluster.storage import leases
-from cluster.storage.store import Store
+from rayshard.cluster.catalog import leases
+from rayshard.cluster.catalog.store import Store
 
 
 def resolve_checkpoint(args: argparse.Namespace, name: str = "checkpoint"):
@@ -15,7 +15,7 @@ def resolve_checkpoint(args: argparse.Namespace, name: str = "checkpoint"):
 @contextlib.contextmanager
 def reading(args: argparse.Namespace, *names: str):
     """Resolve the named checkpoint arguments and hold a reader lease on each while the command
-    reads its shards (cluster/storage/leases.py), so a concurrent `ckpt gc` keeps them. Yields (store,
+    reads its shards (cluster/catalog/leases.py), so a concurrent `ckpt gc` keeps them. Yields (store,
     refs). A checkpoint given by URL has no run and step in --store (it may be outside any store)
     and is read without a lease."""
 

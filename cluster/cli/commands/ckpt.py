@@ -4,18 +4,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from actors.checkpoint.load import read_once_for
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.checkpoint.digest import checkpoint_digest, diff_checkpoints, digest_checkpoint
-from cluster.checkpoint.hf_generate import generate_text  # imports transformers only when it runs
-from cluster.checkpoint.hf_interop import export_hf, import_hf
-from cluster.checkpoint.offline_reshard import reshard_checkpoint, target_partition
-from cluster.checkpoint.reshard_report import build_plan, format_plan
-from cluster.cli.commands.checkpoint_refs import reading, resolve_checkpoint
-from cluster.pictures.resume_plot import plot_resume
-from cluster.progress import byte_bar
-from cluster.storage.store import Store
-from plans.layout.parallel_layout import ParallelLayout
+from rayshard.actors.checkpoint.load import read_once_for
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.checkpoint.digest import checkpoint_digest, diff_checkpoints, digest_checkpoint
+from rayshard.cluster.checkpoint.hf_generate import generate_text  # imports transformers only when it runs
+from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint, target_partition
+from rayshard.cluster.checkpoint.reshard_report import build_plan, format_plan
+from rayshard.cluster.cli.commands.checkpoint_refs import reading, resolve_checkpoint
+from rayshard.cluster.pictures.resume_plot import plot_resume
+from rayshard.cluster.progress import byte_bar
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 
 def _layout(text: str):

@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.data.documents import ReadOptions
-from cluster.data.prepare import prepare_dataset
-from cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
-from cluster.progress import byte_bar
-from cluster.run.rank_group import connect_ray
-from cluster.storage import object_store
+from rayshard.cluster.data.documents import ReadOptions
+from rayshard.cluster.data.prepare import prepare_dataset
+from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from rayshard.cluster.progress import byte_bar
+from rayshard.cluster.run.rank_group import connect_ray
+from rayshard.storage import options as storage_options
 
 
 def _read_options(args: argparse.Namespace) -> ReadOptions:
@@ -17,7 +17,7 @@ def _read_options(args: argparse.Namespace) -> ReadOptions:
 
 
 def run_tokenizer_train(args: argparse.Namespace) -> int:
-    object_store.configure()
+    storage_options.configure()
     with byte_bar(args, "text read") as bar:
         loaded = train_tokenizer(args.input, args.vocab_size, _read_options(args), progress=bar)
     save_tokenizer(loaded, args.out)
@@ -27,7 +27,7 @@ def run_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    object_store.configure()
+    storage_options.configure()
     tokenizer = load_tokenizer(args.tokenizer)
     connect_ray()
     with byte_bar(args, "tokenized") as bar:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from plans.layout.chooser import PINNABLE_DEGREES, Workload, choose_layout
-from plans.training.model_spec import preset
+from rayshard.plans.layout.chooser import PINNABLE_DEGREES, Workload, choose_layout
+from rayshard.plans.training.model_spec import preset
 
 
 def run_layout(args: argparse.Namespace) -> int:

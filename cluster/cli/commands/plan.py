@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import json
 
-from cluster.pictures.schedule_picture import draw_schedule
-from cluster.run.pipeline_timings import MeasuredCosts
-from plans.errors import ConfigError, ScheduleError
-from plans.pipeline.checker import check
-from plans.pipeline.csv_order import lowered_as_written, parse_pipeline_csv, schedule_of
-from cluster.run.pipeline_order_file import read_csv_rows
-from plans.pipeline.lowering import lower
-from plans.pipeline.partition import Placement, parse_layout, partition_layers
-from plans.pipeline.schedules import SPECS, build_schedule, memory_bounds, schedule_spec
-from plans.pipeline.simulator import PipelineCosts, Simulation, simulate, simulate_measured
-from plans.pipeline.text_grid import LEGEND, text_grid
+from rayshard.cluster.pictures.schedule_picture import draw_schedule
+from rayshard.cluster.run.pipeline_timings import MeasuredCosts
+from rayshard.plans.errors import ConfigError, ScheduleError
+from rayshard.plans.pipeline.checker import check
+from rayshard.plans.pipeline.csv_order import lowered_as_written, parse_pipeline_csv, schedule_of
+from rayshard.cluster.run.pipeline_order_file import read_csv_rows
+from rayshard.plans.pipeline.lowering import lower
+from rayshard.plans.pipeline.partition import Placement, parse_layout, partition_layers
+from rayshard.plans.pipeline.schedules import SPECS, build_schedule, memory_bounds, schedule_spec
+from rayshard.plans.pipeline.simulator import PipelineCosts, Simulation, simulate, simulate_measured
+from rayshard.plans.pipeline.text_grid import LEGEND, text_grid
 
 
 def _prepare(name: str, args, measured=None) -> tuple[Simulation, object]:

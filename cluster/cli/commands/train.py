@@ -4,27 +4,23 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import yaml
 
-from actors.model.user_model import describe_factory
-from cluster.run.controller import State
-from cluster.run.elastic import train_elastic
-from cluster.run.pipeline_order_file import read_csv_rows
-from cluster.run.resume_model import with_resumed_model
-from cluster.run.train import train
-from plans.config import TrainConfig, with_overrides
-from plans.elastic import FailurePolicy, ScalingPolicy
-from plans.errors import ConfigError
-from plans.layout.chooser import PINNABLE_DEGREES
-from plans.pipeline.csv_order import CSV_SCHEDULE, parse_pipeline_csv
-from plans.pipeline.plan import check_order_file
-from plans.pipeline.schedules import schedule_spec
-
-
-# The repository root (cluster/cli/commands/train.py -> three folders up), where configs/ lives.
-DEFAULT_CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "demo.yaml")
+from rayshard.actors.model.user_model import describe_factory
+from rayshard.cluster.cli.train import DEFAULT_CONFIG
+from rayshard.cluster.run.controller import State
+from rayshard.cluster.run.elastic import train_elastic
+from rayshard.cluster.run.pipeline_order_file import read_csv_rows
+from rayshard.cluster.run.resume_model import with_resumed_model
+from rayshard.cluster.run.train import train
+from rayshard.plans.config import TrainConfig, with_overrides
+from rayshard.plans.elastic import FailurePolicy, ScalingPolicy
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.chooser import PINNABLE_DEGREES
+from rayshard.plans.pipeline.csv_order import CSV_SCHEDULE, parse_pipeline_csv
+from rayshard.plans.pipeline.plan import check_order_file
+from rayshard.plans.pipeline.schedules import schedule_spec
 
 
 # CLI flag -> dotted config field. Flags not given leave the file's value alone.

@@ -19,8 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from cluster.storage.store import STEP_DIR, step_dirname
-from plans.errors import CheckpointError
+from rayshard.cluster.catalog.store import STEP_DIR, step_dirname
+from rayshard.plans.errors import CheckpointError
 
 DEFAULT_TTL_S = 6 * 3600.0
 

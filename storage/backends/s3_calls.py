@@ -10,30 +10,30 @@ making it, and the policy follows.
 
 S3_OPERATIONS = (
     # fs.ls / fs.find / fs.isdir and the directory fallback of fs.exists, through s3fs:
-    # Store.runs and Store.steps, Catalog (cluster/storage/catalog.py), leases.all_leases, and
+    # Store.runs and Store.steps, Catalog (cluster/catalog/catalog.py), leases.all_leases, and
     # the key listing behind retention's fs.rm(recursive=True).
     "ListObjectsV2",
     # fs.exists / fs.info on a key, through s3fs: Store.latest_step, Store.read_text,
-    # Catalog, leases, retention (cluster/storage/store.py, catalog.py, leases.py, retention.py).
+    # Catalog, leases, retention (cluster/catalog/store.py, catalog.py, leases.py, retention.py).
     "HeadObject",
     # fs.makedirs probes the bucket before writing under it, through s3fs: Store.write_text,
     # leases.acquire.
     "HeadBucket",
     # fs.cat_file / fs.cat / fs.cat_ranges / fs._cat_file (ranged GETs), through s3fs:
-    # actors/checkpoint/ranged_fetch.py, Store, Catalog; and directly:
-    # object_store._s3_get_with_etag (read_versioned, the LATEST compare-and-swap).
+    # storage/ranged_fetch.py, Store, Catalog; and directly:
+    # storage/backends/s3.py _get_with_etag (S3Backend.read_versioned, the LATEST compare-and-swap).
     "GetObject",
     # fs.pipe_file, through s3fs, including conditional writes: object_store.create_only
     # (If-None-Match: *), object_store.replace_if (If-Match: ETag), Store.write_text,
-    # leases.acquire; and directly: actors/checkpoint/object_writer.py's single-PUT objects.
+    # leases.acquire; and directly: storage/backends/s3_multipart.py's single-PUT objects.
     "PutObject",
-    # actors/checkpoint/object_writer.py MultipartWriter, shards larger than the upload budget.
+    # storage/backends/s3_multipart.py MultipartWriter, shards larger than the upload budget.
     "CreateMultipartUpload",
     "UploadPart",
     "CompleteMultipartUpload",
-    # object_writer.MultipartWriter.abort (a failed save) and object_store.abort_upload (ckpt gc).
+    # s3_multipart.MultipartWriter.abort (a failed save) and S3Backend.abort_upload (ckpt gc).
     "AbortMultipartUpload",
-    # object_store.pending_uploads: ckpt gc finds uploads a dead process left behind.
+    # S3Backend.pending_uploads: ckpt gc finds uploads a dead process left behind.
     "ListMultipartUploads",
     # fs.rm_file, through s3fs: retention (manifest first, expired leases), leases.release.
     "DeleteObject",

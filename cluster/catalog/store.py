@@ -22,14 +22,15 @@ import uuid
 from dataclasses import dataclass
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.storage import object_store
-from cluster.storage.object_store import PreconditionFailed, StorageOptions, create_only, read_versioned, replace_if
-from cluster.storage.pending import PendingCheckpoint
-from plans.checkpoint.manifest import MANIFEST
-from plans.errors import CheckpointError, ConfigError
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.storage import options as storage_options
+from rayshard.storage.backends.protocol import PreconditionFailed
+from rayshard.storage.backends.registry import backend_for
+from rayshard.storage.options import StorageOptions
+from rayshard.cluster.catalog.pending import PendingCheckpoint
+from rayshard.plans.checkpoint.manifest import MANIFEST
+from rayshard.plans.errors import CheckpointError, ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")  # scheme://user[:secret]@
@@ -57,7 +58,7 @@ class Store:
     def __init__(self, url: str, options: StorageOptions | None = None):
         # Object-store options apply process-wide (fsspec's config), so the driver's own reads and
         # the rank actors (which receive `storage_conf`) use one endpoint, retry and timeout policy.
-        self.storage_conf = object_store.configure(options)
+        self.storage_conf = storage_options.configure(options)
         self._open(url)
 
     def _open(self, url: str) -> None:
@@ -67,7 +68,7 @@ class Store:
                               "and the URL as s3://bucket/prefix")
         self.url = url.rstrip("/") or url
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
-        self._protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.backend = backend_for(self.fs)  # conditional writes, uploads: the store's own way
 
     def at(self, url: str) -> "Store":
         """Another store under this one's storage options (endpoint, retries), without applying
@@ -80,7 +81,7 @@ class Store:
         return other
 
     def _url(self, path: str) -> str:
-        return path if self._protocol in ("file", "local") else f"{self._protocol}://{path}"
+        return self.backend.url(path)
 
     def run_path(self, run: str) -> str:
         return f"{self.root}/{run}"
@@ -183,18 +184,17 @@ class Store:
         latest = f"{self.root}/{run}/LATEST"
         # Read before the manifest exists: a swap that still matches proves nobody moved LATEST
         # while this commit was in flight.
-        _, version = read_versioned(self.fs, latest)
-        if isinstance(self.fs, LocalFileSystem):
-            self.fs.makedirs(directory, exist_ok=True)
+        _, version = self.backend.read_versioned(latest)
+        self.backend.make_directory(directory)
         try:
-            create_only(self.fs, f"{directory}/{MANIFEST}", manifest)
+            self.backend.create_only(f"{directory}/{MANIFEST}", manifest)
         except FileExistsError:
             raise CheckpointError(
                 f"{run}@{step}: another writer committed this checkpoint first ({url}); this save's shards are "
                 "left as an orphaned attempt that `rayshard ckpt gc` removes. Fix: run one trainer per run — "
                 "continue it with --resume latest, or train under a new --run name") from None
         try:
-            replace_if(self.fs, latest, name.encode(), version)
+            self.backend.replace_if(latest, name.encode(), version)
         except PreconditionFailed:
             raise CheckpointError(
                 f"{run}@{step} is committed ({url}), but another writer moved LATEST (now step "
@@ -205,7 +205,7 @@ class Store:
     def write_text(self, relative: str, text: str) -> None:
         path = f"{self.root}/{relative}"
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        _replace(self.fs, path, text.encode())
+        self.backend.replace(path, text.encode())
 
     def read_text(self, relative: str) -> str | None:
         path = f"{self.root}/{relative}"
@@ -217,12 +217,3 @@ def check_manifest_keys(checkpoint_url: str) -> None:
     does the check, so resolving a ref fails early, before a command starts reading)."""
     read_manifest(checkpoint_url)
 
-
-def _replace(fs, path: str, data: bytes) -> None:
-    if isinstance(fs, LocalFileSystem):
-        temporary = f"{path}.{uuid.uuid4().hex}.tmp"
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-        os.replace(temporary, path)
-        return
-    fs.pipe_file(path, data)

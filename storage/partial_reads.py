@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from actors.checkpoint.checksums import algorithm_of, combine
-from plans.errors import CheckpointError
-from plans.checkpoint.reshard import ReadItem
+from rayshard.storage.checksums import algorithm_of, combine
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.checkpoint.reshard import ReadItem
 
 
 class PartialRead(NamedTuple):

@@ -16,15 +16,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from plans.checkpoint.chunk_table import ChunkTable
-from plans.checkpoint.chunks import Chunk
-from plans.checkpoint.manifest import encode_manifest
-from plans.checkpoint.reshard import check_chunks_disjoint_and_complete
+from rayshard.plans.checkpoint.chunk_table import ChunkTable
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.manifest import encode_manifest
+from rayshard.plans.checkpoint.reshard import check_chunks_disjoint_and_complete
 
 
 @dataclass(frozen=True)
 class PendingCheckpoint:
-    store: Any  # the Store that began it (cluster/storage/store.py)
+    store: Any  # the Store that began it (cluster/catalog/store.py)
     run: str
     step: int
     url: str  # the checkpoint directory: shard files are named relative to it; the manifest goes there

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from fsspec.asyn import AsyncFileSystem
 
-from plans.checkpoint.reshard import Request
+from rayshard.plans.checkpoint.reshard import Request
 
 MAX_IN_FLIGHT = 8
 

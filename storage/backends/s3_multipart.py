@@ -1,5 +1,5 @@
-"""Writing one object to storage as a stream: parallel multipart uploads with bounded memory and
-a bound on how long a stalled upload can hang.
+"""Writing one object to S3 as a stream: parallel multipart uploads with bounded memory and a
+bound on how long a stalled upload can hang.
 
 On S3 the bytes are cut into parts of `part_size`. The memory budget of one upload is
 (max_concurrency + 1) * part_size: an object that ends within it goes as one PUT (one request,
@@ -8,10 +8,10 @@ no multipart bookkeeping on either side); a bigger one becomes a multipart uploa
 part), so memory stays within the budget whatever the shard size. A part that has not completed
 `stall_timeout_s` after it was sent — retries and backoff included — fails the write with an
 error naming the rank and the object, and the multipart upload is aborted (gc aborts any that a
-dead process leaves behind). Other filesystems get fsspec's own streaming file.
+dead process leaves behind).
 
-The options are the driver's (`cluster/storage/object_store.py`), shipped to each actor as fsspec config
-under "rayshard"; defaults apply where none were shipped.
+The sizes and the stall bound are the driver's `StorageOptions` (`storage/options.py`), shipped to
+each actor; the defaults there apply where none were shipped.
 """
 from __future__ import annotations
 
@@ -23,42 +23,13 @@ import re
 import time
 from collections import deque
 
-import fsspec
-
-from plans.errors import CheckpointError
-
-DEFAULTS = {"part_size_mib": 16, "max_concurrency": 4, "stall_timeout_s": 300.0}
-
-
-def upload_settings() -> dict:
-    shipped = fsspec.config.conf.get("rayshard", {})
-    return {key: shipped.get(key, default) for key, default in DEFAULTS.items()}
-
+from rayshard.plans.errors import CheckpointError
 
 def describe(path: str, protocol: str = "s3") -> str:
     """'rank 3 (s3://bucket/.../rank-00003.safetensors)': who was writing what."""
     match = re.search(r"rank-(\d+)", path)
     url = f"{protocol}://{path}" if "://" not in path else path
     return f"rank {int(match.group(1))} ({url})" if match else url
-
-
-@contextlib.contextmanager
-def open_object_writer(fs, path: str):
-    """A binary file-like to stream one object into; the object exists once the block exits."""
-    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if "s3" not in protocol:
-        with fs.open(path, "wb") as handle:
-            yield handle
-        return
-    settings = upload_settings()
-    writer = MultipartWriter(fs, path, settings["part_size_mib"] * 2**20, settings["max_concurrency"],
-                             settings["stall_timeout_s"])
-    try:
-        yield writer
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
 
 
 class MultipartWriter:

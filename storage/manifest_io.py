@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import fsspec
 
-from plans.checkpoint.chunk_table import ChunkTable
-from plans.checkpoint.manifest import MANIFEST, decode_manifest
-from plans.checkpoint.object_keys import check_object_keys
-from plans.errors import CheckpointError
+from rayshard.plans.checkpoint.chunk_table import ChunkTable
+from rayshard.plans.checkpoint.manifest import MANIFEST, decode_manifest
+from rayshard.plans.checkpoint.object_keys import check_object_keys
+from rayshard.plans.errors import CheckpointError
 
 
 def manifest_bytes(checkpoint_url: str) -> bytes:

@@ -12,15 +12,12 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from fsspec.implementations.local import LocalFileSystem
-
-from actors.checkpoint.manifest_io import read_manifest
-from cluster.storage import leases
-from cluster.storage import object_store
-from cluster.storage.catalog import Catalog
-from cluster.storage.store import Store
-from plans.checkpoint.manifest import MANIFEST
-from plans.checkpoint.object_keys import escape_reason
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.catalog import leases
+from rayshard.cluster.catalog.catalog import Catalog
+from rayshard.cluster.catalog.store import Store
+from rayshard.plans.checkpoint.manifest import MANIFEST
+from rayshard.plans.checkpoint.object_keys import escape_reason
 
 DEFAULT_GRACE_S = 3600.0
 
@@ -48,7 +45,7 @@ def collect(store: Store, keep: int, run: str | None = None, grace_s: float = DE
                 continue
             if not dry_run:
                 fs.rm(leftover.path, recursive=True)
-                _remove_if_empty(fs, leftover.path.rsplit("/", 1)[0])
+                store.backend.remove_empty_directory(leftover.path.rsplit("/", 1)[0])
             report.removed_leftovers.append(leftover.path)
             report.freed_bytes += leftover.size_bytes
         for held in leases.all_leases(store, name).values():
@@ -57,12 +54,12 @@ def collect(store: Store, keep: int, run: str | None = None, grace_s: float = DE
                     if not dry_run:
                         fs.rm_file(lease.path)
                     report.removed_leases.append(lease.path)
-    for upload in object_store.pending_uploads(fs, store.root if run is None else store.run_path(run)):
+    for upload in store.backend.pending_uploads(store.root if run is None else store.run_path(run)):
         if now - upload.initiated_unix < grace_s:
             report.kept.append((upload.path, "multipart upload started within the grace period"))
             continue
         if not dry_run:
-            object_store.abort_upload(fs, upload)
+            store.backend.abort_upload(upload)
         report.aborted_uploads.append(upload.path)
     return report
 
@@ -104,15 +101,7 @@ def _remove_checkpoint(store: Store, entry, dry_run: bool) -> None:
         path = f"{directory}/{attempt}"
         if store.fs.exists(path):
             store.fs.rm(path, recursive=True)
-    _remove_if_empty(store.fs, directory)
-
-
-def _remove_if_empty(fs, directory: str) -> None:
-    """Local stores keep emptied step directories; rmdir removes only an empty one, so a save
-    that has just started writing there keeps it."""
-    if isinstance(fs, LocalFileSystem):  # object stores have no directories (and s3fs rmdir means buckets)
-        with contextlib.suppress(OSError):
-            fs.rmdir(directory)
+    store.backend.remove_empty_directory(directory)
 
 
 def object_store_escape(key: str) -> bool:

@@ -16,7 +16,7 @@ import zlib
 
 import crc32c
 
-from plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError
 
 try:
     from isal.isal_zlib import crc32 as _crc32  # the same values as zlib.crc32, ~18x faster here

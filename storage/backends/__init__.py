@@ -1,0 +1,1 @@
+"""One module per object store behind the `Backend` protocol; `registry` picks one by URL scheme."""
