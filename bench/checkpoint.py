@@ -34,9 +34,8 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from rayshard.actors.training.device_memory import peak_memory_bytes, resident_memory_bytes  # noqa: E402
-from rayshard.plans.config import DataConfig, TrainConfig  # noqa: E402
+from rayshard.plans.config import DataConfig, ModelChoice, TrainConfig  # noqa: E402
 from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 LAYOUT_A = ParallelLayout(dp=2, tp=2)
 LAYOUT_B = ParallelLayout(fsdp=4)
@@ -93,7 +92,7 @@ def _our_save(trainer, url: str):
     dist.gather_object(rows, gathered, dst=0)
     if trainer.rank == 0:
         chunks = [Chunk.from_row(row) for part in gathered for row in part]
-        metadata = {"step": trainer.step, "layout": trainer.layout.to_dict(), "model": trainer.config.model.to_dict()}
+        metadata = {"step": trainer.step, "layout": trainer.layout.to_dict(), "model": trainer.config.model.spec.to_dict()}
         fs, base = fsspec.core.url_to_fs(url)
         fs.pipe_file(f"{base}/{MANIFEST}", encode_manifest(chunks, metadata))
 
@@ -158,7 +157,7 @@ def _our_load(trainer, url: str) -> dict:
     from rayshard.actors.checkpoint.load import load_rank_shard
     from rayshard.plans.training.model_spec import parameter_shapes
 
-    return load_rank_shard(trainer.model, trainer.optimizer, url, set(parameter_shapes(trainer.config.model)))
+    return load_rank_shard(trainer.model, trainer.optimizer, url, set(parameter_shapes(trainer.config.model.spec)))
 
 
 def _planned_ranges(trainer, url: str) -> list[tuple[str, int, int, list[tuple[int, int]]]]:
@@ -284,7 +283,7 @@ def main() -> None:
     args = parser.parse_args()
     shutil.rmtree(args.root, ignore_errors=True)
     os.makedirs(args.root)
-    common = dict(model=preset(args.model), model_preset=args.model, steps=1, global_batch=8, seq_len=64,
+    common = dict(model=ModelChoice.named(args.model), steps=1, global_batch=8, seq_len=64,
                   data=DataConfig(max_bytes=2_000_000))
     config_a = TrainConfig(layout=LAYOUT_A, **common).validate()
     config_b = TrainConfig(layout=LAYOUT_B, **common).validate()

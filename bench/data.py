@@ -35,8 +35,7 @@ from rayshard.cluster.data.documents import ReadOptions  # noqa: E402
 from rayshard.cluster.data.prepare import prepare_dataset  # noqa: E402
 from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
 from rayshard.storage import options as storage_options  # noqa: E402
-from rayshard.plans.config import DataConfig, TrainConfig  # noqa: E402
-from rayshard.plans.training.model_spec import preset  # noqa: E402
+from rayshard.plans.config import DataConfig, ModelChoice, TrainConfig  # noqa: E402
 
 
 def corpus_files(mib: float) -> list[str]:
@@ -63,7 +62,7 @@ def plain_tokens_per_s(files: list[str], tokenizer_json: str) -> tuple[int, floa
 
 def loader_share(dataset_url: str, vocab: int, steps: int, prefetch: int) -> tuple[float, float]:
     """(median seconds a step waited for its batch, median step seconds) on one rank."""
-    config = TrainConfig(model_preset="small", model=preset("small", vocab_size=vocab), global_batch=8, seq_len=256,
+    config = TrainConfig(model=ModelChoice.named("small", vocab_size=vocab), global_batch=8, seq_len=256,
                          steps=steps, data=DataConfig(dataset=dataset_url, prefetch_steps=prefetch)).validate()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from rayshard.plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.config import DataConfig, ModelChoice, OptimizerConfig, TrainConfig  # noqa: E402
 from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
 from rayshard.plans.training.model_spec import preset  # noqa: E402
 
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     model = preset(args.model)
-    base = TrainConfig(model=model, model_preset=args.model, steps=args.steps + WARMUP, global_batch=args.batch,
+    base = TrainConfig(model=ModelChoice(args.model, model), steps=args.steps + WARMUP, global_batch=args.batch,
                        seq_len=args.seq_len, seed=7, optimizer=OptimizerConfig(lr=1e-3, warmup_steps=1),
                        data=DataConfig(source="stdlib", max_bytes=2_000_000), store="/tmp/rayshard-bench-moe", run="moe")
     layouts = {"ep2": ParallelLayout(fsdp=2, ep=2), "dp2": ParallelLayout(dp=2)}

@@ -20,9 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from rayshard.plans.config import DataConfig, TrainConfig  # noqa: E402
+from rayshard.plans.config import DataConfig, ModelChoice, TrainConfig  # noqa: E402
 from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 WARMUP_STEPS = 3
 
@@ -76,7 +75,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
-    config = TrainConfig(model=preset(args.model), layout=ParallelLayout(dp=args.dp, fsdp=args.fsdp, tp=args.tp),
+    config = TrainConfig(model=ModelChoice.named(args.model), layout=ParallelLayout(dp=args.dp, fsdp=args.fsdp, tp=args.tp),
                          steps=args.steps + WARMUP_STEPS, global_batch=args.global_batch, seq_len=args.seq_len,
                          data=DataConfig(max_bytes=2_000_000)).validate()
     import ray

@@ -37,9 +37,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from rayshard.plans.config import DataConfig, TrainConfig  # noqa: E402
+from rayshard.plans.config import DataConfig, ModelChoice, PipelineConfig, TrainConfig  # noqa: E402
 from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-from rayshard.plans.training.model_spec import preset  # noqa: E402
 from rayshard.plans.pipeline.plan import build_pipeline_plan  # noqa: E402
 
 VARIANTS = ("ours-1f1b", "torch-1f1b", "ours-zbh1")
@@ -68,7 +67,7 @@ class _TorchSchedule1F1B:
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
         # scale_grads (the default) divides by the microbatch count, as our per-microbatch loss does.
-        self.schedule = Schedule1F1B(stage, trainer.config.microbatches, loss_fn=loss_fn)
+        self.schedule = Schedule1F1B(stage, trainer.config.pipeline.microbatches, loss_fn=loss_fn)
 
     def train_step(self) -> None:
         import torch.distributed as dist
@@ -101,7 +100,7 @@ def _rank_main(rank: int, config: TrainConfig, port: int, rounds: int, out_dir: 
     from rayshard.actors.training.trainer import Trainer
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")  # builds the 1F1B plan's runner
-    zbh1 = build_pipeline_plan(config.model, config.layout, "zbh1", config.microbatches)
+    zbh1 = build_pipeline_plan(config.model.spec, config.layout, "zbh1", config.pipeline.microbatches)
     ours = {"ours-1f1b": trainer.runner, "ours-zbh1": trainer.runner.with_plan(zbh1)}  # same stages, the other plan
     theirs = _TorchSchedule1F1B(trainer)
     results = {variant: {"steps": [], "cpu": [], "plans": [], "waits": [], "actions": []} for variant in VARIANTS}
@@ -138,7 +137,7 @@ def _simulated_vs_measured(config: TrainConfig, schedule: str, ranks: list[dict]
             for kind, stage, mb, seconds in step_actions:
                 samples.setdefault((kind, stage, mb), []).append(seconds)
     durations = {key: statistics.median(values) for key, values in samples.items()}
-    plan = build_pipeline_plan(config.model, config.layout, schedule, config.microbatches)
+    plan = build_pipeline_plan(config.model.spec, config.layout, schedule, config.pipeline.microbatches)
     measured = statistics.median(max(result["plans"][step] for result in ranks) for step in range(len(ranks[0]["plans"])))
     return measured, simulate_measured(plan.schedule, durations).step_time
 
@@ -152,9 +151,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant (they alternate)")
     args = parser.parse_args()
-    config = TrainConfig(model=preset(args.model), layout=ParallelLayout(pp=args.pp),
+    config = TrainConfig(model=ModelChoice.named(args.model), layout=ParallelLayout(pp=args.pp),
                          steps=(WARMUP_ROUNDS + args.steps) * len(VARIANTS), global_batch=args.global_batch,
-                         seq_len=args.seq_len, microbatches=args.microbatches, schedule="1f1b",
+                         seq_len=args.seq_len, pipeline=PipelineConfig(schedule="1f1b", microbatches=args.microbatches),
                          data=DataConfig(max_bytes=2_000_000)).validate()
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_rank_main, args=(config, _free_port(), args.steps, out_dir), nprocs=args.pp)

@@ -29,9 +29,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
 from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
-from rayshard.plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.config import CheckpointConfig, DataConfig, ModelChoice, OptimizerConfig, TrainConfig  # noqa: E402
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
-from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 
 def _latest(store: Path) -> int:
@@ -40,9 +39,9 @@ def _latest(store: Path) -> int:
 
 
 def one_recovery(store: Path) -> dict:
-    config = TrainConfig(model=preset("tiny"), steps=8, ckpt_every=2, global_batch=8, seq_len=32,
+    config = TrainConfig(model=ModelChoice.named("tiny"), steps=8, global_batch=8, seq_len=32,
                          optimizer=OptimizerConfig(warmup_steps=2), data=DataConfig(max_bytes=1_000_000),
-                         store=str(store), run="bench", resume="auto")
+                         store=str(store), run="bench", checkpoint=CheckpointConfig(every=2, resume="auto"))
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(zip(("controller", "state"), train_elastic(
         config, {}, ScalingPolicy(min_ranks=2), FailurePolicy(max_failures=2, backoff_s=0.0)))), daemon=True)

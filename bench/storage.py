@@ -108,12 +108,11 @@ def run(args) -> None:
     from rayshard.cluster.run.rank_group import RankGroup
     from rayshard.cluster.catalog.store import Store
     from rayshard.cluster.run.train import checkpoint_metadata, save_checkpoint
-    from rayshard.plans.config import DataConfig, TrainConfig
+    from rayshard.plans.config import DataConfig, ModelChoice, TrainConfig
     from rayshard.plans.layout.parallel_layout import ParallelLayout
-    from rayshard.plans.training.model_spec import preset
 
     boto3.client("s3").create_bucket(Bucket=BUCKET)
-    config = TrainConfig(model_preset=args.model, model=preset(args.model),
+    config = TrainConfig(model=ModelChoice.named(args.model),
                          layout=ParallelLayout(dp=args.dp, fsdp=args.fsdp, tp=args.tp), steps=10_000, global_batch=8,
                          seq_len=args.seq_len, data=DataConfig(max_bytes=2_000_000), store=f"s3://{BUCKET}/store",
                          run="bench").validate()

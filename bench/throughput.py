@@ -48,9 +48,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from rayshard.actors.model.block_wrappers import SAVED_OPS  # noqa: E402
 from rayshard.actors.training.trainer import Trainer  # noqa: E402
 from rayshard.plans.checkpoint.hf_families import hf_config  # noqa: E402
-from rayshard.plans.config import OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.config import ModelChoice, NumericsConfig, OptimizerConfig, TrainConfig  # noqa: E402
 from rayshard.plans.training.flops import throughput  # noqa: E402
-from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 WARMUP = 2
 IN_PROCESS = "transformers (in rayshard's process)"
@@ -71,7 +70,7 @@ class HuggingFaceLoop:
     """The plain loop: one LlamaForCausalLM, AdamW, autocast for bf16."""
 
     def __init__(self, config: TrainConfig, device: torch.device):
-        settings = hf_config(config.model, "float32")
+        settings = hf_config(config.model.spec, "float32")
         settings.pop("torch_dtype"), settings.pop("dtype")
         torch.manual_seed(config.seed)
         self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).to(device).train()
@@ -79,9 +78,9 @@ class HuggingFaceLoop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
                                            weight_decay=opt.weight_decay, fused=True)
         self.config, self.device = config, device
-        if config.ac != "none":
+        if config.numerics.ac != "none":
             options = {"use_reentrant": False}
-            if config.ac == "selective":
+            if config.numerics.ac == "selective":
                 options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _saves_matmuls)
             # `activation_checkpointing_enable` since transformers 5.2x; before it (the GPU machines'
             # 5.17) only `gradient_checkpointing_enable`, now its deprecated alias. Same options.
@@ -89,14 +88,14 @@ class HuggingFaceLoop:
                       or self.model.gradient_checkpointing_enable)
             enable(options)
         generator = torch.Generator().manual_seed(0)
-        self.tokens = torch.randint(0, config.model.vocab_size, (config.global_batch, config.seq_len + 1),
+        self.tokens = torch.randint(0, config.model.spec.vocab_size, (config.global_batch, config.seq_len + 1),
                                     generator=generator).to(device)
-        if config.compile:
+        if config.numerics.compile:
             self.model = torch.compile(self.model)
 
     def train_step(self) -> None:
         inputs, targets = self.tokens[:, :-1], self.tokens[:, 1:]
-        precision = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.precision == "bf16"
+        precision = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.config.numerics.precision == "bf16"
                      else contextlib.nullcontext())
         with precision:
             logits = self.model(input_ids=inputs, use_cache=False).logits  # training: no KV cache
@@ -140,8 +139,9 @@ def _parse_args() -> argparse.Namespace:
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(model_preset=args.preset, model=preset(args.preset), global_batch=args.batch, seq_len=args.seq_len,
-                       steps=WARMUP + args.steps, precision=args.precision, ac=args.ac, compile=args.compile,
+    return TrainConfig(model=ModelChoice.named(args.preset), global_batch=args.batch, seq_len=args.seq_len,
+                       steps=WARMUP + args.steps,
+                       numerics=NumericsConfig(precision=args.precision, ac=args.ac, compile=args.compile),
                        optimizer=OptimizerConfig(warmup_steps=0), store="/tmp/rayshard-bench-throughput").validate()
 
 
@@ -248,7 +248,7 @@ def main() -> None:
     medians = {}
     for name, samples in times.items():
         medians[name] = statistics.median(samples)
-        speed = throughput(config.model, args.seq_len, tokens, medians[name], 1, device_name, args.precision)
+        speed = throughput(config.model.spec, args.seq_len, tokens, medians[name], 1, device_name, args.precision)
         print(f"  {name:<38} median step {medians[name] * 1000:8.1f} ms | {speed.describe()}")
     goal = 1.0 if args.device == "cpu" else 1.3
     print(f"ours/HF {medians['transformers'] / medians['rayshard']:.2f} (tokens/s)")

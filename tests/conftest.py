@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from rayshard.plans.config import DataConfig, OptimizerConfig, TrainConfig
+from rayshard.plans.config import (CheckpointConfig, DataConfig, ModelChoice, NumericsConfig, OptimizerConfig,
+                                   PipelineConfig, TrainConfig)
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.training.model_spec import preset
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray waits 30 s for a new GCS to publish its port; the first start of a fresh clone's .venv, on a
@@ -52,12 +52,20 @@ def run_training(rank_pool):
     return lambda config: train(config, rank_pool)
 
 
-def small_config(tmp_path, layout=None, **overrides) -> TrainConfig:
-    """The tiny model on a small corpus slice: fast enough for many runs per session."""
+def small_config(tmp_path, layout=None, *, schedule="1f1b", microbatches=1, stage_layout=None, schedule_csv=None,
+                 pipeline_timeout_s=None, precision="fp32", ac="none", compile=False, sequence_parallel=False,
+                 ckpt_every=0, resume=None, verify_resume=False, async_save=False, **overrides) -> TrainConfig:
+    """The tiny model on a small corpus slice: fast enough for many runs per session. The pipeline,
+    numerics and checkpoint settings that tests vary most are keywords here, each put in its section;
+    anything else is a TrainConfig field (a section whole, e.g. model=ModelChoice.named("moe-tiny"))."""
     values = dict(
-        model=preset("tiny"), layout=layout or ParallelLayout(), steps=10, global_batch=8, seq_len=32,
+        model=ModelChoice.named("tiny"), layout=layout or ParallelLayout(), steps=10, global_batch=8, seq_len=32,
         seed=7, optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3),
         data=DataConfig(source="stdlib", max_bytes=1_000_000), store=str(tmp_path / "store"), run="t",
+        pipeline=PipelineConfig(schedule=schedule, microbatches=microbatches, stage_layout=stage_layout,
+                                schedule_csv=schedule_csv, timeout_s=pipeline_timeout_s),
+        numerics=NumericsConfig(precision=precision, ac=ac, compile=compile, sequence_parallel=sequence_parallel),
+        checkpoint=CheckpointConfig(every=ckpt_every, resume=resume, verify_resume=verify_resume, async_save=async_save),
     )
     values.update(overrides)
     return TrainConfig(**values).validate()

@@ -60,7 +60,7 @@ class DatasetBatches:
     def _open(self) -> StepPrefetcher:
         config = self.config
         self.dataset = open_prepared(self.url, config.seq_len)
-        check_vocab_fits(config.model.vocab_size, self.dataset.meta.vocab_size, self.url)
+        check_vocab_fits(config.model.spec.vocab_size, self.dataset.meta.vocab_size, self.url)
         dataset, data_rank, data_ranks = self.dataset, self.data_rank, self.data_ranks
         return StepPrefetcher(lambda step: dataset.rank_windows(config.seed, step, config.global_batch, data_rank, data_ranks),
                               config.data.prefetch_steps, config.data.read_timeout_s, self.url)

@@ -36,10 +36,10 @@ _TIED_TAG = 2**30  # above every pipeline transfer's tag
 def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mesh: DeviceMesh,
                       device: torch.device) -> RankStages:
     """Only this rank's pipeline stages, each with TP and FSDP2 inside it."""
-    model_config, partition, layout = config.model, plan.partition, config.layout
+    model_config, partition, layout, numerics = config.model.spec, plan.partition, config.layout, config.numerics
     last = partition.num_stages - 1
     # Under a zero-bubble schedule the interpreter recomputes whole stages instead (`recomputes_stages`).
-    block_ac = "none" if recomputes_stages(config) else config.ac
+    block_ac = "none" if recomputes_stages(config) else config.numerics.ac
     modules, user = {}, model_config.user
     for stage in partition.stages_of_rank(pp_rank):
         layers, first, is_last = partition.stage_layers[stage], stage == 0, stage == last
@@ -48,9 +48,9 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
         else:
             module = build_stage_on_meta(model_config, layers, first, is_last)
         parallelize(module, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings,
-                    pipeline=True, precision=config.precision, ac=block_ac, compile_blocks=config.compile,
-                    sequence_parallel=config.sequence_parallel, plan=model_config.plan, ep=layout.ep)
-        set_aux_loss_scale(module, model_config, config.microbatches)
+                    pipeline=True, precision=numerics.precision, ac=block_ac, compile_blocks=numerics.compile,
+                    sequence_parallel=numerics.sequence_parallel, plan=model_config.plan, ep=layout.ep)
+        set_aux_loss_scale(module, model_config, config.pipeline.microbatches)
         module.to_empty(device=device)
         initialize_parameters(module, config.seed, model_config.n_layers,
                               stage_global_names(model_config, stage == 0, stage == last))
@@ -60,7 +60,7 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
 
 def stage_sequence_length(config: TrainConfig) -> int:
     """Tokens per sequence in what stages exchange: a tp rank's shard under sequence parallelism."""
-    return config.seq_len // config.layout.tp if config.sequence_parallel else config.seq_len
+    return config.seq_len // config.layout.tp if config.numerics.sequence_parallel else config.seq_len
 
 
 def recomputes_stages(config: TrainConfig) -> bool:
@@ -71,7 +71,7 @@ def recomputes_stages(config: TrainConfig) -> bool:
     interpreter runs F without keeping activations and rebuilds the stage's graph once, at the
     first of I/B/W; W then reuses the tensors I's pass kept (`actors/pipeline/interpreter.py`).
     """
-    return config.ac != "none" and config.splits_backward
+    return config.numerics.ac != "none" and config.pipeline.splits_backward
 
 
 class PipelinedRunner:
@@ -84,16 +84,17 @@ class PipelinedRunner:
         self.collective_timeout = timedelta(seconds=timeout_s)
         self.pipeline_copies = (PipelineCopies((stages.tied_copy,)) if stages.tied_copy is not None
                                 else NO_PIPELINE_COPIES)
-        microbatch_size = config.global_batch // self.layout.data_parallel_size // config.microbatches
+        microbatch_size = config.global_batch // self.layout.data_parallel_size // config.pipeline.microbatches
         # A user model's own loss (the factory's; it runs where the last stage runs).
-        user = config.model.user
+        user = config.model.spec.user
         criterion = build_user_on_meta(user).loss if user is not None else None
         self.interpreter = PipelineRunner(
             plan.schedule.ranks[self.coords.pp], stages.modules, num_stages=plan.partition.num_stages,
-            microbatches=config.microbatches, rank=rank, global_rank_of=self._global_rank_of,
-            activation_shape=(microbatch_size, stage_sequence_length(config), config.model.dim),
-            dtype=compute_dtype(config.precision),
-            device=device, loss_fn=partial(microbatch_loss, microbatches=config.microbatches, criterion=criterion),
+            microbatches=config.pipeline.microbatches, rank=rank, global_rank_of=self._global_rank_of,
+            activation_shape=(microbatch_size, stage_sequence_length(config), config.model.spec.dim),
+            dtype=compute_dtype(config.numerics.precision),
+            device=device,
+            loss_fn=partial(microbatch_loss, microbatches=config.pipeline.microbatches, criterion=criterion),
             timeout_s=timeout_s,
             recompute_stages=recomputes_stages(config))
 

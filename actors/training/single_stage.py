@@ -33,19 +33,19 @@ class SingleStageRunner:
     def build(cls, config: TrainConfig, mesh: DeviceMesh, device: torch.device) -> "SingleStageRunner":
         """The whole model, with TP, AC, compile and FSDP2 applied from outside, then materialized
         and initialized."""
-        layout, user = config.layout, config.model.user
-        made = build_user_on_meta(user) if user is not None else None
-        model = made.module if made is not None else build_on_meta(config.model)
-        parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=config.model.tie_embeddings,
-                    precision=config.precision, ac=config.ac, compile_blocks=config.compile,
-                    sequence_parallel=config.sequence_parallel, plan=config.model.plan, ep=layout.ep)
-        set_aux_loss_scale(model, config.model, config.microbatches)
+        layout, spec, numerics = config.layout, config.model.spec, config.numerics
+        made = build_user_on_meta(spec.user) if spec.user is not None else None
+        model = made.module if made is not None else build_on_meta(spec)
+        parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=spec.tie_embeddings,
+                    precision=numerics.precision, ac=numerics.ac, compile_blocks=numerics.compile,
+                    sequence_parallel=numerics.sequence_parallel, plan=spec.plan, ep=layout.ep)
+        set_aux_loss_scale(model, spec, config.pipeline.microbatches)
         model.to_empty(device=device)
-        if config.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
+        if spec.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
             # to_empty swaps each module's parameter separately, which unties shared ones.
             model.output.weight = model.tok_embeddings.weight
-        initialize_parameters(model, config.seed, config.model.n_layers)
-        return cls(model, layout.tp, config.microbatches, device, made.loss if made is not None else None)
+        initialize_parameters(model, config.seed, spec.n_layers)
+        return cls(model, layout.tp, config.pipeline.microbatches, device, made.loss if made is not None else None)
 
     def forward_backward(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[torch.Tensor, None]:
         sharded = hasattr(self.model, "set_requires_gradient_sync")

@@ -89,7 +89,7 @@ class Trainer:
             keep_freed_host_memory()  # a step's activations live in host memory: reuse, not refault, them
         forget_previous_meshes()
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.layout.world_size,
-                                timeout=timedelta(seconds=config.collective_timeout_s))
+                                timeout=timedelta(seconds=config.resources.collective_timeout_s))
         self.mesh = init_device_mesh(self.device.type, self.layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
         # Kept for this process group's lifetime: hand-over groups across loads, host buffers across saves.
         self.handover_groups, self.async_saver = HandoverGroups(), AsyncSaver()
@@ -97,7 +97,7 @@ class Trainer:
         if wrap_runner is not None:
             self.runner = wrap_runner(self.runner, rank)
         # Weights tp keeps whole whose gradients each tp rank holds only its heads' share of.
-        self.tp_partial = (tp_partial_parameters(self.model, config.model.plan.tp_partial_gradients)
+        self.tp_partial = (tp_partial_parameters(self.model, config.model.spec.plan.tp_partial_gradients)
                            if self.layout.tp > 1 else [])
         # Under ep the experts are outside FSDP: the trainer averages their gradients over data ranks.
         self.experts = expert_parameters(self.model) if self.layout.ep > 1 else []
@@ -117,10 +117,11 @@ class Trainer:
         config = self.config
         if self.layout.pp == 1:
             return SingleStageRunner.build(config, self.mesh, self.device)
-        plan = plan or build_pipeline_plan(config.model, self.layout, config.schedule, config.microbatches,
-                                           config.stage_layout, config.schedule_csv)
+        pipeline = config.pipeline
+        plan = plan or build_pipeline_plan(config.model.spec, self.layout, pipeline.schedule, pipeline.microbatches,
+                                           pipeline.stage_layout, pipeline.schedule_csv)
         return PipelinedRunner.build(config, plan, self.rank, self.mesh, self.device,
-                                     config.pipeline_timeout_s or config.collective_timeout_s)
+                                     pipeline.timeout_s or config.resources.collective_timeout_s)
 
     @property
     def model(self):
@@ -167,7 +168,7 @@ class Trainer:
         inputs, targets = self.data.rank_batch(self.step, self.layout.data_rank_of(self.rank), self.layout.data_parallel_size)
         self.batch_hash = row_hashes(inputs, targets)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        return list(inputs.chunk(config.microbatches)), list(targets.chunk(config.microbatches))
+        return list(inputs.chunk(config.pipeline.microbatches)), list(targets.chunk(config.pipeline.microbatches))
 
     def _forward_backward(self) -> tuple[torch.Tensor, StepRecord | None]:
         """Gradients of this step's batch, reduced over data ranks (and the tied embedding
@@ -188,7 +189,7 @@ class Trainer:
         experts + 3] table; tokens and loss only from tp rank 0 (tp peers route the same tokens),
         bytes from every rank (each tp rank exchanges its own copy); pipeline stages fill their
         own layers' rows."""
-        model = self.config.model
+        model = self.config.model.spec
         if not model.is_moe:
             return {}
         experts = model.n_experts
@@ -240,7 +241,7 @@ class Trainer:
         return save_rank_shard(self.model, self.optimizer, self.coord_map, checkpoint_url, file, self.pipeline_copies)
 
     def load(self, checkpoint_url: str, manifest: bytes | None = None) -> dict:
-        result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(parameter_shapes(self.config.model)),
+        result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(parameter_shapes(self.config.model.spec)),
                                  manifest, handover=self.handover_groups)
         self.step = result["step"]
         return {"step": result["step"], "bytes_read": result["bytes_read"], "seconds": result["seconds"],

@@ -69,10 +69,11 @@ def target_partition(metadata: dict, layout: ParallelLayout, schedule: str | Non
     if layout.pp == 1:
         return None
     config = metadata.get("config") or {}
+    pipeline = config.get("pipeline") or config  # a checkpoint written before the config had sections: flat keys
     if schedule is None:
-        schedule = config.get("schedule", "1f1b")  # pipeline_partition moves it to one that fits layout.vpp
-    if stage_layout is None and config.get("stage_layout") and metadata.get("layout") == layout.to_dict():
-        stage_layout = list(config["stage_layout"])  # the same layout: keep the checkpoint's own cut
+        schedule = pipeline.get("schedule", "1f1b")  # pipeline_partition moves it to one that fits layout.vpp
+    if stage_layout is None and pipeline.get("stage_layout") and metadata.get("layout") == layout.to_dict():
+        stage_layout = list(pipeline["stage_layout"])  # the same layout: keep the checkpoint's own cut
     model = ModelConfig.from_dict(metadata["model"])
     return pipeline_partition(model, layout, schedule, stage_layout)
 

@@ -5,7 +5,10 @@ import argparse
 
 from rayshard.cluster.cli.plan import plan_subcommands
 from rayshard.cluster.cli.arg_types import AT_LEAST_ONE, POSITIVE
+from rayshard.cluster.cli.config_flags import add_flag
+from rayshard.plans.config import ModelChoice, NumericsConfig, PipelineConfig, TrainConfig
 from rayshard.plans.layout.chooser import PINNABLE_DEGREES
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -13,17 +16,19 @@ def register(commands: argparse._SubParsersAction) -> None:
         "layout", help="choose dp/fsdp/tp/pp (and an MoE model's ep) for a number of ranks and explain the choice",
         description="The layout elastic recovery would pick: constraints, memory estimate, least communication.")
     parser.add_argument("--ranks", type=AT_LEAST_ONE, required=True, metavar="N", help="ranks (GPUs) available")
-    parser.add_argument("--model", default="small", metavar="PRESET", help="model preset (tiny, small, moe-tiny, moe-small, 405b)")
-    parser.add_argument("--global-batch", type=AT_LEAST_ONE, default=16, metavar="N")
-    parser.add_argument("--seq-len", type=AT_LEAST_ONE, default=256, metavar="N")
-    parser.add_argument("--microbatches", type=AT_LEAST_ONE, default=1, metavar="N")
+    # The flags it shares with `train` come from the same config fields (names, metavars, choices);
+    # with no config to validate them, the counts are range-checked while parsed, and each has a default.
+    add_flag(parser, ModelChoice, "preset", default="small",
+             help="model preset (tiny, small, moe-tiny, moe-small, 405b)")
+    add_flag(parser, TrainConfig, "global_batch", type=AT_LEAST_ONE, default=16)
+    add_flag(parser, TrainConfig, "seq_len", type=AT_LEAST_ONE, default=256)
+    add_flag(parser, PipelineConfig, "microbatches", type=AT_LEAST_ONE, default=1)
     parser.add_argument("--memory-gib", type=POSITIVE, default=80.0, metavar="GIB", help="memory budget per rank")
     parser.add_argument("--ranks-per-node", type=AT_LEAST_ONE, default=8, metavar="N", help="tp stays within a node")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="the memory estimate's compute dtype (master state is float32 either way)")
-    parser.add_argument("--ac", choices=("none", "full", "selective"), default="none",
-                        help="the activation checkpointing the memory estimate assumes")
+    add_flag(parser, NumericsConfig, "precision", default="fp32",
+             help="the memory estimate's compute dtype (master state is float32 either way)")
+    add_flag(parser, NumericsConfig, "ac", default="none", help="the activation checkpointing the memory estimate assumes")
     for name in PINNABLE_DEGREES:
-        parser.add_argument(f"--{name}", type=AT_LEAST_ONE, metavar="N", help=f"pin {name}" + (
+        add_flag(parser, ParallelLayout, name, type=AT_LEAST_ONE, help=f"pin {name}" + (
             " (1 or fsdp; an MoE model otherwise gets ep = fsdp where fsdp divides its experts)" if name == "ep" else ""))
     parser.set_defaults(run_command="rayshard.cluster.cli.commands.layout:run_layout")

@@ -39,7 +39,7 @@ def check_training_data(config: TrainConfig, resumed_metadata: dict | None, chec
                 f"but this run reads text from {config.data.source!r}. Fix: pass --data {recorded.get('url')}, or start a new --run")
         return
     dataset = open_prepared(url, config.seq_len)
-    check_vocab_fits(config.model.vocab_size, dataset.meta.vocab_size, url)
+    check_vocab_fits(config.model.spec.vocab_size, dataset.meta.vocab_size, url)
     record = _records[(url, config.seq_len)] = _record_of(dataset)
     if recorded is not None:
         check_same_dataset(recorded, record, checkpoint_url)

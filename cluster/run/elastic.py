@@ -39,7 +39,8 @@ class TrainingWorkerGroup:
     def rank_bundle(self, world: int | None = None) -> dict[str, float]:
         """CPU ranks: a share fixed over wanted_ranks, so the rank count follows from the CPUs.
         GPU ranks: the count follows from the GPUs; the CPUs are shared over the world started."""
-        cluster, cpus, gpus = ray.cluster_resources(), self.config.cpus_per_rank, self.config.gpus_per_rank
+        resources = self.config.resources
+        cluster, cpus, gpus = ray.cluster_resources(), resources.cpus_per_rank, resources.gpus_per_rank
         bundle = rank_bundle(cluster, self.wanted_ranks, cpus, gpus)
         return rank_bundle(cluster, world, cpus, gpus) if "GPU" in bundle and world else bundle
 
@@ -56,8 +57,9 @@ class TrainingWorkerGroup:
 
     def run(self, layout: ParallelLayout, should_resize) -> RunResult:
         bundle = self.rank_bundle(layout.world_size)
-        config = replace(self.config, layout=layout, resume="auto", cpus_per_rank=bundle.get("CPU", 0),
-                         gpus_per_rank=bundle.get("GPU", 0))
+        config = replace(self.config, layout=layout, checkpoint=replace(self.config.checkpoint, resume="auto"),
+                         resources=replace(self.config.resources, cpus_per_rank=bundle.get("CPU", 0),
+                                           gpus_per_rank=bundle.get("GPU", 0)))
         try:
             result = train(config, stop_after_checkpoint=lambda step: should_resize())
         except RANK_FAILURES as error:
@@ -73,7 +75,8 @@ def _first_line(error: BaseException) -> str:
 
 def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_rank_bytes: float, ranks_per_node: int,
                        capacity=lambda: ""):
-    work = Workload(config.global_batch, config.seq_len, config.microbatches, config.precision, config.ac)
+    work = Workload(config.global_batch, config.seq_len, config.pipeline.microbatches, config.numerics.precision,
+                    config.numerics.ac)
     needed = pinned_ranks(pinned)
 
     def choose(ranks: int):
@@ -83,7 +86,7 @@ def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_r
                               f"the pinned dimensions need {needed} ranks but the cluster offers {offered}",
                               f"pass --cpus-per-rank {_share_for(needed):g} or less (or leave it unset), add nodes, "
                               "or pin fewer dimensions")
-        return choose_layout(ranks, config.model, work, memory_per_rank_bytes, ranks_per_node=ranks_per_node,
+        return choose_layout(ranks, config.model.spec, work, memory_per_rank_bytes, ranks_per_node=ranks_per_node,
                              pinned=pinned, vpp=config.layout.vpp, accepts=lambda layout: runs_on(config, layout))
 
     return choose
@@ -94,7 +97,7 @@ def runs_on(config: TrainConfig, layout: ParallelLayout) -> bool:
     the run's own validation would then refuse (sequence parallelism on tp 1, a pipeline order from
     a file on another pp, a schedule on a vpp it does not run)."""
     try:
-        replace(config, layout=layout, world_size=None).validate()
+        replace(config, layout=layout, resources=replace(config.resources, world_size=None)).validate()
     except ConfigError:
         return False
     return True
@@ -106,11 +109,11 @@ def _share_for(ranks: int) -> float:
 
 def train_elastic(config: TrainConfig, pinned: dict[str, int], scaling: ScalingPolicy, failure: FailurePolicy,
                   memory_per_rank_bytes: float = 64 * 2**30, ranks_per_node: int = 8, cpus_per_rank: float | None = None):
-    """cpus_per_rank: overrides config.cpus_per_rank (None: the config's; unset there, an equal
-    share of the CPUs over max(min_ranks, the ranks the pinned dimensions need), at most one)."""
+    """cpus_per_rank: overrides config.resources.cpus_per_rank (None: the config's; unset there, an
+    equal share of the CPUs over max(min_ranks, the ranks the pinned dimensions need), at most one)."""
     connect_ray()
     if cpus_per_rank is not None:
-        config = replace(config, cpus_per_rank=cpus_per_rank)
+        config = replace(config, resources=replace(config.resources, cpus_per_rank=cpus_per_rank))
     group = TrainingWorkerGroup(config, max(scaling.min_ranks, pinned_ranks(pinned)))
     controller = Controller(group, layout_chooser_for(config, pinned, memory_per_rank_bytes, ranks_per_node,
                                                       group.capacity),

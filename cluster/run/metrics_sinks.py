@@ -89,7 +89,7 @@ class TensorBoardSink:
 class WandbSink:
     def __init__(self, config: TrainConfig):
         self.wandb = importlib.import_module("wandb")
-        self.session = self.wandb.init(project=config.wandb_project, name=config.run,
+        self.session = self.wandb.init(project=config.metrics.wandb_project, name=config.run,
                                        config=json.loads(json.dumps(config.to_dict(), default=str)), resume="allow")
 
     def append(self, record: dict) -> None:
@@ -108,16 +108,17 @@ class WandbSink:
 
 def check_sinks(config: TrainConfig) -> None:
     """Before any actor starts: a sink asked for must be available."""
-    if config.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("wandb_project", config.wandb_project, "needs the wandb package, which is not installed",
+    if config.metrics.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb_project", config.metrics.wandb_project,
+                          "needs the wandb package, which is not installed",
                           "pip install wandb (and log in), or drop --wandb-project")
 
 
 def open_sinks(config: TrainConfig, store: Store, start_step: int) -> list:
     """metrics.jsonl first (it is what `ckpt plot-resume` and the tests read), then the others."""
     sinks: list = [MetricsLog(store, config.run, start_step)]
-    if config.tensorboard:
+    if config.metrics.tensorboard:
         sinks.append(TensorBoardSink(store, config.run, start_step))
-    if config.wandb_project:
+    if config.metrics.wandb_project:
         sinks.append(WandbSink(config))
     return sinks

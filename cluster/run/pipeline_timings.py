@@ -56,8 +56,9 @@ class PipelineTimings:
     def to_dict(self) -> dict:
         config = self.config
         return {
-            "schedule": config.schedule, "layout": config.layout.to_dict(), "microbatches": config.microbatches,
-            "model_preset": config.model_preset, "global_batch": config.global_batch, "seq_len": config.seq_len,
+            "schedule": config.pipeline.schedule, "layout": config.layout.to_dict(),
+            "microbatches": config.pipeline.microbatches,
+            "model_preset": config.model.preset, "global_batch": config.global_batch, "seq_len": config.seq_len,
             "steps_measured": len(self.step_seconds),
             "median_step_seconds": statistics.median(self.step_seconds),
             "median_plan_seconds": statistics.median(self.plan_seconds),

@@ -140,8 +140,9 @@ class RankGroup:
     def __init__(self, config: TrainConfig, actors: list | None = None):
         world = config.layout.world_size
         if actors is None:
-            self.placement, self.actors = start_actors(world, config.start_timeout_s, config.cpus_per_rank,
-                                                       config.gpus_per_rank)
+            resources = config.resources
+            self.placement, self.actors = start_actors(world, resources.start_timeout_s, resources.cpus_per_rank,
+                                                       resources.gpus_per_rank)
             self.owned = True
         else:
             if len(actors) < world:
@@ -149,17 +150,18 @@ class RankGroup:
                                   "pass more actors or a smaller layout")
             self.placement, self.actors, self.owned = None, list(actors[:world]), False
         # The pipeline plan is built, lowered and checked here, once, and shipped with setup.
-        self.plan = (build_pipeline_plan(config.model, config.layout, config.schedule, config.microbatches,
-                                         config.stage_layout, config.schedule_csv) if config.layout.pp > 1 else None)
-        self.step_grace_s = (config.pipeline_timeout_s or config.collective_timeout_s) + 10.0
-        self.call_timeout_s = config.call_timeout_s
+        pipeline = config.pipeline
+        self.plan = (build_pipeline_plan(config.model.spec, config.layout, pipeline.schedule, pipeline.microbatches,
+                                         pipeline.stage_layout, pipeline.schedule_csv) if config.layout.pp > 1 else None)
+        self.step_grace_s = (config.pipeline.timeout_s or config.resources.collective_timeout_s) + 10.0
+        self.call_timeout_s = config.resources.call_timeout_s
         self.broken = False  # a call failed: ranks may be stuck in collectives
         try:
-            init_method = self.call_each("rendezvous_address", [()], timeout=config.start_timeout_s,
+            init_method = self.call_each("rendezvous_address", [()], timeout=config.resources.start_timeout_s,
                                          actors=self.actors[:1])[0]
             # Set-up joins the process group, which waits up to the collective timeout for every peer.
             self.setup_info = self.call_each("setup", [(config, rank, init_method, self.plan) for rank in range(world)],
-                                             timeout=config.start_timeout_s + config.collective_timeout_s)
+                                             timeout=config.resources.start_timeout_s + config.resources.collective_timeout_s)
         except BaseException:
             self.shutdown()
             raise

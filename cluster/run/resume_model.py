@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.catalog.store import Store
-from rayshard.plans.config import TrainConfig
+from rayshard.plans.config import ModelChoice, TrainConfig
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.training.model_spec import ModelConfig, model_differences
 
@@ -32,16 +32,16 @@ def checkpoint_model(config: TrainConfig, ref: str) -> tuple[str | None, ModelCo
 def with_resumed_model(config: TrainConfig, named: bool) -> TrainConfig:
     """`config` with the model its resume will load. named: the user chose the model (a --model
     flag or a model section in their own config file)."""
-    if not config.resume:
+    if not config.checkpoint.resume:
         return config
-    found = checkpoint_model(config, config.resume)
+    found = checkpoint_model(config, config.checkpoint.resume)
     if found is None:
         return config
     preset_name, saved = found
     if not named:
-        return replace(config, model=saved, model_preset=preset_name or "custom")
-    differences = model_differences(saved, config.model)
+        return replace(config, model=ModelChoice(preset_name or "custom", saved))
+    differences = model_differences(saved, config.model.spec)
     if differences:
-        raise ConfigError("model", config.model_preset, f"differs from the checkpoint's model in {', '.join(differences)}",
+        raise ConfigError("model", config.model.preset, f"differs from the checkpoint's model in {', '.join(differences)}",
                           "leave the model out (a resume builds the checkpoint's own), or resume a checkpoint of this model")
     return config

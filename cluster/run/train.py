@@ -21,7 +21,7 @@ from rayshard.cluster.run.rank_group import RankGroup, connect_ray
 from rayshard.cluster.run.resume_check import verify_resumed_state
 from rayshard.cluster.data.training_data import check_training_data, dataset_record, step_batch_hash, with_resolved_dataset
 from rayshard.cluster.run.metrics_sinks import check_sinks, open_sinks
-from rayshard.cluster.catalog.store import Store
+from rayshard.cluster.catalog.store import CheckpointRef, Store
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.errors import ConfigError
@@ -45,137 +45,205 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
+@dataclass
+class StartPoint:
+    """What a run starts from, resolved before any rank starts: the validated config (its
+    dataset resolved), the store, the step to train from and, resuming, the checkpoint and its
+    manifest's bytes (read once here; the ranks get these bytes)."""
+    config: TrainConfig
+    store: Store
+    step: int = 0
+    resume: CheckpointRef | None = None
+    manifest: bytes | None = None
+    parent: str | None = None  # the checkpoint the run's next save descends from
+
+
 def train(config: TrainConfig, actors: list | None = None,
-          stop_after_checkpoint: Callable[[int], bool] | None = None, async_save: bool = False) -> TrainResult:
-    """Run (or resume) training.
+          stop_after_checkpoint: Callable[[int], bool] | None = None) -> TrainResult:
+    """Run (or resume) training: resolve where it starts, start the ranks, run the steps.
 
     actors: live RankActors to borrow instead of starting new ones.
-    async_save: a checkpoint blocks training only while ranks copy their state to CPU; uploads run
-    in the background and commit at a later step (cluster/run/async_save.py).
     stop_after_checkpoint(step): asked after each committed checkpoint; True stops here (the
     elastic controller uses it to resize at a checkpoint, losing no work).
     """
+    point = resolve_start(config)
+    if point.step >= point.config.steps:
+        _log(f"nothing to do: the checkpoint is at step {point.step} and --steps is {point.config.steps}")
+        return TrainResult(point.config.run, point.step, resumed_from=point.parent)
+    group = start_ranks(point, actors)
+    return run_steps(group, point, stop_after_checkpoint)
+
+
+def resolve_start(config: TrainConfig) -> StartPoint:
+    """Validate, find the checkpoint to resume from (if any) and check the data and metric sinks
+    against it: everything that can refuse the run before a rank starts."""
     config = config.validate()
     store = Store(config.store)
-    requested = config.resume
+    requested = config.checkpoint.resume
     if requested == "auto":  # resubmitting a run by name continues it; a new name starts fresh
         requested = "latest" if store.committed_steps(config.run) else None
     resume = store.resolve(requested, current_run=config.run) if requested else None
-    start_step, parent = 0, None
     if resume is None and store.committed_steps(config.run):
         raise ConfigError("run", config.run,
                           f"already has checkpoints in {config.store} (steps {store.committed_steps(config.run)})",
                           "pass --resume latest (or auto) to continue it, or choose a new --run name")
-    manifest = None
+    point, metadata = StartPoint(config, store, resume=resume), None
     if resume is not None:
-        manifest = manifest_bytes(resume.url)  # read once here; the ranks get these bytes
-        metadata = read_manifest(resume.url, manifest)[1]
-        start_step, parent = int(metadata["step"]), resume.url
-        _log(f"resuming from {resume.url} (step {start_step}, written by layout {metadata['layout']})")
+        point.manifest = manifest_bytes(resume.url)
+        metadata = read_manifest(resume.url, point.manifest)[1]
+        point.step, point.parent = int(metadata["step"]), resume.url
+        _log(f"resuming from {resume.url} (step {point.step}, written by layout {metadata['layout']})")
         _warn_if_schedule_changed(metadata, config)
-    check_training_data(config, metadata if resume is not None else None, parent)  # before any rank starts
-    config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
-    check_sinks(config)
-    if start_step >= config.steps:
-        _log(f"nothing to do: the checkpoint is at step {start_step} and --steps is {config.steps}")
-        return TrainResult(config.run, start_step, resumed_from=parent)
+    check_training_data(config, metadata, point.parent)  # before any rank starts
+    point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
+    check_sinks(point.config)
+    return point
 
+
+def start_ranks(point: StartPoint, actors: list | None) -> RankGroup:
+    """One actor per rank (or the borrowed ones), their process group formed and their storage
+    configured as the driver's."""
+    config = point.config
     connect_ray()
-    _log(f"run {config.run!r}: model {config.model_preset}, layout {config.layout.describe()} "
-         f"({config.layout.world_size} ranks), steps {start_step}..{config.steps}, store {config.store}")
-    if config.ac == "selective" and config.layout.pp > 1 and config.splits_backward:
+    _log(f"run {config.run!r}: model {config.model.preset}, layout {config.layout.describe()} "
+         f"({config.layout.world_size} ranks), steps {point.step}..{config.steps}, store {config.store}")
+    if config.numerics.ac == "selective" and config.layout.pp > 1 and config.pipeline.splits_backward:
         _log("note: --ac selective under a schedule that splits the backward into I and W recomputes each "
              "stage whole, once per microbatch, as --ac full does (docs/decisions.md 58)")
     started = time.perf_counter()
     group = RankGroup(config, actors)
     try:  # actors reach the store as the driver does
-        group.call("configure_storage", store.storage_conf, timeout=config.start_timeout_s)
+        group.call("configure_storage", point.store.storage_conf, timeout=config.resources.start_timeout_s)
     except BaseException:
         group.shutdown()
         raise
     _log(f"{config.layout.world_size} rank actors ready on {group.setup_info[0].device} "
          f"in {time.perf_counter() - started:.1f}s")
-    result = TrainResult(config.run, start_step, resumed_from=parent)
-    sinks = open_sinks(config, store, start_step)
+    return group
+
+
+def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callable[[int], bool] | None) -> TrainResult:
+    """Load the resumed state, then one call per rank per step, with a checkpoint at every
+    checkpoint.every steps and at the end; the ranks are shut down whatever happens."""
+    config, store = point.config, point.store
+    result = TrainResult(config.run, point.step, resumed_from=point.parent)
+    sinks = open_sinks(config, store, point.step)
     _log("metrics: " + ", ".join(sink.where for sink in sinks))
-
-    def committed(step: int, url: str) -> None:
-        result.checkpoints.append(url)
-        for sink in sinks:
-            sink.flush()
-        _log(f"checkpoint step {step} committed: {url}")
-
-    fingerprint = group.setup_info[0].data_fingerprint
-    saver = (AsyncCheckpointer(group, store, config.run, config.layout.world_size,
-                               lambda step, parent: checkpoint_metadata(config, step, parent, fingerprint), committed)
-             if async_save else None)
+    saves = Saves(group, point, result, sinks)
     timings = PipelineTimings(config)
     try:
-        if resume is not None:
-            with leases.reading(store, resume):  # `ckpt gc` keeps the checkpoint while ranks read it
-                loaded = group.call("load", resume.url, ray.put(manifest))
-                # A chunk the new layout cut across ranks was read in parts that no rank could check
-                # alone: their checksums, combined, must give the chunk's before anything trains on it.
-                in_parts = check_loaded_parts(resume.url, loaded, manifest)
-            _log(f"loaded step {start_step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over "
-                 f"{len(loaded)} ranks" + (f"; {in_parts} chunks read in parts verified together" if in_parts else ""))
-            if config.verify_resume:
-                with leases.reading(store, resume):
-                    check = verify_resumed_state(group, store, config.run, start_step, resume.url, str(config.layout))
-                _log(f"resumed state verified: {check.tensors} tensors, digests equal to the checkpoint's "
-                     f"({check.digest[:19]}...)")
-        for step in range(start_step, config.steps):
+        if point.resume is not None:
+            load_resumed(group, point)
+        for _ in range(point.step, config.steps):
             tick = time.perf_counter()
             per_rank = group.call_reporting_failures("train_step")
-            metrics = per_rank[0]
             seconds = time.perf_counter() - tick
             timings.add(per_rank, seconds)
-            done = metrics.step
-            result.losses[done] = metrics.loss
-            result.step_seconds.append(seconds)
-            # As the ranks counted them: a data rank's tp and pp peers count the same tokens.
-            tokens = (sum(rank.tokens for rank in per_rank) // (config.layout.tp * config.layout.pp)
-                      or config.global_batch * config.seq_len)
-            speed = throughput(config.model, config.seq_len, tokens, seconds, config.layout.world_size,
-                               metrics.device_name, config.precision)
-            peaks = [rank.peak_memory_bytes for rank in per_rank]
-            record = {"step": done, "loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
-                      "tokens": tokens, "tokens_per_s": speed.tokens_per_s, "tokens_per_s_per_rank": speed.tokens_per_s_per_rank,
-                      "tflops_per_rank": speed.tflops_per_rank, "mfu": speed.mfu, "device": metrics.device_name,
-                      "peak_memory_gib": max(peaks) / 2**30, "peak_memory_bytes_per_rank": peaks,
-                      "step_s": seconds, "layout": str(config.layout), "precision": config.precision,
-                      "time": time.time(), "batch_hash": step_batch_hash(per_rank, config.layout)}
-            moe = ""
-            if metrics.expert_tokens is not None:
-                result.expert_tokens[done] = metrics.expert_tokens
-                record.update(aux_loss=metrics.aux_loss, expert_tokens={str(k): v for k, v in metrics.expert_tokens.items()},
-                              expert_load_imbalance=load_imbalance(metrics.expert_tokens),
-                              all_to_all_bytes=metrics.all_to_all_bytes, all_to_all_peer_bytes=metrics.all_to_all_peer_bytes)
-                moe = f" | aux {metrics.aux_loss:.4f} | expert load max/mean {record['expert_load_imbalance']:.2f}"
-            for sink in sinks:
-                sink.append(record)
-            _log(f"step {done:>5}/{config.steps} | loss {metrics.loss:.4f} | grad_norm {metrics.grad_norm:.3f} "
-                 f"| lr {metrics.lr:.2e} | {speed.describe()} | mem {record['peak_memory_gib']:.2f} GiB{moe}")
-            if saver is not None:
-                saver.poll()  # commits a finished background save; a failed one raises here
-            if done == config.steps or (config.ckpt_every and done % config.ckpt_every == 0):
-                if saver is not None:
-                    parent = saver.start(done, parent)  # training waits only while ranks stage to CPU
-                    if done == config.steps or stop_after_checkpoint is not None:
-                        saver.wait()
-                else:
-                    parent = save_checkpoint(group, store, config, done, parent, group.setup_info[0].data_fingerprint)
-                    committed(done, parent)
+            done = report_step(config, per_rank, seconds, result, sinks)
+            saves.poll()
+            if done == config.steps or (config.checkpoint.every and done % config.checkpoint.every == 0):
+                saves.save(done, wait=done == config.steps or stop_after_checkpoint is not None)
                 if done < config.steps and stop_after_checkpoint is not None and stop_after_checkpoint(done):
                     result.stopped_early = True
                     _log(f"stopping after the checkpoint at step {done} as asked (resize)")
                     break
     finally:
-        for sink in sinks:
-            sink.close()
-        timings.write(store)
-        group.shutdown()
+        finish(group, store, sinks, timings)
     return result
+
+
+def finish(group: RankGroup, store: Store, sinks: list, timings: PipelineTimings) -> None:
+    """Close the metric sinks, write the pipeline's measured costs, and let the ranks go."""
+    for sink in sinks:
+        sink.close()
+    timings.write(store)
+    group.shutdown()
+
+
+def load_resumed(group: RankGroup, point: StartPoint) -> None:
+    """Every rank reads its part of the checkpoint (and, with checkpoint.verify_resume, the loaded
+    state is proved equal to it) while a lease keeps `ckpt gc` from removing it."""
+    config, store, resume = point.config, point.store, point.resume
+    with leases.reading(store, resume):
+        loaded = group.call("load", resume.url, ray.put(point.manifest))
+        # A chunk the new layout cut across ranks was read in parts that no rank could check
+        # alone: their checksums, combined, must give the chunk's before anything trains on it.
+        in_parts = check_loaded_parts(resume.url, loaded, point.manifest)
+    _log(f"loaded step {point.step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over "
+         f"{len(loaded)} ranks" + (f"; {in_parts} chunks read in parts verified together" if in_parts else ""))
+    if config.checkpoint.verify_resume:
+        with leases.reading(store, resume):
+            check = verify_resumed_state(group, store, config.run, point.step, resume.url, str(config.layout))
+        _log(f"resumed state verified: {check.tensors} tensors, digests equal to the checkpoint's "
+             f"({check.digest[:19]}...)")
+
+
+def report_step(config: TrainConfig, per_rank: list, seconds: float, result: TrainResult, sinks: list) -> int:
+    """Record one finished step (result, sinks, console); returns the step's number."""
+    metrics = per_rank[0]
+    done = metrics.step
+    result.losses[done] = metrics.loss
+    result.step_seconds.append(seconds)
+    # As the ranks counted them: a data rank's tp and pp peers count the same tokens.
+    tokens = (sum(rank.tokens for rank in per_rank) // (config.layout.tp * config.layout.pp)
+              or config.global_batch * config.seq_len)
+    speed = throughput(config.model.spec, config.seq_len, tokens, seconds, config.layout.world_size,
+                       metrics.device_name, config.numerics.precision)
+    peaks = [rank.peak_memory_bytes for rank in per_rank]
+    record = {"step": done, "loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
+              "tokens": tokens, "tokens_per_s": speed.tokens_per_s, "tokens_per_s_per_rank": speed.tokens_per_s_per_rank,
+              "tflops_per_rank": speed.tflops_per_rank, "mfu": speed.mfu, "device": metrics.device_name,
+              "peak_memory_gib": max(peaks) / 2**30, "peak_memory_bytes_per_rank": peaks,
+              "step_s": seconds, "layout": str(config.layout), "precision": config.numerics.precision,
+              "time": time.time(), "batch_hash": step_batch_hash(per_rank, config.layout)}
+    moe = ""
+    if metrics.expert_tokens is not None:
+        result.expert_tokens[done] = metrics.expert_tokens
+        record.update(aux_loss=metrics.aux_loss, expert_tokens={str(k): v for k, v in metrics.expert_tokens.items()},
+                      expert_load_imbalance=load_imbalance(metrics.expert_tokens),
+                      all_to_all_bytes=metrics.all_to_all_bytes, all_to_all_peer_bytes=metrics.all_to_all_peer_bytes)
+        moe = f" | aux {metrics.aux_loss:.4f} | expert load max/mean {record['expert_load_imbalance']:.2f}"
+    for sink in sinks:
+        sink.append(record)
+    _log(f"step {done:>5}/{config.steps} | loss {metrics.loss:.4f} | grad_norm {metrics.grad_norm:.3f} "
+         f"| lr {metrics.lr:.2e} | {speed.describe()} | mem {record['peak_memory_gib']:.2f} GiB{moe}")
+    return done
+
+
+class Saves:
+    """A run's checkpoints: each commits before training goes on, or, with checkpoint.async_save,
+    blocks training only while ranks copy their state to CPU and commits at a later step
+    (cluster/run/async_save.py)."""
+
+    def __init__(self, group: RankGroup, point: StartPoint, result: TrainResult, sinks: list):
+        self.group, self.store, self.config = group, point.store, point.config
+        self.parent, self.result, self.sinks = point.parent, result, sinks
+        self.fingerprint = group.setup_info[0].data_fingerprint
+        self.background = (AsyncCheckpointer(group, self.store, self.config.run, self.config.layout.world_size,
+                                             lambda step, parent: checkpoint_metadata(self.config, step, parent,
+                                                                                      self.fingerprint),
+                                             self.committed)
+                           if self.config.checkpoint.async_save else None)
+
+    def committed(self, step: int, url: str) -> None:
+        self.result.checkpoints.append(url)
+        for sink in self.sinks:
+            sink.flush()
+        _log(f"checkpoint step {step} committed: {url}")
+
+    def poll(self) -> None:
+        if self.background is not None:
+            self.background.poll()  # commits a finished background save; a failed one raises here
+
+    def save(self, step: int, wait: bool) -> None:
+        """Save `step`; in the background unless `wait` (the last step, or a resize may follow)."""
+        if self.background is not None:
+            self.parent = self.background.start(step, self.parent)  # training waits only while ranks stage to CPU
+            if wait:
+                self.background.wait()
+        else:
+            self.parent = save_checkpoint(self.group, self.store, self.config, step, self.parent, self.fingerprint)
+            self.committed(step, self.parent)
 
 
 def load_imbalance(expert_tokens: dict[int, list[int]]) -> float:
@@ -201,8 +269,8 @@ def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data
         "run": config.run,
         "step": step,
         "layout": config.layout.to_dict(),
-        "model_preset": config.model_preset,
-        "model": config.model.to_dict(),
+        "model_preset": config.model.preset,
+        "model": config.model.spec.to_dict(),
         "config": json.loads(json.dumps(config.to_dict(), default=str)),
         "data_position": {"seed": config.seed, "next_step": step, "corpus": data_fingerprint,
                           "source": config.data.source, "dataset": dataset_record(config)},

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from rayshard.plans.errors import ConfigError
+from rayshard.plans.options import option
 
 # The device mesh's dims, outermost first (the rank order below).
 MESH_DIM_NAMES = ("pp", "dp", "fsdp", "tp")
@@ -38,12 +39,12 @@ class ParallelLayout:
     ep: expert parallel, 1 or fsdp: a mixture-of-experts model's experts split over the fsdp ranks,
     tokens sent to them by all-to-all (docs/decisions.md 71 says why ep borrows exactly fsdp)."""
 
-    dp: int = 1
-    fsdp: int = 1
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
+    dp: int = option(1, metavar="N", help="dp degree")
+    fsdp: int = option(1, metavar="N", help="fsdp degree")
+    tp: int = option(1, metavar="N", help="tp degree")
+    pp: int = option(1, metavar="N", help="pp degree")
+    vpp: int = option(1, metavar="N", help="vpp degree")
+    ep: int = option(1, metavar="N", help="ep degree")
 
     def __post_init__(self):
         for field in LAYOUT_DEGREES:

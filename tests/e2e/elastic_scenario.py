@@ -36,9 +36,8 @@ from ray.util.state import list_actors  # noqa: E402
 from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
 from rayshard.cluster.run.resume_check import resume_checks  # noqa: E402
 from rayshard.cluster.catalog.store import Store  # noqa: E402
-from rayshard.plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.config import CheckpointConfig, DataConfig, ModelChoice, OptimizerConfig, TrainConfig  # noqa: E402
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
-from rayshard.plans.training.model_spec import preset  # noqa: E402
 
 STEPS, EVERY = 20, 2
 SMALL_STEPS = 6
@@ -49,10 +48,10 @@ MID_SAVE_STEP = 6
 
 def scenario_config(store: str, steps: int = STEPS, moe: bool = False) -> TrainConfig:
     model = "moe-tiny" if moe else "tiny"
-    return TrainConfig(model=preset(model), model_preset=model, steps=steps, ckpt_every=EVERY, global_batch=8, seq_len=32, seed=7,
+    return TrainConfig(model=ModelChoice.named(model), steps=steps, global_batch=8, seq_len=32, seed=7,
                        optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3),
-                       data=DataConfig(max_bytes=1_000_000), store=store, run=RUN, resume="auto",
-                       verify_resume=True)
+                       data=DataConfig(max_bytes=1_000_000), store=store, run=RUN,
+                       checkpoint=CheckpointConfig(every=EVERY, resume="auto", verify_resume=True))
 
 
 def latest_step(store: str) -> int:

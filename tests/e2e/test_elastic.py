@@ -107,7 +107,8 @@ def test_one_timeline_and_losses_continue_an_uninterrupted_run(scenario, run_tra
     reference_config = scenario_config(str(tmp_path / "ref"))
     from dataclasses import replace
 
-    reference = run_training(replace(reference_config, layout=ParallelLayout(dp=2), resume=None, ckpt_every=0))
+    reference = run_training(replace(reference_config, layout=ParallelLayout(dp=2),
+                                     checkpoint=replace(reference_config.checkpoint, resume=None, every=0)))
     for record in scenario["metrics"]:
         assert math.isclose(record["loss"], reference.losses[record["step"]], rel_tol=1e-5), record
 

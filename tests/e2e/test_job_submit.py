@@ -53,7 +53,10 @@ def ray_head():
     finally:  # also when start-up failed: a leaked head would slow every later test
         # SIGTERM to `ray start` alone: it drains the node through the GCS, then stops its children
         # (~2 s). Sent to the whole group, the GCS died first and the drain waited out its 30 s.
-        os.kill(head.pid, signal.SIGTERM)
+        try:
+            os.kill(head.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # `ray start` already exited (a start-up that failed): its group is killed below
         try:
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:

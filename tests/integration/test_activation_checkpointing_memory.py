@@ -23,12 +23,11 @@ from tests.forked_ranks import run_ranks
 def _one_step(rank: int, init_method: str, world_size: int, results, ac: str, store: str) -> None:
     from rayshard.actors.training.device_memory import resident_memory_bytes
     from rayshard.actors.training.trainer import Trainer
-    from rayshard.plans.config import TrainConfig
-    from rayshard.plans.training.model_spec import preset
+    from rayshard.plans.config import ModelChoice, NumericsConfig, TrainConfig
     from tests.saved_activations import kept_for_backward
 
-    config = TrainConfig(model_preset="small", model=preset("small"), steps=1, global_batch=4, seq_len=512,
-                         ac=ac, store=store, run="m").validate()
+    config = TrainConfig(model=ModelChoice.named("small"), steps=1, global_batch=4, seq_len=512,
+                         numerics=NumericsConfig(ac=ac), store=store, run="m").validate()
     trainer = Trainer(config, rank, init_method)
     try:
         before = resident_memory_bytes()

@@ -19,11 +19,10 @@ from rayshard.cluster.data.documents import ReadOptions
 from rayshard.cluster.data.prepare import prepare_dataset
 from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from rayshard.cluster.catalog.store import Store
-from rayshard.plans.config import DataConfig, OptimizerConfig
+from rayshard.plans.config import DataConfig, ModelChoice, OptimizerConfig
 from rayshard.plans.data.errors import DatasetMismatch
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -49,7 +48,7 @@ def dataset(ray_session, tmp_path_factory):
 
 def _config(store: Path, url: str, layout, **overrides):
     optimizer = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, decay_steps=6)
-    values = dict(model=preset("tiny", vocab_size=320), data=DataConfig(dataset=url), optimizer=optimizer, steps=6)
+    values = dict(model=ModelChoice.named("tiny", vocab_size=320), data=DataConfig(dataset=url), optimizer=optimizer, steps=6)
     values.update(overrides)
     return small_config(store, layout, **values)
 
@@ -118,7 +117,7 @@ def test_a_dataset_changed_after_the_checkpoint_is_refused(run_training, dataset
 def test_model_smaller_than_the_tokenizer_is_refused(run_training, dataset, tmp_path):
     root, _ = dataset
     with pytest.raises(ConfigError) as error:
-        run_training(_config(tmp_path, str(root / "ds"), ParallelLayout(), model=preset("tiny")))
+        run_training(_config(tmp_path, str(root / "ds"), ParallelLayout(), model=ModelChoice.named("tiny")))
     assert "model.vocab_size=256" in str(error.value) and "(300)" in str(error.value)
 
 

@@ -13,6 +13,7 @@ import transformers
 from rayshard.cluster.checkpoint.digest import digest_checkpoint
 from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
 from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
@@ -23,7 +24,8 @@ LAYOUTS = {"one-rank": ParallelLayout(), "fsdp2(ep2)": ParallelLayout(fsdp=2, ep
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_trained_moe_exports_to_qwen2_moe_and_imports_back_bit_exact(run_training, tmp_path, name):
-    config = small_config(tmp_path, LAYOUTS[name], model=preset("moe-tiny"), steps=3, global_batch=4, seq_len=16, run="moe")
+    config = small_config(tmp_path, LAYOUTS[name], model=ModelChoice(spec=preset("moe-tiny")), steps=3, global_batch=4,
+                          seq_len=16, run="moe")
     run_training(config)
     url = Store(config.store).resolve("moe@3").url
     export_hf(url, str(tmp_path / "hf"), log=lambda *_: None)

@@ -15,6 +15,7 @@ from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
 from rayshard.cluster.checkpoint.verify import verify
 from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_spec import preset
@@ -43,7 +44,7 @@ MATRIX = {
 
 def _config(tmp_path, layout, run, **overrides):
     run = run.replace("(", "-").replace(")", "")  # run names are letters, digits, '.', '_' and '-'
-    values = dict(model=MOE, model_preset="moe-tiny", global_batch=8, seq_len=16, run=run)
+    values = dict(model=ModelChoice("moe-tiny", MOE), global_batch=8, seq_len=16, run=run)
     values.update(overrides)
     return small_config(tmp_path, layout, **values)
 

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.free_port import free_port
 
@@ -37,7 +37,7 @@ def _train(config) -> tuple[list, list[int], set]:
             graphs.append(counters["stats"]["unique_graphs"])
             loads.add(tuple(tuple(counts) for counts in metrics.expert_tokens.values()))
             # Each token's k slots counted once: not again when full AC recomputes a compiled block.
-            assert all(sum(counts) == config.global_batch * config.seq_len * config.model.experts_per_token
+            assert all(sum(counts) == config.global_batch * config.seq_len * config.model.spec.experts_per_token
                        for counts in metrics.expert_tokens.values()), metrics.expert_tokens
         # The routing statistics' host-side sums are made outside the compiled block (with the
         # dispatch, which breaks the graph anyway): a `float(aux)` inside broke it a second time.
@@ -51,8 +51,8 @@ def _train(config) -> tuple[list, list[int], set]:
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_compiled_moe_blocks_do_not_recompile_as_the_routing_changes(tmp_path, ac):
     def config(compile_blocks: bool):
-        return small_config(tmp_path / str(compile_blocks), ParallelLayout(), model=preset("moe-tiny", n_layers=2),
-                            model_preset="moe-tiny", global_batch=8, seq_len=16, steps=10, compile=compile_blocks, ac=ac)
+        return small_config(tmp_path / str(compile_blocks), ParallelLayout(), model=ModelChoice.named("moe-tiny", n_layers=2),
+                            global_batch=8, seq_len=16, steps=10, compile=compile_blocks, ac=ac)
 
     losses, graphs, loads = _train(config(True))
     assert len(loads) == len(losses)  # a new routing every step: the sizes the experts see change

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
@@ -18,7 +19,7 @@ from tests.integration.test_pipeline_numerics import ATOL, RTOL, one_step
 
 
 def _config(tmp_path, layout, model, **overrides):
-    values = dict(model=model, global_batch=12, seq_len=8, steps=1, run="odd", model_preset="moe-tiny")
+    values = dict(model=ModelChoice("moe-tiny", model), global_batch=12, seq_len=8, steps=1, run="odd")
     return small_config(tmp_path, layout, **{**values, **overrides})
 
 
@@ -200,7 +201,7 @@ def test_async_saved_on_three_ranks_resumed_on_six_with_the_state_verified(run_t
     full = run_training(_config(tmp_path, ParallelLayout(fsdp=3, ep=3), model, steps=3, run="full"))
     from rayshard.cluster.run.train import train
 
-    train(_config(tmp_path, ParallelLayout(fsdp=3, ep=3), model, steps=2, run="cut"), rank_pool, async_save=True)
+    train(_config(tmp_path, ParallelLayout(fsdp=3, ep=3), model, steps=2, run="cut", async_save=True), rank_pool)
     resumed = run_training(_config(tmp_path, ParallelLayout(fsdp=6, ep=6), model, steps=3, run="cut", resume="latest",
                                    verify_resume=True))
     assert resumed.start_step == 2 and sorted(resumed.losses) == [3]

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
@@ -32,8 +33,8 @@ WITH_REPLICAS = {"dp2xfsdp2(ep2)": ParallelLayout(dp=2, fsdp=2, ep=2)}
 SIGMOID = preset("moe-tiny", router_scores="sigmoid", norm_topk=True, shared_expert_ffn_dim=0, moe_every=1)
 
 
-def _config(tmp_path, layout, steps=1, **overrides):
-    values = dict(model=MOE, global_batch=8, seq_len=16, steps=steps, run="moe", model_preset="moe-tiny")
+def _config(tmp_path, layout, steps=1, model=MOE, **overrides):
+    values = dict(model=ModelChoice("moe-tiny", model), global_batch=8, seq_len=16, steps=steps, run="moe")
     return small_config(tmp_path, layout, **{**values, **overrides})
 
 

@@ -13,8 +13,8 @@ from torch.distributed.fsdp import FSDPModule
 
 import rayshard.actors.model.parallelize as parallelize
 from rayshard.actors.training.trainer import Trainer
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.forked_ranks import run_ranks
 from tests.free_port import free_port
@@ -52,9 +52,9 @@ def _assert_same(casts, fsdp) -> None:
     pytest.param({}, id="one-rank"),
     pytest.param({"ac": "full"}, id="full-ac"),
     pytest.param({"ac": "selective"}, id="selective-ac"),
-    pytest.param({"model": preset("moe-tiny"), "model_preset": "moe-tiny"}, id="moe"),
+    pytest.param({"model": ModelChoice.named("moe-tiny")}, id="moe"),
     # The embedding and the LM head share one parameter: both modules must read its one cast.
-    pytest.param({"model": preset("tiny", tie_embeddings=True)}, id="tied-embeddings"),
+    pytest.param({"model": ModelChoice.named("tiny", tie_embeddings=True)}, id="tied-embeddings"),
     pytest.param({"compile": True}, id="compile", marks=pytest.mark.slow),
 ])
 def test_one_rank_casts_match_fsdp2_bit_for_bit(tmp_path, overrides):

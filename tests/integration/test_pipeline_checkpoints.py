@@ -3,15 +3,14 @@ and a run saved by one pipeline resumes on another layout on the same loss curve
 import math
 
 from rayshard.storage.manifest_io import read_manifest
-from rayshard.plans.config import OptimizerConfig
+from rayshard.plans.config import ModelChoice, OptimizerConfig
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 
 
 def _config(tmp_path, layout, **overrides):
     # A fixed lr schedule length, so the resumed run follows the uninterrupted run's schedule.
-    values = dict(model=preset("tiny", tie_embeddings=True), microbatches=4,
+    values = dict(model=ModelChoice.named("tiny", tie_embeddings=True), microbatches=4,
                   optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=3, decay_steps=6))
     values.update(overrides)
     return small_config(tmp_path, layout, **values)

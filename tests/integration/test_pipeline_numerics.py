@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 
 RTOL, ATOL = 1.3e-6, 1e-5  # assert_close's float32 defaults
@@ -23,7 +23,7 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "zbh1", "zbv", "dualpipev"]
 
 
 def _model(layers: int = 4, tied: bool = False):
-    return preset("tiny", n_layers=layers, tie_embeddings=tied)
+    return ModelChoice.named("tiny", n_layers=layers, tie_embeddings=tied)
 
 
 def _config(tmp_path, layout, *, layers=4, tied=False, **overrides):

@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.training.model_spec import preset
 from tests.conftest import small_config
 from tests.integration.test_pipeline_numerics import ATOL, RTOL, one_step
 
-QWEN3 = preset("tiny", family="qwen3", qk_norm=True)
+QWEN3 = ModelChoice.named("tiny", family="qwen3", qk_norm=True)
 
 
 def _config(tmp_path, layout, steps=1):
@@ -37,7 +37,7 @@ def test_one_step_equals_one_rank(rank_pool, single, tmp_path, layout):
     assert math.isclose(loss, reference_loss, rel_tol=1e-6)
     assert gradients.keys() == reference.keys()
     norms = [name for name in reference if name.endswith(("q_norm.weight", "k_norm.weight"))]
-    assert len(norms) == 2 * QWEN3.n_layers
+    assert len(norms) == 2 * QWEN3.spec.n_layers
     for name in norms:  # the weights this is about: their gradient is not zero, so the check has teeth
         assert reference[name].abs().max() > 1e-4, name
     for name, gradient in gradients.items():

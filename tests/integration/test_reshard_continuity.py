@@ -25,7 +25,7 @@ from tests.integration.reshard_helpers import resume_continuity
 
 # 4 ranks -> 2 ranks, as in the demo: dp2 x tp2 -> tp2.
 A, B = ParallelLayout(dp=2, tp=2), ParallelLayout(tp=2)
-TOLERANCE = 2.5e-6  # README, "Resharding checkpoints": relative, per step
+TOLERANCE = 2.5e-6  # docs/checkpoints.md, "Resharding checkpoints": relative, per step
 TIGHT_STEPS = 20  # resumed steps held to TOLERANCE in the long version (the docstring says why)
 CEILING = 1e-3  # the later steps' bound: 4x the worst of four seeds on the machine that drifted most
 

@@ -17,6 +17,7 @@ from rayshard.cluster.checkpoint.offline_reshard import planned_writes, reshard_
 from rayshard.cluster.checkpoint.reshard_report import build_plan
 from rayshard.cluster.catalog.store import Store
 from rayshard.storage.manifest_io import read_manifest
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.integration.reshard_helpers import (LAYOUTS, PP_LAYOUTS, chunk_fingerprint, digests, load_and_save,
@@ -170,8 +171,9 @@ def test_a_stage_whose_model_does_not_match_fails_the_load_on_every_rank(rank_po
 
     config = _training_config(tmp_path, SOURCE, "s3-short-src")
     url = train(replace(config, store=s3_store, steps=1), rank_pool).checkpoints[-1]
-    deeper = replace(config.model, n_layers=config.model.n_layers + 2)
-    target = replace(_training_config(tmp_path, ParallelLayout(dp=2, pp=2), "s3-deeper"), model=deeper, store=s3_store)
+    deeper = replace(config.model.spec, n_layers=config.model.spec.n_layers + 2)
+    target = replace(_training_config(tmp_path, ParallelLayout(dp=2, pp=2), "s3-deeper"), model=ModelChoice(spec=deeper),
+                     store=s3_store)
     errors = _failed_load(target.validate(), url, rank_pool)
     last_stage = [rank for rank in range(4) if ParallelLayout(dp=2, pp=2).coords_of(rank).pp == 1]
     assert all("missing" in errors[rank] and f"layers.{deeper.n_layers - 1}." in errors[rank] for rank in last_stage), errors
@@ -226,7 +228,8 @@ def tied_source(run_training, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tied")
     tied = preset("tiny", tie_embeddings=True)
-    return tied, run_training(small_config(root, ParallelLayout(tp=2), steps=1, run="tied", model=tied)).checkpoints[-1]
+    return tied, run_training(small_config(root, ParallelLayout(tp=2), steps=1, run="tied",
+                                           model=ModelChoice(spec=tied))).checkpoints[-1]
 
 
 @pytest.mark.parametrize("layout,schedule", [(ParallelLayout(pp=2), "1f1b"), (ParallelLayout(pp=2, vpp=2), "zbv")],
@@ -235,7 +238,8 @@ def test_tied_embeddings_through_pipeline_layouts(tied_source, rank_pool, tmp_pa
     """The last stage's copy of a tied embedding is never written (the first stage's is), and a
     load fills it too — also with the V placement, where rank 0 holds both."""
     tied, url = tied_source
-    config = small_config(tmp_path, layout, run=f"tied-{schedule}", model=tied, global_batch=24, schedule=schedule,
+    config = small_config(tmp_path, layout, run=f"tied-{schedule}", model=ModelChoice(spec=tied), global_batch=24,
+                          schedule=schedule,
                           microbatches=2)
     there = load_and_save(config, url, rank_pool)
     assert digests(there) == digests(url)

@@ -7,6 +7,7 @@ import pytest
 from rayshard.cluster.run.rank_group import RankGroup
 from rayshard.cluster.run.resume_check import resume_checks, verify_resumed_state
 from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_spec import preset
@@ -78,7 +79,8 @@ def test_mismatched_model_lists_missing_unexpected_and_shape_errors_together(run
     # of problem, in one error.
     other = preset("tiny", tie_embeddings=True, ffn_dim=96, n_layers=5)
     with pytest.raises(CheckpointError, match="does not match the model") as error:
-        run_training(small_config(tmp_path, ParallelLayout(), steps=2, run="m", model=other, resume="latest"))
+        run_training(small_config(tmp_path, ParallelLayout(), steps=2, run="m", model=ModelChoice(spec=other),
+                                  resume="latest"))
     message = str(error.value)
     assert "missing keys (18)" in message and "layers.4.attention.qkv.weight (param)" in message
     assert "unexpected keys" in message and "output.weight (param)" in message

@@ -41,7 +41,7 @@ def _args(store: str, *flags: str):
 
 def test_resume_latest_builds_the_imported_model_and_trains(run_training, imported_store):
     config = config_from_args(_args(imported_store, "--resume", "latest"))
-    assert config.model == IMPORTED
+    assert config.model.spec == IMPORTED
     result = run_training(config)
     assert sorted(result.losses) == [1, 2]
     assert all(math.isfinite(loss) for loss in result.losses.values())
@@ -64,4 +64,4 @@ def test_a_config_file_naming_only_model_preset_is_a_named_model(imported_store,
 
 def test_auto_on_a_fresh_run_keeps_the_configured_model(tmp_path):
     config = config_from_args(_args(str(tmp_path / "empty"), "--resume", "auto"))
-    assert config.model_preset == "tiny" and config.model.dim == 64
+    assert config.model.preset == "tiny" and config.model.spec.dim == 64

@@ -48,7 +48,7 @@ def test_async_checkpoints_hold_their_step_while_training_goes_on(rank_pool, s3_
             step_2_done.set()
 
     monkeypatch.setattr(train_module, "_log", log)
-    result = train(_config(tmp_path, DP2, steps=3, run="a", ckpt_every=1, store=s3_store), rank_pool, async_save=True)
+    result = train(_config(tmp_path, DP2, steps=3, run="a", ckpt_every=1, store=s3_store, async_save=True), rank_pool)
     assert held.injected == 2 and released == [True, True]  # both ranks' step-1 uploads ran across step 2
     assert result.losses == sync_run.losses  # saving in the background changes nothing in training
     store = Store(s3_store)
@@ -64,7 +64,7 @@ def test_a_failed_background_upload_is_reported_at_the_next_step(rank_pool, s3_s
     monkeypatch.setenv("RAYSHARD_S3_MAX_ATTEMPTS", "2")
     broken = fault_proxy.add("error500", method="PUT", path=r"step-00000002/attempt-[0-9a-f]+/rank-00001")
     with pytest.raises(CheckpointError) as error:
-        train(_config(tmp_path, DP2, steps=4, run="b", ckpt_every=2, store=s3_store), rank_pool, async_save=True)
+        train(_config(tmp_path, DP2, steps=4, run="b", ckpt_every=2, store=s3_store, async_save=True), rank_pool)
     message = str(error.value)
     assert "checkpoint step 2" in message and "rank 1" in message and "rank-00001.safetensors" in message
     assert "no committed checkpoint yet" in message
@@ -75,5 +75,5 @@ def test_a_failed_background_upload_is_reported_at_the_next_step(rank_pool, s3_s
     # Now with a good checkpoint before the failure: LATEST stays on it.
     fault_proxy.add("error500", method="PUT", path=r"step-00000004/attempt-[0-9a-f]+/rank-00000")
     with pytest.raises(CheckpointError, match="LATEST still names step 2"):
-        train(_config(tmp_path, DP2, steps=6, run="c", ckpt_every=2, store=s3_store), rank_pool, async_save=True)
+        train(_config(tmp_path, DP2, steps=6, run="c", ckpt_every=2, store=s3_store, async_save=True), rank_pool)
     assert store.committed_steps("c") == [2] and store.latest_step("c") == 2

@@ -6,7 +6,7 @@ import pytest
 
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.catalog.store import Store
-from rayshard.plans.config import OptimizerConfig
+from rayshard.plans.config import ModelChoice, OptimizerConfig
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 
@@ -66,10 +66,9 @@ def test_offline_reshard_on_s3_keeps_digests(run_training, s3_store, tmp_path):
     """The default suite's offline reshard on S3: a one-layer model (few chunks: every chunk is a
     request to a Python S3 server), dp2 -> tp2 in the driver, reading and writing through S3."""
     from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
-    from rayshard.plans.training.model_spec import preset
     from tests.integration.reshard_helpers import digests
 
-    one_layer = preset("tiny", n_layers=1)
+    one_layer = ModelChoice.named("tiny", n_layers=1)
     source = run_training(_config(tmp_path, ParallelLayout(dp=2), steps=1, run="small", store=s3_store,
                                   model=one_layer)).checkpoints[-1]
     store = Store(s3_store)

@@ -37,9 +37,9 @@ def test_losses_agree_across_layouts(run_training, tmp_path, reference_losses, n
 
 
 def test_tied_embeddings_agree_across_layouts(run_training, tmp_path):
-    from rayshard.plans.training.model_spec import preset
+    from rayshard.plans.config import ModelChoice
 
-    tied = preset("tiny", tie_embeddings=True)
+    tied = ModelChoice.named("tiny", tie_embeddings=True)
     single = run_training(small_config(tmp_path / "a", ParallelLayout(), model=tied, steps=4, run="a")).losses
     sharded = run_training(small_config(tmp_path / "b", ParallelLayout(fsdp=2, tp=2), model=tied, steps=4, run="b")).losses
     untied = run_training(small_config(tmp_path / "c", ParallelLayout(), steps=4, run="c")).losses

@@ -15,6 +15,7 @@ from rayshard.actors.model.user_model import describe_factory
 from rayshard.cluster.cli.commands.train import config_from_args
 from rayshard.cluster.cli.main import build_parser
 from rayshard.cluster.catalog.store import Store
+from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.integration.reshard_helpers import chunk_fingerprint, digests, load_and_save
@@ -24,8 +25,7 @@ STEPS = 6
 
 
 def _config(tmp_path, layout, **overrides):
-    return small_config(tmp_path, layout, model=describe_factory(FACTORY), model_preset=FACTORY,
-                        steps=STEPS, **overrides)
+    return small_config(tmp_path, layout, model=ModelChoice(FACTORY, describe_factory(FACTORY)), steps=STEPS, **overrides)
 
 
 def _assert_same_losses(losses, reference, steps=None):
@@ -60,12 +60,11 @@ def test_a_dp2_tp2_save_resumes_on_pp2_through_the_cli_and_continues_the_losses(
     """The resume names no model: it rebuilds the checkpoint's (the recorded factory and shapes)."""
     root, whole = dp2_tp2
     settings = _config(root, ParallelLayout(pp=2), run="piped", microbatches=2, resume="src@3").to_dict()
-    for field in ("model", "model_preset"):  # a config file of the same run without its model
-        settings.pop(field)
+    settings.pop("model")  # a config file of the same run without its model
     path = root / "piped.yaml"
     path.write_text(yaml.safe_dump(settings))
     config = config_from_args(build_parser().parse_args(["train", "--config", str(path)]))
-    assert config.model == describe_factory(FACTORY)
+    assert config.model.spec == describe_factory(FACTORY)
     piped = run_training(config)
     assert sorted(piped.losses) == [4, 5, 6]
     _assert_same_losses(piped.losses, whole.losses, [4, 5, 6])
@@ -102,7 +101,8 @@ def test_the_factorys_own_criterion_is_the_loss_under_tp(run_training, one_rank,
     vocab-sharded logits under tp, reports twice the built-in loss before any update."""
     model = describe_factory("examples.gpt2.model:tiny_gpt2_doubled_loss")
     assert model.user.plan.loss == "examples.gpt2.model:doubled_cross_entropy"
-    result = run_training(small_config(tmp_path, ParallelLayout(tp=2), model=model, steps=1, run="doubled"))
+    result = run_training(small_config(tmp_path, ParallelLayout(tp=2), model=ModelChoice(spec=model), steps=1,
+                                       run="doubled"))
     assert math.isclose(result.losses[1], 2 * one_rank.losses[1], rel_tol=1e-5)
 
 
@@ -112,7 +112,7 @@ def test_a_plans_sequence_parallel_matches_tp_without_it_eager_and_compiled(run_
     so with each block compiled. (The model hands the embedding's output straight to the first
     block: under TP a view of a DTensor's local tensor, which a compiled block's backward
     could not take until the embedding's style copied it.)"""
-    model = describe_factory("examples.gpt2.model:tiny_gpt2_without_positions")
+    model = ModelChoice(spec=describe_factory("examples.gpt2.model:tiny_gpt2_without_positions"))
     plain = run_training(small_config(tmp_path, ParallelLayout(tp=2), model=model, steps=STEPS, run="tp"))
     sp = run_training(small_config(tmp_path, ParallelLayout(tp=2), model=model, steps=STEPS, run="sp",
                                    sequence_parallel=True))

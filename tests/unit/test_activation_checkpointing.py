@@ -15,7 +15,7 @@ from rayshard.actors.model.transformer import Transformer
 from rayshard.actors.pipeline.interpreter import PipelineRunner
 from rayshard.actors.training.pipelined import recomputes_stages
 from rayshard.actors.training.step_runner import microbatch_loss
-from rayshard.plans.config import TrainConfig
+from rayshard.plans.config import ModelChoice, NumericsConfig, PipelineConfig, TrainConfig
 from rayshard.plans.pipeline.lowering import lower
 from rayshard.plans.pipeline.schedules import build_schedule
 from rayshard.plans.training.model_spec import preset
@@ -103,11 +103,14 @@ def test_unknown_mode_is_refused():
 
 
 def test_zero_bubble_schedules_recompute_whole_stages_not_blocks():
-    base = TrainConfig(model=CONFIG)
-    assert recomputes_stages(base.__class__(**{**base.__dict__, "ac": "full", "schedule": "zbh1"}))
-    assert recomputes_stages(base.__class__(**{**base.__dict__, "ac": "selective", "schedule": "dualpipev"}))
-    assert not recomputes_stages(base.__class__(**{**base.__dict__, "ac": "full", "schedule": "1f1b"}))
-    assert not recomputes_stages(base.__class__(**{**base.__dict__, "ac": "none", "schedule": "zbv"}))
+    def config(ac: str, schedule: str) -> TrainConfig:
+        return TrainConfig(model=ModelChoice(spec=CONFIG), numerics=NumericsConfig(ac=ac),
+                           pipeline=PipelineConfig(schedule=schedule))
+
+    assert recomputes_stages(config("full", "zbh1"))
+    assert recomputes_stages(config("selective", "dualpipev"))
+    assert not recomputes_stages(config("full", "1f1b"))
+    assert not recomputes_stages(config("none", "zbv"))
 
 
 def _stages() -> dict[int, torch.nn.Module]:

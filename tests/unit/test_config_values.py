@@ -47,25 +47,25 @@ def test_a_value_of_the_wrong_type_is_named_with_its_fix(text, field, fragment):
 def test_the_conversions_a_person_means_are_made():
     config = from_yaml("model: small\nsteps: 1.0e1\noptimizer: {lr: 3e-4, min_lr: 1e-5}\n"
                        "layout: {pp: 2.0}\nstage_layout: [3, 5]\nseed: '7'\n")
-    assert config.model_preset == "small"
+    assert config.model.preset == "small"
     assert config.steps == 10 and type(config.steps) is int
     assert config.optimizer.lr == 3e-4 and config.optimizer.min_lr == 1e-5  # PyYAML gave strings
     assert config.layout.pp == 2 and type(config.layout.pp) is int
-    assert config.stage_layout == (3, 5)
+    assert config.pipeline.stage_layout == (3, 5)
     assert config.seed == 7
 
 
 def test_an_optional_field_takes_empty_and_a_value():
-    assert from_yaml("pipeline_timeout_s:").pipeline_timeout_s is None
-    assert from_yaml("pipeline_timeout_s: 30").pipeline_timeout_s == 30.0
-    assert from_yaml("model: {sliding_window: 16}").model.sliding_window == 16
+    assert from_yaml("pipeline_timeout_s:").pipeline.timeout_s is None
+    assert from_yaml("pipeline_timeout_s: 30").pipeline.timeout_s == 30.0
+    assert from_yaml("model: {sliding_window: 16}").model.spec.sliding_window == 16
 
 
 def test_command_line_overrides_are_checked_too():
     with pytest.raises(ConfigError, match="optimizer.lr=nan"):
         with_overrides(TrainConfig(), **{"optimizer.lr": math.nan})
     with pytest.raises(ConfigError, match="call_timeout_s=inf"):
-        with_overrides(TrainConfig(), call_timeout_s=math.inf)
+        with_overrides(TrainConfig(), **{"resources.call_timeout_s": math.inf})
     assert with_overrides(TrainConfig(), **{"optimizer.lr": 1e-3}, steps=3).optimizer.lr == 1e-3
 
 

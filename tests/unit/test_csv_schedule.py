@@ -114,8 +114,9 @@ def test_train_takes_pp_vpp_and_microbatches_from_the_file(tmp_path):
     torch_csv("zbv", tmp_path / "zbv.csv")
     config = config_from_args(build_parser().parse_args(["train", "--schedule-csv", str(tmp_path / "zbv.csv"),
                                                          "--dp", "1", "--tp", "1"]))
-    assert (config.layout.pp, config.layout.vpp, config.microbatches, config.schedule) == (2, 2, 4, "csv")
-    assert config.splits_backward
+    pipeline = config.pipeline
+    assert (config.layout.pp, config.layout.vpp, pipeline.microbatches, pipeline.schedule) == (2, 2, 4, "csv")
+    assert config.pipeline.splits_backward
     with pytest.raises(ConfigError, match=r"microbatches=2: the schedule file has 4"):
         config_from_args(build_parser().parse_args(["train", "--schedule-csv", str(tmp_path / "zbv.csv"),
                                                     "--microbatches", "2", "--dp", "1", "--tp", "1"]))

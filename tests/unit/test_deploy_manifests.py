@@ -217,7 +217,7 @@ def test_the_rayjob_runs_the_readme_command_on_the_policy_bucket(rendered):
     assert bucket == EXAMPLE_VALUES["RAYSHARD_BUCKET"]
     resources = {r for s in json.loads(rendered["s3-iam-policy.json"])["Statement"] for r in _as_list(s["Resource"])}
     assert {f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/{prefix}/*"} <= resources
-    readme = _readme_cluster_section()
+    readme = _cluster_guide()
     assert "--resume auto --elastic" in readme and f"--run {args.run}" in readme
 
 
@@ -282,7 +282,7 @@ def test_launcher_gives_every_node_the_token_and_keeps_the_dashboard_behind_ssh(
     for command in commands:
         assert "RAY_AUTH" not in command  # nothing overrides the container's token settings
         assert "--dashboard-host" not in command, "8265 stays on the head's localhost; `ray dashboard` tunnels to it"
-    readme = _readme_cluster_section()
+    readme = _cluster_guide()
     assert "ray get-auth-token --generate" in readme and "ray dashboard deploy/rendered/ray-cluster-aws.yaml" in readme
 
 
@@ -427,15 +427,13 @@ def test_s3_compatible_settings_name_the_standard_variables_without_secrets():
     assert "<from your secret store>" in text
 
 
-def _readme_cluster_section() -> str:
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("## Run on a cluster")
-    end = readme.find("\n## ", start + 1)
-    return readme[start:end if end != -1 else None]
+def _cluster_guide() -> str:
+    """The cluster guide (docs/clusters.md), whole: the README links to it."""
+    return (REPO / "docs" / "clusters.md").read_text()
 
 
-def test_readme_walks_both_paths_in_order_with_the_token_and_the_dashboard():
-    section = _readme_cluster_section()
+def test_cluster_guide_walks_both_paths_in_order_with_the_token_and_the_dashboard():
+    section = _cluster_guide()
     kuberay = section.index("### Kubernetes with KubeRay")
     launcher = section.index("### AWS with the Ray cluster launcher")
     steps = {

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from rayshard.cluster.cli.main import build_parser, main
 from rayshard.cluster.cli.commands.train import config_from_args
 from rayshard.cluster.run.elastic import layout_chooser_for, runs_on
-from rayshard.plans.config import TrainConfig
+from rayshard.plans.config import ModelChoice, PipelineConfig, TrainConfig
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.chooser import Workload, choose_layout, estimate_memory, pinned_ranks
 from rayshard.plans.layout.experts import ExpertFootprint, expert_degree, expert_parameters_per_layer, largest_block
@@ -161,12 +161,13 @@ def test_every_choice_for_an_moe_model_holds_its_experts(name, ranks, batch, mic
     assert ParallelLayout.from_dict(layout.to_dict()) == layout
     assert layout.ep == (1 if pin_ep_1 else expert_degree(model, layout.fsdp))
     assert choice.estimate.total <= budget
-    TrainConfig(model=model, layout=layout, global_batch=batch, seq_len=64, microbatches=microbatches,
-                schedule="interleaved1f1b" if layout.vpp > 1 else "1f1b").validate()
+    TrainConfig(model=ModelChoice(spec=model), layout=layout, global_batch=batch, seq_len=64,
+                pipeline=PipelineConfig(schedule="interleaved1f1b" if layout.vpp > 1 else "1f1b",
+                                        microbatches=microbatches)).validate()
 
 
 def _moe_run(layout: ParallelLayout) -> TrainConfig:
-    return TrainConfig(model=preset("moe-tiny"), model_preset="moe-tiny", layout=layout, global_batch=8, seq_len=32,
+    return TrainConfig(model=ModelChoice.named("moe-tiny"), layout=layout, global_batch=8, seq_len=32,
                        store="/tmp/unused", run="t").validate()
 
 
@@ -184,9 +185,9 @@ def test_elastic_recovery_moves_ep_with_fsdp(ranks, budget, chosen):
 def test_elastic_recovery_keeps_a_pinned_ep_1_and_a_dense_run_never_gets_ep():
     layout = layout_chooser_for(_moe_run(ParallelLayout(fsdp=2)), {"ep": 1}, 3 * MIB, ranks_per_node=8)(4).layout
     assert layout.ep == 1 and layout.fsdp > 1
-    dense = replace(_moe_run(ParallelLayout()), model=preset("tiny"), model_preset="tiny")
+    dense = replace(_moe_run(ParallelLayout()), model=ModelChoice.named("tiny"))
     for ranks in (2, 4, 8):  # budgets that only sharded layouts meet: fsdp, and still no ep
-        budget = estimate_memory(dense.model, ParallelLayout(fsdp=ranks), Workload(8, 32)).total
+        budget = estimate_memory(dense.model.spec, ParallelLayout(fsdp=ranks), Workload(8, 32)).total
         layout = layout_chooser_for(dense, {}, budget, ranks_per_node=8)(ranks).layout
         assert layout.fsdp > 1 and layout.ep == 1, layout
 

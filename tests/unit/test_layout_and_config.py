@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rayshard.plans.config import TrainConfig, with_overrides
+from rayshard.plans.config import ModelChoice, TrainConfig, with_overrides
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout, RankCoords
 from rayshard.plans.training.model_spec import preset
@@ -54,23 +54,23 @@ def test_bad_layouts_name_the_constraint(kwargs, field, fragment):
 
 
 def _config(**kwargs):
-    base = dict(model=preset("tiny"))
+    base = dict(model=ModelChoice.named("tiny"))
     base.update(kwargs)
     return TrainConfig(**base)
 
 
 @pytest.mark.parametrize("overrides, field, fragment", [
     ({"layout.tp": 4}, "layout.tp", "kv heads (2)"),
-    ({"world_size": 8, "layout.dp": 2}, "world_size", "dp*fsdp*tp*pp"),
+    ({"resources.world_size": 8, "layout.dp": 2}, "world_size", "dp*fsdp*tp*pp"),
     ({"seq_len": 0}, "seq_len", "positive"),
     ({"seq_len": 100000}, "seq_len", "max_seq_len"),
     ({"global_batch": 7, "layout.dp": 2}, "global_batch", "multiple of dp*fsdp"),
-    ({"microbatches": 3}, "microbatches", "divide the per-rank batch"),
+    ({"pipeline.microbatches": 3}, "microbatches", "divide the per-rank batch"),
     ({"steps": 0}, "steps", "at least 1"),
     ({"run": "bad/name"}, "run", "letters"),
     ({"optimizer.lr": -1.0}, "optimizer.lr", "lr > 0"),
     ({"layout.pp": 8}, "layout.pp", "exceed the model's 4 layers"),
-    ({"ckpt_every": -1}, "ckpt_every", ">= 0"),
+    ({"checkpoint.every": -1}, "ckpt_every", ">= 0"),
 ])
 def test_bad_configs_name_field_constraint_and_fix(overrides, field, fragment):
     with pytest.raises(ConfigError) as error:
@@ -89,13 +89,14 @@ def test_bad_configs_name_field_constraint_and_fix(overrides, field, fragment):
     (12, 5, "use --microbatches in [4, 6, 12]", (12, 6)),
 ])
 def test_a_pipeline_microbatch_fix_meets_the_schedule_and_the_batch_at_once(global_batch, microbatches, fix, following_it):
-    config = with_overrides(_config(), global_batch=global_batch, microbatches=microbatches, schedule="dualpipev",
-                            **{"layout.pp": 2, "layout.vpp": 2, "world_size": 2})
+    config = with_overrides(_config(), global_batch=global_batch,
+                            **{"pipeline.microbatches": microbatches, "pipeline.schedule": "dualpipev",
+                               "layout.pp": 2, "layout.vpp": 2, "resources.world_size": 2})
     with pytest.raises(ConfigError) as error:
         config.validate()
     assert error.value.field == "microbatches" and str(error.value).endswith(fix), str(error.value)
     fixed_batch, fixed_microbatches = following_it
-    with_overrides(config, global_batch=fixed_batch, microbatches=fixed_microbatches).validate()
+    with_overrides(config, global_batch=fixed_batch, **{"pipeline.microbatches": fixed_microbatches}).validate()
 
 
 def test_model_constraints():
@@ -108,7 +109,7 @@ def test_model_constraints():
 def test_from_dict_rejects_unknown_keys_and_reads_sections():
     config = TrainConfig.from_dict({"model": {"preset": "tiny", "tie_embeddings": True},
                                     "layout": {"dp": 2, "tp": 2}, "optimizer": {"lr": 1e-3}, "steps": 5})
-    assert config.model.tie_embeddings and config.layout.world_size == 4 and config.optimizer.lr == 1e-3
+    assert config.model.spec.tie_embeddings and config.layout.world_size == 4 and config.optimizer.lr == 1e-3
     with pytest.raises(ConfigError, match="unknown key"):
         TrainConfig.from_dict({"stepz": 5})
     with pytest.raises(ConfigError, match="unknown key"):

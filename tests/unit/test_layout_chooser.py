@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from rayshard.cluster.cli.main import main
-from rayshard.plans.config import TrainConfig
+from rayshard.plans.config import ModelChoice, PipelineConfig, TrainConfig
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.chooser import Workload, choose_layout, estimate_memory
 from rayshard.plans.layout.parallel_layout import ParallelLayout
@@ -55,8 +55,8 @@ def test_every_choice_is_a_valid_training_config(ranks, batch, microbatches, ran
     assert layout.world_size <= ranks and layout.tp <= ranks_per_node
     assert batch % (layout.data_parallel_size * microbatches) == 0
     schedule = "interleaved1f1b" if layout.vpp > 1 else "1f1b"
-    TrainConfig(model=model, layout=layout, global_batch=batch, seq_len=64, microbatches=microbatches,
-                schedule=schedule).validate()
+    TrainConfig(model=ModelChoice("small", model), layout=layout, global_batch=batch, seq_len=64,
+                pipeline=PipelineConfig(schedule=schedule, microbatches=microbatches)).validate()
 
 
 def test_pipelines_are_chosen_when_memory_needs_them_and_validate():
@@ -65,7 +65,8 @@ def test_pipelines_are_chosen_when_memory_needs_them_and_validate():
     choice = choose_layout(4, model, work, estimate_memory(model, ParallelLayout(pp=4), work).total, ranks_per_node=1)
     assert choice.layout.pp > 1 and choice.layout.tp == 1  # tp=1: one rank per node
     assert f"pp={choice.layout.pp}" in choice.explain()
-    TrainConfig(model=model, layout=choice.layout, global_batch=16, seq_len=256, microbatches=8).validate()
+    TrainConfig(model=ModelChoice("small", model), layout=choice.layout, global_batch=16, seq_len=256,
+                pipeline=PipelineConfig(microbatches=8)).validate()
 
 
 def test_plan_layout_cli(capsys):

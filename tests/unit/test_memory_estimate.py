@@ -5,7 +5,7 @@ import pytest
 
 from rayshard.cluster.cli.main import main
 from rayshard.cluster.run.elastic import layout_chooser_for
-from rayshard.plans.config import TrainConfig
+from rayshard.plans.config import ModelChoice, NumericsConfig, TrainConfig
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.chooser import Workload, choose_layout, estimate_memory
 from rayshard.plans.layout.parallel_layout import ParallelLayout
@@ -84,8 +84,9 @@ def test_plan_layout_says_what_it_assumes(capsys):
 
 
 def test_elastic_recovery_chooses_with_the_runs_precision_and_ac():
-    run = dict(model_preset="small", model=preset("small"), global_batch=8, seq_len=1024)
+    run = dict(model=ModelChoice.named("small"), global_batch=8, seq_len=1024)
     with pytest.raises(ConfigError, match="fits 2.00 GiB"):
         layout_chooser_for(TrainConfig(**run), {}, 2 * GIB, 8)(1)
-    choice = layout_chooser_for(TrainConfig(**run, precision="bf16", ac="full"), {}, 2 * GIB, 8)(1)
+    choice = layout_chooser_for(TrainConfig(**run, numerics=NumericsConfig(precision="bf16", ac="full")), {}, 2 * GIB,
+                                8)(1)
     assert "assuming bf16, full activation checkpointing" in choice.explain()

@@ -11,12 +11,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from rayshard.cluster.run.metrics_sinks import check_sinks, open_sinks
 from rayshard.cluster.catalog.store import Store
-from rayshard.plans.config import TrainConfig
+from rayshard.plans.config import MetricsConfig, TrainConfig
 from rayshard.plans.errors import ConfigError
 
 
 def test_jsonl_and_tensorboard_hold_every_step(tmp_path):
-    config = TrainConfig(store=str(tmp_path), run="r", tensorboard=True)
+    config = TrainConfig(store=str(tmp_path), run="r", metrics=MetricsConfig(tensorboard=True))
     store = Store(str(tmp_path))
     sinks = open_sinks(config, store, 0)
     for step in (1, 2, 3):
@@ -51,7 +51,7 @@ def _log_steps(sinks, steps, loss) -> None:
 def test_an_object_store_gets_the_event_files_under_the_run(tmp_path):
     url = f"memory://tensorboard-{uuid.uuid4().hex}/runs"
     store = Store(url)
-    sinks = open_sinks(TrainConfig(store=url, run="r", tensorboard=True), store, 0)
+    sinks = open_sinks(TrainConfig(store=url, run="r", metrics=MetricsConfig(tensorboard=True)), store, 0)
     assert sinks[1].where == f"{url}/r/tensorboard"
     _log_steps(sinks, (1, 2), lambda step: step / 10)
     store.fs.get(f"{store.root}/r/tensorboard/", str(tmp_path / "copy") + "/", recursive=True)
@@ -60,7 +60,8 @@ def test_an_object_store_gets_the_event_files_under_the_run(tmp_path):
 
 
 def test_a_resumed_run_hides_the_abandoned_steps_from_tensorboard(tmp_path):
-    config, store = TrainConfig(store=str(tmp_path), run="r", tensorboard=True), Store(str(tmp_path))
+    config = TrainConfig(store=str(tmp_path), run="r", metrics=MetricsConfig(tensorboard=True))
+    store = Store(str(tmp_path))
     _log_steps(open_sinks(config, store, 0), range(1, 6), lambda step: step)  # steps 4 and 5 are abandoned
     _log_steps(open_sinks(config, store, 3), (4, 5), lambda step: -step)  # resumed at the step-3 checkpoint
     assert _losses(tmp_path / "r" / "tensorboard") == [(1, 1), (2, 2), (3, 3), (4, -4), (5, -5)]
@@ -76,4 +77,4 @@ def test_a_resume_keeps_the_earlier_lines_and_drops_the_abandoned_ones(tmp_path)
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_wandb_without_the_package_is_a_one_line_error():
     with pytest.raises(ConfigError, match=r"wandb_project='p': needs the wandb package.*Fix: pip install wandb"):
-        check_sinks(TrainConfig(wandb_project="p"))
+        check_sinks(TrainConfig(metrics=MetricsConfig(wandb_project="p")))

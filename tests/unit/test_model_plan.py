@@ -14,7 +14,7 @@ from rayshard.actors.model.stage import carve_stage
 from rayshard.actors.model.user_model import FactoryModel, describe_factory
 from examples.gpt2.model import GPT2, gpt2_plan, tiny_gpt2
 from rayshard.plans.checkpoint.regions import rank_regions
-from rayshard.plans.config import TrainConfig
+from rayshard.plans.config import ModelChoice, NumericsConfig, TrainConfig
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_plan import ModelPlan, check_tp_divides, validate_plan
@@ -74,7 +74,7 @@ def test_a_parameter_tp_cannot_split_is_refused_naming_it_and_its_shape(monkeypa
     model = describe_factory("examples.gpt2.model:odd_gpt2")
     check_tp_divides(model.user, 2)
     with pytest.raises(ConfigError, match=r"layout.tp=4: cannot split parameter wte.weight of shape \[250, 48\] along dim 0"):
-        TrainConfig(model=model, layout=ParallelLayout(tp=4), global_batch=8, seq_len=32).validate()
+        TrainConfig(model=ModelChoice(spec=model), layout=ParallelLayout(tp=4), global_batch=8, seq_len=32).validate()
 
 
 def test_a_factory_that_cannot_be_found_is_named():
@@ -126,8 +126,8 @@ def _cli_config(tmp_path, model_section, *flags):
 def test_a_config_files_model_factory_and_the_flag_build_the_same_model(tmp_path):
     from_file = _cli_config(tmp_path, {"factory": FACTORY})
     from_flag = _cli_config(tmp_path, {"preset": "tiny"}, "--model-factory", FACTORY)
-    assert from_file.model == from_flag.model == describe_factory(FACTORY)
-    assert from_file.model_preset == FACTORY
+    assert from_file.model.spec == from_flag.model.spec == describe_factory(FACTORY)
+    assert from_file.model.preset == FACTORY
 
 
 def test_a_factory_beside_preset_sizes_or_a_preset_flag_is_refused(tmp_path):
@@ -140,8 +140,8 @@ def test_a_factory_beside_preset_sizes_or_a_preset_flag_is_refused(tmp_path):
 def test_sp_on_a_plan_that_declares_none_is_refused_naming_the_factory():
     model = describe_factory(FACTORY)
     with pytest.raises(ConfigError, match=r"sequence_parallel=True: the plan of examples.gpt2.model:tiny_gpt2 declares no"):
-        TrainConfig(model=model, layout=ParallelLayout(tp=2), global_batch=8, seq_len=32,
-                    sequence_parallel=True).validate()
+        TrainConfig(model=ModelChoice(FACTORY, model), layout=ParallelLayout(tp=2), global_batch=8, seq_len=32,
+                    numerics=NumericsConfig(sequence_parallel=True)).validate()
 
 
 def test_a_resume_naming_the_same_factory_finds_no_difference_and_another_is_listed_briefly(monkeypatch):

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from rayshard.cluster.cli.plan import register  # noqa: F401  (the CLI under test)
-from rayshard.plans.config import TrainConfig
+from rayshard.plans.config import ModelChoice, PipelineConfig, TrainConfig
 from rayshard.plans.errors import ConfigError, ScheduleError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_spec import preset
@@ -12,10 +12,9 @@ from rayshard.plans.pipeline.plan import build_pipeline_plan
 from rayshard.plans.pipeline.schedules import schedule_for_vpp
 
 
-def _config(**overrides):
-    values = dict(model=preset("tiny"), layout=ParallelLayout(pp=2), global_batch=8, microbatches=4)
-    values.update(overrides)
-    return TrainConfig(**values)
+def _config(layout=ParallelLayout(pp=2), **pipeline):
+    return TrainConfig(model=ModelChoice.named("tiny"), layout=layout, global_batch=8,
+                       pipeline=PipelineConfig(**{"microbatches": 4, **pipeline}))
 
 
 @pytest.mark.parametrize("overrides, error, fragment", [
@@ -37,7 +36,7 @@ def test_pipeline_settings_fail_with_a_fix(overrides, error, fragment):
                                            ("zbv", 2), ("dualpipev", 2)])
 def test_every_schedule_plans_for_training(schedule, vpp):
     config = _config(schedule=schedule, layout=ParallelLayout(pp=2, vpp=vpp)).validate()
-    plan = build_pipeline_plan(config.model, config.layout, config.schedule, config.microbatches)
+    plan = build_pipeline_plan(config.model.spec, config.layout, config.pipeline.schedule, config.pipeline.microbatches)
     assert plan.schedule.is_lowered and plan.partition.num_stages == 2 * vpp
     assert plan.partition.stage_ranks == plan.schedule.stage_ranks
     assert sorted(layer for layers in plan.partition.stage_layers for layer in layers) == list(range(4))

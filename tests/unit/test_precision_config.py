@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from rayshard.plans.config import TrainConfig
+from rayshard.plans.config import NumericsConfig, PipelineConfig, TrainConfig
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 
-def _config(**overrides) -> TrainConfig:
-    return TrainConfig(**overrides)
+def _config(layout=ParallelLayout(), schedule="1f1b", microbatches=1, global_batch=8, **numerics) -> TrainConfig:
+    return TrainConfig(layout=layout, global_batch=global_batch,
+                       pipeline=PipelineConfig(schedule=schedule, microbatches=microbatches),
+                       numerics=NumericsConfig(**numerics))
 
 
 @pytest.mark.parametrize("schedule, title", [("zbh1", "ZB-H1"), ("zbv", "ZB-V"), ("dualpipev", "DualPipeV")])
@@ -45,6 +47,7 @@ def test_precision_flags_reach_the_config():
     args = build_parser().parse_args(["train", "--precision", "bf16", "--ac", "selective", "--compile",
                                       "--tensorboard"])
     config = config_from_args(args)
-    assert (config.precision, config.ac, config.compile, config.tensorboard) == ("bf16", "selective", True, True)
+    assert (config.numerics.precision, config.numerics.ac, config.numerics.compile,
+            config.metrics.tensorboard) == ("bf16", "selective", True, True)
     defaults = config_from_args(build_parser().parse_args(["train"]))
-    assert (defaults.precision, defaults.ac, defaults.compile) == ("fp32", "none", False)
+    assert (defaults.numerics.precision, defaults.numerics.ac, defaults.numerics.compile) == ("fp32", "none", False)

@@ -9,6 +9,7 @@ from contextlib import redirect_stderr
 import pytest
 
 from rayshard.cluster.cli import main as cli_main
+from rayshard.plans.config import ResourcesConfig
 from rayshard.plans.errors import CheckpointError, ConfigError, StepFailed, from_rank
 from rayshard.plans.layout.chooser import Workload, choose_layout
 from rayshard.plans.layout.resources import (GRAIN, equal_cpu_share, placement_failure, rank_bundle, ranks_offered)
@@ -62,10 +63,10 @@ def test_train_config_validates_resources():
     from tests.conftest import small_config
 
     with pytest.raises(ConfigError, match="cpus_per_rank"):
-        small_config(Path("/tmp"), cpus_per_rank=-1)
+        small_config(Path("/tmp"), resources=ResourcesConfig(cpus_per_rank=-1))
     with pytest.raises(ConfigError, match="start_timeout_s"):
-        small_config(Path("/tmp"), start_timeout_s=0)
-    assert small_config(Path("/tmp"), cpus_per_rank=0.5).cpus_per_rank == 0.5
+        small_config(Path("/tmp"), resources=ResourcesConfig(start_timeout_s=0))
+    assert small_config(Path("/tmp"), resources=ResourcesConfig(cpus_per_rank=0.5)).resources.cpus_per_rank == 0.5
 
 
 def test_pinned_layout_larger_than_the_cluster_names_the_ranks():

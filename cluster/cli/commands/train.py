@@ -8,34 +8,21 @@ from dataclasses import replace
 import yaml
 
 from rayshard.actors.model.user_model import describe_factory
+from rayshard.cluster.cli.config_flags import config_overrides
 from rayshard.cluster.cli.train import DEFAULT_CONFIG
 from rayshard.cluster.run.controller import State
 from rayshard.cluster.run.elastic import train_elastic
 from rayshard.cluster.run.pipeline_order_file import read_csv_rows
 from rayshard.cluster.run.resume_model import with_resumed_model
 from rayshard.cluster.run.train import train
-from rayshard.plans.config import TrainConfig, with_overrides
+from rayshard.plans.config import ModelChoice, TrainConfig, with_overrides
+from rayshard.plans.config.flat_keys import deprecation_note, flat_keys_in
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.chooser import PINNABLE_DEGREES
 from rayshard.plans.pipeline.csv_order import CSV_SCHEDULE, parse_pipeline_csv
 from rayshard.plans.pipeline.plan import check_order_file
 from rayshard.plans.pipeline.schedules import schedule_spec
-
-
-# CLI flag -> dotted config field. Flags not given leave the file's value alone.
-OVERRIDES = {
-    "model": "model_preset", "run": "run", "store": "store", "steps": "steps", "ckpt_every": "ckpt_every",
-    "resume": "resume", "global_batch": "global_batch", "seq_len": "seq_len", "microbatches": "microbatches",
-    "seed": "seed", "schedule": "schedule", "world_size": "world_size", "lr": "optimizer.lr",
-    "warmup_steps": "optimizer.warmup_steps", "data": "data.source",
-    "dp": "layout.dp", "fsdp": "layout.fsdp", "tp": "layout.tp", "pp": "layout.pp", "vpp": "layout.vpp", "ep": "layout.ep",
-    "stage_layout": "stage_layout", "pipeline_timeout": "pipeline_timeout_s",
-    "verify_resume": "verify_resume", "cpus_per_rank": "cpus_per_rank", "gpus_per_rank": "gpus_per_rank",
-    "start_timeout": "start_timeout_s", "call_timeout": "call_timeout_s",
-    "precision": "precision", "ac": "ac", "compile": "compile", "tensorboard": "tensorboard",
-    "wandb_project": "wandb_project", "sp": "sequence_parallel",
-}
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -61,6 +48,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                           "fix the file's syntax (see configs/demo.yaml)") from None
     if not isinstance(data, dict):
         raise ConfigError("--config", path, "the file must hold a YAML mapping", "see configs/demo.yaml for the shape")
+    if flat_keys_in(data):  # they still load (TrainConfig.from_dict moves them); say where they belong now
+        print(f"rayshard: warning: {path}: {deprecation_note(flat_keys_in(data))}", file=sys.stderr)
     # The user named the model: a flag, or a model section (or a top-level `model_preset:`) in a
     # config file of their own (the embedded default config's `tiny` is not a choice). Otherwise a
     # resume builds the checkpoint's.
@@ -80,8 +69,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         data.pop("model", None)
     config = TrainConfig.from_dict(data)
     if factory:  # the user's own model, described on the meta device (actors/model/user_model.py)
-        config = replace(config, model=describe_factory(factory), model_preset=factory)
-    overrides = {field: getattr(args, flag) for flag, field in OVERRIDES.items() if flag != "model"}
+        config = replace(config, model=ModelChoice(factory, describe_factory(factory)))
+    overrides = config_overrides(args, TrainConfig)
+    del overrides["model.preset"]  # a preset flag replaced the file's whole model section above, not just its name
     file_layout = data.get("layout") or {}
     pipelined = (args.pp if args.pp is not None else file_layout.get("pp", 1)) > 1
     if pipelined and args.schedule and args.vpp is None and "vpp" not in file_layout:
@@ -92,9 +82,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         rows = read_csv_rows(args.schedule_csv)
         order = parse_pipeline_csv(rows, args.schedule_csv)
         check_order_file(order)  # a deadlock is named with the file, before any rank starts
-        overrides.update({"schedule_csv": rows, "schedule": CSV_SCHEDULE})
+        overrides.update({"pipeline.schedule_csv": rows, "pipeline.schedule": CSV_SCHEDULE})
         for key, flag, value in (("layout.pp", "pp", order.pp), ("layout.vpp", "vpp", order.vpp),
-                                 ("microbatches", "microbatches", order.microbatches)):
+                                 ("pipeline.microbatches", "microbatches", order.microbatches)):
             if getattr(args, flag) is None:
                 overrides[key] = value
     return with_resumed_model(with_overrides(config, **overrides), named).validate()
@@ -106,7 +96,7 @@ def run_train(args: argparse.Namespace) -> int:
         return _run_elastic(args, config)
 
     # A StepFailed (each rank's own error) and errors raised on ranks are reported by main.py.
-    result = train(config, async_save=getattr(args, "async_save", False))
+    result = train(config)
     if result.checkpoints:
         print(f"latest checkpoint: {result.checkpoints[-1]}")
     return 0

@@ -20,20 +20,22 @@ from rayshard.plans.errors import ConfigError
 
 
 def checked_section(section: str, values, kind, extra_keys: frozenset[str] = frozenset(),
-                    internal_keys: frozenset[str] = frozenset()) -> dict:
+                    internal_keys: frozenset[str] = frozenset(), written_as: dict[str, str] | None = None) -> dict:
     """`values` (a config file's mapping for the record `kind`; section "" for the top level) with
     each value checked against its field's type and converted where unambiguous; unknown keys and
-    values of the wrong type raise a ConfigError naming `section.key`. `extra_keys` pass through
+    values of the wrong type raise a ConfigError naming `section.key`, or the name the file gave it
+    where `written_as` has one (a flat key of before the sections). `extra_keys` pass through
     unchecked; `internal_keys` are fields a file may not set (rayshard fills them itself)."""
-    known = sorted((set(_hints(kind)) | set(extra_keys)) - set(internal_keys))
+    known = sorted((set(field_types(kind)) | set(extra_keys)) - set(internal_keys))
     if not isinstance(values, dict):
         raise ConfigError(section, values, f"must be a mapping, not {_kind_of(values)}",
                           f"write it as `{section}: {{key: value, ...}}` with keys from {known}")
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(section or "config", unknown, f"unknown key(s) {unknown}", f"known keys are {known}")
-    prefix = f"{section}." if section else ""
-    return {key: value if key in extra_keys else checked_value(prefix + key, value, _hints(kind)[key], _defaults(kind).get(key))
+    prefix, written_as = f"{section}." if section else "", written_as or {}
+    return {key: value if key in extra_keys else checked_value(written_as.get(key, prefix + key), value,
+                                                                field_types(kind)[key], _defaults(kind).get(key))
             for key, value in values.items()}
 
 
@@ -137,7 +139,7 @@ def _defaults(kind) -> dict:
 
 
 @cache
-def _hints(kind) -> dict:
+def field_types(kind) -> dict:
     """Field name -> resolved annotation (the modules use `from __future__ import annotations`)."""
     resolved = typing.get_type_hints(kind)
     return {f.name: resolved[f.name] for f in fields(kind)}

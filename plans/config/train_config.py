@@ -1,0 +1,136 @@
+"""TrainConfig: the job's own settings, its sections, and how they are built and checked together.
+
+Built from plain data (a YAML file's contents plus CLI overrides); validation errors name the
+field, the constraint and a fix. Pure: reading the file is the CLI's job.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, replace
+
+from rayshard.plans.config.checkpoint import CheckpointConfig
+from rayshard.plans.config.data import DataConfig
+from rayshard.plans.config.flat_keys import sectioned
+from rayshard.plans.config.metrics import MetricsConfig
+from rayshard.plans.config.model import ModelChoice
+from rayshard.plans.config.numerics import NumericsConfig
+from rayshard.plans.config.optimizer import OptimizerConfig
+from rayshard.plans.config.pipeline import PipelineConfig
+from rayshard.plans.config.resources import ResourcesConfig
+from rayshard.plans.config.values import checked_section
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.options import option, section, sections
+from rayshard.plans.training.model_spec import PRESETS, ModelConfig, preset
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training job.
+
+    The top level is the job itself: its name and home (run, store) and what it trains (steps of
+    global_batch sequences of seq_len tokens, every random draw seeded by seed and the step).
+    These are what every section serves and what a person changes most, so they stay one word
+    away (`config.steps`, `--steps`). Everything else lives in a section: model, layout (the
+    parallel degrees), pipeline, numerics, data, optimizer, checkpoint, resources, metrics.
+    """
+
+    run: str = option("demo", metavar="NAME", help="run name within the store")
+    store: str = option("./runs", metavar="URL", help="store URL: a directory, file://, s3://bucket/prefix, memory://")
+    steps: int = option(20, metavar="N", help="train until this many steps are done")
+    global_batch: int = option(8, metavar="N", help="sequences per step over all data ranks")
+    seq_len: int = option(64, metavar="N", help="tokens per sequence")
+    seed: int = option(1234, metavar="N", help="seed of the initial weights and the sample order")
+    model: ModelChoice = section(ModelChoice, "which model trains")
+    layout: ParallelLayout = section(ParallelLayout, "how the ranks split the work: dp x fsdp x tp x pp (vpp, ep)")
+    pipeline: PipelineConfig = section(PipelineConfig, "microbatches and, with --pp > 1, the schedule and stage cut")
+    numerics: NumericsConfig = section(NumericsConfig, "precision and speed")
+    data: DataConfig = section(DataConfig, "where the tokens come from")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "AdamW and its learning-rate schedule")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "when to save, how, and what to resume from")
+    resources: ResourcesConfig = section(ResourcesConfig, "what each rank asks of the cluster, and how long to wait")
+    metrics: MetricsConfig = section(MetricsConfig, "where step metrics go besides metrics.jsonl")
+
+    def __post_init__(self):
+        if isinstance(self.model, ModelConfig):  # the shape alone, as TrainConfig took it before the sections
+            raise TypeError("TrainConfig(model=...) takes a ModelChoice: wrap the shape as ModelChoice(spec=...), "
+                            "or name a preset with ModelChoice.named('tiny')")
+
+    def validate(self) -> "TrainConfig":
+        """Every section's constraints, the model and the layout first: most others read them."""
+        self.model.validate(self.layout)
+        self.resources.validate(self.layout)
+        self._validate_batch()
+        self.pipeline.validate(self.model.spec, self.layout, self.global_batch, self.numerics.compile)
+        self.checkpoint.validate()
+        if not RUN_NAME.match(self.run):
+            raise ConfigError("run", self.run, "run names are 1-128 letters, digits, '.', '_' or '-' and start with "
+                              "a letter or digit", "pick a name like my-run-01")
+        self.optimizer.validate()
+        self.data.validate(self.seq_len)
+        self.numerics.validate(self.model.spec, self.layout, self.seq_len)
+        return self
+
+    def _validate_batch(self) -> None:
+        """A step's shape: sequences the model can hold, split evenly over the data ranks."""
+        m, data_ranks = self.model.spec, self.layout.data_parallel_size
+        if self.seq_len < 1:
+            raise ConfigError("seq_len", self.seq_len, "sequence length must be positive", "set --seq-len to 1 or more")
+        if self.seq_len > m.max_seq_len:
+            raise ConfigError("seq_len", self.seq_len, f"exceeds model.max_seq_len ({m.max_seq_len})",
+                              f"set --seq-len {m.max_seq_len} or less")
+        if self.steps < 1:
+            raise ConfigError("steps", self.steps, "must be at least 1", "set --steps 1 or more")
+        if self.global_batch < 1 or self.global_batch % data_ranks:
+            raise ConfigError("global_batch", self.global_batch,
+                              f"must be a positive multiple of dp*fsdp = {data_ranks} (each data rank gets an equal slice)",
+                              f"set --global-batch to a multiple of {data_ranks}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        """Build from nested plain data (a YAML file's contents), sectioned or with the flat keys of
+        before (plans/config/flat_keys.py): unknown keys and values of the wrong type are errors
+        naming the key (typos must not pass silently)."""
+        data, written_as = sectioned(data)
+        kwargs = {"model": _model_choice(data.pop("model", None) or {})}
+        for name, declared in sections(cls):
+            if name in data:  # model, read above, is the one section whose file form is not its fields
+                values, kind = data.pop(name), declared.kind
+                kwargs[name] = kind(**checked_section(name, {} if values is None else values, kind,
+                                                      written_as=written_as.get(name)))
+        kwargs.update(checked_section("", data, cls))
+        return cls(**kwargs)
+
+
+def _model_choice(values: dict) -> ModelChoice:
+    """The model section: a preset's name plus any of its fields to change."""
+    values = checked_section("model", values, ModelConfig, extra_keys=frozenset({"preset"}),
+                             internal_keys=frozenset({"user"}))
+    name = values.pop("preset", "tiny")
+    if not isinstance(name, str):
+        raise ConfigError("model.preset", name, "must be a preset's name", f"write one of {', '.join(PRESETS)}")
+    return ModelChoice(name, preset(name, **values))
+
+
+def with_overrides(config: TrainConfig, **overrides) -> TrainConfig:
+    """Apply dotted overrides such as {"layout.tp": 2, "optimizer.lr": 1e-3, "steps": 5}; None
+    leaves a setting as it is (a flag not given)."""
+    nested: dict[str, dict] = {}
+    flat = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            flat[key] = value
+    for head, values in nested.items():
+        current = getattr(config, head)
+        flat[head] = replace(current, **checked_section(head, values, type(current)))
+    return replace(config, **checked_section("", flat, TrainConfig))
