@@ -81,9 +81,9 @@ def _our_save(trainer, url: str):
     import fsspec
     import torch.distributed as dist
 
-    from rayshard.plans.checkpoint.manifest import encode_manifest
+    from rayshard.plans.checkpoint.manifest.codec import encode_manifest
     from rayshard.actors.checkpoint.save import save_rank_shard
-    from rayshard.plans.checkpoint.manifest import MANIFEST
+    from rayshard.plans.checkpoint.manifest.codec import MANIFEST
     from rayshard.plans.checkpoint.chunks import Chunk
 
     rows = save_rank_shard(trainer.model, trainer.optimizer, trainer.coord_map, url, f"attempt-bench/rank-{trainer.rank:05d}.safetensors",

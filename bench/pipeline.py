@@ -72,7 +72,7 @@ class _TorchSchedule1F1B:
     def train_step(self) -> None:
         import torch.distributed as dist
 
-        from rayshard.actors.model.gradient_norm import clip_grad_norm
+        from rayshard.actors.parallel.gradient_norm import clip_grad_norm
         from rayshard.plans.training.lr_schedule import learning_rate
 
         trainer, config = self.trainer, self.trainer.config

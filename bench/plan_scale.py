@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rayshard.plans.checkpoint.manifest import FORMAT_VERSION, chunk_key, decode_manifest, encode_manifest  # noqa: E402
+from rayshard.plans.checkpoint.manifest.codec import FORMAT_VERSION, chunk_key, decode_manifest, encode_manifest  # noqa: E402
 from rayshard.storage.checksums import checksum  # noqa: E402
 from rayshard.plans.checkpoint.chunks import STATE_KINDS, Chunk  # noqa: E402
 from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402

@@ -45,9 +45,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: E402
 
-from rayshard.actors.model.block_wrappers import SAVED_OPS  # noqa: E402
+from rayshard.actors.parallel.block_wrappers import SAVED_OPS  # noqa: E402
 from rayshard.actors.training.trainer import Trainer  # noqa: E402
-from rayshard.plans.checkpoint.hf_families import hf_config  # noqa: E402
+from rayshard.plans.interop.hf_families import hf_config  # noqa: E402
 from rayshard.plans.config import ModelChoice, NumericsConfig, OptimizerConfig, TrainConfig  # noqa: E402
 from rayshard.plans.training.flops import throughput  # noqa: E402
 
@@ -62,7 +62,7 @@ def _free_port() -> int:
 
 
 def _saves_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective AC as ours does it (actors/model/block_wrappers.py): keep matmul and attention outputs."""
+    """Selective AC as ours does it (actors/parallel/block_wrappers.py): keep matmul and attention outputs."""
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import fsspec
 
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
-from rayshard.plans.checkpoint.manifest import MANIFEST, decode_manifest
-from rayshard.plans.checkpoint.object_keys import check_object_keys
+from rayshard.plans.checkpoint.manifest.codec import MANIFEST, decode_manifest
+from rayshard.plans.checkpoint.manifest.object_keys import check_object_keys
 from rayshard.plans.errors import CheckpointError
 
 

@@ -48,7 +48,7 @@ MODULES: dict[str, list[str]] = {
     "plans/pipeline/checker.py": ["tests/unit/test_checker.py", "tests/unit/test_schedules.py"],
     "plans/pipeline/lowering.py": ["tests/unit/test_lowering.py", "tests/unit/test_checker.py", "tests/unit/test_schedules.py",
                                    "tests/unit/test_pipeline_plan.py"],
-    "plans/checkpoint/transforms.py": _TRANSFORM_TESTS,
+    "plans/transforms/mapping.py": _TRANSFORM_TESTS,
     "cluster/checkpoint/transform_exec.py": _TRANSFORM_TESTS,
     "plans/checkpoint/replicas.py": ["tests/unit/test_writer_selection.py", "tests/unit/test_replica_broadcast.py"],
     "plans/layout/parallel_layout.py": ["tests/unit/test_layout_and_config.py", "tests/unit/test_layout_chooser.py"],

@@ -24,7 +24,7 @@ import torch
 
 from rayshard.actors.checkpoint.save import pieces_to_write
 from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
-from rayshard.actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
+from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 
 

@@ -21,7 +21,7 @@ from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.replica_broadcast import HandedPiece, broadcast_pieces, buckets
 from rayshard.actors.checkpoint.shard_writer import dtype_name
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
-from rayshard.actors.model.shards import local_region
+from rayshard.actors.parallel.shards import local_region
 from rayshard.plans.checkpoint.chunks import PARAM, Chunk
 from rayshard.plans.checkpoint.model_check import raise_if_mismatched
 from rayshard.plans.checkpoint.reshard import Target

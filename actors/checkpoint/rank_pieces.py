@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rayshard.actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, copy_dims
+from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies, copy_dims
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
 from rayshard.plans.layout.parallel_layout import STAGE_MESH_DIMS, ParallelLayout, RankCoords
 

@@ -1,6 +1,6 @@
 """A rank's side of a save: which pieces it writes, and streaming them into its shard file.
 
-Which replica writes is decided here, not by `rayshard.actors.model.shards.is_primary_replica` (the
+Which replica writes is decided here, not by `rayshard.actors.parallel.shards.is_primary_replica` (the
 grad-norm's rule, which always picks coordinate 0): each replica group splits its pieces by bytes
 (`plans/checkpoint/replicas.py`'s `pieces_written`, which also predicts the writes of dry runs and
 offline reshards), so dp replicas share the writing instead of replica 0 writing everything.
@@ -11,7 +11,7 @@ import fsspec
 
 from rayshard.actors.checkpoint.rank_pieces import local_tensor, rank_layout, replicated_dims, state_tensors, ties_embeddings
 from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
-from rayshard.actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, local_region
+from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies, local_region
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.regions import EMBEDDING
 from rayshard.plans.checkpoint.replicas import pieces_written

@@ -17,7 +17,7 @@ import torch
 
 from rayshard.storage.checksums import RunningChecksum, checksum
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.checkpoint.manifest import FORMAT_VERSION, chunk_key
+from rayshard.plans.checkpoint.manifest.codec import FORMAT_VERSION, chunk_key
 from rayshard.plans.checkpoint.safetensors_layout import Entry, file_layout
 from rayshard.plans.errors import CheckpointError
 from rayshard.storage.backends.registry import backend_for

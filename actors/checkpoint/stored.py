@@ -16,7 +16,7 @@ from rayshard.storage.partial_reads import PartialRead, check_partial_reads, mis
 from rayshard.actors.checkpoint.read_executor import WINDOW_BYTES, Destination, execute_requests
 from rayshard.plans.checkpoint.chunk_table import ChunkTable, as_table
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.checkpoint.object_keys import check_object_keys
+from rayshard.plans.checkpoint.manifest.object_keys import check_object_keys
 from rayshard.plans.checkpoint.reshard import ReadItem, Target, header_checks, index_chunks, plan_rank
 
 

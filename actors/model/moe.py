@@ -3,7 +3,7 @@
 Parallelism is applied from outside, as for the dense model: tensor parallelism splits each
 expert's hidden units (`plans/training/tp_plan.py`, EXPERT_* styles), expert parallelism hands
 the layer an `ExpertDispatch` that sends tokens to the ranks holding their experts
-(`actors/model/expert_dispatch.py`). The layer never asks how many experts it holds.
+(`actors/parallel/expert_dispatch.py`). The layer never asks how many experts it holds.
 
 Routing is dropless: every token reaches its k experts whatever their load. A capacity factor
 would drop tokens depending on which tokens share a rank's batch, so the same batch would train
@@ -69,7 +69,7 @@ class Experts(nn.Module):
 
 
 class LocalDispatch:
-    """Every expert on this rank (ep = 1, tp = 1); `actors/model/expert_dispatch.py` has the others."""
+    """Every expert on this rank (ep = 1, tp = 1); `actors/parallel/expert_dispatch.py` has the others."""
 
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts,
                  statistics: "RoutingStatistics | None" = None) -> torch.Tensor:
@@ -151,7 +151,7 @@ class MoEFeedForward(nn.Module):
         shared = config.shared_expert_ffn_dim
         self.shared = FeedForward(config.dim, shared) if shared else None
         self.shared_gate = nn.Linear(config.dim, 1, bias=False) if shared else None
-        self.dispatch = LocalDispatch()  # expert parallelism replaces it (actors/model/parallelize.py)
+        self.dispatch = LocalDispatch()  # expert parallelism replaces it (actors/parallel/parallelize.py)
         # aux_loss_coef / (MoE layers * microbatches): set by the step runner, which knows the microbatches.
         self.aux_loss_scale = 0.0
         self.statistics = RoutingStatistics(config.n_experts)

@@ -1,6 +1,6 @@
 """Llama-style decoder, written as single-device code.
 
-Parallelism is applied from outside (`actors/model/parallelize.py`). The code never assumes how many
+Parallelism is applied from outside (`actors/parallel/parallelize.py`). The code never assumes how many
 heads or hidden units it holds: it reads them off the shapes it receives, so a tensor-parallel
 shard (a contiguous row block of the fused weights, see `plans/training/model_spec.py`) runs unchanged.
 """

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rayshard.actors.model.init_weights import initialize_parameters
+from rayshard.actors.parallel.init_weights import initialize_parameters
 from rayshard.actors.model.moe import set_aux_loss_scale
-from rayshard.actors.model.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
-from rayshard.actors.model.precision import compute_dtype
-from rayshard.actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies
+from rayshard.actors.parallel.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
+from rayshard.actors.parallel.precision import compute_dtype
+from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies
 from rayshard.actors.model.stage import RankStages, build_stage_on_meta, carve_stage, local_tensor, stage_global_names
 from rayshard.actors.model.user_model import build_user_on_meta
 from rayshard.actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from rayshard.actors.model.shards import PipelineCopies
+from rayshard.actors.parallel.shards import PipelineCopies
 from rayshard.actors.pipeline.interpreter import StepRecord
 
 

@@ -18,11 +18,11 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from rayshard.actors.checkpoint.async_save import AsyncSaver
 from rayshard.actors.checkpoint.load import HandoverGroups, load_rank_shard
 from rayshard.actors.checkpoint.save import save_rank_shard
-from rayshard.actors.model.gradient_norm import clip_grad_norm
+from rayshard.actors.parallel.gradient_norm import clip_grad_norm
 from rayshard.actors.model.moe import moe_layers
-from rayshard.actors.model.parallelize import (expert_parameters, reduce_expert_gradients, sum_partial_gradients,
+from rayshard.actors.parallel.parallelize import (expert_parameters, reduce_expert_gradients, sum_partial_gradients,
                                       tp_partial_parameters)
-from rayshard.actors.model.shards import is_primary_replica
+from rayshard.actors.parallel.shards import is_primary_replica
 from rayshard.actors.pipeline.interpreter import StepRecord
 from rayshard.actors.training.data import row_hashes
 from rayshard.actors.training.dataset_source import open_training_data

@@ -19,13 +19,13 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from rayshard.plans.checkpoint.manifest import decode_manifest
-from rayshard.plans.checkpoint.manifest import MANIFEST
+from rayshard.plans.checkpoint.manifest.codec import decode_manifest
+from rayshard.plans.checkpoint.manifest.codec import MANIFEST
 from rayshard.cluster.catalog import leases
 from rayshard.cluster.catalog.store import STEP_DIR, Store, resumed_step
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import LAYOUT_DEGREES, PARALLEL_DEGREES
-from rayshard.plans.checkpoint.object_keys import escape_reason
+from rayshard.plans.checkpoint.manifest.object_keys import escape_reason
 
 
 @dataclass(frozen=True)

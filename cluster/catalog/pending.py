@@ -18,7 +18,7 @@ from typing import Any
 
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.checkpoint.manifest import encode_manifest
+from rayshard.plans.checkpoint.manifest.codec import encode_manifest
 from rayshard.plans.checkpoint.reshard import check_chunks_disjoint_and_complete
 
 

@@ -16,8 +16,8 @@ from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.catalog import leases
 from rayshard.cluster.catalog.catalog import Catalog
 from rayshard.cluster.catalog.store import Store
-from rayshard.plans.checkpoint.manifest import MANIFEST
-from rayshard.plans.checkpoint.object_keys import escape_reason
+from rayshard.plans.checkpoint.manifest.codec import MANIFEST
+from rayshard.plans.checkpoint.manifest.object_keys import escape_reason
 
 DEFAULT_GRACE_S = 3600.0
 

@@ -29,7 +29,7 @@ from rayshard.storage.backends.protocol import PreconditionFailed
 from rayshard.storage.backends.registry import backend_for
 from rayshard.storage.options import StorageOptions
 from rayshard.cluster.catalog.pending import PendingCheckpoint
-from rayshard.plans.checkpoint.manifest import MANIFEST
+from rayshard.plans.checkpoint.manifest.codec import MANIFEST
 from rayshard.plans.errors import CheckpointError, ConfigError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")

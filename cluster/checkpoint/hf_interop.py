@@ -1,5 +1,5 @@
 """Hugging Face interop: export a checkpoint as a transformers directory of its family (Llama,
-Qwen2, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE: `plans/checkpoint/hf_families.py`; a user model by
+Qwen2, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE: `plans/interop/hf_families.py`; a user model by
 its plan's mapping), import one back.
 
 One mapping per family (`hf_mapping`), or a user plan's, is written in the export direction; import
@@ -35,8 +35,8 @@ from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 from rayshard.plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
-from rayshard.plans.checkpoint.hf_families import export_config, export_mapping, model_config_from_hf
-from rayshard.plans.checkpoint.transforms import Cast, Mapping, MappingPlan, Meta
+from rayshard.plans.interop.hf_families import export_config, export_mapping, model_config_from_hf
+from rayshard.plans.transforms.mapping import Cast, Mapping, MappingPlan, Meta
 
 CONFIG = "config.json"
 WEIGHTS = "model"

@@ -26,7 +26,7 @@ from rayshard.storage.manifest_io import read_manifest
 from rayshard.storage.partial_reads import PartialRead
 from rayshard.actors.checkpoint.stored import StoredCheckpoint, verify_parts
 from rayshard.cluster.progress import advance, set_total
-from rayshard.cluster.run.rank_group import connect_ray
+from rayshard.cluster.ray_connection import connect_ray
 from rayshard.storage.options import apply_conf
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.errors import CheckpointError

@@ -1,10 +1,10 @@
-"""Runs one group of a mapping plan (`plans/checkpoint/transforms.py`) on real tensors."""
+"""Runs one group of a mapping plan (`plans/transforms/mapping.py`) on real tensors."""
 from __future__ import annotations
 
 import torch
 
 from rayshard.plans.errors import CheckpointError
-from rayshard.plans.checkpoint.transforms import (Add, Cast, ConcatRows, Drop, Group, Rename, SplitRows, Stack, Transpose, Unalias,
+from rayshard.plans.transforms.mapping import (Add, Cast, ConcatRows, Drop, Group, Rename, SplitRows, Stack, Transpose, Unalias,
                                          Unstack)
 
 

@@ -15,7 +15,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rayshard.cluster.run.controller import Controller, Outcome, RunResult
-from rayshard.cluster.run.rank_group import StepFailed, connect_ray
+from rayshard.cluster.ray_connection import connect_ray
+from rayshard.cluster.run.rank_group import StepFailed
 from rayshard.cluster.run.train import train
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy

@@ -17,7 +17,8 @@ from rayshard.storage.manifest_io import manifest_bytes, read_manifest
 from rayshard.actors.checkpoint.stored import check_loaded_parts
 from rayshard.cluster.catalog import leases
 from rayshard.cluster.run.async_save import AsyncCheckpointer
-from rayshard.cluster.run.rank_group import RankGroup, connect_ray
+from rayshard.cluster.ray_connection import connect_ray
+from rayshard.cluster.run.rank_group import RankGroup
 from rayshard.cluster.run.resume_check import verify_resumed_state
 from rayshard.cluster.data.training_data import check_training_data, dataset_record, step_batch_hash, with_resolved_dataset
 from rayshard.cluster.run.metrics_sinks import check_sinks, open_sinks

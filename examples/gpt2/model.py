@@ -121,7 +121,7 @@ def gpt2_plan(dim: int, vocab: int, max_seq_len: int, positions: bool = True) ->
 
 
 def gpt2_hf_mapping(dim: int) -> list[dict]:
-    """Our names -> GPT2LMHeadModel's, as rules written as data (`plans/checkpoint/transform_codec.py`).
+    """Our names -> GPT2LMHeadModel's, as rules written as data (`plans/transforms/codec.py`).
 
     GPT-2 fuses q, k, v into one `c_attn` and stores every block Linear as a Conv1D, whose weight
     is [in, out]: the transpose of nn.Linear's [out, in]. So c_attn is q, k, v stacked by rows

@@ -3,7 +3,7 @@
 The reshard planner needs the target ranks' regions before any target rank exists (dry runs,
 offline resharding, a 768-rank plan on a laptop), so this module states the sharding rules as
 data and computes regions with plain integers. They are the rules the actors apply with DTensor
-(`actors/model/parallelize.py` and FSDP2); tests check every rank's prediction against torch's own
+(`actors/parallel/parallelize.py` and FSDP2); tests check every rank's prediction against torch's own
 `compute_local_shape_and_global_offset` for many layouts, so the two cannot drift apart.
 
 Rules, in the order the actors apply them:

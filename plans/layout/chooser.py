@@ -78,7 +78,7 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
     Model state: 16 bytes per parameter (float32 weight, gradient and two AdamW moments, in bf16
     runs too: the master state stays float32), split over tp and pp, and over fsdp for the
     sharded part. Where FSDP2 wraps the model (data ranks > 1, and every bf16 run:
-    `actors/model/precision.py`) it also holds working copies of parameters in the compute dtype
+    `actors/parallel/precision.py`) it also holds working copies of parameters in the compute dtype
     (bf16 on top of the float32 master): the largest transformer block at a time plus the root's
     embedding, final norm and head (FSDP2 keeps the root gathered from forward to backward), or
     the whole stage under a pipeline (stages keep their parameters gathered across microbatches).

@@ -19,8 +19,8 @@ import fnmatch
 import json
 from dataclasses import dataclass, field
 
-from rayshard.plans.checkpoint.transform_codec import canonical, decode_mapping
-from rayshard.plans.checkpoint.transforms import Meta
+from rayshard.plans.transforms.codec import canonical, decode_mapping
+from rayshard.plans.transforms.mapping import Meta
 from rayshard.plans.errors import CheckpointError, ConfigError
 from rayshard.plans.training.tp_plan import ALL_STYLES, split_dim_under
 
@@ -46,7 +46,7 @@ class ModelPlan:
     hidden_size: the width of the residual stream pipeline stages exchange.
     loss: the criterion's name (the built-in "cross_entropy", or the user function's path).
     hf_mapping: optional, how `ckpt export` names the parameters for Hugging Face: transform rules
-    as data (`plans/checkpoint/transform_codec.py`), written once in the export direction.
+    as data (`plans/transforms/codec.py`), written once in the export direction.
     hf_config: the config.json to write beside them (`architectures` included; export adds the
     dtype). Both or neither: None refuses export. Neither takes part in the hash (dicts do not
     hash); equality still compares them."""

@@ -1,7 +1,7 @@
 """The tensor-parallel plan as data: module-name patterns -> a style name.
 
 One plan serves both sides: the actors turn each style into torch's ParallelStyle
-(`actors/model/parallelize.py`), and the checkpoint planner reads from it which dimension of a
+(`actors/parallel/parallelize.py`), and the checkpoint planner reads from it which dimension of a
 weight tensor parallelism splits (`plans/checkpoint/regions.py`), so the two cannot disagree.
 
 Why these styles: qkv and gate_up are column-parallel (their row blocks are whole head groups /

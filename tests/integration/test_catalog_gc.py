@@ -13,7 +13,7 @@ import torch
 
 from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
 
-from rayshard.plans.checkpoint.manifest import encode_manifest
+from rayshard.plans.checkpoint.manifest.codec import encode_manifest
 from rayshard.cluster.catalog import leases
 from rayshard.cluster.catalog.catalog import Catalog
 from rayshard.cluster.cli.main import main

@@ -95,7 +95,7 @@ def _run(name: str) -> str:
 
 def _damaged_copy(store, url, run, damage):
     """The checkpoint resharded to a fresh run (same layout), then its manifest rewritten by `damage`."""
-    from rayshard.plans.checkpoint.manifest import encode_manifest
+    from rayshard.plans.checkpoint.manifest.codec import encode_manifest
 
     copy = reshard_checkpoint(url, SOURCE, store, run, local=True, log=lambda *_: None).url
     chunks, metadata = read_manifest(copy)

@@ -1,4 +1,4 @@
-"""bf16 over a one-rank data mesh makes FSDP2's casts without FSDP2 (actors/model/parameter_casts.py,
+"""bf16 over a one-rank data mesh makes FSDP2's casts without FSDP2 (actors/parallel/parameter_casts.py,
 decision 80). Decision 57's promise is that bf16 means the same numbers on every layout, so the
 casts must give FSDP2's numbers exactly: each case trains 3 steps of 2 microbatches both ways,
 FSDP2 forced over the one-rank mesh as before, and compares every loss, gradient norm and final
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-import rayshard.actors.model.parallelize as parallelize
+import rayshard.actors.parallel.parallelize as parallelize
 from rayshard.actors.training.trainer import Trainer
 from rayshard.plans.config import ModelChoice
 from rayshard.plans.layout.parallel_layout import ParallelLayout

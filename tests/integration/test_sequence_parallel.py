@@ -70,8 +70,8 @@ def _saved_activation_bytes(rank: int, init_method: str, world_size: int, result
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rayshard.actors.model.init_weights import initialize_parameters
-    from rayshard.actors.model.parallelize import parallelize
+    from rayshard.actors.parallel.init_weights import initialize_parameters
+    from rayshard.actors.parallel.parallelize import parallelize
     from rayshard.actors.model.transformer import build_on_meta
     from rayshard.plans.layout.parallel_layout import MESH_DIM_NAMES
     from rayshard.plans.training.model_spec import preset

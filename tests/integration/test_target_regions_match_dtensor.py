@@ -30,7 +30,7 @@ def fake_world():
 
         from rayshard.actors.checkpoint.rank_pieces import replicated_dims
         from rayshard.actors.model.transformer import build_on_meta
-        from rayshard.actors.model.parallelize import parallelize
+        from rayshard.actors.parallel.parallelize import parallelize
         from rayshard.actors.model.user_model import build_user_on_meta
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rayshard.actors.checkpoint.save import save_rank_shard
-from rayshard.actors.model.init_weights import initialize_parameters
+from rayshard.actors.parallel.init_weights import initialize_parameters
 from rayshard.actors.model.transformer import Transformer
 from rayshard.cluster.catalog.store import Store
 from rayshard.plans.checkpoint.chunks import Chunk

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rayshard.actors.model.block_wrappers import wrap_blocks
+from rayshard.actors.parallel.block_wrappers import wrap_blocks
 from rayshard.actors.model.stage import build_stage_on_meta
 from rayshard.actors.model.transformer import Transformer
 from rayshard.actors.pipeline.interpreter import PipelineRunner

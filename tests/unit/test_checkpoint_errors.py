@@ -132,7 +132,7 @@ def test_an_offline_reshard_that_reads_an_edited_chunk_in_parts_commits_nothing(
 
 def _rewrite_manifest(url: str, keep, extra=()) -> None:
     """The checkpoint's manifest with only the chunks `keep` accepts, plus `extra` ones."""
-    from rayshard.plans.checkpoint.manifest import encode_manifest
+    from rayshard.plans.checkpoint.manifest.codec import encode_manifest
 
     chunks, metadata = read_manifest(url)
     metadata.pop("format_version")
@@ -203,7 +203,7 @@ def test_parts_read_from_an_object_store_are_verified_together_too(tmp_path, win
 
 
 def test_verify_reports_damaged_model_metadata_instead_of_crashing(checkpoint):
-    from rayshard.plans.checkpoint.manifest import encode_manifest
+    from rayshard.plans.checkpoint.manifest.codec import encode_manifest
     from rayshard.cluster.checkpoint.verify import verify
 
     url, _, _ = checkpoint

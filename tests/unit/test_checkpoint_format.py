@@ -8,7 +8,7 @@ from rayshard.actors.checkpoint.read_executor import fill_from_reads
 from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.shard_writer import Piece, encode_shard
 
-from rayshard.plans.checkpoint.manifest import FORMAT_VERSION, decode_manifest, encode_manifest
+from rayshard.plans.checkpoint.manifest.codec import FORMAT_VERSION, decode_manifest, encode_manifest
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.checkpoint.reshard import plan_reads
 

@@ -10,7 +10,7 @@ import pytest
 
 from rayshard.plans.checkpoint.chunk_table import ChunkTable, as_table
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.checkpoint.manifest import MANIFEST_SCHEMA, decode_manifest, encode_manifest
+from rayshard.plans.checkpoint.manifest.codec import MANIFEST_SCHEMA, decode_manifest, encode_manifest
 from rayshard.plans.checkpoint.reshard import (TensorChunks, _check_tensor, check_chunks_disjoint_and_complete, header_checks,
                                       index_chunks, plan_reads)
 from rayshard.plans.errors import CheckpointError

@@ -12,7 +12,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from rayshard.actors.model.gradient_norm import clip_grad_norm
+from rayshard.actors.parallel.gradient_norm import clip_grad_norm
 from tests.forked_ranks import run_ranks
 
 WORLD = 4
@@ -122,7 +122,7 @@ def test_a_rank_without_gradients_sums_on_its_parameters_device():
 def test_pieces_longer_than_a_chunk_and_chunk_tails_sum_exactly(monkeypatch):
     """The CPU sum converts a chunk at a time (`_NORM_CHUNK`): pieces several chunks long, with a
     tail shorter than a chunk, and pieces shorter than one, must all be counted exactly once."""
-    import rayshard.actors.model.gradient_norm as gradient_norm
+    import rayshard.actors.parallel.gradient_norm as gradient_norm
 
     monkeypatch.setattr(gradient_norm, "_NORM_CHUNK", 97)  # odd, smaller than most pieces, not dividing them
     gradients = _gradients(6)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from rayshard.plans.checkpoint.manifest import encode_manifest
+from rayshard.plans.checkpoint.manifest.codec import encode_manifest
 from rayshard.actors.checkpoint.load import load_rank_shard
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.cli.main import main

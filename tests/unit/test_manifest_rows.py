@@ -12,7 +12,7 @@ import pytest
 
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.checkpoint.manifest import MANIFEST, METADATA_KEY, decode_manifest, encode_manifest
+from rayshard.plans.checkpoint.manifest.codec import MANIFEST, METADATA_KEY, decode_manifest, encode_manifest
 from rayshard.plans.errors import CheckpointError
 
 # A 2-d weight in two row blocks, a bf16 vector and a 0-d counter: asymmetric, every rank of shape.

@@ -1,4 +1,4 @@
-"""The casts' lifecycle (actors/model/parameter_casts.py): modules read bf16 casts during a forward
+"""The casts' lifecycle (actors/parallel/parameter_casts.py): modules read bf16 casts during a forward
 and its backward, everything else sees the float32 masters, and no cast outlives the step it was
 made for. The numbers against FSDP2 are tests/integration/test_parameter_casts.py's."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayshard.actors.model.parameter_casts import cast_parameters
+from rayshard.actors.parallel.parameter_casts import cast_parameters
 from rayshard.actors.model.transformer import Transformer
 from rayshard.actors.training.step_runner import microbatch_loss
 from rayshard.plans.training.model_spec import preset

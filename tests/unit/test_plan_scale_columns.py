@@ -11,7 +11,7 @@ import pytest
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.chunks import STATE_KINDS, Chunk
 from rayshard.plans.checkpoint.layout_plan import plan_layout
-from rayshard.plans.checkpoint.manifest import chunk_key, decode_manifest, encode_manifest
+from rayshard.plans.checkpoint.manifest.codec import chunk_key, decode_manifest, encode_manifest
 from rayshard.plans.checkpoint.regions import layout_target_table, layout_targets, pipeline_partition
 from rayshard.plans.checkpoint.reshard import header_checks, index_chunks, plan_rank
 from rayshard.plans.checkpoint.safetensors_layout import Entry, file_layout

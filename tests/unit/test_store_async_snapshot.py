@@ -7,7 +7,7 @@ import torch
 import rayshard.actors.checkpoint.async_save as async_save
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.actors.checkpoint.rank_pieces import state_tensors
-from rayshard.plans.checkpoint.manifest import encode_manifest
+from rayshard.plans.checkpoint.manifest.codec import encode_manifest
 from rayshard.storage.checksums import checksum
 from rayshard.plans.checkpoint.chunks import Chunk
 

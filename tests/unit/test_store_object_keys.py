@@ -6,7 +6,7 @@ import pytest
 
 from rayshard.storage.options import StorageOptions
 from rayshard.plans.errors import CheckpointError, ConfigError
-from rayshard.plans.checkpoint.object_keys import check_object_keys, escape_reason
+from rayshard.plans.checkpoint.manifest.object_keys import check_object_keys, escape_reason
 
 
 @pytest.mark.parametrize("key", ["attempt-0a1b2c/rank-00000.safetensors", "attempt-x/sub/rank-00001.safetensors",

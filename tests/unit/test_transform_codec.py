@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from rayshard.plans.checkpoint.transform_codec import canonical, decode_mapping, decode_rule, encode_rule
-from rayshard.plans.checkpoint.transforms import Add, Alias, Cast, ConcatRows, Drop, Meta, Rename, SplitRows, Stack, Transpose, Unstack
+from rayshard.plans.transforms.codec import canonical, decode_mapping, decode_rule, encode_rule
+from rayshard.plans.transforms.mapping import Add, Alias, Cast, ConcatRows, Drop, Meta, Rename, SplitRows, Stack, Transpose, Unstack
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.training.model_plan import ModelPlan
 

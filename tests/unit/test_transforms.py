@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from rayshard.cluster.checkpoint.transform_exec import run_group
 from rayshard.plans.errors import CheckpointError
-from rayshard.plans.checkpoint.transforms import (Add, Alias, Application, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows, Stack,
+from rayshard.plans.transforms.mapping import (Add, Alias, Application, Cast, ConcatRows, Drop, Mapping, Meta, Rename, SplitRows, Stack,
                                         Transpose, Unalias, Unstack, match)
 
 

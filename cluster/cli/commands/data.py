@@ -8,7 +8,7 @@ from rayshard.cluster.data.documents import ReadOptions
 from rayshard.cluster.data.prepare import prepare_dataset
 from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from rayshard.cluster.progress import byte_bar
-from rayshard.cluster.run.rank_group import connect_ray
+from rayshard.cluster.ray_connection import connect_ray
 from rayshard.storage import options as storage_options
 
 

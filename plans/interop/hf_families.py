@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 
-from rayshard.plans.checkpoint.transform_codec import decode_mapping
-from rayshard.plans.checkpoint.transforms import Alias, Cast, Mapping, Rename, SplitRows, Unstack
+from rayshard.plans.transforms.codec import decode_mapping
+from rayshard.plans.transforms.mapping import Alias, Cast, Mapping, Rename, SplitRows, Unstack
 from rayshard.plans.errors import CheckpointError, ConfigError
 from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
 
@@ -154,7 +154,7 @@ def _user_plan_for_export(model: ModelConfig):
     plan = model.user.plan
     if plan.hf_mapping is None:
         raise ConfigError("checkpoint model", model.user.factory, "is a user model whose plan has no Hugging Face mapping",
-                          "give its ModelPlan hf_mapping (rules as data, plans/checkpoint/transform_codec.py) and "
+                          "give its ModelPlan hf_mapping (rules as data, plans/transforms/codec.py) and "
                           "hf_config (config.json contents), as examples/gpt2/model.py does, and train or resume with it")
     return plan
 

@@ -2,7 +2,7 @@
 
 A plan rides in checkpoint metadata as JSON (`plans/training/model_plan.py`), so its mapping
 cannot hold rule objects. Each rule is a one-key dict, the rule's name -> its constructor
-arguments in the order `plans/checkpoint/transforms.py` declares them (trailing defaults may be
+arguments in the order `plans/transforms/mapping.py` declares them (trailing defaults may be
 left out; a lone argument may be given bare):
 
     {"rename": ["blocks.{layer}.attn_norm.weight", "transformer.h.{layer}.ln_1.weight"]}
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from rayshard.plans.checkpoint.transforms import (Add, Alias, Cast, ConcatRows, Drop, Mapping, Rename, SplitRows, Stack, Transpose,
+from rayshard.plans.transforms.mapping import (Add, Alias, Cast, ConcatRows, Drop, Mapping, Rename, SplitRows, Stack, Transpose,
                                          Unstack)
 from rayshard.plans.errors import CheckpointError, ConfigError
 
@@ -28,7 +28,7 @@ RULES = {"rename": Rename, "split_rows": SplitRows, "concat_rows": ConcatRows, "
 NAMES = {rule: name for name, rule in RULES.items()}
 WHERE = "model plan hf_mapping"
 FIX = ('write each rule as a one-key dict such as {"rename": [source, target]} with the arguments '
-       "of plans/checkpoint/transforms.py's rule")
+       "of plans/transforms/mapping.py's rule")
 
 
 def _tuples(value):

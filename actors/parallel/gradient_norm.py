@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rayshard.actors.model.shards import NO_PIPELINE_COPIES, PipelineCopies, is_primary_replica
+from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies, is_primary_replica
 
 
 def squares_sum(pieces: list[torch.Tensor]) -> torch.Tensor:

@@ -19,11 +19,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from rayshard.actors.model.block_wrappers import wrap_blocks
-from rayshard.actors.model.expert_dispatch import AllToAllDispatch, TensorParallelDispatch
+from rayshard.actors.parallel.block_wrappers import wrap_blocks
+from rayshard.actors.parallel.expert_dispatch import AllToAllDispatch, TensorParallelDispatch
 from rayshard.actors.model.moe import is_expert_parameter, moe_layers
-from rayshard.actors.model.parameter_casts import cast_parameters
-from rayshard.actors.model.precision import compute_dtype, fsdp_policy, uses_fsdp
+from rayshard.actors.parallel.parameter_casts import cast_parameters
+from rayshard.actors.parallel.precision import compute_dtype, fsdp_policy, uses_fsdp
 from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS
 from rayshard.plans.training.model_plan import ModelPlan
 from rayshard.plans.training.model_spec import REFERENCE_PLAN
@@ -66,7 +66,7 @@ class VocabEmbeddingParallel(RowwiseParallel):
 class StackedShard(ParallelStyle):
     """Stacked expert weights [experts, out, in] split along `dim` over tp (each expert's hidden
     units); the MoE layer computes on the local piece (`actors/model/moe.py`), and its dispatch
-    adds the partial results over tp (`actors/model/expert_dispatch.py`)."""
+    adds the partial results over tp (`actors/parallel/expert_dispatch.py`)."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -209,7 +209,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, tp: int, data_parallel_size:
     multiply the all-gathers by the microbatch count.
     sequence_parallel: the TP plan's sequence-parallel form (`tp_plan.with_sequence_parallel`).
     precision "bf16": FSDP2 with bf16 parameters and float32 reduction; over a one-rank data mesh
-    outside a pipeline, FSDP2's casts alone (`actors/model/precision.py` says why).
+    outside a pipeline, FSDP2's casts alone (`actors/parallel/precision.py` says why).
     plan: the model's plan, data (`ModelConfig.plan`): its tp styles (sequence-parallel form
     derived, not repeated) and its blocks, the unit of AC, compile and FSDP2.
     ep: expert parallelism for MoE layers (`apply_expert_parallel`)."""

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.checkpoint.manifest_rows import check_manifest_rows
+from rayshard.plans.checkpoint.manifest.rows import check_manifest_rows
 from rayshard.plans.errors import CheckpointError
 
 # The manifest's object name inside a checkpoint directory.

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from rayshard.actors.model.shards import local_region
+from rayshard.actors.parallel.shards import local_region
 
 ROWS_PER_BLOCK = 64
 

@@ -60,7 +60,7 @@ def checkpointed(forward: Callable, ac: str) -> Callable:
 def compiled(forward: Callable) -> Callable:
     """`torch.compile(forward)`. Its input must not be a view of a DTensor's local tensor (the
     TP embedding's style hands the blocks a copy, `VocabEmbeddingParallel` in
-    actors/model/parallelize.py): AOTAutograd replays a view input on its base and the gradient
+    actors/parallel/parallelize.py): AOTAutograd replays a view input on its base and the gradient
     would bypass DTensor's `to_local` backward."""
     return torch.compile(forward)
 
