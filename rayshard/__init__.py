@@ -17,7 +17,9 @@ if not (_Path(__file__).resolve().parent / "plans").is_dir() and (_CHECKOUT / "p
 
 from rayshard.cluster.catalog.catalog import Catalog, CheckpointEntry, Leftover  # noqa: E402
 from rayshard.cluster.catalog.store import CheckpointRef, Store  # noqa: E402
-from rayshard.plans.config import DataConfig, OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.config import (  # noqa: E402
+    CheckpointConfig, DataConfig, MetricsConfig, ModelChoice, NumericsConfig, OptimizerConfig, PipelineConfig,
+    ResourcesConfig, TrainConfig)
 from rayshard.plans.errors import CheckpointError, ConfigError, RayshardError  # noqa: E402
 from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
 
@@ -26,7 +28,8 @@ __all__ = [
     # the catalog: what a store holds, and how a checkpoint is named
     "Catalog", "CheckpointEntry", "Leftover", "Store", "CheckpointRef",
     # layouts and the training configuration
-    "ParallelLayout", "TrainConfig", "DataConfig", "OptimizerConfig",
+    "ParallelLayout", "TrainConfig", "ModelChoice", "PipelineConfig", "NumericsConfig", "DataConfig",
+    "OptimizerConfig", "CheckpointConfig", "ResourcesConfig", "MetricsConfig",
     # what rayshard raises for bad input and damaged checkpoints
     "RayshardError", "ConfigError", "CheckpointError",
 ]

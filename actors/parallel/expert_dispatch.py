@@ -9,7 +9,7 @@ all-to-all returns the results in the order they came. Dropless, so the split si
 (gloo and NCCL both take uneven splits). The token all-to-alls are torch's functional
 `all_to_all_single_autograd`: differentiable (the backward is the reverse exchange), and an op
 selective activation checkpointing can save instead of communicating again
-(`actors/model/block_wrappers.SAVED_OPS`).
+(`actors/parallel/block_wrappers.SAVED_OPS`).
 
 Tensor parallelism over experts: every tp rank routes the same tokens and holds every expert's
 share of hidden units; each rank's expert outputs are partial sums, added over tp before the

@@ -64,7 +64,7 @@ class ModelPlan:
     hf_config: dict | None = field(default=None, hash=False)
     # Parameter-name patterns (fnmatch) of weights tp leaves whole but whose forward sees only
     # the rank's heads (Qwen3's per-head q/k norms): each tp rank's gradient is a partial sum, and
-    # the ranks add them after the backward (`actors/model/parallelize.sum_partial_gradients`).
+    # the ranks add them after the backward (`actors/parallel/parallelize.sum_partial_gradients`).
     tp_partial_gradients: tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -3,6 +3,7 @@
 The head runs in its own session directory and process group and is torn down by killing that
 group — never `ray stop`, which would also stop the test session's own Ray instance.
 """
+import json
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.built_wheel import build_wheel, unpack
 from tests.free_port import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +47,9 @@ def ray_head():
         [f"{bin_dir}/ray", "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=8",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
          *agent_ports, f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+        # Its own directory as the working one: a job without --working-dir starts there, and the
+        # checkout's rayshard/ in it would shadow what the job is meant to import.
+        cwd=temp_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
     address = f"http://127.0.0.1:{dashboard_port}"
     try:
         _wait_until_jobs_run(head, bin_dir, address, env)
@@ -108,6 +112,26 @@ def test_ray_job_submit_trains_commits_and_a_resubmission_resumes(ray_head, tmp_
     assert re.search(r"resuming from \S+/job/checkpoints/step-00000003 \(step 3, written by layout", second), second
     assert "step     4/5" in second and "step     5/5" in second and "step     1/5" not in second, second
     assert (store / "job" / "LATEST").read_text() == "step-00000005"
+
+
+def test_ray_job_submit_runs_rayshard_from_an_installed_wheel(ray_head, tmp_path):
+    """No working directory: the job (driver and rank actors) imports rayshard from a wheel's files
+    on PYTHONPATH, as a cluster whose image pip-installed the wheel would, and finds its embedded
+    default config inside the package."""
+    address, env, _ = ray_head
+    site = unpack(build_wheel(tmp_path / "build"), tmp_path / "site")
+    store = tmp_path / "store"
+    where = "import rayshard.cluster.cli.train as t; print('RAYSHARD FROM', t.__file__, t.DEFAULT_CONFIG)"
+    entrypoint = (f"python -c \"{where}\" && python -m rayshard train --steps 2 --dp 2 --tp 1 --global-batch 4 "
+                  f"--seq-len 32 --store {store} --run wheel")
+    done = _ray("job", "submit", "--address", address, "--runtime-env-json",
+                json.dumps({"env_vars": {"PYTHONPATH": str(site)}}), "--", "sh", "-c", entrypoint,
+                cwd=tmp_path, env=env, timeout=480)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "succeeded" in output, output
+    module_file, default_config = re.search(r"RAYSHARD FROM (\S+) (\S+)", output).groups()
+    assert module_file.startswith(str(site)) and default_config.startswith(str(site)), output
+    assert (store / "wheel" / "LATEST").read_text() == "step-00000002"
 
 
 def _ray(*args, env, **kwargs):

@@ -8,13 +8,14 @@ import neither torch nor Ray, and a built wheel installs `rayshard` and nothing 
 from __future__ import annotations
 
 import ast
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.built_wheel import build_wheel, unpack
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = ("plans", "storage", "actors", "cluster")
@@ -158,18 +159,7 @@ def test_looking_at_a_store_imports_neither_torch_nor_ray(command, store_with_a_
 
 @pytest.fixture(scope="module")
 def built_wheel(tmp_path_factory):
-    """A wheel built from a copy of the sources (the build writes build/ and egg-info beside them)."""
-    source = tmp_path_factory.mktemp("wheel-source")
-    for name in ("rayshard", *LAYERS, "configs"):
-        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("setup.py", "pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, source / name)
-    out = tmp_path_factory.mktemp("wheel")
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                           "--wheel-dir", str(out), str(source)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (wheel,) = out.glob("rayshard-*.whl")
-    return wheel
+    return build_wheel(tmp_path_factory.mktemp("wheel-build"))
 
 
 def test_the_wheel_installs_rayshard_alone_at_top_level(built_wheel):
@@ -185,9 +175,7 @@ def test_the_wheel_installs_rayshard_alone_at_top_level(built_wheel):
 def test_the_installed_wheel_runs_and_finds_its_shipped_config(built_wheel, tmp_path):
     """Unpacked where nothing of the checkout is on the path: `python -m rayshard` runs from the
     wheel's files, and the default config is the packaged one, not the checkout's."""
-    target = tmp_path / "site"
-    with zipfile.ZipFile(built_wheel) as archive:
-        archive.extractall(target)
+    target = unpack(built_wheel, tmp_path / "site")
     probe = ("import rayshard, rayshard.cluster.cli.train as train\n"
              "print(rayshard.__file__)\nprint(train.DEFAULT_CONFIG)\nprint(sorted(rayshard.__all__)[:2])\n")
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
