@@ -1,10 +1,12 @@
 """rayshard: distributed training on Ray, and checkpoints that any layout can resume.
 
-The public API is what `__all__` names here and in the modules `docs/api.md` lists; everything
-else (`rayshard.plans`, `rayshard.storage`, `rayshard.actors`, `rayshard.cluster`) is internal
-and may change between releases. Importing this package is light (no torch, no Ray), so
-`rayshard --help` and notebooks that only look at a store stay fast.
+The public API is what `__all__` names here (docs/api.md); everything else (`rayshard.plans`,
+`rayshard.storage`, `rayshard.actors`, `rayshard.cluster`) is internal and may change between
+releases. Importing this package costs nothing: each public name is imported the first time it is
+used (PEP 562), because every Ray worker and every `rayshard` command imports this package first,
+and the catalog alone would bring pyarrow's dataset module (half a second) into each of them.
 """
+import importlib as _importlib
 from pathlib import Path as _Path
 
 # The product's specification keeps the layers (plans/, storage/, actors/, cluster/) at the
@@ -15,21 +17,34 @@ _CHECKOUT = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).resolve().parent / "plans").is_dir() and (_CHECKOUT / "plans" / "__init__.py").is_file():
     __path__.append(str(_CHECKOUT))  # noqa: F821 (a package's own __path__)
 
-from rayshard.cluster.catalog.catalog import Catalog, CheckpointEntry, Leftover  # noqa: E402
-from rayshard.cluster.catalog.store import CheckpointRef, Store  # noqa: E402
-from rayshard.plans.config import (  # noqa: E402
-    CheckpointConfig, DataConfig, MetricsConfig, ModelChoice, NumericsConfig, OptimizerConfig, PipelineConfig,
-    ResourcesConfig, TrainConfig)
-from rayshard.plans.errors import CheckpointError, ConfigError, RayshardError  # noqa: E402
-from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
-
 __version__ = "0.1.0"
-__all__ = [
+
+# Public name -> the module that defines it.
+_PUBLIC = {
     # the catalog: what a store holds, and how a checkpoint is named
-    "Catalog", "CheckpointEntry", "Leftover", "Store", "CheckpointRef",
+    "Catalog": "rayshard.cluster.catalog.catalog",
+    "CheckpointEntry": "rayshard.cluster.catalog.catalog",
+    "Leftover": "rayshard.cluster.catalog.catalog",
+    "Store": "rayshard.cluster.catalog.store",
+    "CheckpointRef": "rayshard.cluster.catalog.store",
     # layouts and the training configuration
-    "ParallelLayout", "TrainConfig", "ModelChoice", "PipelineConfig", "NumericsConfig", "DataConfig",
-    "OptimizerConfig", "CheckpointConfig", "ResourcesConfig", "MetricsConfig",
+    "ParallelLayout": "rayshard.plans.layout.parallel_layout",
+    **{name: "rayshard.plans.config" for name in (
+        "TrainConfig", "ModelChoice", "PipelineConfig", "NumericsConfig", "DataConfig", "OptimizerConfig",
+        "CheckpointConfig", "ResourcesConfig", "MetricsConfig")},
     # what rayshard raises for bad input and damaged checkpoints
-    "RayshardError", "ConfigError", "CheckpointError",
-]
+    **{name: "rayshard.plans.errors" for name in ("RayshardError", "ConfigError", "CheckpointError")},
+}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'rayshard' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

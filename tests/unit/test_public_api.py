@@ -24,8 +24,10 @@ def test_every_public_name_resolves_and_is_documented():
     assert len(set(rayshard.__all__)) == len(rayshard.__all__)
 
 
-def test_importing_rayshard_loads_neither_torch_nor_ray():
-    probe = "import sys, rayshard\nprint(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+def test_importing_rayshard_loads_neither_torch_nor_ray_nor_pyarrow():
+    """Every Ray worker and every `rayshard` command imports the package first: it must cost
+    nothing until a public name is used."""
+    probe = "import sys, rayshard\nprint(sorted(m for m in ('torch', 'ray', 'pyarrow') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
@@ -41,6 +43,14 @@ def test_a_notebook_reads_a_store_through_the_public_names(tmp_path):
     assert rayshard.Catalog(str(tmp_path)).table().column("step").to_pylist() == [3]
     with pytest.raises(rayshard.CheckpointError, match="exp@9"):
         store.resolve("exp@9")
+
+
+def test_a_star_import_and_an_unknown_name_behave_as_for_any_module():
+    namespace: dict = {}
+    exec("from rayshard import *", namespace)
+    assert set(rayshard.__all__) <= set(namespace)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        rayshard.Nope  # noqa: B018
 
 
 def test_public_errors_share_one_base():
