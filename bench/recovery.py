@@ -12,7 +12,6 @@ finished). Goal: under 30 s here.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -28,7 +27,9 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
+from rayshard.cluster.catalog.store import Store  # noqa: E402
 from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
+from rayshard.cluster.run.metrics_sinks import read_metrics  # noqa: E402
 from rayshard.plans.config import CheckpointConfig, DataConfig, ModelChoice, OptimizerConfig, TrainConfig  # noqa: E402
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
 
@@ -58,7 +59,7 @@ def one_recovery(store: Path) -> dict:
     history = outcome["controller"].history
     restarting = next(t.at_wall for t in history if t.state.value == "restarting")
     running_again = [t.at_wall for t in history if t.state.value == "running"][1]
-    metrics = [json.loads(line) for line in (store / "bench" / "metrics.jsonl").read_text().splitlines() if line]
+    metrics = read_metrics(Store(str(store)), "bench")  # the current timeline: the resumed attempt's steps
     first_resumed = next(m["time"] for m in metrics if m["step"] == checkpoint_at_kill + 1)
     return {"detect_s": restarting - killed, "restart_s": running_again - killed, "recovery_s": first_resumed - killed}
 

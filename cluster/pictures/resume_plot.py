@@ -17,6 +17,7 @@ matplotlib.use("Agg")  # headless: no display on cluster nodes or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from rayshard.cluster.run.json_lines import json_records
+from rayshard.plans.training.metrics_timeline import current_timeline
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 
@@ -44,7 +45,8 @@ def read_metrics(store, run: str) -> list[dict]:
     if text is None:
         raise CheckpointError(f"run {run!r} has no metrics.jsonl in {store.url}; train it first (or check --store)")
     where = f"{store.url}/{run}/metrics.jsonl"
-    records = [r for r in json_records(text, where) if _number(r.get("step")) and _number(r.get("loss"))]
+    # Lines are appended by every attempt: the current timeline holds each step once.
+    records = current_timeline([r for r in json_records(text, where) if _number(r.get("loss"))])
     if not records:
         raise CheckpointError(f"{where}: holds no step records with a loss; nothing to draw. Fix: train the run "
                               "(or check --store)")

@@ -4,8 +4,8 @@ files with --tensorboard, Weights & Biases with --wandb-project (when the packag
 TensorBoard's writer appends to local files; on an object store the events are written to a
 local temporary folder and copied to RUN/tensorboard/ in the store at every flush (each
 checkpoint and the end of the run), so the run's directory holds them either way. A resumed run
-hides the abandoned steps past its checkpoint from TensorBoard (`purge_step`), as metrics.jsonl
-drops their lines.
+hides the abandoned steps past its checkpoint from TensorBoard (`purge_step`), as reading
+metrics.jsonl back does (`read_metrics`).
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import tempfile
 from torch.utils.tensorboard import SummaryWriter
 
 from rayshard.cluster.run.json_lines import json_records
+from rayshard.storage.appends import append_bytes
+from rayshard.plans.training.metrics_timeline import current_timeline
 from rayshard.cluster.catalog.store import Store
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.errors import ConfigError
@@ -29,20 +31,25 @@ SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_rank", "
 
 
 class MetricsLog:
-    """metrics.jsonl in the run directory: one line per step. On resume, lines at or past the
-    resume step are dropped, so the file always tells the history of the current timeline."""
+    """metrics.jsonl in the run directory: one line per step, only ever appended (at each
+    checkpoint and at the end), never rewritten, so a second process writing the same run cannot
+    erase this one's lines. A resumed attempt appends its steps again from the checkpoint on;
+    `read_metrics` tells the current timeline (plans/training/metrics_timeline.py)."""
 
     def __init__(self, store: Store, run: str, start_step: int):
         self.store, self.relative = store, f"{run}/metrics.jsonl"
-        existing = json_records(store.read_text(self.relative) or "", f"{store.url}/{self.relative}")
-        self.lines = [json.dumps(record, sort_keys=True) for record in existing
-                      if isinstance(record.get("step", 0), int) and record.get("step", 0) <= start_step]
+        self.pending: list[str] = []
 
     def append(self, record: dict) -> None:
-        self.lines.append(json.dumps(record, sort_keys=True))
+        self.pending.append(json.dumps(record, sort_keys=True))
 
     def flush(self) -> None:
-        self.store.write_text(self.relative, "\n".join(self.lines) + "\n")
+        if not self.pending:
+            return
+        path = f"{self.store.root}/{self.relative}"
+        self.store.backend.make_directory(path.rsplit("/", 1)[0])
+        append_bytes(self.store.backend, path, ("\n".join(self.pending) + "\n").encode())
+        self.pending = []
 
     def close(self) -> None:
         self.flush()
@@ -50,6 +57,14 @@ class MetricsLog:
     @property
     def where(self) -> str:
         return f"{self.store.url.rstrip('/')}/{self.relative}"
+
+
+def read_metrics(store: Store, run: str) -> list[dict] | None:
+    """The run's step records on its current timeline, each step once (None: no metrics.jsonl)."""
+    text = store.read_text(f"{run}/metrics.jsonl")
+    if text is None:
+        return None
+    return current_timeline(json_records(text, f"{store.url}/{run}/metrics.jsonl"))
 
 
 class TensorBoardSink:

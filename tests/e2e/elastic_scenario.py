@@ -36,6 +36,7 @@ from ray.util.state import list_actors  # noqa: E402
 from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
 from rayshard.cluster.run.resume_check import resume_checks  # noqa: E402
 from rayshard.cluster.catalog.store import Store  # noqa: E402
+from rayshard.cluster.run.metrics_sinks import read_metrics  # noqa: E402
 from rayshard.plans.config import CheckpointConfig, DataConfig, ModelChoice, OptimizerConfig, TrainConfig  # noqa: E402
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
 
@@ -196,7 +197,7 @@ def main(out: str, small: bool = False, moe: bool = False) -> None:
         inject_faults(cluster, workers, proxy, store, events)
     trainer.join(timeout=600)
     controller, state = outcome["controller"], outcome["state"]
-    metrics = [json.loads(line) for line in Store(store).read_text(f"{RUN}/metrics.jsonl").splitlines() if line]
+    metrics = read_metrics(Store(store), RUN)  # the current timeline: each step once
     Path(out).write_text(json.dumps({
         "state": state.value,
         "history": [{"state": t.state.value, "detail": t.detail, "at": t.at_wall} for t in controller.history],

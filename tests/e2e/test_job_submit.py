@@ -151,10 +151,10 @@ def _wait_for_checkpoint(store: Path, run: str, step: int, timeout: float = 300)
 
 
 def _losses(store: Path, run: str) -> dict[int, float]:
-    import json
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.run.metrics_sinks import read_metrics
 
-    lines = (store / run / "metrics.jsonl").read_text().splitlines()
-    return {json.loads(line)["step"]: json.loads(line)["loss"] for line in lines if line}
+    return {record["step"]: record["loss"] for record in read_metrics(Store(str(store)), run)}
 
 
 # Enough steps that a stop or kill (polled every 0.5 s) lands before the run could finish on its own.

@@ -9,7 +9,7 @@ import pytest
 
 from rayshard.cluster.cli.main import main
 from rayshard.cluster.pictures.resume_plot import read_metrics
-from rayshard.cluster.run.metrics_sinks import open_sinks
+from rayshard.cluster.run.metrics_sinks import open_sinks, read_metrics as read_run_metrics
 from rayshard.cluster.catalog.store import Store
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.errors import CheckpointError
@@ -25,9 +25,11 @@ def _write_metrics(store: Store, tail: str) -> None:
 @pytest.mark.parametrize("tail", ['{"step": 4, "lo', "[1, 2]\n", "\xff garbage\n"])
 def test_a_resume_keeps_the_readable_history_past_a_damaged_line(tmp_path, capsys, tail):
     store = Store(str(tmp_path))
-    _write_metrics(store, tail)
+    _write_metrics(store, tail if tail.endswith("\n") else tail + "\n")
     log = open_sinks(TrainConfig(store=str(tmp_path), run="r"), store, 2)[0]
-    assert [json.loads(line)["step"] for line in log.lines] == [1, 2]
+    log.append({"step": 3, "loss": 4.0})  # resumed at step 2: step 3 again
+    log.close()
+    assert [(r["step"], r["loss"]) for r in read_run_metrics(store, "r")] == [(1, 5.5), (2, 5.25), (3, 4.0)]
     assert "skipped 1 line(s) that are not JSON records (line 4)" in capsys.readouterr().err
 
 

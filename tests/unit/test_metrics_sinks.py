@@ -3,13 +3,16 @@ asked for without the package fails before anything starts."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import multiprocessing
 import os
 import uuid
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rayshard.cluster.run.metrics_sinks import check_sinks, open_sinks
+from rayshard.cluster.run.metrics_sinks import check_sinks, open_sinks, read_metrics
+from rayshard.plans.training.metrics_timeline import current_timeline
 from rayshard.cluster.catalog.store import Store
 from rayshard.plans.config import MetricsConfig, TrainConfig
 from rayshard.plans.errors import ConfigError
@@ -67,11 +70,46 @@ def test_a_resumed_run_hides_the_abandoned_steps_from_tensorboard(tmp_path):
     assert _losses(tmp_path / "r" / "tensorboard") == [(1, 1), (2, 2), (3, 3), (4, -4), (5, -5)]
 
 
-def test_a_resume_keeps_the_earlier_lines_and_drops_the_abandoned_ones(tmp_path):
+def test_a_resume_appends_and_reading_back_drops_the_abandoned_steps(tmp_path):
     store = Store(str(tmp_path))
-    store.write_text("r/metrics.jsonl", "\n".join(f'{{"step": {s}}}' for s in range(1, 6)) + "\n")
+    earlier = "\n".join(f'{{"step": {s}, "loss": {s}}}' for s in range(1, 6)) + "\n"
+    store.write_text("r/metrics.jsonl", earlier)
     log = open_sinks(TrainConfig(store=str(tmp_path), run="r"), store, 3)[0]
-    assert [line for line in log.lines] == ['{"step": 1}', '{"step": 2}', '{"step": 3}']
+    log.append({"step": 4, "loss": -4})  # resumed at the step-3 checkpoint; crashed after step 4
+    log.close()
+    assert store.read_text("r/metrics.jsonl").startswith(earlier)  # appended, never rewritten
+    assert [(r["step"], r["loss"]) for r in read_metrics(store, "r")] == [(1, 1), (2, 2), (3, 3), (4, -4)]
+
+
+def test_current_timeline_keeps_each_step_once_across_attempts():
+    records = [{"step": s, "a": 1} for s in range(1, 8)] + [{"step": s, "a": 2} for s in (5, 6)] \
+        + [{"step": s, "a": 3} for s in (3, 4, 5)] + [{"step": "x"}, {"loss": 1}]
+    assert [(r["step"], r["a"]) for r in current_timeline(records)] == [(1, 1), (2, 1), (3, 3), (4, 3), (5, 3)]
+
+
+def _append_lines(url: str, writer: int, count: int) -> None:
+    store = Store(url)
+    log = open_sinks(TrainConfig(store=url, run="r"), store, 0)[0]
+    for step in range(count):
+        log.append({"step": step, "writer": writer})
+        log.flush()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_processes_appending_at_once_lose_no_line(where, tmp_path, request):
+    """Two trainers' metrics logs on one run (the case the run's writer lease is there to
+    prevent): whatever the interleaving, every line of both survives."""
+    url = str(tmp_path) if where == "local" else request.getfixturevalue("s3_store")
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_append_lines, args=(url, writer, 15)) for writer in (1, 2)]
+    for process in writers:
+        process.start()
+    for process in writers:
+        process.join(120)
+        assert process.exitcode == 0
+    lines = [json.loads(line) for line in Store(url).read_text("r/metrics.jsonl").splitlines()]
+    for writer in (1, 2):
+        assert [line["step"] for line in lines if line["writer"] == writer] == list(range(15))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
