@@ -36,6 +36,7 @@ class TrainingWorkerGroup:
     # Ranks the pinned dimensions need: with no --cpus-per-rank, each rank gets an equal share of
     # the CPUs over this many ranks (at most one CPU), as a non-elastic job does over its world.
     wanted_ranks: int = 1
+    actors: list | None = None  # live RankActors each attempt borrows, as train() takes them (else it starts its own)
 
     def rank_bundle(self, world: int | None = None) -> dict[str, float]:
         """CPU ranks: a share fixed over wanted_ranks, so the rank count follows from the CPUs.
@@ -62,7 +63,7 @@ class TrainingWorkerGroup:
                          resources=replace(self.config.resources, cpus_per_rank=bundle.get("CPU", 0),
                                            gpus_per_rank=bundle.get("GPU", 0)))
         try:
-            result = train(config, stop_after_checkpoint=lambda step: should_resize())
+            result = train(config, self.actors, stop_after_checkpoint=lambda step: should_resize())
         except RANK_FAILURES as error:
             return RunResult(Outcome.FAILED, error, f"{type(error).__name__}: {_first_line(error)}")
         if result.stopped_early:

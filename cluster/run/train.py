@@ -15,7 +15,7 @@ import ray
 from rayshard.cluster.run.pipeline_timings import PipelineTimings
 from rayshard.storage.manifest_io import manifest_bytes, read_manifest
 from rayshard.actors.checkpoint.stored import check_loaded_parts
-from rayshard.cluster.catalog import leases
+from rayshard.cluster.catalog import commit_window, leases, writer_lease
 from rayshard.cluster.run.async_save import AsyncCheckpointer
 from rayshard.cluster.ray_connection import connect_ray
 from rayshard.cluster.run.rank_group import RankGroup
@@ -57,6 +57,7 @@ class StartPoint:
     resume: CheckpointRef | None = None
     manifest: bytes | None = None
     parent: str | None = None  # the checkpoint the run's next save descends from
+    lease: writer_lease.WriterLease | None = None  # the run's writer lease, held while it trains
 
 
 def train(config: TrainConfig, actors: list | None = None,
@@ -67,19 +68,25 @@ def train(config: TrainConfig, actors: list | None = None,
     stop_after_checkpoint(step): asked after each committed checkpoint; True stops here (the
     elastic controller uses it to resize at a checkpoint, losing no work).
     """
-    point = resolve_start(config)
-    if point.step >= point.config.steps:
-        _log(f"nothing to do: the checkpoint is at step {point.step} and --steps is {point.config.steps}")
-        return TrainResult(point.config.run, point.step, resumed_from=point.parent)
-    group = start_ranks(point, actors)
-    return run_steps(group, point, stop_after_checkpoint)
-
-
-def resolve_start(config: TrainConfig) -> StartPoint:
-    """Validate, find the checkpoint to resume from (if any) and check the data and metric sinks
-    against it: everything that can refuse the run before a rank starts."""
     config = config.validate()
     store = Store(config.store)
+    # One trainer per run: a second one is refused here, before any rank starts (writer_lease.py).
+    with writer_lease.holding(store, config.run, config.checkpoint.writer_lease_s) as lease:
+        point = resolve_start(config, store)
+        point.lease = lease
+        if point.step >= point.config.steps:
+            _log(f"nothing to do: the checkpoint is at step {point.step} and --steps is {point.config.steps}")
+            return TrainResult(point.config.run, point.step, resumed_from=point.parent)
+        group = start_ranks(point, actors)
+        return run_steps(group, point, stop_after_checkpoint)
+
+
+def resolve_start(config: TrainConfig, store: Store) -> StartPoint:
+    """Find the checkpoint to resume from (if any) and check the data and metric sinks against
+    it: everything that can refuse the (validated) run before a rank starts. The caller holds the
+    run's writer lease, so a commit of this run that LATEST does not name is a dead trainer's."""
+    if store.committed_steps(config.run):
+        commit_window.adopt_unnamed_commits(store, config.run)
     requested = config.checkpoint.resume
     if requested == "auto":  # resubmitting a run by name continues it; a new name starts fresh
         requested = "latest" if store.committed_steps(config.run) else None
@@ -95,6 +102,7 @@ def resolve_start(config: TrainConfig) -> StartPoint:
         point.step, point.parent = int(metadata["step"]), resume.url
         _log(f"resuming from {resume.url} (step {point.step}, written by layout {metadata['layout']})")
         _warn_if_schedule_changed(metadata, config)
+        commit_window.refuse_rewrites(store, config.run, point.step, save_steps(config, point.step))
     check_training_data(config, metadata, point.parent)  # before any rank starts
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
     check_sinks(point.config)
@@ -136,6 +144,8 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
         if point.resume is not None:
             load_resumed(group, point)
         for _ in range(point.step, config.steps):
+            if point.lease is not None:
+                point.lease.check()  # a trainer that lost the run to another stops before its next step
             tick = time.perf_counter()
             per_rank = group.call_reporting_failures("train_step")
             seconds = time.perf_counter() - tick
@@ -218,7 +228,7 @@ class Saves:
 
     def __init__(self, group: RankGroup, point: StartPoint, result: TrainResult, sinks: list):
         self.group, self.store, self.config = group, point.store, point.config
-        self.parent, self.result, self.sinks = point.parent, result, sinks
+        self.parent, self.result, self.sinks, self.lease = point.parent, result, sinks, point.lease
         self.fingerprint = group.setup_info[0].data_fingerprint
         self.background = (AsyncCheckpointer(group, self.store, self.config.run, self.config.layout.world_size,
                                              lambda step, parent: checkpoint_metadata(self.config, step, parent,
@@ -238,6 +248,8 @@ class Saves:
 
     def save(self, step: int, wait: bool) -> None:
         """Save `step`; in the background unless `wait` (the last step, or a resize may follow)."""
+        if self.lease is not None:
+            self.lease.check()
         if self.background is not None:
             self.parent = self.background.start(step, self.parent)  # training waits only while ranks stage to CPU
             if wait:
@@ -245,6 +257,12 @@ class Saves:
         else:
             self.parent = save_checkpoint(self.group, self.store, self.config, step, self.parent, self.fingerprint)
             self.committed(step, self.parent)
+
+
+def save_steps(config: TrainConfig, start_step: int) -> list[int]:
+    """The steps a run from start_step commits: every checkpoint.every steps, and the last."""
+    every = config.checkpoint.every
+    return [step for step in range(start_step + 1, config.steps + 1) if step == config.steps or (every and step % every == 0)]
 
 
 def load_imbalance(expert_tokens: dict[int, list[int]]) -> float:

@@ -16,7 +16,9 @@ class CheckpointConfig:
     to a side copy and check its per-tensor digests equal the checkpoint's before training on (one
     extra save and two digests per resume). async_save: a save blocks training only while ranks
     copy their state to CPU; uploads run in the background and commit at a later step
-    (cluster/run/async_save.py).
+    (cluster/run/async_save.py). writer_lease_s: how long the run's writer lease outlives its last
+    renewal (renewed every quarter of it): the longest a trainer killed with -9 on another host
+    keeps a resubmitted one waiting (on the same host a dead holder is seen at once).
     """
 
     every: int = option(0, flag="--ckpt-every", metavar="N", help="commit a checkpoint every N steps (0: at the end only)")
@@ -28,6 +30,13 @@ class CheckpointConfig:
     async_save: bool = option(False, help="checkpoints block training only while ranks copy state to CPU; uploads run "
                                           "in the background")
 
+    writer_lease_s: float = option(120.0, metavar="SECONDS",
+                                   help="a run has one trainer at a time: its writer lease lapses this long after the "
+                                        "trainer stops renewing it (a killed trainer on another host)")
+
     def validate(self) -> None:
+        if not self.writer_lease_s > 0:
+            raise ConfigError("writer_lease_s", self.writer_lease_s, "must be > 0",
+                              "set --writer-lease-s to a number of seconds, e.g. 120")
         if self.every < 0:
             raise ConfigError("ckpt_every", self.every, "must be >= 0 (0 saves only at the end)", "set --ckpt-every 0 or more")

@@ -80,7 +80,7 @@ DRIVER_POINTS = [pytest.param(p, marks=[] if p == "between manifest and LATEST" 
 
 @pytest.mark.parametrize("point", DRIVER_POINTS)
 def test_driver_killed_during_a_save_leaves_only_whole_checkpoints(point, ray_session, committed_step_2, s3_store,
-                                                                    fault_proxy):
+                                                                    fault_proxy, run_training, tmp_path):
     store, before = committed_step_2
     (method, path), step_3_whole = POINTS[point]
     driver = _driver(ray_session, s3_store, fault_proxy.url, run="c", steps=3, resume="latest")
@@ -93,6 +93,11 @@ def test_driver_killed_during_a_save_leaves_only_whole_checkpoints(point, ray_se
     report = _check_recovered(store, before, step_3_whole)
     if point in ("between shards", "before the manifest"):
         assert report.removed_leftovers  # the dead save's shards
+    # Resubmitted as an operator would (--resume latest, the dead driver's writer lease still in
+    # the store): step 3, whole but not named by LATEST, is adopted, not retrained into a clash.
+    resumed = run_training(_config(tmp_path, FSDP2, steps=4, run="c", resume="latest", store=s3_store))
+    assert resumed.start_step == (3 if step_3_whole else 2) and store.latest_step("c") == 4
+    assert store.committed_steps("c") == [2, 3, 4]
 
 
 # Default run: one point of each commit phase: shards being written (a rank, between shards), every

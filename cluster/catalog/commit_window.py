@@ -1,0 +1,67 @@
+"""A run's own checkpoints that LATEST does not name yet: adopted, or refused in one line.
+
+A commit writes the manifest (create-only), then moves LATEST. A trainer that dies between the
+two leaves a whole checkpoint that LATEST does not name. Resuming from LATEST would retrain those
+steps and then meet the existing manifest at the next commit ("another writer committed this
+checkpoint first", with no other writer). Holding the run's writer lease, the resuming trainer
+knows no live writer is mid-commit, so a committed step past LATEST is a dead attempt's: if it
+descends from LATEST's checkpoint (its manifest names this run and, parent by parent, LATEST's
+step), it is adopted: LATEST moves to it by compare-and-swap and training continues from there.
+One that does not descend from it (copied in from another run, or of a writer that ignored the
+lease) is refused; nothing is deleted (docs/decisions.md 96).
+"""
+from __future__ import annotations
+
+import sys
+
+from rayshard.storage.backends.protocol import PreconditionFailed
+from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.catalog.store import Store, step_dirname
+from rayshard.plans.errors import CheckpointError
+
+
+def _descends(metadata: dict, run: str, parent_step: int) -> bool:
+    parent = str(metadata.get("parent") or "").rstrip("/")
+    return metadata.get("run") == run and parent.endswith(f"/{run}/checkpoints/{step_dirname(parent_step)}")
+
+
+def adopt_unnamed_commits(store: Store, run: str) -> int | None:
+    """Move LATEST to the newest committed step of the run's own lineage past it, and say so;
+    the step adopted, or None when LATEST already names the newest (or there is no LATEST)."""
+    latest, committed = store.latest_step(run), store.committed_steps(run)
+    if latest is None or latest not in committed:
+        return None  # Store.resolve takes the newest committed step then (decision 88)
+    adopted = latest
+    for step in (s for s in committed if s > latest):
+        metadata = read_manifest(store.checkpoint_url(run, step))[1]
+        if not _descends(metadata, run, adopted):
+            raise CheckpointError(
+                f"run {run!r}: step {step} is committed past LATEST (step {latest}) but does not descend from step "
+                f"{adopted} (its manifest names run {metadata.get('run')!r}, parent {metadata.get('parent')!r}), so it "
+                f"is not this run's own unfinished commit. Fix: resume it on purpose with --resume {run}@{step}, "
+                "or train under another --run name")
+        adopted = step
+    if adopted == latest:
+        return None
+    path = f"{store.root}/{run}/LATEST"
+    data, version = store.backend.read_versioned(path)
+    try:
+        store.backend.replace_if(path, step_dirname(adopted).encode(), version)
+    except PreconditionFailed:
+        raise CheckpointError(f"run {run!r}: LATEST changed while adopting step {adopted}: another trainer is "
+                              "writing this run. Fix: run one trainer per run") from None
+    print(f"rayshard: run {run!r}: step {adopted} was committed but LATEST still named step {latest} (a trainer "
+          f"stopped between the manifest and the LATEST move); it descends from step {latest}, so LATEST now names "
+          "it and training continues from there", file=sys.stderr, flush=True)
+    return adopted
+
+
+def refuse_rewrites(store: Store, run: str, start_step: int, save_steps: list[int]) -> None:
+    """A resume into the run at an earlier step would commit steps that already exist; manifests
+    are never overwritten, so refuse before training instead of failing at that commit."""
+    clashing = sorted(set(save_steps) & {s for s in store.committed_steps(run) if s > start_step})
+    if clashing:
+        raise CheckpointError(
+            f"run {run!r} already has committed checkpoints at steps {clashing}, which this training (from step "
+            f"{start_step}) would commit again; checkpoints are never overwritten. Fix: resume from the newest "
+            f"(--resume latest), or branch into a new run (--resume {run}@{start_step} --run NEW_NAME)")
