@@ -5,9 +5,14 @@ per step; activations and gradients move between ranks over torch.distributed.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import importlib
 import os
 import socket
+import time
+import traceback
 
 import ray
 import torch
@@ -34,6 +39,44 @@ def wrap_runner_from_environment() -> WrapRunner | None:
         raise ValueError(f"{WRAP_RUNNER_ENV}={spec!r} must name a function as module:function, "
                          "e.g. tests.faults:install_from_environment; unset it to run steps as they are")
     return getattr(importlib.import_module(module), name)
+
+
+def leaves_its_group_on_failure(method):
+    """A rank that fails a call its peers take part in (a step, a load, a save) leaves the
+    process group before it reports: its peers, blocked on it in a transfer or a collective, then
+    fail at once (gloo: "Connection closed by peer") instead of waiting out the pipeline or
+    collective timeout, and each of them leaves too. The error carries when it was raised, so
+    the driver names the rank that failed first before the ones that only lost their peer.
+
+    Destroying the group is not enough: a gloo group's sockets close only when nothing refers to
+    it any more, and the model's meshes do, as do the error's traceback frames. So the traceback
+    is kept as text (the driver shows it with RAYSHARD_DEBUG=1), the frames are dropped with the
+    trainer, and a collection frees the group now rather than at some later one."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:
+            with contextlib.suppress(AttributeError, TypeError):
+                if getattr(error, "rayshard_raised_unix", None) is None:
+                    error.rayshard_raised_unix = time.time()
+                error.rayshard_rank_traceback = traceback.format_exc()
+            failed = error
+        _drop_frames(failed)
+        with contextlib.suppress(Exception):  # the group is lost either way; the error is what matters
+            self.shutdown()
+        gc.collect()
+        raise failed
+    return guarded
+
+
+def _drop_frames(error: BaseException | None) -> None:
+    """Forget the tracebacks of an error and of the errors it chains (they hold the model)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
 
 
 @ray.remote
@@ -65,11 +108,13 @@ class RankActor:
         credentials), so this process's checkpoint I/O uses the same policy."""
         apply_conf(conf)
 
+    @leaves_its_group_on_failure
     def load(self, checkpoint_url: str, manifest: bytes | None = None) -> dict:
         """manifest: its bytes as the driver read them (passed by object reference, so a node
         fetches them once), sparing storage one manifest GET per rank."""
         return self.trainer.load(checkpoint_url, manifest)
 
+    @leaves_its_group_on_failure
     def train_step(self) -> StepMetrics:
         return self.trainer.train_step()
 
@@ -77,9 +122,11 @@ class RankActor:
         """Test support: loss and full gradients of the next step's batch, no optimizer step."""
         return self.trainer.full_gradients()
 
+    @leaves_its_group_on_failure
     def save_shard(self, checkpoint_url: str, file: str) -> ChunkTable:
         return self.trainer.save_shard(checkpoint_url, file)
 
+    @leaves_its_group_on_failure
     def stage_save(self, checkpoint_url: str, file: str) -> dict:
         """Async save: copy this rank's share of the state to CPU (all a training step waits for),
         then upload it in a background thread; the driver polls save_status."""

@@ -9,20 +9,42 @@ import os
 
 import ray
 
+from rayshard.plans.errors import ResourcesUnavailable
 
-def connect_ray() -> None:
+LOCAL_START_WAIT_S = 120.0
+
+
+def connect_ray(start_timeout_s: float | None = None) -> None:
     """Join the cluster named by RAY_ADDRESS (set by `ray job submit`), else start a local one.
 
     "local" explicitly: a bare `ray.init()` also joins whatever cluster `ray start` (or a test's
     cluster) last left on this machine, and a run would land on it, its ranks then killed with it
-    ("actor creation cancelled"), instead of on its own Ray."""
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or "local"
-        if address == "local":
-            # A local start waits 120 s (Ray's default is 30) for its new GCS to come up: on a
-            # loaded machine the first start from a fresh environment took longer, and the run died
-            # of it. Not when joining a cluster: the same setting is Ray's count of connection
-            # retries, and a dead address would then take two minutes to fail instead of 20 s.
-            os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+    ("actor creation cancelled"), instead of on its own Ray.
+
+    start_timeout_s (the run's --start-timeout) lengthens a local start's wait, never shortens it
+    below LOCAL_START_WAIT_S. A start or join that fails is one line (ResourcesUnavailable), not
+    Ray's traceback: under load a local node's start can time out, and the fix is the user's."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    if address == "local":
+        # A local start waits 120 s (Ray's default is 30) for its new GCS to come up: on a
+        # loaded machine the first start from a fresh environment took longer, and the run died
+        # of it. Not when joining a cluster: the same setting is Ray's count of connection
+        # retries, and a dead address would then take two minutes to fail instead of 20 s.
+        wait = max(LOCAL_START_WAIT_S, start_timeout_s or 0.0)
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", f"{wait:.0f}")
+    try:
         ray.init(address=address, logging_level="WARNING", log_to_driver=True,
                  include_dashboard=False, configure_logging=True)
+    except Exception as error:  # Ray raises RuntimeError, ConnectionError or its own kinds here
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        if address == "local":
+            raise ResourcesUnavailable(
+                f"a local Ray could not be started ({type(error).__name__}: {detail}). Fix: retry when the machine is "
+                "less loaded, pass a longer --start-timeout, or start Ray yourself (`ray start --head`) and set "
+                "RAY_ADDRESS") from None
+        raise ResourcesUnavailable(
+            f"could not join the Ray cluster at RAY_ADDRESS={address} ({type(error).__name__}: {detail}). Fix: check "
+            "that the cluster is up and the address is right (`ray status --address ...`), or unset RAY_ADDRESS to "
+            "start a local Ray") from None

@@ -33,26 +33,28 @@ class ResourcesUnavailable(RayshardError):
 
 class StepFailed(RuntimeError):
     """One or more ranks failed a call (or did not answer in time); the message lists each rank's
-    own error. causes: rank -> the exception the rank raised, where it reached the driver intact;
-    tracebacks: rank -> the remote traceback text (shown with RAYSHARD_DEBUG=1)."""
+    own error in the order given: the driver puts the rank that failed first first, since the others
+    usually failed because it left. causes: rank -> the exception the rank raised, where it reached
+    the driver intact; tracebacks: rank -> the remote traceback text (shown with RAYSHARD_DEBUG=1)."""
 
     def __init__(self, method: str, failures: dict[int, str], silent: list[int], dead_ranks: list[int] = (),
                  causes: dict[int, BaseException] | None = None, tracebacks: dict[int, str] | None = None,
                  waited_s: float | None = None):
         self.failures, self.silent, self.dead_ranks = failures, list(silent), sorted(dead_ranks)
+        self.waited_s = waited_s
         self.causes, self.tracebacks = dict(causes or {}), dict(tracebacks or {})
         if failures:
             lines = [f"{method} failed on {len(failures)} rank(s):"]
         else:
             lines = [f"{method}: no rank answered within {waited_s:g} s" if waited_s is not None else f"{method} failed:"]
-        lines += [f"  rank {rank}: {message}" for rank, message in sorted(failures.items())]
+        lines += [f"  rank {rank}: {message}" for rank, message in failures.items()]  # the first to fail first
         if self.silent:
             lines.append(f"  no answer yet from rank(s) {self.silent}")
         super().__init__("\n".join(lines))
 
     def first_cause(self, kinds: tuple[type[BaseException], ...]) -> tuple[int, BaseException] | None:
-        """The lowest rank whose own error is one of `kinds`, with that error."""
-        for rank in sorted(self.causes):
+        """The first rank (in failure order, then by number) whose own error is one of `kinds`."""
+        for rank in [r for r in self.failures if r in self.causes] + sorted(set(self.causes) - set(self.failures)):
             if isinstance(self.causes[rank], kinds):
                 return rank, self.causes[rank]
         return None

@@ -15,13 +15,14 @@ import time
 from rayshard.actors.rank import WRAP_RUNNER_ENV, RankActor
 
 FAULT_ENV = "RAYSHARD_TEST_RANK_FAULT"
-KINDS = ("stall", "exit")
+KINDS = ("stall", "exit", "raise")
 
 
 def fault_env(kind: str, rank: int, at_step: int = 0, seconds: float = 0.0) -> dict[str, str]:
     """kind "stall": `rank` sleeps `seconds` before step `at_step`'s forward/backward (counted from
     this trainer's first step); kind "exit": its process exits there, as a rank killed mid-step
-    would, while its peers wait on it in transfers and collectives."""
+    would, while its peers wait on it in transfers and collectives; kind "raise": it raises an
+    error of its own there (a bug, a bad batch), its process alive."""
     if kind not in KINDS:
         raise ValueError(f"unknown rank fault {kind!r}; use one of {KINDS}")
     fault = {"kind": kind, "rank": rank, "at_step": at_step, "seconds": seconds}
@@ -47,6 +48,9 @@ class FaultyRunner:
         if self.steps_started == self.at_step:
             if self.kind == "stall":
                 time.sleep(self.seconds)
+            elif self.kind == "raise":
+                self.steps_started += 1
+                raise RuntimeError(f"injected fault at step {self.at_step}")
             else:
                 os._exit(1)
         self.steps_started += 1

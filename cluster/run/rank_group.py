@@ -79,6 +79,11 @@ def _wait_alive(actors: list, timeout_s: float) -> None:
 # After a rank's process dies, its peers are stuck in collectives with it until their own
 # timeout (minutes); waiting the full grace for their errors would only delay recovery.
 DEAD_RANK_GRACE_S = 2.0
+# After a rank's own error, its peers fail within a second or two once it has left the group
+# (actors/rank.py); a peer still silent after this is stuck where leaving did not reach it (a
+# pending transfer keeps a gloo group alive), and waiting out its timeout (up to an hour for a
+# pipeline) would hide the error that matters: the step fails now, naming it as silent.
+FAILED_PEER_GRACE_S = 15.0
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -95,8 +100,18 @@ def _cause(error: BaseException) -> BaseException | None:
     return cause if isinstance(cause, BaseException) and not isinstance(error, RayActorError) else None
 
 
+def _raised_at(cause: BaseException | None) -> float:
+    """When the rank raised it (actors/rank.py stamps it before leaving its group); unknown: last."""
+    stamp = getattr(cause, "rayshard_raised_unix", None)
+    return stamp if isinstance(stamp, float) else float("inf")
+
+
 def _remote_traceback(error: BaseException) -> str:
-    """The rank's traceback as Ray formats it (first line: the actor call), without colour codes."""
+    """The rank's traceback: as the rank wrote it down before dropping its frames (actors/rank.py),
+    else as Ray formats it (first line: the actor call), without colour codes."""
+    written = getattr(_cause(error), "rayshard_rank_traceback", None)
+    if isinstance(written, str) and written:
+        return written.strip()
     text = ANSI.sub("", str(error)).strip()
     return text if text.startswith("Traceback") else f"Traceback (most recent call last), on the rank:\n{text}"
 
@@ -160,8 +175,8 @@ class RankGroup:
         return self._gather(method, futures, timeout, first_user_error=True)
 
     def call_reporting_failures(self, method: str, *args, timeout: float | None = None) -> list:
-        """Like `call`, but when a rank fails, wait a grace period for the others' errors
-        (a stalled peer makes its neighbours time out one after another) and raise one
+        """Like `call`, but when a rank fails, wait a short grace (FAILED_PEER_GRACE_S) for the
+        others' errors (a rank that fails leaves the group, so its peers fail at once) and raise one
         StepFailed naming every failed rank, instead of blocking on a rank that may never answer.
         A rank whose process died shortens the grace to DEAD_RANK_GRACE_S: its peers can only
         time out, and the group is lost anyway."""
@@ -188,7 +203,7 @@ class RankGroup:
                 failures[rank], tracebacks[rank] = _root_message(error), _remote_traceback(error)
                 if cause is not None:
                     causes[rank] = cause
-                grace = self.step_grace_s
+                grace = min(self.step_grace_s, FAILED_PEER_GRACE_S)
                 if isinstance(error, RayActorError):
                     dead.append(rank)
                     grace = DEAD_RANK_GRACE_S
@@ -197,6 +212,7 @@ class RankGroup:
                 deadline = min(deadline, time.monotonic() + (0.0 if first_user_error else grace))
         if failures or pending:
             self.broken = True
+            failures = {rank: failures[rank] for rank in sorted(failures, key=lambda r: (_raised_at(causes.get(r)), r))}
             raise StepFailed(method, failures, silent=sorted(pending.values()), dead_ranks=dead, causes=causes,
                              tracebacks=tracebacks, waited_s=round(time.monotonic() - started, 1))
         return [results[rank] for rank in sorted(results)]

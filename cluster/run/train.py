@@ -85,11 +85,11 @@ def resolve_start(config: TrainConfig, store: Store) -> StartPoint:
     """Find the checkpoint to resume from (if any) and check the data and metric sinks against
     it: everything that can refuse the (validated) run before a rank starts. The caller holds the
     run's writer lease, so a commit of this run that LATEST does not name is a dead trainer's."""
-    if store.committed_steps(config.run):
-        commit_window.adopt_unnamed_commits(store, config.run)
     requested = config.checkpoint.resume
     if requested == "auto":  # resubmitting a run by name continues it; a new name starts fresh
         requested = "latest" if store.committed_steps(config.run) else None
+    if requested in ("latest", config.run):  # continuing from LATEST: first adopt what it missed
+        commit_window.adopt_unnamed_commits(store, config.run)
     resume = store.resolve(requested, current_run=config.run) if requested else None
     if resume is None and store.committed_steps(config.run):
         raise ConfigError("run", config.run,
@@ -102,6 +102,10 @@ def resolve_start(config: TrainConfig, store: Store) -> StartPoint:
         point.step, point.parent = int(metadata["step"]), resume.url
         _log(f"resuming from {resume.url} (step {point.step}, written by layout {metadata['layout']})")
         _warn_if_schedule_changed(metadata, config)
+        if resume.run == config.run and metadata.get("run") not in (None, config.run):
+            _log(f"note: {resume.url} sits in run {config.run!r} but was written by run {metadata['run']!r} (copied "
+                 "in?); resuming from it as asked. To branch from another run, resume it by its own name "
+                 f"(--resume {metadata['run']}@{point.step}) under a new --run")
         commit_window.refuse_rewrites(store, config.run, point.step, save_steps(config, point.step))
     check_training_data(config, metadata, point.parent)  # before any rank starts
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
@@ -113,7 +117,7 @@ def start_ranks(point: StartPoint, actors: list | None) -> RankGroup:
     """One actor per rank (or the borrowed ones), their process group formed and their storage
     configured as the driver's."""
     config = point.config
-    connect_ray()
+    connect_ray(config.resources.start_timeout_s)
     _log(f"run {config.run!r}: model {config.model.preset}, layout {config.layout.describe()} "
          f"({config.layout.world_size} ranks), steps {point.step}..{config.steps}, store {config.store}")
     if config.numerics.ac == "selective" and config.layout.pp > 1 and config.pipeline.splits_backward:

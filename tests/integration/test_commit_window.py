@@ -48,7 +48,7 @@ def test_an_elastic_restart_adopts_it_too(window_crash, rank_pool, tmp_path):
     assert window_crash.latest_step("w") == 3
 
 
-def test_a_commit_that_is_not_the_runs_own_is_refused(window_crash, run_training, tmp_path):
+def test_a_commit_that_is_not_the_runs_own_is_refused(window_crash, run_training, tmp_path, capfd):
     # Another run's step 2, copied into w's catalog by hand: whole, but not of w's lineage.
     run_training(_config(tmp_path, FSDP2, steps=2, run="other"))
     checkpoints = tmp_path / "store" / "w" / "checkpoints"
@@ -59,6 +59,10 @@ def test_a_commit_that_is_not_the_runs_own_is_refused(window_crash, run_training
         run_training(_config(tmp_path, FSDP2, steps=3, run="w", resume="auto"))
     assert window_crash.latest_step("w") == 1  # nothing moved, nothing deleted
     assert window_crash.committed_steps("w") == [1, 2]
+    # Taken on purpose, it resumes, with a note that it is another run's.
+    resumed = run_training(_config(tmp_path, FSDP2, steps=3, run="w", resume="w@2"))
+    assert resumed.start_step == 2 and window_crash.latest_step("w") == 3
+    assert "sits in run 'w' but was written by run 'other' (copied in?)" in capfd.readouterr().out
 
 
 def test_a_resume_that_would_commit_an_existing_step_again_stops_before_training(window_crash, run_training, tmp_path):

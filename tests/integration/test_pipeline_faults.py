@@ -41,3 +41,20 @@ def test_a_rank_that_dies_mid_step_fails_the_step_without_waiting_out_the_timeou
     assert "rank 3:" in str(failed.value) and "train_step failed" in str(failed.value)
     assert not any(re.search(r"waited \d+ s", message) for message in failed.value.failures.values()), str(failed.value)
     assert isinstance(failed.value, RANK_FAILURES)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_raises_mid_step_stops_its_peers_at_once_and_is_named_first(ray_session, tmp_path):
+    """Rank 3 of dp2 x pp2 raises inside its first step, alive, while its peers wait on it in a
+    transfer and the dp all-reduce with an hour's timeout: it leaves the process group, so they
+    fail within seconds (each naming the lost peer), and the driver's error names rank 3 first; a
+    peer that leaving did not reach is named silent after a short grace, not waited for."""
+    config = small_config(tmp_path, ParallelLayout(dp=2, pp=2), schedule="1f1b", microbatches=2, steps=2,
+                          pipeline_timeout_s=3600.0, run="raises")
+    with ranks_with_fault(ray_session, 4, kind="raise", rank=3) as actors:
+        with pytest.raises(StepFailed) as failed:
+            train(config, actors)
+    lines = str(failed.value).splitlines()
+    assert lines[0].startswith("train_step failed on") and lines[1].startswith("  rank 3: RuntimeError: injected fault"), lines
+    assert failed.value.waited_s < 120, str(failed.value)  # not the hour a peer would wait
+    assert len(failed.value.failures) >= 2, str(failed.value)  # its peers failed with it, not waited
