@@ -36,7 +36,7 @@ def collect(store: Store, keep: int, run: str | None = None, grace_s: float = DE
             dry_run: bool = False, now: float | None = None) -> GcReport:
     now = time.time() if now is None else now
     catalog, fs, report = Catalog(store), store.fs, GcReport()
-    for name in [run] if run else store.runs():
+    for name in catalog.runs_named(run):
         _collect_checkpoints(store, catalog, name, keep, now, dry_run, report)
         for leftover in catalog.leftovers(name):
             if now - leftover.newest_unix < grace_s:

@@ -15,7 +15,6 @@ step is given), `latest` (the current run's), or the URL of a checkpoint directo
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 import uuid
@@ -31,6 +30,7 @@ from rayshard.storage.options import StorageOptions
 from rayshard.cluster.catalog.pending import PendingCheckpoint
 from rayshard.plans.checkpoint.manifest.codec import MANIFEST
 from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.run_names import check_checkpoint_ref, is_location
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")  # scheme://user[:secret]@
@@ -123,13 +123,14 @@ class Store:
 
     def resolve(self, ref: str, current_run: str | None = None) -> CheckpointRef:
         """Turn `latest`, `RUN`, `RUN@STEP` or a checkpoint URL into a committed checkpoint."""
-        if "://" in ref or ref.startswith(("/", "./", "../")) or os.sep in ref.split("@")[0]:
+        if is_location(ref):
             fs, path = fsspec.core.url_to_fs(ref)
             if not fs.exists(f"{path.rstrip('/')}/{MANIFEST}"):
                 raise CheckpointError(f"{ref}: no {MANIFEST} there, so it is not a committed checkpoint. "
                                       "Fix: pass a checkpoint directory (…/checkpoints/step-NNNNNNNN) or RUN[@STEP] with --store")
             check_manifest_keys(ref.rstrip("/"))
             return CheckpointRef(ref.rstrip("/"), None, None)
+        check_checkpoint_ref(ref, "checkpoint")  # a RUN such as '..' would read outside the store
         run, _, step_text = ref.partition("@")
         if run == "latest":
             if not current_run:

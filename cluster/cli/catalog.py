@@ -5,7 +5,7 @@ import argparse
 
 from rayshard.cluster import progress
 from rayshard.cluster.cli.ckpt import add_checkpoint_argument, ckpt_subcommands
-from rayshard.cluster.cli.arg_types import AT_LEAST_ZERO, NON_NEGATIVE
+from rayshard.cluster.cli.arg_types import AT_LEAST_ZERO, NON_NEGATIVE, run_name
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -13,7 +13,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     ls = group.add_parser("ls", help="runs and their checkpoints: step, layout, size, status, parent",
                           description="List the whole checkpoints of a store (a crashed save never shows up here).")
     ls.add_argument("--store", default="./runs", metavar="URL", help="store URL (default ./runs)")
-    ls.add_argument("--run", metavar="NAME", help="only this run")
+    ls.add_argument("--run", type=run_name, metavar="NAME", help="only this run")
     ls.add_argument("--all", action="store_true", help="also list leftovers of failed or running saves")
     ls.add_argument("--json", action="store_true", help="one JSON record per checkpoint")
     ls.set_defaults(run_command="rayshard.cluster.cli.commands.catalog:run_ls")
@@ -28,7 +28,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                           description="Never removes LATEST, checkpoints being read, or anything written within --grace.")
     gc.add_argument("--keep", type=AT_LEAST_ZERO, required=True, metavar="N", help="checkpoints to keep per run (besides LATEST)")
     gc.add_argument("--store", default="./runs", metavar="URL", help="store URL (default ./runs)")
-    gc.add_argument("--run", metavar="NAME", help="only this run")
+    gc.add_argument("--run", type=run_name, metavar="NAME", help="only this run")
     gc.add_argument("--grace", type=NON_NEGATIVE, default=3600.0, metavar="SECONDS",
                     help="leave leftovers and uploads younger than this alone (default 3600: saves in progress)")
     gc.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")

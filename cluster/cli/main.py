@@ -25,8 +25,17 @@ from rayshard.cluster.cli import train as train_cli
 from rayshard.plans.errors import RayshardError, StepFailed, from_rank, rank_of
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments end in one line naming the argument, what is wrong and where the usage is,
+    like every other input error (argparse's default adds its usage lines first); subcommand
+    parsers are made of the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"rayshard: error: {self.prog}: {message}. Fix: see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="rayshard",
         description="Ray-orchestrated distributed training with reshardable checkpoints.",
     )

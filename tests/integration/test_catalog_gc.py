@@ -21,7 +21,7 @@ from rayshard.cluster.catalog.retention import collect
 from rayshard.cluster.catalog.store import Store
 from rayshard.cluster.checkpoint.verify import verify
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError, ConfigError
 
 
 @pytest.fixture(params=["s3", "local"])
@@ -221,3 +221,22 @@ def test_gc_never_removes_the_shards_of_a_checkpoint_whose_manifest_is_damaged(s
         fs.pipe_file(f"{base}/manifest.parquet", encode_manifest(chunks, {"run": "r", "step": 1, "layout": {}}))
     collect(store, keep=0, grace_s=0)
     assert fs.exists(f"{base}/{attempt}/rank-00000.safetensors") and fs.exists(f"{base}/{attempt}/rank-00001.safetensors")
+
+
+def test_gc_and_ls_never_reach_outside_the_store(tmp_path, capsys):
+    """`--run ../X` once made gc delete a checkpoint of another directory (issue 43, finding 3)."""
+    store, victim = Store(str(tmp_path / "store")), Store(str(tmp_path / "victim-store"))
+    write_checkpoint(store, "r", 1)
+    write_checkpoint(victim, "v", 1)
+    write_checkpoint(victim, "v", 2)
+    escape = "../victim-store/v"
+    for argv in (["ckpt", "gc", "--keep", "0", "--grace", "0", "--run", escape], ["ckpt", "ls", "--all", "--run", escape]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--store", store.url])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and f"{escape!r} is not a run name" in err, err
+    for call in (lambda: collect(store, keep=0, run=escape, grace_s=0), lambda: Catalog(store).checkpoints(escape),
+                 lambda: Catalog(store).leftovers(escape), lambda: store.resolve("..@1")):
+        with pytest.raises(ConfigError, match="not a run name"):
+            call()
+    assert victim.committed_steps("v") == [1, 2] and verify(victim.checkpoint_url("v", 1), deep=True).ok
