@@ -24,9 +24,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     progress.add_arguments(verify)
     verify.set_defaults(run_command="rayshard.cluster.cli.commands.catalog:run_verify")
 
-    gc = group.add_parser("gc", help="keep the newest N checkpoints per run; remove the rest and leftovers",
-                          description="Never removes LATEST, checkpoints being read, or anything written within --grace.")
-    gc.add_argument("--keep", type=AT_LEAST_ZERO, required=True, metavar="N", help="checkpoints to keep per run (besides LATEST)")
+    gc = group.add_parser("gc", help="keep the newest N whole checkpoints per run; remove the rest and leftovers",
+                          description="Never removes a run's newest whole checkpoint, LATEST, checkpoints being read, a "
+                                      "damaged checkpoint with no whole one newer, or anything written within --grace. "
+                                      "Prints each checkpoint with the rule that keeps or removes it (--dry-run: removes nothing).")
+    gc.add_argument("--keep", type=AT_LEAST_ZERO, required=True, metavar="N",
+                    help="whole checkpoints to keep per run (the newest whole one always stays, and LATEST; damaged ones never count)")
     gc.add_argument("--store", default="./runs", metavar="URL", help="store URL (default ./runs)")
     gc.add_argument("--run", type=run_name, metavar="NAME", help="only this run")
     gc.add_argument("--grace", type=NON_NEGATIVE, default=3600.0, metavar="SECONDS",

@@ -240,3 +240,45 @@ def test_gc_and_ls_never_reach_outside_the_store(tmp_path, capsys):
         with pytest.raises(ConfigError, match="not a run name"):
             call()
     assert victim.committed_steps("v") == [1, 2] and verify(victim.checkpoint_url("v", 1), deep=True).ok
+
+
+def _truncate_a_shard(store: Store, run: str, step: int, attempt: str) -> None:
+    shard = f"{store.root}/{run}/checkpoints/step-{step:08d}/{attempt}/rank-00001.safetensors"
+    store.fs.pipe_file(shard, store.fs.cat_file(shard)[:-10])
+
+
+def test_gc_keeps_the_newest_whole_checkpoint_when_the_newest_is_damaged(store, capsys):
+    """Issue 43, finding 2: with the newest checkpoint damaged (a truncated shard that `ckpt ls`
+    itself reports), `gc --keep 1` removed every whole one and left the run unresumable."""
+    attempts = {step: write_checkpoint(store, "r", step)[1] for step in (1, 2, 3, 4)}
+    _truncate_a_shard(store, "r", 4, attempts[4])  # the newest, named by LATEST
+    _truncate_a_shard(store, "r", 2, attempts[2])  # an older damaged one: a whole one newer than it stays
+    assert [(e.step, e.status) for e in Catalog(store).checkpoints("r")][-1] == (4, "1 file(s) truncated")
+
+    assert main(["ckpt", "gc", "--keep", "1", "--grace", "0", "--dry-run", "--store", store.url]) == 0
+    shown = {line.split(":", 1)[0]: line for line in capsys.readouterr().out.splitlines() if " checkpoint r@" in line}
+    assert "the newest whole checkpoint of its run" in shown["would keep checkpoint r@3"]
+    assert "damaged (1 file(s) truncated), LATEST names it" in shown["would keep checkpoint r@4"]
+    assert "older than the 1 newest whole checkpoint(s) kept (--keep 1)" in shown["would remove checkpoint r@1"]
+    assert "damaged (1 file(s) truncated), a whole checkpoint newer than it is kept" in shown["would remove checkpoint r@2"]
+    assert store.committed_steps("r") == [1, 2, 3, 4]  # a dry run removes nothing
+
+    assert main(["ckpt", "gc", "--keep", "1", "--grace", "0", "--store", store.url]) == 0
+    assert store.committed_steps("r") == [3, 4] and verify(store.checkpoint_url("r", 3), deep=True).ok
+
+
+def test_a_damaged_checkpoint_never_counts_as_kept(store):
+    """--keep 0 still keeps the newest whole checkpoint; a damaged one newer than every whole one
+    is left for repair, LATEST stays, and only what a whole newer checkpoint replaces goes."""
+    attempts = {step: write_checkpoint(store, "r", step)[1] for step in (1, 2, 3, 4, 5)}
+    _truncate_a_shard(store, "r", 4, attempts[4])
+    store.fs.rm_file(f"{store.root}/r/checkpoints/step-00000005/{attempts[5]}/rank-00000.safetensors")
+    store.fs.pipe_file(f"{store.root}/r/LATEST", b"step-00000001")  # a resumed run forked from step 1
+    report = collect(store, keep=2, grace_s=0)
+    kept = {verdict.step: verdict.why for verdict in report.checkpoints if not verdict.remove}
+    assert sorted(kept) == [1, 2, 3, 4, 5]  # every one kept, each with its own reason
+    assert store.committed_steps("r") == [1, 2, 3, 4, 5]
+    assert "LATEST names it" in kept[1] and "2 newest whole" in kept[2] and "newest whole checkpoint" in kept[3]
+    assert "no whole checkpoint is newer" in kept[4] and "1 file(s) missing" in kept[5]
+    collect(store, keep=0, grace_s=0)
+    assert store.committed_steps("r") == [1, 3, 4, 5]

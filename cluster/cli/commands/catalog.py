@@ -97,16 +97,19 @@ def run_gc(args: argparse.Namespace) -> int:
         raise ConfigError("--keep", args.keep, "must be 0 or more", "pass --keep N with N >= 0 (LATEST is always kept)")
     report = collect(Store(args.store), args.keep, run=args.run, grace_s=args.grace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    for url in report.removed_checkpoints:
-        print(f"{verb} checkpoint {url}")
+    for verdict in report.checkpoints:  # every committed checkpoint, with the rule that decided it
+        print(f"{verb if verdict.remove else ('would keep' if args.dry_run else 'kept')} checkpoint "
+              f"{verdict.run}@{verdict.step}: {verdict.why} ({verdict.url})")
     for path in report.removed_leftovers:
         print(f"{verb} leftover {path}")
     for path in report.aborted_uploads:
         print(f"{'would abort' if args.dry_run else 'aborted'} incomplete multipart upload {path}")
     for path in report.removed_leases:
         print(f"{verb} expired lease {path}")
+    decided = {verdict.url for verdict in report.checkpoints}
     for what, why in report.kept:
-        print(f"kept {what}: {why}")
+        if what not in decided:
+            print(f"{'would keep' if args.dry_run else 'kept'} {what}: {why}")
     print(f"{verb} {len(report.removed_checkpoints)} checkpoint(s), {len(report.removed_leftovers)} leftover(s), "
           f"{len(report.aborted_uploads)} upload(s): {_size(report.freed_bytes)}")
     return 0
