@@ -30,10 +30,10 @@ from rayshard.storage.options import StorageOptions
 from rayshard.cluster.catalog.pending import PendingCheckpoint
 from rayshard.plans.checkpoint.manifest.codec import MANIFEST
 from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.redaction import Redactor, carries_credentials
 from rayshard.plans.run_names import check_checkpoint_ref, is_location
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")  # scheme://user[:secret]@
 _WARNED_LATEST: set[tuple[str, str]] = set()  # (store URL, run) whose damaged LATEST was reported
 
 
@@ -62,10 +62,7 @@ class Store:
         self._open(url)
 
     def _open(self, url: str) -> None:
-        if USERINFO.match(url):  # s3fs would take "key:secret@bucket" as a bucket name, and print it
-            raise ConfigError("--store", USERINFO.sub(r"\1***@", url), "a store URL cannot carry credentials",
-                              "give them as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an AWS profile, "
-                              "and the URL as s3://bucket/prefix")
+        refuse_credentials(url, "--store")
         self.url = url.rstrip("/") or url
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.backend = backend_for(self.fs)  # conditional writes, uploads: the store's own way
@@ -124,6 +121,7 @@ class Store:
     def resolve(self, ref: str, current_run: str | None = None) -> CheckpointRef:
         """Turn `latest`, `RUN`, `RUN@STEP` or a checkpoint URL into a committed checkpoint."""
         if is_location(ref):
+            refuse_credentials(ref, "checkpoint")
             fs, path = fsspec.core.url_to_fs(ref)
             if not fs.exists(f"{path.rstrip('/')}/{MANIFEST}"):
                 raise CheckpointError(f"{ref}: no {MANIFEST} there, so it is not a committed checkpoint. "
@@ -218,3 +216,12 @@ def check_manifest_keys(checkpoint_url: str) -> None:
     does the check, so resolving a ref fails early, before a command starts reading)."""
     read_manifest(checkpoint_url)
 
+
+
+def refuse_credentials(url: str, field: str) -> None:
+    """A URL with credentials in it is refused before any request, without echoing them: s3fs
+    would take "key:secret@bucket" as a bucket name and botocore print it."""
+    if carries_credentials(url):
+        raise ConfigError(field, Redactor().redact(url), f"a {'store' if field == '--store' else 'checkpoint'} URL cannot carry credentials",
+                          "give them as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AZURE_STORAGE_* variables) or "
+                          "a profile in the environment, and the URL as s3://bucket/prefix")
