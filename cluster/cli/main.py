@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import linecache
 import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from rayshard.cluster.cli import catalog as catalog_cli
 from rayshard.cluster.cli import ckpt as ckpt_cli
@@ -122,13 +124,36 @@ def _report(error: BaseException) -> int:
               "pass a path that is free or of the right kind (a new directory for --out, a file for --png/--json)",
               file=sys.stderr)
         return 2
-    # s3fs turns S3 failures into OSError once its retries are spent; a user needs the object
-    # and the reason, not a botocore traceback (which never holds credentials either way).
-    print(f"{prefix}storage request failed: {type(error).__name__}: {_first_line(error)}. "
+    # s3fs turns S3 failures into OSError once its retries are spent; a user needs the call and
+    # the reason, not a botocore traceback (which never holds credentials either way).
+    call = _storage_call(error)
+    where = f", in {call}" if call else ""
+    if isinstance(error, PermissionError):  # 403: retrying cannot help, the policy or the keys must change
+        print(f"{prefix}storage request refused: PermissionError: {_first_line(error)}{where}. Fix: the credentials "
+              "in use may not make this request: check the store URL, the keys or profile in the environment and "
+              "their policy (deploy/s3-iam-policy.json lists every call rayshard makes)", file=sys.stderr)
+        return 3
+    print(f"{prefix}storage request failed: {type(error).__name__}: {_first_line(error)}{where}. "
           "Fix: check the store URL, its credentials and endpoint (AWS_ENDPOINT_URL) and the network, then run "
           "the command again; nothing partial is visible (a checkpoint commits only with its manifest). "
           "RAYSHARD_DEBUG=1 shows the traceback", file=sys.stderr)
     return 3
+
+
+_OUR_LAYERS = tuple(str(Path(__file__).resolve().parents[2] / layer) + os.sep
+                    for layer in ("plans", "storage", "actors", "cluster"))
+
+
+def _storage_call(error: BaseException) -> str | None:
+    """The last call rayshard's own code made before a storage error, as `Store.runs (fs.exists(...))`:
+    which request failed, without a traceback."""
+    ours = [frame for frame, _ in traceback.walk_tb(error.__traceback__)
+            if frame.f_code.co_filename.startswith(_OUR_LAYERS) and frame.f_code.co_filename != __file__]
+    if not ours:
+        return None
+    frame = ours[-1]
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"{frame.f_code.co_qualname} (`{line}`)" if line else frame.f_code.co_qualname
 
 
 def _debug() -> bool:

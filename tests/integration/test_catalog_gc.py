@@ -282,3 +282,18 @@ def test_a_damaged_checkpoint_never_counts_as_kept(store):
     assert "no whole checkpoint is newer" in kept[4] and "1 file(s) missing" in kept[5]
     collect(store, keep=0, grace_s=0)
     assert store.committed_steps("r") == [1, 3, 4, 5]
+
+
+def test_every_request_denied_is_one_line_naming_the_call(s3_store, fault_proxy, capsys):
+    """With every request answered 403 (issue 43), each catalog command ends in one line, exit 3,
+    naming the call that was refused; nothing is retried (a 403 does not heal)."""
+    write_checkpoint(Store(s3_store), "r", 1)
+    fault_proxy.add("denied")
+    for argv in (["ckpt", "ls"], ["ckpt", "ls", "--run", "r", "--all"], ["ckpt", "show", "r@1"], ["ckpt", "verify", "r"],
+                 ["ckpt", "gc", "--keep", "1", "--dry-run"]):
+        assert main([*argv, "--store", s3_store]) == 3, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("rayshard: error: storage request refused: PermissionError"), err
+        assert ", in Store." in err or ", in Catalog." in err, err  # the call: its function and its line
+        assert "(`" in err and "policy" in err, err
+    assert all(rule.injected for rule in fault_proxy.rules)
