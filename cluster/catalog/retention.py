@@ -102,11 +102,11 @@ def verdicts(entries: list[CheckpointEntry], keep: int, leased: dict[int, list])
     found = []
     for entry in sorted(entries, key=lambda e: e.step):
         damage = "" if entry.whole else f"damaged ({entry.status}), "
-        if entry.step in kept_whole:
+        if entry.latest:
+            why = f"{damage}LATEST names it"
+        elif entry.step in kept_whole:
             why = ("the newest whole checkpoint of its run (kept whatever --keep says)" if entry.step == newest_whole
                    else f"one of the {keep} newest whole checkpoints (--keep {keep})")
-        elif entry.latest:
-            why = f"{damage}LATEST names it (a resume starts here)"
         elif leased.get(entry.step):
             why = f"{damage}being read ({len(leased[entry.step])} reader lease(s))"
         elif not entry.whole and (newest_whole is None or newest_whole < entry.step):
