@@ -297,3 +297,39 @@ def test_every_request_denied_is_one_line_naming_the_call(s3_store, fault_proxy,
         assert ", in Store." in err or ", in Catalog." in err, err  # the call: its function and its line
         assert "(`" in err and "policy" in err, err
     assert all(rule.injected for rule in fault_proxy.rules)
+
+
+def _full_disk_available() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _full_disk_available(), reason="needs `unshare -rm` to mount a small tmpfs")
+def test_verify_runs_on_a_full_disk(tmp_path):
+    """`ckpt verify` wrote its reader lease first, so on a full disk it could not check anything
+    (issue 43): it now verifies without the lease, saying so in one warning line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    write_checkpoint(Store(str(tmp_path / "store")), "r", 1)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    # A real full file system: a 1 MiB tmpfs in a private mount namespace, the store copied in,
+    # then filled to the last byte.
+    script = (f"mount -t tmpfs -o size=1m tmpfs {disk} && cp -r {tmp_path / 'store'} {disk}/store && "
+              f"(dd if=/dev/zero of={disk}/fill bs=4k 2>/dev/null; true) && "
+              f"! sh -c 'echo x > {disk}/probe' 2>/dev/null && "
+              f"{sys.executable} -m rayshard ckpt verify r@1 --deep --quiet --store {disk}/store")
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=repo, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("ok: ") and "read back and checksummed" in done.stdout, done.stdout
+    [warning] = done.stderr.splitlines()
+    assert "without a reader lease" in warning and "No space left on device" in warning, done.stderr

@@ -79,7 +79,8 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    with reading(args) as (_, [ref]), byte_bar(args, "verify", enabled=args.deep) as bar:  # a shallow check reads no data
+    # A check that only reads runs on a full disk too: without its reader lease, with a warning.
+    with reading(args, lease_optional=True) as (_, [ref]), byte_bar(args, "verify", enabled=args.deep) as bar:  # shallow: reads no data
         report = verify(ref.url, deep=args.deep, progress=bar)
     checked = f", {_size(report.bytes_checked)} read back and checksummed" if report.deep else ""
     if report.ok:
