@@ -29,7 +29,7 @@ from rayshard.storage.backends.registry import backend_for
 from rayshard.storage.options import StorageOptions
 from rayshard.cluster.catalog.pending import PendingCheckpoint
 from rayshard.plans.checkpoint.manifest.codec import MANIFEST
-from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.errors import CheckpointError, ConfigError, StoreUnavailable
 from rayshard.plans.redaction import Redactor, carries_credentials
 from rayshard.plans.run_names import check_checkpoint_ref, is_location
 
@@ -66,6 +66,15 @@ class Store:
         self.url = url.rstrip("/") or url
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.backend = backend_for(self.fs)  # conditional writes, uploads: the store's own way
+
+    def require_container(self) -> "Store":
+        """This store, once its bucket is known to exist (a local store needs nothing)."""
+        missing = self.backend.missing_container(self.root)
+        if missing is not None:
+            raise StoreUnavailable(f"--store={self.url!r}: its bucket {missing!r} does not exist (at "
+                                   f"{self.storage_conf.get('s3', {}).get('endpoint_url') or 'the default S3 endpoint'}). "
+                                   f"Fix: create it (aws s3 mb s3://{missing}), or correct --store or AWS_ENDPOINT_URL")
+        return self
 
     def at(self, url: str) -> "Store":
         """Another store under this one's storage options (endpoint, retries), without applying

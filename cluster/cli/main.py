@@ -24,7 +24,7 @@ from rayshard.cluster.cli import layout as layout_cli
 from rayshard.cluster.cli import plan as plan_cli
 from rayshard.cluster.cli import train as train_cli
 from rayshard.cluster.cli.redacted_output import redacted_output
-from rayshard.plans.errors import RayshardError, StepFailed, from_rank, rank_of
+from rayshard.plans.errors import RayshardError, StepFailed, StoreUnavailable, from_rank, rank_of
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -116,7 +116,7 @@ def _report(error: BaseException) -> int:
     prefix = "rayshard: error: " + (f"rank {rank}: " if rank is not None else "")
     if isinstance(error, RayshardError):
         print(f"{prefix}{error}", file=sys.stderr)
-        return 2
+        return 3 if isinstance(error, StoreUnavailable) else 2
     if isinstance(error, (FileExistsError, NotADirectoryError, IsADirectoryError)):
         # A path given on the command line that is in the way (a file where a directory must go, or
         # the reverse): the user's input, not the store's health.
@@ -147,12 +147,12 @@ _OUR_LAYERS = tuple(str(Path(__file__).resolve().parents[2] / layer) + os.sep
 def _storage_call(error: BaseException) -> str | None:
     """The last call rayshard's own code made before a storage error, as `Store.runs (fs.exists(...))`:
     which request failed, without a traceback."""
-    ours = [frame for frame, _ in traceback.walk_tb(error.__traceback__)
+    ours = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
             if frame.f_code.co_filename.startswith(_OUR_LAYERS) and frame.f_code.co_filename != __file__]
     if not ours:
         return None
-    frame = ours[-1]
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    frame, number = ours[-1]
+    line = linecache.getline(frame.f_code.co_filename, number).strip()
     return f"{frame.f_code.co_qualname} (`{line}`)" if line else frame.f_code.co_qualname
 
 
