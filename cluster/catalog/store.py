@@ -15,6 +15,7 @@ step is given), `latest` (the current run's), or the URL of a checkpoint directo
 """
 from __future__ import annotations
 
+import copy
 import re
 import sys
 import uuid
@@ -25,6 +26,7 @@ import fsspec
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.storage import options as storage_options
 from rayshard.storage.backends.protocol import PreconditionFailed
+from rayshard.storage.bounded_calls import bounded
 from rayshard.storage.backends.registry import backend_for
 from rayshard.storage.options import StorageOptions
 from rayshard.cluster.catalog.pending import PendingCheckpoint
@@ -75,6 +77,16 @@ class Store:
                                    f"{self.storage_conf.get('s3', {}).get('endpoint_url') or 'the default S3 endpoint'}). "
                                    f"Fix: create it (aws s3 mb s3://{missing}), or correct --store or AWS_ENDPOINT_URL")
         return self
+
+    def with_bounded_calls(self) -> "Store":
+        """This store with a deadline on each of its file-system calls (storage.call_timeout_s),
+        for the catalog commands: a silent store ends in one line naming the call, not a wait."""
+        other = copy.copy(self)
+        other.fs = bounded(self.fs, StorageOptions(**self.storage_conf["rayshard"]).call_timeout_s)
+        other.backend = copy.copy(self.backend)  # HeadBucket, multipart listings and aborts, conditional writes
+        other.backend.fs = other.fs
+        other.backend.fetch_ranges = self.backend.fetch_ranges  # shard reads: fsspec's own loop, bounded per range
+        return other
 
     def at(self, url: str) -> "Store":
         """Another store under this one's storage options (endpoint, retries), without applying

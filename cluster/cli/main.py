@@ -148,7 +148,8 @@ def _storage_call(error: BaseException) -> str | None:
     """The last call rayshard's own code made before a storage error, as `Store.runs (fs.exists(...))`:
     which request failed, without a traceback."""
     ours = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
-            if frame.f_code.co_filename.startswith(_OUR_LAYERS) and frame.f_code.co_filename != __file__]
+            if frame.f_code.co_filename.startswith(_OUR_LAYERS) and frame.f_code.co_filename != __file__
+            and not frame.f_globals.get("__name__", "").endswith(".bounded_calls")]  # the deadline's wrapper
     if not ours:
         return None
     frame, number = ours[-1]

@@ -358,3 +358,18 @@ def test_a_missing_bucket_is_one_line_before_anything_starts(s3_store, monkeypat
     client = boto3.client("s3", endpoint_url=Store(s3_store).storage_conf["s3"]["endpoint_url"], region_name="us-east-1")
     assert missing not in {bucket["Name"] for bucket in client.list_buckets()["Buckets"]}
     assert main(["ckpt", "ls", "--store", s3_store]) == 0  # a bucket that exists, with nothing in it yet
+
+
+def test_a_silent_store_ends_in_one_line_naming_the_call_and_its_bound(s3_store, fault_proxy, monkeypatch, capsys):
+    """Every storage call of a catalog command has a bound (storage.call_timeout_s): with a store
+    that accepts requests and never answers, each command stops at the first call's bound, in one
+    line, exit 3, naming the call and the bound, where it waited for every retry to time out."""
+    write_checkpoint(Store(s3_store), "r", 1)
+    monkeypatch.setenv("RAYSHARD_S3_CALL_TIMEOUT_S", "2")
+    fault_proxy.add("stall", seconds=8)
+    for argv in (["ckpt", "ls"], ["ckpt", "show", "r@1"], ["ckpt", "gc", "--keep", "1", "--dry-run"]):
+        assert main([*argv, "--store", s3_store]) == 3, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "storage request failed: StorageCallTimeout: " in err, err
+        assert re.search(r"\w+\(.+\) got no answer within 2 s, retries included", err), err
+        assert "RAYSHARD_S3_CALL_TIMEOUT_S" in err and re.search(r", in \w+\.\w+ \(`", err), err

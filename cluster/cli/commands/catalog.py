@@ -30,7 +30,7 @@ def _when(unix: float | None) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    catalog = Catalog(Store(args.store).require_container())
+    catalog = Catalog(Store(args.store).with_bounded_calls().require_container())
     entries = catalog.checkpoints(args.run)
     if args.json:
         print(json.dumps(catalog.table(args.run).to_pylist(), indent=2))
@@ -96,7 +96,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_gc(args: argparse.Namespace) -> int:
     if args.keep < 0:
         raise ConfigError("--keep", args.keep, "must be 0 or more", "pass --keep N with N >= 0 (LATEST is always kept)")
-    report = collect(Store(args.store).require_container(), args.keep, run=args.run, grace_s=args.grace, dry_run=args.dry_run)
+    report = collect(Store(args.store).with_bounded_calls().require_container(), args.keep, run=args.run, grace_s=args.grace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for verdict in report.checkpoints:  # every committed checkpoint, with the rule that decided it
         print(f"{verb if verdict.remove else ('would keep' if args.dry_run else 'kept')} checkpoint "

@@ -9,7 +9,7 @@ from rayshard.cluster.catalog.store import Store
 
 
 def resolve_checkpoint(args: argparse.Namespace, name: str = "checkpoint"):
-    return Store(args.store).resolve(getattr(args, name))
+    return Store(args.store).with_bounded_calls().resolve(getattr(args, name))
 
 
 @contextlib.contextmanager
@@ -20,7 +20,7 @@ def reading(args: argparse.Namespace, *names: str, lease_optional: bool = False)
     and is read without a lease. lease_optional: a lease that cannot be written (a full disk) is a
     warning instead of an error."""
 
-    store = Store(args.store)
+    store = Store(args.store).with_bounded_calls()  # the catalog's calls; shard reads have their own bounds
     with contextlib.ExitStack() as held:
         refs = []
         for name in names or ("checkpoint",):

@@ -93,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    Store(config.store).require_container()  # before Ray starts: s3fs would create the bucket at the first save
+    Store(config.store).with_bounded_calls().require_container()  # before Ray: s3fs would create it at the first save
     if args.elastic:
         return _run_elastic(args, config)
 
