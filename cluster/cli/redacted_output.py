@@ -8,6 +8,7 @@ import contextlib
 import io
 import os
 import sys
+import threading
 import traceback
 
 from rayshard.plans.redaction import Redactor
@@ -20,19 +21,22 @@ class RedactingStream(io.TextIOBase):
 
     def __init__(self, stream, redactor: Redactor):
         self.stream, self.redactor, self._pending = stream, redactor, ""
+        self._lock = threading.Lock()  # Ray relays worker logs from a thread of its own
 
     def write(self, text: str) -> int:
-        self._pending += text
-        cut = max(self._pending.rfind("\n"), self._pending.rfind("\r"))
-        if cut >= 0:
-            ready, self._pending = self._pending[:cut + 1], self._pending[cut + 1:]
-            self.stream.write(self.redactor.redact(ready))
+        with self._lock:
+            self._pending += text
+            cut = max(self._pending.rfind("\n"), self._pending.rfind("\r"))
+            if cut >= 0:
+                ready, self._pending = self._pending[:cut + 1], self._pending[cut + 1:]
+                self.stream.write(self.redactor.redact(ready))
         return len(text)
 
     def flush(self) -> None:
-        if self._pending:
-            text, self._pending = self._pending, ""
-            self.stream.write(self.redactor.redact(text))
+        with self._lock:
+            if self._pending:
+                text, self._pending = self._pending, ""
+                self.stream.write(self.redactor.redact(text))
         self.stream.flush()
 
     def writable(self) -> bool:

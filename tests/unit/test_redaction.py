@@ -63,3 +63,23 @@ def test_secrets_of_the_command_line_are_hidden_cut_at_a_slash():
 ])
 def test_a_url_carrying_credentials_is_recognised(url, carries):
     assert carries_credentials(url) is carries
+
+
+def test_the_cli_output_stream_sees_a_secret_written_in_pieces():
+    """What main prints passes a RedactingStream (cluster/cli/redacted_output.py): a progress bar
+    redrawn with '\\r', a traceback written line by line, a secret split over two writes."""
+    import io
+
+    from rayshard.cluster.cli.redacted_output import RedactingStream
+
+    secret = "wJalr/XUtnFEMI+K7MDENG=bPxRfiCY"
+    target = io.StringIO()
+    stream = RedactingStream(target, Redactor([secret]))
+    stream.write("verify 10% signing with wJalr/XUt")
+    stream.write("nFEMI+K7MDENG=bPxRfiCY\r")
+    stream.write("done https://user:" + secret + "@host/x\n")
+    stream.write("partial line " + secret)
+    stream.flush()
+    shown = target.getvalue()
+    assert secret not in shown and "wJalr" not in shown and shown.count("***") == 3, shown
+    assert shown.startswith("verify 10% signing with ***\r") and shown.endswith("partial line ***")
