@@ -238,11 +238,11 @@ def check_manifest_keys(checkpoint_url: str) -> None:
     read_manifest(checkpoint_url)
 
 
-
 def refuse_credentials(url: str, field: str) -> None:
     """A URL with credentials in it is refused before any request, without echoing them: s3fs
     would take "key:secret@bucket" as a bucket name and botocore print it."""
     if carries_credentials(url):
-        raise ConfigError(field, Redactor().redact(url), f"a {'store' if field == '--store' else 'checkpoint'} URL cannot carry credentials",
+        kind = "store" if field == "--store" else "checkpoint"
+        raise ConfigError(field, Redactor().redact(url), f"a {kind} URL cannot carry credentials",
                           "give them as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AZURE_STORAGE_* variables) or "
                           "a profile in the environment, and the URL as s3://bucket/prefix")

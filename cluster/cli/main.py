@@ -154,7 +154,8 @@ def _storage_call(error: BaseException) -> str | None:
         return None
     frame, number = ours[-1]
     line = linecache.getline(frame.f_code.co_filename, number).strip()
-    return f"{frame.f_code.co_qualname} (`{line}`)" if line else frame.f_code.co_qualname
+    name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # co_qualname: Python 3.11+
+    return f"{name} (`{line}`)" if line else name
 
 
 def _debug() -> bool:

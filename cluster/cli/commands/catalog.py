@@ -80,7 +80,8 @@ def run_show(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     # A check that only reads runs on a full disk too: without its reader lease, with a warning.
-    with reading(args, lease_optional=True) as (_, [ref]), byte_bar(args, "verify", enabled=args.deep) as bar:  # shallow: reads no data
+    # A shallow check reads no data: no progress bar.
+    with reading(args, lease_optional=True) as (_, [ref]), byte_bar(args, "verify", enabled=args.deep) as bar:
         report = verify(ref.url, deep=args.deep, progress=bar)
     checked = f", {_size(report.bytes_checked)} read back and checksummed" if report.deep else ""
     if report.ok:
@@ -96,7 +97,8 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_gc(args: argparse.Namespace) -> int:
     if args.keep < 0:
         raise ConfigError("--keep", args.keep, "must be 0 or more", "pass --keep N with N >= 0 (LATEST is always kept)")
-    report = collect(Store(args.store).with_bounded_calls().require_container(), args.keep, run=args.run, grace_s=args.grace, dry_run=args.dry_run)
+    store = Store(args.store).with_bounded_calls().require_container()
+    report = collect(store, args.keep, run=args.run, grace_s=args.grace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for verdict in report.checkpoints:  # every committed checkpoint, with the rule that decided it
         print(f"{verb if verdict.remove else ('would keep' if args.dry_run else 'kept')} checkpoint "
