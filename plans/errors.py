@@ -27,6 +27,11 @@ class CheckpointError(RayshardError):
     """A checkpoint is missing, incomplete, corrupt or does not match the model."""
 
 
+class StoreUnavailable(RayshardError):
+    """The store cannot serve the command at all (its bucket does not exist): exit 3, a storage
+    error, though named in one line like an input error."""
+
+
 class ResourcesUnavailable(RayshardError):
     """The cluster did not grant the ranks' resources (or start their actors) within the bound."""
 

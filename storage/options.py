@@ -34,6 +34,9 @@ class StorageOptions:
     # A part (or a small object's single PUT) not done this long after it was sent fails the
     # save, naming the rank and the object: the bound on a stalled upload, retries included.
     stall_timeout_s: float = 300.0
+    # The longest one storage call of a catalog command (ls, show, verify, gc...) may take, its
+    # retries and pages included: a listing, a HEAD, a batch of manifests, a batched delete.
+    call_timeout_s: float = 600.0
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "StorageOptions":
@@ -57,6 +60,9 @@ class StorageOptions:
         if self.stall_timeout_s <= 0:
             raise ConfigError("storage.stall_timeout_s", self.stall_timeout_s, "must be positive",
                               "set RAYSHARD_S3_STALL_TIMEOUT_S to e.g. 300")
+        if not 0 < self.call_timeout_s < float("inf"):
+            raise ConfigError("storage.call_timeout_s", self.call_timeout_s, "must be positive and finite",
+                              "set RAYSHARD_S3_CALL_TIMEOUT_S to e.g. 600")
         for name in ("max_attempts", "part_size_mib", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"storage.{name}", getattr(self, name), "must be at least 1",

@@ -5,6 +5,7 @@ matched against the rules in order; a matching rule with injections left decides
 
     slowdown     503 SlowDown, the S3 throttling reply
     error500     500 InternalError
+    denied       403 AccessDenied, what S3 answers a request its policy refuses (never retried)
     reset        the connection is reset before the request reaches the server
     reset_after  the server handles the request, then the connection is reset: the reply is
                  lost, so a retried conditional PUT meets its own earlier write
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-FAULTS = ("slowdown", "error500", "reset", "reset_after", "cut_body", "delay", "stall")
+FAULTS = ("slowdown", "error500", "denied", "reset", "reset_after", "cut_body", "delay", "stall")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "te", "upgrade"}
 
 
@@ -132,7 +133,8 @@ def _handler_for(proxy: FaultProxy):
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if not (self.command == "HEAD" and status == 403):  # a HEAD reply has no body (denied: as S3 sends it)
+                self.wfile.write(body)
 
         def _handle(self) -> None:
             body = self._body()
@@ -144,6 +146,8 @@ def _handler_for(proxy: FaultProxy):
                 return self._error(503, "SlowDown", "Please reduce your request rate.")
             if fault == "error500":
                 return self._error(500, "InternalError", "We encountered an internal error. Please try again.")
+            if fault == "denied":
+                return self._error(403, "AccessDenied", "Access Denied")
             if fault == "reset":
                 return self._reset()
             if fault == "stall":

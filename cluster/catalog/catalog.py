@@ -24,6 +24,7 @@ from rayshard.plans.checkpoint.manifest.codec import MANIFEST
 from rayshard.cluster.catalog import leases
 from rayshard.cluster.catalog.store import STEP_DIR, Store, resumed_step
 from rayshard.plans.errors import CheckpointError
+from rayshard.plans.run_names import check_run_name
 from rayshard.plans.layout.parallel_layout import LAYOUT_DEGREES, PARALLEL_DEGREES
 from rayshard.plans.checkpoint.manifest.object_keys import escape_reason
 
@@ -94,6 +95,10 @@ class Catalog:
     def runs(self) -> list[str]:
         return self.store.runs()
 
+    def runs_named(self, run: str | None) -> list[str]:
+        """[run] (a run name: never a path out of the store), or every run when run is None."""
+        return self.runs() if run is None else [check_run_name(run)]
+
     def listing(self, run: str) -> RunListing:
         base = f"{self.root}/{run}/checkpoints"
         listing = RunListing(run)
@@ -109,7 +114,7 @@ class Catalog:
     def checkpoints(self, run: str | None = None) -> list[CheckpointEntry]:
         """Every committed checkpoint (whole or damaged), oldest first per run."""
         entries = []
-        for name in [run] if run else self.runs():
+        for name in self.runs_named(run):
             entries.extend(self._run_checkpoints(name, self.listing(name)))
         return entries
 
@@ -161,7 +166,7 @@ class Catalog:
     def leftovers(self, run: str | None = None) -> list[Leftover]:
         """Attempts no manifest references, and step directories without a manifest."""
         found = []
-        for name in [run] if run else self.runs():
+        for name in self.runs_named(run):
             listing = self.listing(name)
             manifests = self._read_manifests(name, sorted(d for d, files in listing.steps.items() if MANIFEST in files))
             for step_dir, files in sorted(listing.steps.items()):

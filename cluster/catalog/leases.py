@@ -79,17 +79,20 @@ def all_leases(store, run: str) -> dict[int, list[Lease]]:
 
 
 @contextlib.contextmanager
-def reading(store, ref, ttl_s: float = DEFAULT_TTL_S):
+def reading(store, ref, ttl_s: float = DEFAULT_TTL_S, optional: bool = False):
     """Hold a lease on a committed checkpoint while reading it. A ref given by URL is leased too
     when the URL is a catalog checkpoint (`<store>/<run>/checkpoints/step-NNNNNNNN`): the lease
     goes beside the checkpoint, in the store that holds it, whatever store the command named.
-    Any other directory (an import's output, a copy made by hand) has no catalog to lease in."""
+    Any other directory (an import's output, a copy made by hand) has no catalog to lease in.
+    optional: a lease that cannot be written (a full disk, read-only credentials) is a warning,
+    not an error: for a command that only checks what it reads (`ckpt verify`), which a full
+    disk is a reason to run, not a reason to refuse."""
     by_url = ref.run is None or ref.step is None
     try:
         home, run, step = _home(store, ref)
         lease = acquire(home, run, step, ttl_s) if home is not None else None
     except OSError as error:  # PermissionError among them: read-only credentials
-        if not by_url:
+        if not (by_url or optional):
             raise
         # Reading a checkpoint by URL needs only read access; a lease is a courtesy to gc there.
         print(f"rayshard: warning: reading {ref.url} without a reader lease ({type(error).__name__}: "

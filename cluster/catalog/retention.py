@@ -1,8 +1,13 @@
-"""`ckpt gc`: keep the newest N checkpoints of each run, remove the rest and every leftover.
+"""`ckpt gc`: keep the newest whole checkpoints of each run, remove the rest and every leftover.
 
-Never removed: the checkpoint LATEST names, checkpoints with an unexpired reader lease, and
+What a run keeps (decision 100): its newest whole checkpoint, whatever --keep says, and up to
+--keep whole ones in all; a damaged checkpoint (a shard missing or shorter than its manifest
+says, an unreadable manifest) is never counted as kept, and is removed only where a whole
+checkpoint newer than it stays, so gc never leaves a run with nothing to resume from. Never
+removed either: the checkpoint LATEST names, checkpoints with an unexpired reader lease, and
 anything written within the grace period (a leftover that young may be a save in progress, a
-pending multipart upload may still complete). A checkpoint is removed manifest first, so it stops
+pending multipart upload may still complete). "Whole" is the catalog's cheap check: one listing
+of the run and each manifest, no shard read. A checkpoint is removed manifest first, so it stops
 being visible before any of its shards go; a gc that dies half way leaves only leftovers, which
 the next gc collects.
 """
@@ -14,12 +19,22 @@ from dataclasses import dataclass, field
 
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.catalog import leases
-from rayshard.cluster.catalog.catalog import Catalog
+from rayshard.cluster.catalog.catalog import Catalog, CheckpointEntry
 from rayshard.cluster.catalog.store import Store
 from rayshard.plans.checkpoint.manifest.codec import MANIFEST
 from rayshard.plans.checkpoint.manifest.object_keys import escape_reason
 
 DEFAULT_GRACE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What gc does with one committed checkpoint, and why (`ckpt gc --dry-run` prints each)."""
+    run: str
+    step: int
+    url: str
+    remove: bool
+    why: str
 
 
 @dataclass
@@ -28,7 +43,8 @@ class GcReport:
     removed_leftovers: list[str] = field(default_factory=list)
     aborted_uploads: list[str] = field(default_factory=list)
     removed_leases: list[str] = field(default_factory=list)
-    kept: list[tuple[str, str]] = field(default_factory=list)  # (url, why)
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (url or path, why)
+    checkpoints: list[Verdict] = field(default_factory=list)  # every committed checkpoint, kept or removed
     freed_bytes: int = 0
 
 
@@ -36,7 +52,7 @@ def collect(store: Store, keep: int, run: str | None = None, grace_s: float = DE
             dry_run: bool = False, now: float | None = None) -> GcReport:
     now = time.time() if now is None else now
     catalog, fs, report = Catalog(store), store.fs, GcReport()
-    for name in [run] if run else store.runs():
+    for name in catalog.runs_named(run):
         _collect_checkpoints(store, catalog, name, keep, now, dry_run, report)
         for leftover in catalog.leftovers(name):
             if now - leftover.newest_unix < grace_s:
@@ -67,20 +83,42 @@ def collect(store: Store, keep: int, run: str | None = None, grace_s: float = DE
 def _collect_checkpoints(store: Store, catalog: Catalog, run: str, keep: int, now: float, dry_run: bool,
                          report: GcReport) -> None:
     entries = catalog.checkpoints(run)
-    newest = {entry.step for entry in sorted(entries, key=lambda e: e.step)[-keep:]} if keep > 0 else set()
-    leased = leases.active(store, run, now)
-    for entry in entries:
-        if entry.step in newest:
+    for verdict in verdicts(entries, keep, leases.active(store, run, now)):
+        report.checkpoints.append(verdict)
+        if not verdict.remove:
+            report.kept.append((verdict.url, verdict.why))
             continue
-        if entry.latest:
-            report.kept.append((entry.url, "LATEST names it"))
-            continue
-        if leased.get(entry.step):
-            report.kept.append((entry.url, f"being read ({len(leased[entry.step])} reader lease(s))"))
-            continue
+        entry = next(e for e in entries if e.step == verdict.step)
         _remove_checkpoint(store, entry, dry_run)
         report.removed_checkpoints.append(entry.url)
         report.freed_bytes += entry.size_bytes
+
+
+def verdicts(entries: list[CheckpointEntry], keep: int, leased: dict[int, list]) -> list[Verdict]:
+    """Keep or remove, and why, for each committed checkpoint of one run (oldest first)."""
+    whole = sorted((e.step for e in entries if e.whole), reverse=True)
+    kept_whole = set(whole[:max(keep, 1)])  # the newest whole one stays whatever --keep says
+    newest_whole = whole[0] if whole else None
+    found = []
+    for entry in sorted(entries, key=lambda e: e.step):
+        damage = "" if entry.whole else f"damaged ({entry.status}), "
+        if entry.latest:
+            why = f"{damage}LATEST names it"
+        elif entry.step in kept_whole:
+            why = ("the newest whole checkpoint of its run (kept whatever --keep says)" if entry.step == newest_whole
+                   else f"one of the {keep} newest whole checkpoints (--keep {keep})")
+        elif leased.get(entry.step):
+            why = f"{damage}being read ({len(leased[entry.step])} reader lease(s))"
+        elif not entry.whole and (newest_whole is None or newest_whole < entry.step):
+            why = (f"{damage}not counted as kept, and no whole checkpoint is newer: left for repair "
+                   "(`rayshard ckpt verify` names what is wrong)")
+        else:
+            reason = (f"{damage}a whole checkpoint newer than it is kept" if damage else
+                      f"older than the {len(kept_whole)} newest whole checkpoint(s) kept (--keep {keep})")
+            found.append(Verdict(entry.run, entry.step, entry.url, True, reason))
+            continue
+        found.append(Verdict(entry.run, entry.step, entry.url, False, why))
+    return found
 
 
 def _remove_checkpoint(store: Store, entry, dry_run: bool) -> None:

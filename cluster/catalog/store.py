@@ -15,7 +15,7 @@ step is given), `latest` (the current run's), or the URL of a checkpoint directo
 """
 from __future__ import annotations
 
-import os
+import copy
 import re
 import sys
 import uuid
@@ -26,14 +26,16 @@ import fsspec
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.storage import options as storage_options
 from rayshard.storage.backends.protocol import PreconditionFailed
+from rayshard.storage.bounded_calls import bounded
 from rayshard.storage.backends.registry import backend_for
 from rayshard.storage.options import StorageOptions
 from rayshard.cluster.catalog.pending import PendingCheckpoint
 from rayshard.plans.checkpoint.manifest.codec import MANIFEST
-from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.errors import CheckpointError, ConfigError, StoreUnavailable
+from rayshard.plans.redaction import Redactor, carries_credentials
+from rayshard.plans.run_names import check_checkpoint_ref, is_location
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")  # scheme://user[:secret]@
 _WARNED_LATEST: set[tuple[str, str]] = set()  # (store URL, run) whose damaged LATEST was reported
 
 
@@ -62,13 +64,29 @@ class Store:
         self._open(url)
 
     def _open(self, url: str) -> None:
-        if USERINFO.match(url):  # s3fs would take "key:secret@bucket" as a bucket name, and print it
-            raise ConfigError("--store", USERINFO.sub(r"\1***@", url), "a store URL cannot carry credentials",
-                              "give them as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an AWS profile, "
-                              "and the URL as s3://bucket/prefix")
+        refuse_credentials(url, "--store")
         self.url = url.rstrip("/") or url
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.backend = backend_for(self.fs)  # conditional writes, uploads: the store's own way
+
+    def require_container(self) -> "Store":
+        """This store, once its bucket is known to exist (a local store needs nothing)."""
+        missing = self.backend.missing_container(self.root)
+        if missing is not None:
+            raise StoreUnavailable(f"--store={self.url!r}: its bucket {missing!r} does not exist (at "
+                                   f"{self.storage_conf.get('s3', {}).get('endpoint_url') or 'the default S3 endpoint'}). "
+                                   f"Fix: create it (aws s3 mb s3://{missing}), or correct --store or AWS_ENDPOINT_URL")
+        return self
+
+    def with_bounded_calls(self) -> "Store":
+        """This store with a deadline on each of its file-system calls (storage.call_timeout_s),
+        for the catalog commands: a silent store ends in one line naming the call, not a wait."""
+        other = copy.copy(self)
+        other.fs = bounded(self.fs, StorageOptions(**self.storage_conf["rayshard"]).call_timeout_s)
+        other.backend = copy.copy(self.backend)  # HeadBucket, multipart listings and aborts, conditional writes
+        other.backend.fs = other.fs
+        other.backend.fetch_ranges = self.backend.fetch_ranges  # shard reads: fsspec's own loop, bounded per range
+        return other
 
     def at(self, url: str) -> "Store":
         """Another store under this one's storage options (endpoint, retries), without applying
@@ -123,13 +141,15 @@ class Store:
 
     def resolve(self, ref: str, current_run: str | None = None) -> CheckpointRef:
         """Turn `latest`, `RUN`, `RUN@STEP` or a checkpoint URL into a committed checkpoint."""
-        if "://" in ref or ref.startswith(("/", "./", "../")) or os.sep in ref.split("@")[0]:
+        if is_location(ref):
+            refuse_credentials(ref, "checkpoint")
             fs, path = fsspec.core.url_to_fs(ref)
             if not fs.exists(f"{path.rstrip('/')}/{MANIFEST}"):
                 raise CheckpointError(f"{ref}: no {MANIFEST} there, so it is not a committed checkpoint. "
                                       "Fix: pass a checkpoint directory (…/checkpoints/step-NNNNNNNN) or RUN[@STEP] with --store")
             check_manifest_keys(ref.rstrip("/"))
             return CheckpointRef(ref.rstrip("/"), None, None)
+        check_checkpoint_ref(ref, "checkpoint")  # a RUN such as '..' would read outside the store
         run, _, step_text = ref.partition("@")
         if run == "latest":
             if not current_run:
@@ -217,3 +237,12 @@ def check_manifest_keys(checkpoint_url: str) -> None:
     does the check, so resolving a ref fails early, before a command starts reading)."""
     read_manifest(checkpoint_url)
 
+
+def refuse_credentials(url: str, field: str) -> None:
+    """A URL with credentials in it is refused before any request, without echoing them: s3fs
+    would take "key:secret@bucket" as a bucket name and botocore print it."""
+    if carries_credentials(url):
+        kind = "store" if field == "--store" else "checkpoint"
+        raise ConfigError(field, Redactor().redact(url), f"a {kind} URL cannot carry credentials",
+                          "give them as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AZURE_STORAGE_* variables) or "
+                          "a profile in the environment, and the URL as s3://bucket/prefix")

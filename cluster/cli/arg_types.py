@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from rayshard.plans.config import RUN_NAME
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.run_names import check_checkpoint_ref, run_name_problem
 
 
 def whole_number(minimum: int, maximum: int | None = None):
@@ -55,12 +56,20 @@ def layer_counts(text: str) -> tuple[int, ...]:
 
 
 def run_name(text: str) -> str:
-    """An argparse type: a new run's name (letters, digits, '.', '_', '-'), as `train --run`
-    checks it: a name with '/' or '..' would write outside the run's directory or the store."""
-    if not RUN_NAME.match(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a run name: 1-128 letters, digits, '.', '_' or '-', "
-                                         "starting with a letter or digit, e.g. my-run-01")
+    """An argparse type: a run's name, as `train --run` checks it (plans/run_names.py): a name
+    with '/' or '..' would read, write or delete outside the store."""
+    problem = run_name_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r} is {problem}")
     return text
+
+
+def checkpoint_ref(text: str) -> str:
+    """An argparse type: RUN[@STEP] whose RUN is a run name, `latest`, or a checkpoint URL/path."""
+    try:
+        return check_checkpoint_ref(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error.constraint}") from None
 
 
 def png_path(text: str) -> str:

@@ -6,7 +6,7 @@ import argparse
 
 from rayshard.cluster import progress
 from rayshard.cluster.cli.groups import command_group
-from rayshard.cluster.cli.arg_types import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, layer_counts, png_path, run_name
+from rayshard.cluster.cli.arg_types import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, checkpoint_ref, layer_counts, png_path, run_name
 
 
 def ckpt_subcommands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -15,7 +15,7 @@ def ckpt_subcommands(commands: argparse._SubParsersAction) -> argparse._SubParse
 
 
 def add_checkpoint_argument(parser: argparse.ArgumentParser, name: str = "checkpoint", store: bool = True) -> None:
-    parser.add_argument(name, metavar=name.upper() if name != "checkpoint" else "CKPT",
+    parser.add_argument(name, type=checkpoint_ref, metavar=name.upper() if name != "checkpoint" else "CKPT",
                         help="RUN[@STEP] within --store, or a checkpoint directory URL")
     if store:
         parser.add_argument("--store", default="./runs", metavar="URL", help="store holding the run (default ./runs)")
@@ -105,9 +105,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     plot = group.add_parser("plot-resume", help="PNG of loss curves: a run on layout A, its resume on layout B, a reference")
     plot.add_argument("--store", default="./runs", metavar="URL")
-    plot.add_argument("--run", action="append", required=True, metavar="NAME",
+    plot.add_argument("--run", type=run_name, action="append", required=True, metavar="NAME",
                       help="run(s) to draw; each layout segment gets its own colour (repeatable)")
-    plot.add_argument("--reference", metavar="NAME", help="the uninterrupted run to compare with")
+    plot.add_argument("--reference", type=run_name, metavar="NAME", help="the uninterrupted run to compare with")
     plot.add_argument("--out", type=png_path, default="resume.png", metavar="PNG")
     plot.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_plot_resume")
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import linecache
 import os
-import re
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from rayshard.cluster.cli import catalog as catalog_cli
 from rayshard.cluster.cli import ckpt as ckpt_cli
@@ -22,11 +23,21 @@ from rayshard.cluster.cli import data as data_cli
 from rayshard.cluster.cli import layout as layout_cli
 from rayshard.cluster.cli import plan as plan_cli
 from rayshard.cluster.cli import train as train_cli
-from rayshard.plans.errors import RayshardError, StepFailed, from_rank, rank_of
+from rayshard.cluster.cli.redacted_output import redacted_output
+from rayshard.plans.errors import RayshardError, StepFailed, StoreUnavailable, from_rank, rank_of
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments end in one line naming the argument, what is wrong and where the usage is,
+    like every other input error (argparse's default adds its usage lines first); subcommand
+    parsers are made of the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"rayshard: error: {self.prog}: {message}. Fix: see `{self.prog} --help`\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="rayshard",
         description="Ray-orchestrated distributed training with reshardable checkpoints.",
     )
@@ -46,7 +57,12 @@ def command_of(args: argparse.Namespace) -> Callable[[argparse.Namespace], int |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with redacted_output(argv):  # every line printed from here on, the arguments' own errors too
+        return _run(build_parser(), argv)
+
+
+def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         return int(command_of(args)(args) or 0)
@@ -94,27 +110,52 @@ def _report(error: BaseException) -> int:
     if _debug():
         remote = getattr(error, "remote_traceback", "")
         if remote:
-            print(_without_userinfo(remote), file=sys.stderr)
-        else:  # a store URL written with credentials shows up in frames and messages: hidden here too
-            print(_without_userinfo("".join(traceback.format_exception(error))), file=sys.stderr, end="")
+            print(remote, file=sys.stderr)
+        else:  # secrets in frames and messages are hidden by redacted_output, as everywhere
+            print("".join(traceback.format_exception(error)), file=sys.stderr, end="")
     prefix = "rayshard: error: " + (f"rank {rank}: " if rank is not None else "")
     if isinstance(error, RayshardError):
-        print(f"{prefix}{_without_userinfo(str(error))}", file=sys.stderr)
-        return 2
+        print(f"{prefix}{error}", file=sys.stderr)
+        return 3 if isinstance(error, StoreUnavailable) else 2
     if isinstance(error, (FileExistsError, NotADirectoryError, IsADirectoryError)):
         # A path given on the command line that is in the way (a file where a directory must go, or
         # the reverse): the user's input, not the store's health.
-        print(f"{prefix}{_without_userinfo(error.filename or '')}: {error.strerror or type(error).__name__}. Fix: "
+        print(f"{prefix}{error.filename or ''}: {error.strerror or type(error).__name__}. Fix: "
               "pass a path that is free or of the right kind (a new directory for --out, a file for --png/--json)",
               file=sys.stderr)
         return 2
-    # s3fs turns S3 failures into OSError once its retries are spent; a user needs the object
-    # and the reason, not a botocore traceback (which never holds credentials either way).
-    print(f"{prefix}storage request failed: {type(error).__name__}: {_without_userinfo(_first_line(error))}. "
+    # s3fs turns S3 failures into OSError once its retries are spent; a user needs the call and
+    # the reason, not a botocore traceback (which never holds credentials either way).
+    call = _storage_call(error)
+    where = f", in {call}" if call else ""
+    if isinstance(error, PermissionError):  # 403: retrying cannot help, the policy or the keys must change
+        print(f"{prefix}storage request refused: PermissionError: {_first_line(error)}{where}. Fix: the credentials "
+              "in use may not make this request: check the store URL, the keys or profile in the environment and "
+              "their policy (deploy/s3-iam-policy.json lists every call rayshard makes)", file=sys.stderr)
+        return 3
+    print(f"{prefix}storage request failed: {type(error).__name__}: {_first_line(error)}{where}. "
           "Fix: check the store URL, its credentials and endpoint (AWS_ENDPOINT_URL) and the network, then run "
           "the command again; nothing partial is visible (a checkpoint commits only with its manifest). "
           "RAYSHARD_DEBUG=1 shows the traceback", file=sys.stderr)
     return 3
+
+
+_OUR_LAYERS = tuple(str(Path(__file__).resolve().parents[2] / layer) + os.sep
+                    for layer in ("plans", "storage", "actors", "cluster"))
+
+
+def _storage_call(error: BaseException) -> str | None:
+    """The last call rayshard's own code made before a storage error, as `Store.runs (fs.exists(...))`:
+    which request failed, without a traceback."""
+    ours = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
+            if frame.f_code.co_filename.startswith(_OUR_LAYERS) and frame.f_code.co_filename != __file__
+            and not frame.f_globals.get("__name__", "").endswith(".bounded_calls")]  # the deadline's wrapper
+    if not ours:
+        return None
+    frame, number = ours[-1]
+    line = linecache.getline(frame.f_code.co_filename, number).strip()
+    name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # co_qualname: Python 3.11+
+    return f"{name} (`{line}`)" if line else name
 
 
 def _debug() -> bool:
@@ -134,12 +175,6 @@ def _from_ray(error: BaseException) -> bool:
     return ray_exceptions is not None and isinstance(error, ray_exceptions.RayError)
 
 
-def _without_userinfo(text: str) -> str:
-    """An endpoint written as scheme://user:secret@host must not print its secret."""
-    text = re.sub(r"(://)[^@\s\"'<>]+@", r"\1***@", text)  # '/' too: secrets hold it unescaped
-    return re.sub(r"(?<![\w/])[A-Za-z0-9+/=_.-]+:(?!//)[^@\s\"'<>]+@", "***@", text)  # key:secret@ with its scheme cut off
-
-
 def _storage_errors() -> tuple[type[BaseException], ...]:
     # botocore's errors exist only once s3fs has imported it; looking it up imports nothing.
     botocore = sys.modules.get("botocore.exceptions")
@@ -148,8 +183,12 @@ def _storage_errors() -> tuple[type[BaseException], ...]:
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else "(no message)"
+    """The message's first line; with the next one where it ends in ':' (botocore's "Parameter
+    validation failed:" says what failed on its second line)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import fsspec
 from rayshard.plans.pipeline.actions import Schedule
 from rayshard.plans.pipeline.csv_order import CSV_SCHEDULE
 from rayshard.plans.config import TrainConfig
+from rayshard.plans.run_names import run_name_problem
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import RankCoords
 from rayshard.plans.pipeline.schedules import schedule_spec
@@ -96,8 +97,8 @@ class MeasuredCosts:
     @classmethod
     def load(cls, ref: str, store: str = "./runs") -> "MeasuredCosts":
         """ref: a pipeline_timings.json file, a run directory, or a run name in `store`."""
-        candidates = [ref] if ref.endswith(".json") else [f"{ref.rstrip('/')}/{FILE_NAME}",
-                                                          f"{store.rstrip('/')}/{ref}/{FILE_NAME}"]
+        candidates = [ref] if ref.endswith(".json") else [f"{ref.rstrip('/')}/{FILE_NAME}"] + (
+            [] if run_name_problem(ref) else [f"{store.rstrip('/')}/{ref}/{FILE_NAME}"])  # only a run name is looked up in the store
         for url in candidates:
             fs, path = fsspec.core.url_to_fs(url)
             if fs.exists(path):

@@ -5,7 +5,6 @@ field, the constraint and a fix. Pure: reading the file is the CLI's job.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, replace
 
 from rayshard.plans.config.checkpoint import CheckpointConfig
@@ -21,9 +20,9 @@ from rayshard.plans.config.values import checked_section
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.options import option, section, sections
+from rayshard.plans.run_names import RUN_NAME, check_run_name
 from rayshard.plans.training.model_spec import PRESETS, ModelConfig, preset
 
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass(frozen=True)
@@ -65,9 +64,7 @@ class TrainConfig:
         self._validate_batch()
         self.pipeline.validate(self.model.spec, self.layout, self.global_batch, self.numerics.compile)
         self.checkpoint.validate()
-        if not RUN_NAME.match(self.run):
-            raise ConfigError("run", self.run, "run names are 1-128 letters, digits, '.', '_' or '-' and start with "
-                              "a letter or digit", "pick a name like my-run-01")
+        check_run_name(self.run, "run")
         self.optimizer.validate()
         self.data.validate(self.seq_len)
         self.numerics.validate(self.model.spec, self.layout, self.seq_len)

@@ -76,3 +76,6 @@ class FsspecBackend:
 
     def remove_empty_directory(self, directory: str) -> None:
         """Nothing to remove where directories do not exist (and s3fs's rmdir removes buckets)."""
+
+    def missing_container(self, root: str) -> str | None:
+        return None  # a directory tree: its root is made as it is written

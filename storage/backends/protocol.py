@@ -78,3 +78,7 @@ class Backend(Protocol):
     def remove_empty_directory(self, directory: str) -> None:
         """Where directories exist, remove this one if it is empty (a save that has just started
         writing in it keeps it)."""
+
+    def missing_container(self, root: str) -> str | None:
+        """The bucket (container) holding root when it does not exist, else None. A store never
+        creates one: s3fs's makedirs would, at the first save, with the wrong region and policy."""

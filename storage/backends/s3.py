@@ -76,6 +76,14 @@ class S3Backend(FsspecBackend):
         bucket, key, _ = self.fs.split_path(upload.path)
         self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id)
 
+    def missing_container(self, root: str) -> str | None:
+        bucket = root.split("/", 1)[0]
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:  # s3fs's translation of 404 NoSuchBucket
+            return bucket
+        return None
+
 
 def _precondition_failed(error: BaseException) -> bool:
     cause = error.__cause__ or error.__context__

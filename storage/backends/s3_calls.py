@@ -17,7 +17,8 @@ S3_OPERATIONS = (
     # Catalog, leases, retention (cluster/catalog/store.py, catalog.py, leases.py, retention.py).
     "HeadObject",
     # fs.makedirs probes the bucket before writing under it, through s3fs: Store.write_text,
-    # leases.acquire.
+    # leases.acquire; and directly: S3Backend.missing_container (train, ckpt ls and gc check the
+    # bucket exists before anything else).
     "HeadBucket",
     # fs.cat_file / fs.cat / fs.cat_ranges / fs._cat_file (ranged GETs), through s3fs:
     # storage/ranged_fetch.py, Store, Catalog; and directly:

@@ -5,6 +5,7 @@ by the same shard writer the ranks use."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import fsspec
@@ -21,7 +22,7 @@ from rayshard.cluster.catalog.retention import collect
 from rayshard.cluster.catalog.store import Store
 from rayshard.cluster.checkpoint.verify import verify
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError, ConfigError
 
 
 @pytest.fixture(params=["s3", "local"])
@@ -221,3 +222,154 @@ def test_gc_never_removes_the_shards_of_a_checkpoint_whose_manifest_is_damaged(s
         fs.pipe_file(f"{base}/manifest.parquet", encode_manifest(chunks, {"run": "r", "step": 1, "layout": {}}))
     collect(store, keep=0, grace_s=0)
     assert fs.exists(f"{base}/{attempt}/rank-00000.safetensors") and fs.exists(f"{base}/{attempt}/rank-00001.safetensors")
+
+
+def test_gc_and_ls_never_reach_outside_the_store(tmp_path, capsys):
+    """`--run ../X` once made gc delete a checkpoint of another directory (issue 43, finding 3)."""
+    store, victim = Store(str(tmp_path / "store")), Store(str(tmp_path / "victim-store"))
+    write_checkpoint(store, "r", 1)
+    write_checkpoint(victim, "v", 1)
+    write_checkpoint(victim, "v", 2)
+    escape = "../victim-store/v"
+    for argv in (["ckpt", "gc", "--keep", "0", "--grace", "0", "--run", escape], ["ckpt", "ls", "--all", "--run", escape]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--store", store.url])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and f"{escape!r} is not a run name" in err, err
+    for call in (lambda: collect(store, keep=0, run=escape, grace_s=0), lambda: Catalog(store).checkpoints(escape),
+                 lambda: Catalog(store).leftovers(escape), lambda: store.resolve("..@1")):
+        with pytest.raises(ConfigError, match="not a run name"):
+            call()
+    assert victim.committed_steps("v") == [1, 2] and verify(victim.checkpoint_url("v", 1), deep=True).ok
+
+
+def _truncate_a_shard(store: Store, run: str, step: int, attempt: str) -> None:
+    shard = f"{store.root}/{run}/checkpoints/step-{step:08d}/{attempt}/rank-00001.safetensors"
+    store.fs.pipe_file(shard, store.fs.cat_file(shard)[:-10])
+
+
+def test_gc_keeps_the_newest_whole_checkpoint_when_the_newest_is_damaged(store, capsys):
+    """Issue 43, finding 2: with the newest checkpoint damaged (a truncated shard that `ckpt ls`
+    itself reports), `gc --keep 1` removed every whole one and left the run unresumable."""
+    attempts = {step: write_checkpoint(store, "r", step)[1] for step in (1, 2, 3, 4)}
+    _truncate_a_shard(store, "r", 4, attempts[4])  # the newest, named by LATEST
+    _truncate_a_shard(store, "r", 2, attempts[2])  # an older damaged one: a whole one newer than it stays
+    assert [(e.step, e.status) for e in Catalog(store).checkpoints("r")][-1] == (4, "1 file(s) truncated")
+
+    assert main(["ckpt", "gc", "--keep", "1", "--grace", "0", "--dry-run", "--store", store.url]) == 0
+    shown = {line.split(":", 1)[0]: line for line in capsys.readouterr().out.splitlines() if " checkpoint r@" in line}
+    assert "the newest whole checkpoint of its run" in shown["would keep checkpoint r@3"]
+    assert "damaged (1 file(s) truncated), LATEST names it" in shown["would keep checkpoint r@4"]
+    assert "older than the 1 newest whole checkpoint(s) kept (--keep 1)" in shown["would remove checkpoint r@1"]
+    assert "damaged (1 file(s) truncated), a whole checkpoint newer than it is kept" in shown["would remove checkpoint r@2"]
+    assert store.committed_steps("r") == [1, 2, 3, 4]  # a dry run removes nothing
+
+    assert main(["ckpt", "gc", "--keep", "1", "--grace", "0", "--store", store.url]) == 0
+    assert store.committed_steps("r") == [3, 4] and verify(store.checkpoint_url("r", 3), deep=True).ok
+
+
+def test_a_damaged_checkpoint_never_counts_as_kept(store):
+    """--keep 0 still keeps the newest whole checkpoint; a damaged one newer than every whole one
+    is left for repair, LATEST stays, and only what a whole newer checkpoint replaces goes."""
+    attempts = {step: write_checkpoint(store, "r", step)[1] for step in (1, 2, 3, 4, 5)}
+    _truncate_a_shard(store, "r", 4, attempts[4])
+    store.fs.rm_file(f"{store.root}/r/checkpoints/step-00000005/{attempts[5]}/rank-00000.safetensors")
+    store.fs.pipe_file(f"{store.root}/r/LATEST", b"step-00000001")  # a resumed run forked from step 1
+    report = collect(store, keep=2, grace_s=0)
+    kept = {verdict.step: verdict.why for verdict in report.checkpoints if not verdict.remove}
+    assert sorted(kept) == [1, 2, 3, 4, 5]  # every one kept, each with its own reason
+    assert store.committed_steps("r") == [1, 2, 3, 4, 5]
+    assert "LATEST names it" in kept[1] and "2 newest whole" in kept[2] and "newest whole checkpoint" in kept[3]
+    assert "no whole checkpoint is newer" in kept[4] and "1 file(s) missing" in kept[5]
+    collect(store, keep=0, grace_s=0)
+    assert store.committed_steps("r") == [1, 3, 4, 5]
+
+
+def test_every_request_denied_is_one_line_naming_the_call(s3_store, fault_proxy, capsys):
+    """With every request answered 403 (issue 43), each catalog command ends in one line, exit 3,
+    naming the call that was refused; nothing is retried (a 403 does not heal)."""
+    write_checkpoint(Store(s3_store), "r", 1)
+    fault_proxy.add("denied")
+    for argv in (["ckpt", "ls"], ["ckpt", "ls", "--run", "r", "--all"], ["ckpt", "show", "r@1"], ["ckpt", "verify", "r"],
+                 ["ckpt", "gc", "--keep", "1", "--dry-run"]):
+        assert main([*argv, "--store", s3_store]) == 3, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("rayshard: error: storage request refused: PermissionError"), err
+        assert re.search(r", in \w+\.\w+ \(`.*fs\.\w+\(", err), err  # the call: its function and its line
+        assert "(`" in err and "policy" in err, err
+    assert all(rule.injected for rule in fault_proxy.rules)
+
+
+def _full_disk_available() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _full_disk_available(), reason="needs `unshare -rm` to mount a small tmpfs")
+def test_verify_runs_on_a_full_disk(tmp_path):
+    """`ckpt verify` wrote its reader lease first, so on a full disk it could not check anything
+    (issue 43): it now verifies without the lease, saying so in one warning line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    write_checkpoint(Store(str(tmp_path / "store")), "r", 1)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    # A real full file system: a 1 MiB tmpfs in a private mount namespace, the store copied in,
+    # then filled to the last byte.
+    script = (f"mount -t tmpfs -o size=1m tmpfs {disk} && cp -r {tmp_path / 'store'} {disk}/store && "
+              f"(dd if=/dev/zero of={disk}/fill bs=4k 2>/dev/null; true) && "
+              f"! sh -c 'echo x > {disk}/probe' 2>/dev/null && "
+              f"{sys.executable} -m rayshard ckpt verify r@1 --deep --quiet --store {disk}/store")
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=repo, capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("ok: ") and "read back and checksummed" in done.stdout, done.stdout
+    [warning] = done.stderr.splitlines()
+    assert "without a reader lease" in warning and "No space left on device" in warning, done.stderr
+
+
+def test_a_missing_bucket_is_one_line_before_anything_starts(s3_store, monkeypatch, capsys):
+    """A bucket that does not exist was found only at the first save, after s3fs had tried to
+    create it (issue 43); `ckpt ls` said "no committed checkpoints". Now train, ls and gc name it
+    in one line, exit 3, before Ray starts, and nothing creates it."""
+    import boto3
+
+    import rayshard.cluster.cli.commands.train as train_command
+
+    def started(*_args, **_kwargs):
+        raise AssertionError("training started on a store whose bucket does not exist")
+
+    monkeypatch.setattr(train_command, "train", started)
+    monkeypatch.setattr(train_command, "train_elastic", started)
+    missing = f"rayshard-missing-{__import__('uuid').uuid4().hex[:12]}"
+    for argv in (["train", "--steps", "1", "--run", "r"], ["train", "--elastic", "--steps", "1"], ["ckpt", "ls"],
+                 ["ckpt", "gc", "--keep", "1"]):
+        assert main([*argv, "--store", f"s3://{missing}/runs"]) == 3, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"its bucket {missing!r} does not exist" in err and "aws s3 mb" in err, err
+    client = boto3.client("s3", endpoint_url=Store(s3_store).storage_conf["s3"]["endpoint_url"], region_name="us-east-1")
+    assert missing not in {bucket["Name"] for bucket in client.list_buckets()["Buckets"]}
+    assert main(["ckpt", "ls", "--store", s3_store]) == 0  # a bucket that exists, with nothing in it yet
+
+
+def test_a_silent_store_ends_in_one_line_naming_the_call_and_its_bound(s3_store, fault_proxy, monkeypatch, capsys):
+    """Every storage call of a catalog command has a bound (storage.call_timeout_s): with a store
+    that accepts requests and never answers, each command stops at the first call's bound, in one
+    line, exit 3, naming the call and the bound, where it waited for every retry to time out."""
+    write_checkpoint(Store(s3_store), "r", 1)
+    monkeypatch.setenv("RAYSHARD_S3_CALL_TIMEOUT_S", "2")
+    fault_proxy.add("stall", seconds=8)
+    for argv in (["ckpt", "ls"], ["ckpt", "show", "r@1"], ["ckpt", "gc", "--keep", "1", "--dry-run"]):
+        assert main([*argv, "--store", s3_store]) == 3, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "storage request failed: StorageCallTimeout: " in err, err
+        assert re.search(r"\w+\(.+\) got no answer within 2 s, retries included", err), err
+        assert "RAYSHARD_S3_CALL_TIMEOUT_S" in err and re.search(r", in \w+\.\w+ \(`", err), err

@@ -3,7 +3,8 @@ stderr, with RAYSHARD_DEBUG=1's traceback too (s3fs would take key:secret@bucket
 and botocore would print it)."""
 import pytest
 
-from rayshard.cluster.cli.main import _without_userinfo, main
+from rayshard.cluster.cli.main import main
+from rayshard.plans.redaction import Redactor
 
 SECRET = "hunter2zz"
 
@@ -24,4 +25,4 @@ def test_a_store_url_with_credentials_is_refused_without_printing_them(capsys, m
     ("model.py:12 in forward, at 10:30", "model.py:12 in forward, at 10:30"),
 ])
 def test_userinfo_is_hidden_with_or_without_its_scheme(text, shown):
-    assert _without_userinfo(text) == shown
+    assert Redactor().redact(text) == shown

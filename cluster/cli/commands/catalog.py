@@ -30,7 +30,7 @@ def _when(unix: float | None) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    catalog = Catalog(args.store)
+    catalog = Catalog(Store(args.store).with_bounded_calls().require_container())
     entries = catalog.checkpoints(args.run)
     if args.json:
         print(json.dumps(catalog.table(args.run).to_pylist(), indent=2))
@@ -79,7 +79,9 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    with reading(args) as (_, [ref]), byte_bar(args, "verify", enabled=args.deep) as bar:  # a shallow check reads no data
+    # A check that only reads runs on a full disk too: without its reader lease, with a warning.
+    # A shallow check reads no data: no progress bar.
+    with reading(args, lease_optional=True) as (_, [ref]), byte_bar(args, "verify", enabled=args.deep) as bar:
         report = verify(ref.url, deep=args.deep, progress=bar)
     checked = f", {_size(report.bytes_checked)} read back and checksummed" if report.deep else ""
     if report.ok:
@@ -95,18 +97,22 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_gc(args: argparse.Namespace) -> int:
     if args.keep < 0:
         raise ConfigError("--keep", args.keep, "must be 0 or more", "pass --keep N with N >= 0 (LATEST is always kept)")
-    report = collect(Store(args.store), args.keep, run=args.run, grace_s=args.grace, dry_run=args.dry_run)
+    store = Store(args.store).with_bounded_calls().require_container()
+    report = collect(store, args.keep, run=args.run, grace_s=args.grace, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    for url in report.removed_checkpoints:
-        print(f"{verb} checkpoint {url}")
+    for verdict in report.checkpoints:  # every committed checkpoint, with the rule that decided it
+        print(f"{verb if verdict.remove else ('would keep' if args.dry_run else 'kept')} checkpoint "
+              f"{verdict.run}@{verdict.step}: {verdict.why} ({verdict.url})")
     for path in report.removed_leftovers:
         print(f"{verb} leftover {path}")
     for path in report.aborted_uploads:
         print(f"{'would abort' if args.dry_run else 'aborted'} incomplete multipart upload {path}")
     for path in report.removed_leases:
         print(f"{verb} expired lease {path}")
+    decided = {verdict.url for verdict in report.checkpoints}
     for what, why in report.kept:
-        print(f"kept {what}: {why}")
+        if what not in decided:
+            print(f"{'would keep' if args.dry_run else 'kept'} {what}: {why}")
     print(f"{verb} {len(report.removed_checkpoints)} checkpoint(s), {len(report.removed_leftovers)} leftover(s), "
           f"{len(report.aborted_uploads)} upload(s): {_size(report.freed_bytes)}")
     return 0

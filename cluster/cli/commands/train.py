@@ -8,6 +8,7 @@ from dataclasses import replace
 import yaml
 
 from rayshard.actors.model.user_model import describe_factory
+from rayshard.cluster.catalog.store import Store
 from rayshard.cluster.cli.config_flags import config_overrides
 from rayshard.cluster.cli.train import DEFAULT_CONFIG
 from rayshard.cluster.run.controller import State
@@ -92,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    Store(config.store).with_bounded_calls().require_container()  # before Ray: s3fs would create it at the first save
     if args.elastic:
         return _run_elastic(args, config)
 
