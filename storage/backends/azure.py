@@ -1,0 +1,234 @@
+"""az:// and abfs://: Azure Blob Storage (and Azurite, its emulator), through adlfs.
+
+Create-only and compare-and-replace are conditional Put Blob requests (If-None-Match: * and
+If-Match: <ETag>), evaluated by the service atomically with the write. Objects stream as staged
+block uploads in bounded memory: the S3 writer's buffering, concurrency and stall bound
+(`s3_multipart.MultipartWriter`) with Put Block for parts and Put Block List for the commit. A
+writer that dies leaves uncommitted blocks under a blob name that no listing shows; Azure keeps
+them for 7 days after the last Put Block, and `pending_uploads` finds them sooner (a listing with
+include=uncommittedblobs, minus the plain listing), so `ckpt gc` aborts them like S3's multipart
+uploads: an empty Put Block List that only succeeds where no blob is committed (If-None-Match: *)
+discards the blocks, and a Delete Blob conditioned on that empty blob's ETag removes the name.
+
+Credentials come from the usual Azure sources, resolved in each process (never shipped through
+Ray, never printed): AZURE_STORAGE_CONNECTION_STRING; AZURE_STORAGE_ACCOUNT_NAME with
+AZURE_STORAGE_ACCOUNT_KEY (or the Azure CLI's AZURE_STORAGE_KEY) or AZURE_STORAGE_SAS_TOKEN; a
+service principal (AZURE_STORAGE_CLIENT_ID / _SECRET / TENANT_ID); else DefaultAzureCredential
+(managed identity, workload identity, `az login`). The client's retry policy is bounded from the
+same `StorageOptions` as S3's: `max_attempts` tries with exponential backoff on 500/503 (server
+busy), timeouts and connection resets, and connect/read timeouts per request.
+
+Every Blob REST operation made here, and the Azure RBAC data action it needs, is listed in
+`azure_calls.py`. Importing this module imports neither adlfs nor the Azure SDK: the filesystem
+class is built on first use.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+
+import fsspec
+from fsspec.asyn import sync
+
+from rayshard.storage.backends.fsspec_generic import FsspecBackend
+from rayshard.storage.backends.protocol import PendingUpload, PreconditionFailed
+from rayshard.storage.backends.s3_multipart import MultipartWriter
+from rayshard.storage.options import upload_options
+
+SCHEMES = ("az", "abfs", "abfss")
+FILESYSTEM = "BoundedRetryBlobFileSystem"
+# The first retry waits about this long, each later one INCREMENT_BASE ** n seconds more (the SDK's
+# ExponentialRetry, with jitter); with the default 8 attempts the waits add up to under 2 minutes.
+INITIAL_BACKOFF_S = 0.5
+INCREMENT_BASE = 2
+
+
+class AzureBackend(FsspecBackend):
+    scheme = "az"
+
+    def url(self, path: str) -> str:
+        return f"az://{path}"
+
+    def create_only(self, path: str, data: bytes) -> None:
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceExistsError
+
+        try:
+            self._call(path, "upload_blob", data, overwrite=True, match_condition=MatchConditions.IfMissing)
+        except ResourceExistsError:
+            # A retried PUT whose first try landed (the reply was lost) also fails its
+            # condition: the object is then ours, byte for byte.
+            if self.read_versioned(path)[0] != data:
+                raise FileExistsError(path) from None
+
+    def read_versioned(self, path: str) -> tuple[bytes | None, str | None]:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            return sync(self.fs.loop, _get_with_etag, self.fs, path)
+        except ResourceNotFoundError:
+            return None, None
+
+    def replace_if(self, path: str, data: bytes, token: str | None) -> None:
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+
+        condition = ({"match_condition": MatchConditions.IfMissing} if token is None
+                     else {"etag": token, "match_condition": MatchConditions.IfNotModified})
+        try:
+            self._call(path, "upload_blob", data, overwrite=True, **condition)
+        except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError):
+            if self.read_versioned(path)[0] == data:
+                return  # our own write landed on an earlier try of a retried request
+            raise PreconditionFailed(path) from None
+
+    @contextlib.contextmanager
+    def open_writer(self, path: str):
+        options = upload_options()
+        writer = BlockBlobWriter(self.fs, path, options.part_size, options.max_concurrency, options.stall_timeout_s)
+        try:
+            yield writer
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def pending_uploads(self, root: str) -> list[PendingUpload]:
+        return sync(self.fs.loop, _uncommitted_blobs, self.fs, root)
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        sync(self.fs.loop, _discard_uncommitted, self.fs, upload.path)
+
+    def _call(self, path: str, method: str, *args, **kwargs):
+        return sync(self.fs.loop, _blob_call, self.fs, path, method, *args, **kwargs)
+
+
+class BlockBlobWriter(MultipartWriter):
+    """The S3 writer's buffering, bounded concurrency and stall bound, speaking Blob REST: one Put
+    Blob for an object within the memory budget, else Put Block per part and Put Block List."""
+
+    def _submit(self, method: str, **kwargs) -> concurrent.futures.Future:
+        if method == "create_multipart_upload":  # Azure needs no call to start staging blocks
+            started: concurrent.futures.Future = concurrent.futures.Future()
+            started.set_result({"UploadId": "staged-blocks"})
+            return started
+        return _run_on(self.fs, _WRITER_CALLS[method](self, **kwargs))
+
+    def _put(self, Body):
+        return _blob_call(self.fs, self.path, "upload_blob", Body, overwrite=True)
+
+    async def _stage(self, UploadId, PartNumber, Body):
+        await _blob_call(self.fs, self.path, "stage_block", _block_id(PartNumber), Body, length=len(Body))
+        return {"ETag": _block_id(PartNumber)}
+
+    def _commit(self, UploadId, MultipartUpload):
+        from azure.storage.blob import BlobBlock
+
+        blocks = [BlobBlock(block_id=part["ETag"]) for part in MultipartUpload["Parts"]]
+        return _blob_call(self.fs, self.path, "commit_block_list", blocks)
+
+    def _abort(self, UploadId):
+        return _discard_uncommitted(self.fs, self.path)
+
+
+_WRITER_CALLS = {
+    "put_object": BlockBlobWriter._put,
+    "upload_part": BlockBlobWriter._stage,
+    "complete_multipart_upload": BlockBlobWriter._commit,
+    "abort_multipart_upload": BlockBlobWriter._abort,
+}
+
+
+def _block_id(part_number: int) -> str:
+    return f"{part_number:08d}"  # one length for every block of a blob, as Put Block List requires
+
+
+def _run_on(fs, coroutine) -> concurrent.futures.Future:
+    import asyncio
+
+    return asyncio.run_coroutine_threadsafe(coroutine, fs.loop)
+
+
+async def _blob_call(fs, path: str, method: str, *args, **kwargs):
+    container, blob, _ = fs.split_path(path)
+    async with fs.service_client.get_blob_client(container=container, blob=blob) as client:
+        return await getattr(client, method)(*args, **kwargs)
+
+
+async def _get_with_etag(fs, path: str) -> tuple[bytes, str]:
+    container, blob, _ = fs.split_path(path)
+    async with fs.service_client.get_blob_client(container=container, blob=blob) as client:
+        stream = await client.download_blob()
+        return await stream.readall(), stream.properties.etag
+
+
+async def _uncommitted_blobs(fs, root: str) -> list[PendingUpload]:
+    """Blob names that hold only uncommitted blocks: listed with include=uncommittedblobs and
+    missing from the plain listing. (Blocks staged on top of a committed blob are not found: a
+    save writes each object once under a fresh name, so only an overwrite leaves those, and Azure
+    discards them 7 days after their last Put Block.)"""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    container, prefix, _ = fs.split_path(root)
+    prefix = f"{prefix.rstrip('/')}/" if prefix else ""
+    async with fs.service_client.get_container_client(container) as client:
+        try:
+            committed = {blob.name async for blob in client.list_blobs(name_starts_with=prefix)}
+            return [PendingUpload(f"{container}/{blob.name}", "uncommitted-blocks",
+                                  (blob.last_modified or blob.creation_time).timestamp())
+                    async for blob in client.list_blobs(name_starts_with=prefix, include=["uncommittedblobs"])
+                    if blob.name not in committed]
+        except ResourceNotFoundError:
+            return []  # no container, so nothing staged in it
+
+
+async def _discard_uncommitted(fs, path: str) -> None:
+    """Put Block List with no blocks discards every uncommitted block and leaves an empty blob;
+    If-None-Match: * keeps it from replacing a blob that got committed meanwhile, and the delete is
+    conditioned on the empty blob's ETag, so only what this call made is removed."""
+    from azure.core import MatchConditions
+    from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+
+    try:
+        empty = await _blob_call(fs, path, "commit_block_list", [], match_condition=MatchConditions.IfMissing)
+    except ResourceExistsError:
+        return  # committed by now: its uncommitted blocks went with that commit
+    with contextlib.suppress(ResourceNotFoundError, ResourceModifiedError):
+        await _blob_call(fs, path, "delete_blob", etag=empty["etag"], match_condition=MatchConditions.IfNotModified)
+
+
+def _filesystem_class():
+    """adlfs's AzureBlobFileSystem with rayshard's bounded retry policy and timeouts, and the Azure
+    CLI's AZURE_STORAGE_KEY read as the account key (adlfs reads AZURE_STORAGE_ACCOUNT_KEY)."""
+    from adlfs import AzureBlobFileSystem
+    from azure.storage.blob.aio import ExponentialRetry  # the async client needs the async policy
+
+    class BoundedRetryBlobFileSystem(AzureBlobFileSystem):
+        def __init__(self, *args, account_key: str | None = None, **kwargs):
+            super().__init__(*args, account_key=account_key or os.environ.get("AZURE_STORAGE_KEY"), **kwargs)
+
+        def do_connect(self):
+            super().do_connect()  # adlfs picks the credential (connection string, key, SAS, identity)
+            resolved = self.service_client
+            options = upload_options()
+            policy = ExponentialRetry(initial_backoff=INITIAL_BACKOFF_S, increment_base=INCREMENT_BASE,
+                                      retry_total=options.max_attempts - 1, random_jitter_range=1)
+            self.service_client = type(resolved)(resolved.url, credential=resolved.credential, retry_policy=policy,
+                                                 connection_timeout=options.connect_timeout_s,
+                                                 read_timeout=options.read_timeout_s)
+
+    BoundedRetryBlobFileSystem.__module__ = __name__
+    return BoundedRetryBlobFileSystem
+
+
+def __getattr__(name: str):
+    if name == FILESYSTEM:  # fsspec imports it by name on the first az:// URL
+        globals()[name] = _filesystem_class()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+for _scheme in SCHEMES:
+    fsspec.register_implementation(_scheme, f"{__name__}.{FILESYSTEM}", clobber=True,
+                                   errtxt="Azure Blob Storage needs adlfs: pip install adlfs")
