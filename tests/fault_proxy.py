@@ -51,12 +51,12 @@ class Rule:
 
 
 class FaultProxy:
-    def __init__(self, upstream_host: str, upstream_port: int):
+    def __init__(self, upstream_host: str, upstream_port: int, listen_port: int = 0):
         self.upstream = (upstream_host, upstream_port)
         self.rules: list[Rule] = []
         self.requests: list[tuple[str, str]] = []  # (method, target) of every request, for debugging
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._server = ThreadingHTTPServer(("127.0.0.1", listen_port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
 

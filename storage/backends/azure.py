@@ -33,7 +33,7 @@ from fsspec.asyn import sync
 
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
 from rayshard.storage.backends.protocol import PendingUpload, PreconditionFailed
-from rayshard.storage.backends.s3_multipart import MultipartWriter
+from rayshard.storage.backends.s3_multipart import ChunksReader, MultipartWriter
 from rayshard.storage.options import upload_options
 
 SCHEMES = ("az", "abfs", "abfss")
@@ -108,6 +108,8 @@ class BlockBlobWriter(MultipartWriter):
     """The S3 writer's buffering, bounded concurrency and stall bound, speaking Blob REST: one Put
     Blob for an object within the memory budget, else Put Block per part and Put Block List."""
 
+    protocol = "az"
+
     def _submit(self, method: str, **kwargs) -> concurrent.futures.Future:
         if method == "create_multipart_upload":  # Azure needs no call to start staging blocks
             started: concurrent.futures.Future = concurrent.futures.Future()
@@ -116,10 +118,12 @@ class BlockBlobWriter(MultipartWriter):
         return _run_on(self.fs, _WRITER_CALLS[method](self, **kwargs))
 
     def _put(self, Body):
-        return _blob_call(self.fs, self.path, "upload_blob", Body, overwrite=True)
+        body = _stream(Body)
+        return _blob_call(self.fs, self.path, "upload_blob", body, length=body.size, overwrite=True)
 
     async def _stage(self, UploadId, PartNumber, Body):
-        await _blob_call(self.fs, self.path, "stage_block", _block_id(PartNumber), Body, length=len(Body))
+        body = _stream(Body)
+        await _blob_call(self.fs, self.path, "stage_block", _block_id(PartNumber), body, length=body.size)
         return {"ETag": _block_id(PartNumber)}
 
     def _commit(self, UploadId, MultipartUpload):
@@ -138,6 +142,12 @@ _WRITER_CALLS = {
     "complete_multipart_upload": BlockBlobWriter._commit,
     "abort_multipart_upload": BlockBlobWriter._abort,
 }
+
+
+def _stream(body) -> ChunksReader:
+    """The SDK takes a bytearray for an iterable of ints: buffers go as a seekable stream (no copy),
+    which it also rewinds to retry."""
+    return body if isinstance(body, ChunksReader) else ChunksReader([body])
 
 
 def _block_id(part_number: int) -> str:
