@@ -14,6 +14,7 @@ cluster's real credentials. A developer's own AZURE_STORAGE_* variables never re
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 import shutil
 import socket
 import subprocess
@@ -136,3 +137,19 @@ def az_store(azure_fault_proxy, monkeypatch):
     monkeypatch.undo()
     storage_options.configure()
     getattr(azure, azure.FILESYSTEM).clear_instance_cache()
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    kind: str  # "s3" or "az"
+    url: str
+    proxy: object  # the FaultProxy in front of its server
+
+
+@pytest.fixture(params=["s3", "az"])
+def object_store(request) -> ObjectStore:
+    """A fresh store on each object store rayshard has a backend for: S3 (moto) and Azure Blob
+    Storage (Azurite), each behind its fault proxy. Tests written once run on both."""
+    if request.param == "s3":
+        return ObjectStore("s3", request.getfixturevalue("s3_store"), request.getfixturevalue("fault_proxy"))
+    return ObjectStore("az", request.getfixturevalue("az_store"), request.getfixturevalue("azure_fault_proxy"))

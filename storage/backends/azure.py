@@ -209,13 +209,15 @@ async def _discard_uncommitted(fs, path: str) -> None:
 
 
 def _filesystem_class():
-    """adlfs's AzureBlobFileSystem with rayshard's bounded retry policy and timeouts, and the Azure
-    CLI's AZURE_STORAGE_KEY read as the account key (adlfs reads AZURE_STORAGE_ACCOUNT_KEY)."""
+    """adlfs's AzureBlobFileSystem with rayshard's bounded retry policy and timeouts, no listings
+    cache (as on S3), and the Azure CLI's AZURE_STORAGE_KEY read as the account key (adlfs reads
+    AZURE_STORAGE_ACCOUNT_KEY)."""
     from adlfs import AzureBlobFileSystem
     from azure.storage.blob.aio import ExponentialRetry  # the async client needs the async policy
 
     class BoundedRetryBlobFileSystem(AzureBlobFileSystem):
         def __init__(self, *args, account_key: str | None = None, **kwargs):
+            kwargs.setdefault("use_listings_cache", False)  # the catalog must see what other processes committed
             super().__init__(*args, account_key=account_key or os.environ.get("AZURE_STORAGE_KEY"), **kwargs)
 
         def do_connect(self):
