@@ -1,5 +1,6 @@
-"""Training with the store on the S3 test server: rank actors write and read their shards through
-the fault proxy, resume onto another layout, and survive throttling, resets and delays bit-exact."""
+"""Training with the store on the S3 test server (and, where a test takes `object_store`, on Azurite
+too): rank actors write and read their shards through the fault proxy, resume onto another layout,
+and survive throttling, resets and delays bit-exact."""
 from __future__ import annotations
 
 import pytest
@@ -32,7 +33,8 @@ def local_reference(run_training, tmp_path_factory):
     return result
 
 
-def test_s3_store_saves_and_resumes_onto_another_layout(run_training, s3_store, tmp_path, local_reference):
+def test_an_object_store_saves_and_resumes_onto_another_layout(run_training, object_store, tmp_path, local_reference):
+    s3_store = object_store.url
     run_training(_config(tmp_path, DP2_TP2, steps=2, run="x", store=s3_store))
     store = Store(s3_store)
     assert store.committed_steps("x") == [2] and store.latest_step("x") == 2
@@ -42,8 +44,9 @@ def test_s3_store_saves_and_resumes_onto_another_layout(run_training, s3_store, 
     assert store.latest_step("x") == 3
 
 
-def test_saves_and_loads_survive_throttling_resets_and_delays_bit_exact(run_training, s3_store, tmp_path,
-                                                                         fault_proxy, local_reference):
+def test_saves_and_loads_survive_throttling_resets_and_delays_bit_exact(run_training, object_store, tmp_path,
+                                                                         local_reference):
+    s3_store, fault_proxy = object_store.url, object_store.proxy
     rules = [fault_proxy.add("slowdown", method="PUT", path=r"rank-0000[02]\.safetensors", times=2),
              fault_proxy.add("reset", method="PUT", path=r"rank-00001\.safetensors", times=1),
              fault_proxy.add("error500", method="PUT", path=r"rank-00003\.safetensors", times=1),
