@@ -123,20 +123,20 @@ def az_store(azure_fault_proxy, monkeypatch):
     from azure.storage.blob import BlobServiceClient
 
     from rayshard.storage import options as storage_options
-    from rayshard.storage.backends import azure
+    from rayshard.storage.backends.azure_filesystem import BoundedRetryBlobFileSystem
     from tests.s3_fixtures import TEST_STORAGE_ENV
 
     for name, value in TEST_STORAGE_ENV.items():
         monkeypatch.setenv(name, value)
     storage_options.configure()
-    getattr(azure, azure.FILESYSTEM).clear_instance_cache()  # clients built now take these retries and timeouts
+    BoundedRetryBlobFileSystem.clear_instance_cache()  # clients built now take these retries and timeouts
     container = f"test-{uuid.uuid4().hex[:16]}"
     with BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service:
         service.create_container(container)
     yield f"az://{container}/store"
     monkeypatch.undo()
     storage_options.configure()
-    getattr(azure, azure.FILESYSTEM).clear_instance_cache()
+    BoundedRetryBlobFileSystem.clear_instance_cache()
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ def _handler_for(proxy: FaultProxy):
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":  # a body after a HEAD reply would be read as the next reply
+                self.wfile.write(body)
 
         def _handle(self) -> None:
             body = self._body()

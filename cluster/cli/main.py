@@ -134,17 +134,29 @@ def _from_ray(error: BaseException) -> bool:
     return ray_exceptions is not None and isinstance(error, ray_exceptions.RayError)
 
 
+# Secrets some stores carry in a URL or a connection string, whatever the store: a shared access
+# signature's sig= (Azure; HTTP client errors quote the request URL whole), a presigned URL's
+# signature, a connection string's AccountKey= / SharedAccessSignature=.
+_SECRET_FIELDS = re.compile(r"(?i)\b(sig|signature|x-amz-signature|x-goog-signature|accountkey|sharedaccesssignature)"
+                            r"=[^&;\s\"'<>]+")
+
+
 def _without_userinfo(text: str) -> str:
-    """An endpoint written as scheme://user:secret@host must not print its secret."""
+    """An endpoint written as scheme://user:secret@host must not print its secret, nor a URL or
+    connection string its signature or key."""
+    text = _SECRET_FIELDS.sub(r"\1=***", text)
     text = re.sub(r"(://)[^@\s\"'<>]+@", r"\1***@", text)  # '/' too: secrets hold it unescaped
     return re.sub(r"(?<![\w/])[A-Za-z0-9+/=_.-]+:(?!//)[^@\s\"'<>]+@", "***@", text)  # key:secret@ with its scheme cut off
 
 
 def _storage_errors() -> tuple[type[BaseException], ...]:
-    # botocore's errors exist only once s3fs has imported it; looking it up imports nothing.
+    # botocore's errors exist only once s3fs has imported it, the Azure SDK's once adlfs has;
+    # looking them up imports nothing.
     botocore = sys.modules.get("botocore.exceptions")
+    azure = sys.modules.get("azure.core.exceptions")
     errors: tuple[type[BaseException], ...] = (OSError,)
-    return errors if botocore is None else errors + (botocore.BotoCoreError, botocore.ClientError)
+    errors += () if botocore is None else (botocore.BotoCoreError, botocore.ClientError)
+    return errors if azure is None else errors + (azure.AzureError,)
 
 
 def _first_line(error: BaseException) -> str:

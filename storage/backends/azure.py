@@ -19,16 +19,19 @@ same `StorageOptions` as S3's: `max_attempts` tries with exponential backoff on 
 busy), timeouts and connection resets, and connect/read timeouts per request.
 
 Every Blob REST operation made here, and the Azure RBAC data action it needs, is listed in
-`azure_calls.py`. Importing this module imports neither adlfs nor the Azure SDK: the filesystem
-class is built on first use.
+`azure_calls.py`. The filesystem class (`azure_filesystem.py`) is registered with fsspec by name,
+so adlfs and the storage SDK load on the first az:// URL, not with the registry.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
-import os
 
 import fsspec
+from azure.core import MatchConditions
+from azure.core.exceptions import (ResourceExistsError, ResourceModifiedError,  # light: not the storage SDK
+                                   ResourceNotFoundError)
 from fsspec.asyn import sync
 
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
@@ -37,11 +40,7 @@ from rayshard.storage.backends.s3_multipart import ChunksReader, MultipartWriter
 from rayshard.storage.options import upload_options
 
 SCHEMES = ("az", "abfs", "abfss")
-FILESYSTEM = "BoundedRetryBlobFileSystem"
-# The first retry waits about this long, each later one INCREMENT_BASE ** n seconds more (the SDK's
-# ExponentialRetry, with jitter); with the default 8 attempts the waits add up to under 2 minutes.
-INITIAL_BACKOFF_S = 0.5
-INCREMENT_BASE = 2
+FILESYSTEM = "rayshard.storage.backends.azure_filesystem.BoundedRetryBlobFileSystem"
 
 
 class AzureBackend(FsspecBackend):
@@ -51,8 +50,6 @@ class AzureBackend(FsspecBackend):
         return f"az://{path}"
 
     def create_only(self, path: str, data: bytes) -> None:
-        from azure.core import MatchConditions
-        from azure.core.exceptions import ResourceExistsError
 
         try:
             self._call(path, "upload_blob", data, overwrite=True, match_condition=MatchConditions.IfMissing)
@@ -63,7 +60,6 @@ class AzureBackend(FsspecBackend):
                 raise FileExistsError(path) from None
 
     def read_versioned(self, path: str) -> tuple[bytes | None, str | None]:
-        from azure.core.exceptions import ResourceNotFoundError
 
         try:
             return sync(self.fs.loop, _get_with_etag, self.fs, path)
@@ -71,8 +67,6 @@ class AzureBackend(FsspecBackend):
             return None, None
 
     def replace_if(self, path: str, data: bytes, token: str | None) -> None:
-        from azure.core import MatchConditions
-        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
 
         condition = ({"match_condition": MatchConditions.IfMissing} if token is None
                      else {"etag": token, "match_condition": MatchConditions.IfNotModified})
@@ -127,10 +121,8 @@ class BlockBlobWriter(MultipartWriter):
         return {"ETag": _block_id(PartNumber)}
 
     def _commit(self, UploadId, MultipartUpload):
-        from azure.storage.blob import BlobBlock
-
-        blocks = [BlobBlock(block_id=part["ETag"]) for part in MultipartUpload["Parts"]]
-        return _blob_call(self.fs, self.path, "commit_block_list", blocks)
+        block_ids = [part["ETag"] for part in MultipartUpload["Parts"]]  # plain ids: the latest version of each
+        return _blob_call(self.fs, self.path, "commit_block_list", block_ids)
 
     def _abort(self, UploadId):
         return _discard_uncommitted(self.fs, self.path)
@@ -155,8 +147,6 @@ def _block_id(part_number: int) -> str:
 
 
 def _run_on(fs, coroutine) -> concurrent.futures.Future:
-    import asyncio
-
     return asyncio.run_coroutine_threadsafe(coroutine, fs.loop)
 
 
@@ -178,8 +168,6 @@ async def _uncommitted_blobs(fs, root: str) -> list[PendingUpload]:
     missing from the plain listing. (Blocks staged on top of a committed blob are not found: a
     save writes each object once under a fresh name, so only an overwrite leaves those, and Azure
     discards them 7 days after their last Put Block.)"""
-    from azure.core.exceptions import ResourceNotFoundError
-
     container, prefix, _ = fs.split_path(root)
     prefix = f"{prefix.rstrip('/')}/" if prefix else ""
     async with fs.service_client.get_container_client(container) as client:
@@ -197,9 +185,6 @@ async def _discard_uncommitted(fs, path: str) -> None:
     """Put Block List with no blocks discards every uncommitted block and leaves an empty blob;
     If-None-Match: * keeps it from replacing a blob that got committed meanwhile, and the delete is
     conditioned on the empty blob's ETag, so only what this call made is removed."""
-    from azure.core import MatchConditions
-    from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
-
     try:
         empty = await _blob_call(fs, path, "commit_block_list", [], match_condition=MatchConditions.IfMissing)
     except ResourceExistsError:
@@ -208,39 +193,7 @@ async def _discard_uncommitted(fs, path: str) -> None:
         await _blob_call(fs, path, "delete_blob", etag=empty["etag"], match_condition=MatchConditions.IfNotModified)
 
 
-def _filesystem_class():
-    """adlfs's AzureBlobFileSystem with rayshard's bounded retry policy and timeouts, no listings
-    cache (as on S3), and the Azure CLI's AZURE_STORAGE_KEY read as the account key (adlfs reads
-    AZURE_STORAGE_ACCOUNT_KEY)."""
-    from adlfs import AzureBlobFileSystem
-    from azure.storage.blob.aio import ExponentialRetry  # the async client needs the async policy
-
-    class BoundedRetryBlobFileSystem(AzureBlobFileSystem):
-        def __init__(self, *args, account_key: str | None = None, **kwargs):
-            kwargs.setdefault("use_listings_cache", False)  # the catalog must see what other processes committed
-            super().__init__(*args, account_key=account_key or os.environ.get("AZURE_STORAGE_KEY"), **kwargs)
-
-        def do_connect(self):
-            super().do_connect()  # adlfs picks the credential (connection string, key, SAS, identity)
-            resolved = self.service_client
-            options = upload_options()
-            policy = ExponentialRetry(initial_backoff=INITIAL_BACKOFF_S, increment_base=INCREMENT_BASE,
-                                      retry_total=options.max_attempts - 1, random_jitter_range=1)
-            self.service_client = type(resolved)(resolved.url, credential=resolved.credential, retry_policy=policy,
-                                                 connection_timeout=options.connect_timeout_s,
-                                                 read_timeout=options.read_timeout_s)
-
-    BoundedRetryBlobFileSystem.__module__ = __name__
-    return BoundedRetryBlobFileSystem
-
-
-def __getattr__(name: str):
-    if name == FILESYSTEM:  # fsspec imports it by name on the first az:// URL
-        globals()[name] = _filesystem_class()
-        return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 for _scheme in SCHEMES:
-    fsspec.register_implementation(_scheme, f"{__name__}.{FILESYSTEM}", clobber=True,
+    # By name: adlfs and the storage SDK (0.3 s) load on the first az:// URL, not with the registry.
+    fsspec.register_implementation(_scheme, FILESYSTEM, clobber=True,
                                    errtxt="Azure Blob Storage needs adlfs: pip install adlfs")

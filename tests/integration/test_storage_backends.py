@@ -220,13 +220,13 @@ def test_a_failing_request_names_no_credential(kind, credential, request, monkey
         s3fs.S3FileSystem.clear_instance_cache()
         request.addfinalizer(s3fs.S3FileSystem.clear_instance_cache)
     else:
-        from rayshard.storage.backends import azure
+        from rayshard.storage.backends.azure_filesystem import BoundedRetryBlobFileSystem
         from tests.azure_fixtures import ACCOUNT, PROXY_PORT, connection_string
 
         endpoint = f"BlobEndpoint=http://127.0.0.1:{PROXY_PORT}/{ACCOUNT};"
         monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(PROXY_PORT, AZURE_KEY) if credential == "key"
                            else f"{endpoint}SharedAccessSignature={AZURE_SAS}")
-        filesystem = getattr(azure, azure.FILESYSTEM)
+        filesystem = BoundedRetryBlobFileSystem
         filesystem.clear_instance_cache()
         request.addfinalizer(filesystem.clear_instance_cache)
     backend, root = open_url(url)

@@ -1,0 +1,46 @@
+"""adlfs's AzureBlobFileSystem as rayshard opens every az:// and abfs:// URL (`azure.py` registers
+it with fsspec by name, so this module and the 0.3 s of adlfs and the storage SDK load only on
+the first such URL).
+
+Three differences from adlfs's own: the SDK's retry policy is bounded from the same
+`StorageOptions` as S3's (`max_attempts` tries with exponential backoff on 500/503, timeouts and
+connection resets; connect and read timeouts per request), listings are never cached (the catalog
+must see what other processes committed, as on S3), and the Azure CLI's AZURE_STORAGE_KEY is read
+as the account key beside adlfs's AZURE_STORAGE_ACCOUNT_KEY.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from adlfs import AzureBlobFileSystem
+from azure.storage.blob.aio import ExponentialRetry  # the async client needs the async policy
+
+from rayshard.storage.options import upload_options
+
+# The first retry waits about this long, each later one INCREMENT_BASE ** n seconds more (with up
+# to a second of jitter): with the default 8 attempts, about two minutes of waiting in all.
+INITIAL_BACKOFF_S = 0.5
+INCREMENT_BASE = 2
+
+_sdk_log = logging.getLogger("azure")
+if _sdk_log.level == logging.NOTSET:
+    # The SDK logs each retried request and undecodable error body as a warning; rayshard reports
+    # a failure once, in its own words (a user's own logging configuration still decides).
+    _sdk_log.setLevel(logging.ERROR)
+
+
+class BoundedRetryBlobFileSystem(AzureBlobFileSystem):
+    def __init__(self, *args, account_key: str | None = None, **kwargs):
+        kwargs.setdefault("use_listings_cache", False)
+        super().__init__(*args, account_key=account_key or os.environ.get("AZURE_STORAGE_KEY"), **kwargs)
+
+    def do_connect(self):
+        super().do_connect()  # adlfs picks the credential: connection string, key, SAS, identity
+        resolved = self.service_client
+        options = upload_options()
+        policy = ExponentialRetry(initial_backoff=INITIAL_BACKOFF_S, increment_base=INCREMENT_BASE,
+                                  retry_total=options.max_attempts - 1, random_jitter_range=1)
+        self.service_client = type(resolved)(resolved.url, credential=resolved.credential, retry_policy=policy,
+                                             connection_timeout=options.connect_timeout_s,
+                                             read_timeout=options.read_timeout_s)
