@@ -22,6 +22,11 @@ from rayshard.storage.options import upload_options
 # to a second of jitter): with the default 8 attempts, about two minutes of waiting in all.
 INITIAL_BACKOFF_S = 0.5
 INCREMENT_BASE = 2
+# One request per read and per single-PUT object, up to this size: the loader already cuts its
+# ranged reads to its memory budget, and the writer's single PUT is at most its upload budget
+# ((max_concurrency + 1) parts, 80 MiB by default). The SDK's own defaults would split a 64 MiB
+# read into a 32 MiB GET and eight 4 MiB GETs one after another, and a 65 MiB PUT into 4 MiB blocks.
+SINGLE_REQUEST_BYTES = 256 * 2**20
 
 _sdk_log = logging.getLogger("azure")
 if _sdk_log.level == logging.NOTSET:
@@ -43,4 +48,6 @@ class BoundedRetryBlobFileSystem(AzureBlobFileSystem):
                                   retry_total=options.max_attempts - 1, random_jitter_range=1)
         self.service_client = type(resolved)(resolved.url, credential=resolved.credential, retry_policy=policy,
                                              connection_timeout=options.connect_timeout_s,
-                                             read_timeout=options.read_timeout_s)
+                                             read_timeout=options.read_timeout_s,
+                                             max_single_get_size=SINGLE_REQUEST_BYTES,
+                                             max_single_put_size=SINGLE_REQUEST_BYTES)
