@@ -35,7 +35,19 @@ if _sdk_log.level == logging.NOTSET:
     _sdk_log.setLevel(logging.ERROR)
 
 
+class _OptionsInForce:
+    """The storage options this process applies, read when fsspec looks up a cached instance: a
+    process whose options change (the driver's, shipped to an actor) gets a client built with the
+    new ones rather than one cached with the old."""
+
+    def __get__(self, instance, owner):
+        return upload_options()
+
+
 class BoundedRetryBlobFileSystem(AzureBlobFileSystem):
+    storage_options_in_force = _OptionsInForce()
+    _extra_tokenize_attributes = (*AzureBlobFileSystem._extra_tokenize_attributes, "storage_options_in_force")
+
     def __init__(self, *args, account_key: str | None = None, **kwargs):
         kwargs.setdefault("use_listings_cache", False)
         super().__init__(*args, account_key=account_key or os.environ.get("AZURE_STORAGE_KEY"), **kwargs)
