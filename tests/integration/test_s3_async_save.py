@@ -1,7 +1,7 @@
-"""Async saves on S3 and Azure Blob Storage (moto and Azurite): uploads overlap the next steps yet each checkpoint holds exactly the state
-of its step (the same checksums as a synchronous save); a failed background upload stops the run
-at the next step with an error naming the rank and the object, and LATEST stays on the last good
-checkpoint."""
+"""Async saves on S3 and Azure Blob Storage (moto and Azurite, through their fault proxies):
+uploads overlap the next steps yet each checkpoint holds exactly the state of its step (the same
+checksums as a synchronous save); a failed background upload stops the run at the next step with
+an error naming the rank and the object, and LATEST stays on the last good checkpoint."""
 from __future__ import annotations
 
 import re
