@@ -65,9 +65,10 @@ def test_saves_and_loads_survive_throttling_resets_and_delays_bit_exact(run_trai
     assert all(rule.injected for rule in reads), [(r.fault, r.injected) for r in reads]
 
 
-def test_offline_reshard_on_s3_keeps_digests(run_training, s3_store, tmp_path):
-    """The default suite's offline reshard on S3: a one-layer model (few chunks: every chunk is a
-    request to a Python S3 server), dp2 -> tp2 in the driver, reading and writing through S3."""
+def test_offline_reshard_on_an_object_store_keeps_digests(run_training, object_store, tmp_path):
+    """The default suite's offline reshard on S3 and Azurite: a one-layer model (few chunks: every
+    chunk is a request to a test server), dp2 -> tp2 in the driver, reading and writing through it."""
+    s3_store = object_store.url
     from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
     from tests.integration.reshard_helpers import digests
 
@@ -76,7 +77,7 @@ def test_offline_reshard_on_s3_keeps_digests(run_training, s3_store, tmp_path):
                                   model=one_layer)).checkpoints[-1]
     store = Store(s3_store)
     result = reshard_checkpoint(source, ParallelLayout(tp=2), store, "small-tp2", local=True, log=lambda *_: None)
-    assert result.url.startswith("s3://") and store.latest_step("small-tp2") == 1
+    assert result.url.startswith(f"{object_store.kind}://") and store.latest_step("small-tp2") == 1
     assert digests(result.url) == digests(source)
     chunks, metadata = read_manifest(result.url)
     assert metadata["layout"] == ParallelLayout(tp=2).to_dict()
