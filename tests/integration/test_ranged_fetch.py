@@ -115,6 +115,18 @@ def test_a_body_cut_off_midway_is_fetched_again_bit_exact(object_store):
     assert all(got[r] == data["f"][r.byte_start:r.byte_end] for r in requests)
 
 
+def test_a_stalled_get_is_retried_after_the_read_timeout(object_store):
+    """The server accepts a GET and never answers: the client's read timeout (3 s in tests) turns
+    the hang into a retry, and the range arrives whole."""
+    store, fault_proxy = Store(object_store.url), object_store.proxy
+    data = _objects(store, {"s": 2 * MiB + 1})
+    requests = _requests(data, 2)
+    rule = fault_proxy.add("stall", method="GET", path="/ranges/s", times=1, seconds=30)
+    got = dict(fetch_ranges(store.fs, f"{store.root}/ranges", requests, 4 * MiB))
+    assert rule.injected == 1
+    assert all(got[r] == data["s"][r.byte_start:r.byte_end] for r in requests)
+
+
 def test_filesystems_without_an_async_api_are_read_in_windows(tmp_path):
     fs = fsspec.filesystem("memory")
     blob = os.urandom(100_000)
