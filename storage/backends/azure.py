@@ -50,7 +50,6 @@ class AzureBackend(FsspecBackend):
         return f"az://{path}"
 
     def create_only(self, path: str, data: bytes) -> None:
-
         try:
             self._call(path, "upload_blob", data, overwrite=True, match_condition=MatchConditions.IfMissing)
         except ResourceExistsError:
@@ -60,14 +59,12 @@ class AzureBackend(FsspecBackend):
                 raise FileExistsError(path) from None
 
     def read_versioned(self, path: str) -> tuple[bytes | None, str | None]:
-
         try:
             return sync(self.fs.loop, _get_with_etag, self.fs, path)
         except ResourceNotFoundError:
             return None, None
 
     def replace_if(self, path: str, data: bytes, token: str | None) -> None:
-
         condition = ({"match_condition": MatchConditions.IfMissing} if token is None
                      else {"etag": token, "match_condition": MatchConditions.IfNotModified})
         try:
