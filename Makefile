@@ -6,7 +6,7 @@ export RAY_AUTH_MODE ?= token
 export RAY_USAGE_STATS_ENABLED ?= 0
 DEMO_RUN ?= demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: demo test bench mutate clean
+.PHONY: demo test bench mutate clean azurite
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -63,6 +63,11 @@ demo: $(STAMP) $(DEMO_DATA)/dataset/index.parquet
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Azurite, the Azure Storage emulator the Azure tests start: the pinned version from the npm
+# registry into build/azurite, once (the tests install it the same way on first use).
+azurite: $(STAMP)
+	$(PY) -c "import sys; from tests.azure_fixtures import install_azurite as i; sys.exit(0 if i() else i.reason)"
 
 bench: $(STAMP)
 	$(PY) bench/orchestration.py

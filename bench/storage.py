@@ -1,12 +1,17 @@
-"""Checkpoint I/O against raw s3fs on an S3 server at 127.0.0.1, and async save's training stall.
+"""Checkpoint I/O against the raw fsspec client on an object store at 127.0.0.1, and async save's
+training stall.
 
-Starts moto's S3 server in its own process (so the server does not share this driver's GIL) and
-4 rank actors training the `small` preset, then alternates, for each repeat:
+Starts the store's server in its own process (so the server does not share this driver's GIL):
+moto's S3 server (`--store s3`, the default) or Azurite, the Azure Storage emulator (`--store az`,
+installed from npm into build/azurite on first use, as the tests do); then 4 rank actors training
+the `small` preset, and alternates, for each repeat:
 
-  save   rayshard's synchronous save (stream shards with parallel multipart, commit the manifest)
-  put    raw s3fs `pipe_file` of the very same shard bytes, one object per rank, from the same actors
+  save   rayshard's synchronous save (stream shards with parallel multipart or staged blocks, commit
+         the manifest)
+  put    raw s3fs / adlfs `pipe_file` of the very same shard bytes, one object per rank, from the
+         same actors (adlfs's own AzureBlobFileSystem, none of rayshard's settings)
   load   rayshard's load of that checkpoint (planned ranged reads)
-  get    raw s3fs `cat_file` of the objects `put` wrote
+  get    raw s3fs / adlfs `cat_file` of the objects `put` wrote
   async  an async save: training is blocked by the save request, the driver's polls, and any
          wait of an optimizer step for the snapshot copy; copy and upload overlap the next steps
 
@@ -16,7 +21,7 @@ and prints medians and the ratios against the anchors measured in the same run:
   load throughput / raw get      goal >= 0.9
   async blocked / sync save      goal <= 0.05
 
-    .venv/bin/python bench/storage.py [--model small] [--dp 2 --tp 2] [--repeats 5]
+    .venv/bin/python bench/storage.py [--store s3|az] [--model small] [--dp 2 --tp 2] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -32,22 +37,45 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BUCKET = "bench"
 LOAD_PHASES = ("manifest", "read", "broadcast_after_read")
+SERVERS = {"s3": "S3 server moto", "az": "Azure server Azurite"}
+RAW = {"s3": "s3fs", "az": "adlfs"}
 
 
-def start_s3_server() -> tuple[subprocess.Popen, str]:
+def start_server(kind: str) -> tuple[subprocess.Popen, int]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if kind == "s3":
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    else:
+        from tests.azure_fixtures import install_azurite
+
+        launcher = install_azurite()
+        if launcher is None:
+            raise SystemExit(f"bench/storage.py --store az: {install_azurite.reason}")
+        command = [launcher, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+                   "--skipApiVersionCheck", "--disableTelemetry", "--silent"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while time.time() < deadline:
         with socket.socket() as client:
             if client.connect_ex(("127.0.0.1", port)) == 0:
-                return server, f"http://127.0.0.1:{port}"
+                return server, port
         time.sleep(0.2)
     server.kill()
-    raise RuntimeError("the moto S3 server did not start within 60 s")
+    raise RuntimeError(f"the {kind} server did not start within 60 s")
+
+
+def _raw_fs(url: str):
+    """The client a user would reach for, without rayshard's settings: s3fs, or adlfs's own class
+    (rayshard registers a subclass of it for az://)."""
+    import fsspec
+
+    if url.startswith("az://"):
+        from adlfs import AzureBlobFileSystem
+
+        return AzureBlobFileSystem(), url.removeprefix("az://")
+    return fsspec.core.url_to_fs(url)
 
 
 # ---- the raw s3fs anchor, run inside the rank actors (Ray's __ray_call__) --------------------
@@ -61,16 +89,12 @@ def _raw_prepare(actor, source_url: str) -> int:
 
 
 def _raw_put(actor, url: str) -> None:
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = _raw_fs(url)
     fs.pipe_file(path, actor._bench_bytes)
 
 
 def _raw_get(actor, url: str) -> int:
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = _raw_fs(url)
     return len(fs.cat_file(path))
 
 
@@ -82,6 +106,8 @@ def _timed(call) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", choices=("s3", "az"), default="s3",
+                        help="s3: moto's S3 server; az: Azurite, the Azure Storage emulator")
     parser.add_argument("--model", default="small")
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--fsdp", type=int, default=1)
@@ -90,10 +116,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args()
 
-    server, endpoint = start_s3_server()
-    # Before Ray starts, so the rank actors inherit them; fake credentials for the local server.
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL": endpoint})
+    server, port = start_server(args.store)
+    # Before Ray starts, so the rank actors inherit them; fake credentials for the local server
+    # (Azurite's development account, whose key is public).
+    if args.store == "s3":
+        os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                           "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
+    else:
+        from tests.azure_fixtures import connection_string
+
+        os.environ["AZURE_STORAGE_CONNECTION_STRING"] = connection_string(port)
     try:
         run(args)
     finally:
@@ -111,10 +143,16 @@ def run(args) -> None:
     from rayshard.plans.config import DataConfig, ModelChoice, TrainConfig
     from rayshard.plans.layout.parallel_layout import ParallelLayout
 
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    if args.store == "s3":
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+    else:
+        from azure.storage.blob import BlobServiceClient
+
+        with BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service:
+            service.create_container(BUCKET)
     config = TrainConfig(model=ModelChoice.named(args.model),
                          layout=ParallelLayout(dp=args.dp, fsdp=args.fsdp, tp=args.tp), steps=10_000, global_batch=8,
-                         seq_len=args.seq_len, data=DataConfig(max_bytes=2_000_000), store=f"s3://{BUCKET}/store",
+                         seq_len=args.seq_len, data=DataConfig(max_bytes=2_000_000), store=f"{args.store}://{BUCKET}/store",
                          run="bench").validate()
     world = config.layout.world_size
     ray.init(address="local", num_cpus=world, num_gpus=0, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
@@ -176,10 +214,10 @@ def run(args) -> None:
     median = {name: statistics.median(values) for name, values in times.items()}
     mib = total_bytes / 2**20
     print(f"\nmodel {args.model}, layout {config.layout.describe()} ({world} ranks), {mib:.0f} MiB per checkpoint, "
-          f"S3 server moto at 127.0.0.1, {args.repeats} repeats (medians)")
+          f"{SERVERS[args.store]} at 127.0.0.1, {args.repeats} repeats (medians)")
     for name, anchor in (("save", "put"), ("load", "get")):
         print(f"  {name:5s} rayshard {median[name]:6.2f} s ({mib / median[name]:6.1f} MiB/s)   "
-              f"raw s3fs {anchor} {median[anchor]:6.2f} s ({mib / median[anchor]:6.1f} MiB/s)   "
+              f"raw {RAW[args.store]} {anchor} {median[anchor]:6.2f} s ({mib / median[anchor]:6.1f} MiB/s)   "
               f"ratio {median[anchor] / median[name]:.3f}   (goal >= 0.9)")
     print("  load phases, slowest rank, medians: " + ", ".join(
         f"{phase} {median[f'load/{phase}'] * 1e3:.0f} ms" for phase in LOAD_PHASES)

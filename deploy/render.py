@@ -33,6 +33,12 @@ FORMATS = {
                                 "e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com"),
     "RAYSHARD_AMI": (r"ami-[0-9a-f]{8,17}", "an AMI id, e.g. ami-0123456789abcdef0"),
     "RAYSHARD_EKS_CLUSTER": (r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}", "an EKS cluster name"),
+    "RAYSHARD_AZURE_SUBSCRIPTION_ID": (r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+                                       "an Azure subscription id (a GUID), e.g. 00000000-1111-2222-3333-444444444444"),
+    "RAYSHARD_AZURE_RESOURCE_GROUP": (r"[-\w.()]{0,89}[-\w()]", "an Azure resource group name, e.g. ml-prod"),
+    "RAYSHARD_AZURE_STORAGE_ACCOUNT": (r"[a-z0-9]{3,24}", "a storage account name: 3-24 lowercase letters and digits"),
+    "RAYSHARD_AZURE_CONTAINER": (r"(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]",
+                                 "a blob container name: 3-63 lowercase letters, digits and single hyphens"),
 }
 
 

@@ -9,6 +9,8 @@ and are used as they are.
 """
 from __future__ import annotations
 
+import inspect
+
 from fsspec.exceptions import FSTimeoutError
 
 # The calls the catalog makes (cluster/catalog/): listings, HEADs, reads, writes, deletes.
@@ -28,8 +30,8 @@ class BoundedFileSystem:
 
     def __getattr__(self, name: str):
         attribute = getattr(self._fs, name)
-        if name not in BOUNDED_CALLS or not callable(attribute):
-            return attribute
+        if name not in BOUNDED_CALLS or not _runs_through_sync(attribute):
+            return attribute  # a method a file system wrote synchronously (adlfs's isdir) takes no deadline
 
         def bounded(*args, **kwargs):
             try:
@@ -40,6 +42,12 @@ class BoundedFileSystem:
                     f"{name}({target}) got no answer within {self._seconds:g} s, retries included; the store is "
                     "unreachable or throttling (raise the bound with RAYSHARD_S3_CALL_TIMEOUT_S)") from None
         return bounded
+
+
+def _runs_through_sync(attribute) -> bool:
+    """fsspec's blocking wrapper of a coroutine method (it takes `timeout=`), not a method the
+    file system wrote as a plain function; its SDK's own request timeouts bound that one."""
+    return callable(attribute) and inspect.iscoroutinefunction(getattr(attribute, "__wrapped__", None))
 
 
 def bounded(fs, seconds: float):

@@ -1,7 +1,7 @@
 """Shared fixtures: one local Ray instance per test session, small configs."""
 from __future__ import annotations
 
-pytest_plugins = ["tests.s3_fixtures"]  # moto S3 server, fault proxy, per-test buckets
+pytest_plugins = ["tests.s3_fixtures", "tests.azure_fixtures"]  # moto S3 and Azurite servers, fault proxies, per-test buckets
 
 import os
 

@@ -52,12 +52,12 @@ class Rule:
 
 
 class FaultProxy:
-    def __init__(self, upstream_host: str, upstream_port: int):
+    def __init__(self, upstream_host: str, upstream_port: int, listen_port: int = 0):
         self.upstream = (upstream_host, upstream_port)
         self.rules: list[Rule] = []
         self.requests: list[tuple[str, str]] = []  # (method, target) of every request, for debugging
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._server = ThreadingHTTPServer(("127.0.0.1", listen_port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
 
@@ -133,7 +133,7 @@ def _handler_for(proxy: FaultProxy):
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if not (self.command == "HEAD" and status == 403):  # a HEAD reply has no body (denied: as S3 sends it)
+            if self.command != "HEAD":  # a body after a HEAD reply would be read as the next reply
                 self.wfile.write(body)
 
         def _handle(self) -> None:

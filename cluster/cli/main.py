@@ -176,10 +176,13 @@ def _from_ray(error: BaseException) -> bool:
 
 
 def _storage_errors() -> tuple[type[BaseException], ...]:
-    # botocore's errors exist only once s3fs has imported it; looking it up imports nothing.
+    # botocore's errors exist only once s3fs has imported it, the Azure SDK's once adlfs has;
+    # looking them up imports nothing.
     botocore = sys.modules.get("botocore.exceptions")
+    azure = sys.modules.get("azure.core.exceptions")
     errors: tuple[type[BaseException], ...] = (OSError,)
-    return errors if botocore is None else errors + (botocore.BotoCoreError, botocore.ClientError)
+    errors += () if botocore is None else (botocore.BotoCoreError, botocore.ClientError)
+    return errors if azure is None else errors + (azure.AzureError,)
 
 
 def _first_line(error: BaseException) -> str:

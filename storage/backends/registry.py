@@ -10,6 +10,7 @@ from __future__ import annotations
 import fsspec
 from fsspec import AbstractFileSystem
 
+from rayshard.storage.backends.azure import AzureBackend
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
 from rayshard.storage.backends.local import LocalBackend
 from rayshard.storage.backends.protocol import Backend
@@ -20,6 +21,9 @@ BACKENDS: dict[str, type[FsspecBackend]] = {
     "local": LocalBackend,
     "s3": S3Backend,
     "s3a": S3Backend,
+    "az": AzureBackend,
+    "abfs": AzureBackend,
+    "abfss": AzureBackend,
 }
 
 

@@ -33,6 +33,8 @@ def describe(path: str, protocol: str = "s3") -> str:
 
 
 class MultipartWriter:
+    protocol = "s3"  # the scheme errors name the object with (a subclass speaks another store's API)
+
     def __init__(self, fs, path: str, part_size: int, max_concurrency: int, stall_timeout_s: float):
         self.fs, self.path = fs, path
         self.bucket, self.key, _ = fs.split_path(path)
@@ -122,12 +124,12 @@ class MultipartWriter:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise CheckpointError(
-                f"{describe(self.path)}: upload stalled: {what} did not complete within {self.stall_timeout_s:g}s "
+                f"{describe(self.path, self.protocol)}: upload stalled: {what} did not complete within {self.stall_timeout_s:g}s "
                 f"(retries included) after {self.written} bytes were handed over. The save is abandoned and "
                 "the last committed checkpoint stays LATEST. Fix: check the object store's health and the "
                 "network, or raise RAYSHARD_S3_STALL_TIMEOUT_S for very slow links") from None
         except Exception as error:
-            raise CheckpointError(f"{describe(self.path)}: upload failed on {what}: {error}. The save is abandoned "
+            raise CheckpointError(f"{describe(self.path, self.protocol)}: upload failed on {what}: {error}. The save is abandoned "
                                   "and the last committed checkpoint stays LATEST") from error
 
 

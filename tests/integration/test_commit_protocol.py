@@ -1,4 +1,5 @@
-"""The commit protocol on S3 (moto through the fault proxy), a local directory and memory://:
+"""The commit protocol on S3 (moto) and Azure Blob Storage (Azurite), each through its fault proxy,
+a local directory and memory://:
 create-only manifests, compare-and-swap LATEST, racing writers, retried conditional writes."""
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from rayshard.cluster.catalog.store import Store
 from rayshard.plans.errors import CheckpointError
 
 
-@pytest.fixture(params=["s3", "local", "memory"])
+@pytest.fixture(params=["s3", "az", "local", "memory"])
 def store_url(request, tmp_path):
-    if request.param == "s3":
-        return request.getfixturevalue("s3_store")
+    if request.param in ("s3", "az"):
+        return request.getfixturevalue(f"{request.param}_store")
     if request.param == "memory":
         return f"memory://commit-{uuid.uuid4().hex[:8]}"
     return str(tmp_path / "store")
@@ -82,10 +83,10 @@ def test_latest_moved_by_another_writer_during_a_commit_is_a_clear_error(store_u
     assert store.committed_steps("r") == [2, 4, 6]  # both checkpoints are whole
 
 
-def test_a_retried_conditional_put_whose_reply_was_lost_still_commits(s3_store, fault_proxy):
+def test_a_retried_conditional_put_whose_reply_was_lost_still_commits(object_store):
     # The server stores the manifest and LATEST, then the replies are lost: the retries meet
     # their own earlier writes and must not be mistaken for another writer's.
-    store = Store(s3_store)
+    store, fault_proxy = Store(object_store.url), object_store.proxy
     manifest_rule = fault_proxy.add("reset_after", method="PUT", path=r"manifest\.parquet", times=1)
     latest_rule = fault_proxy.add("reset_after", method="PUT", path=r"/LATEST", times=1)
     store.commit("r", 2, b"two")
@@ -93,10 +94,10 @@ def test_a_retried_conditional_put_whose_reply_was_lost_still_commits(s3_store, 
     assert store.latest_step("r") == 2 and store.committed_steps("r") == [2]
 
 
-def test_throttling_and_server_errors_are_retried(s3_store, fault_proxy):
-    # One fault per request: each costs one backoff (botocore's jittered exponential, which
-    # grows quickly when a single request fails many times in a row).
-    store = Store(s3_store)
+def test_throttling_and_server_errors_are_retried(object_store):
+    # One fault per request: each costs one backoff (botocore's jittered exponential, or the
+    # Azure SDK's, each growing quickly when a single request fails many times in a row).
+    store, fault_proxy = Store(object_store.url), object_store.proxy
     slow = fault_proxy.add("slowdown", method="GET", path="/LATEST", times=1)
     broken = fault_proxy.add("error500", method="PUT", path="manifest", times=1)
     reset = fault_proxy.add("reset", method="PUT", path="/LATEST", times=1)

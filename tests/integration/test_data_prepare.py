@@ -132,7 +132,8 @@ def test_cli_prints_one_line_for_bad_input(ray_session, local_tokenizer, tmp_pat
     assert code == 2 and len(err) == 1 and "bad.txt, row 1: not UTF-8" in err[0]
 
 
-def test_tokenizer_and_prepare_on_s3(ray_session, s3_store, capsys):
+def test_tokenizer_and_prepare_on_an_object_store(ray_session, object_store, capsys):
+    s3_store = object_store.url  # S3 (moto) and Azure Blob Storage (Azurite)
     fs, root = fsspec.core.url_to_fs(s3_store)
     _write_inputs(fs, f"{root}/in")
     assert main(["data", "tokenizer", "train", "--vocab-size", "300", "--input", f"{s3_store}/in", "--column", "body",

@@ -121,8 +121,10 @@ def test_model_smaller_than_the_tokenizer_is_refused(run_training, dataset, tmp_
     assert "model.vocab_size=256" in str(error.value) and "(300)" in str(error.value)
 
 
-def test_training_reads_the_dataset_from_s3(run_training, dataset, uninterrupted, s3_store):
-    """The same inputs prepared on the S3 test server have the same identity, so the same batches."""
+def test_training_reads_the_dataset_from_an_object_store(run_training, dataset, uninterrupted, object_store):
+    """The same inputs prepared on the S3 test server (or Azurite) have the same identity, so the
+    same batches."""
+    s3_store = object_store.url
     root, tokenizer = dataset
     store, _ = uninterrupted
     fs, bucket_root = fsspec.core.url_to_fs(s3_store)

@@ -1,4 +1,4 @@
-"""Streaming ranged reads (moto through the fault proxy): every range arrives bit for bit, in
+"""Streaming ranged reads from S3 and Azure Blob Storage (moto and Azurite, each through its fault proxy): every range arrives bit for bit, in
 completion order, with never more than the budget fetched and not yet consumed; a failed GET
 arrives as a value naming nothing secret; a consumer that stops early leaves nothing hanging."""
 from __future__ import annotations
@@ -31,8 +31,8 @@ def _requests(data: dict[str, bytes], pieces: int) -> list[Request]:
     return out
 
 
-def test_ranges_arrive_bit_exact_within_the_budget(s3_store, fault_proxy):
-    store = Store(s3_store)
+def test_ranges_arrive_bit_exact_within_the_budget(object_store):
+    store, fault_proxy = Store(object_store.url), object_store.proxy
     data = _objects(store, {"a": 5 * MiB + 3, "b": 3 * MiB - 7})
     requests = _requests(data, 5)
     fault_proxy.add("delay", method="GET", seconds=0.02)  # GETs overlap, finishing out of order
@@ -60,8 +60,8 @@ def test_ranges_arrive_bit_exact_within_the_budget(s3_store, fault_proxy):
     assert 0 < peak[0] <= budget
 
 
-def test_a_failed_get_arrives_as_a_value(s3_store):
-    store = Store(s3_store)
+def test_a_failed_get_arrives_as_a_value(object_store):
+    store = Store(object_store.url)
     data = _objects(store, {"present": MiB})
     requests = [Request("present", 0, MiB, ()), Request("missing", 0, 10, ())]
     got = dict(fetch_ranges(store.fs, f"{store.root}/ranges", requests, 2 * MiB))
@@ -69,8 +69,8 @@ def test_a_failed_get_arrives_as_a_value(s3_store):
     assert isinstance(got[requests[1]], FileNotFoundError)
 
 
-def test_a_consumer_that_stops_early_stops_the_fetching(s3_store, monkeypatch):
-    store = Store(s3_store)
+def test_a_consumer_that_stops_early_stops_the_fetching(object_store, monkeypatch):
+    store = Store(object_store.url)
     data = _objects(store, {"c": 4 * MiB})
     requests = _requests(data, 16)  # 256 KiB each; the 1 MiB budget admits 4 before one is consumed
     started = []
@@ -103,16 +103,28 @@ def test_a_consumer_that_stops_early_stops_the_fetching(s3_store, monkeypatch):
     assert 1 <= len(started) <= 5 < len(requests)
 
 
-def test_a_body_cut_off_midway_is_fetched_again_bit_exact(s3_store, fault_proxy):
+def test_a_body_cut_off_midway_is_fetched_again_bit_exact(object_store):
     """The connection drops after half of a GET's body has arrived: the GET is retried and the
     range arrives whole and intact, never half of it."""
-    store = Store(s3_store)
+    store, fault_proxy = Store(object_store.url), object_store.proxy
     data = _objects(store, {"f": 6 * MiB + 5})
     requests = _requests(data, 2)
     rule = fault_proxy.add("cut_body", method="GET", path="/ranges/f", times=1)
     got = dict(fetch_ranges(store.fs, f"{store.root}/ranges", requests, 8 * MiB))
     assert rule.injected == 1
     assert all(got[r] == data["f"][r.byte_start:r.byte_end] for r in requests)
+
+
+def test_a_stalled_get_is_retried_after_the_read_timeout(object_store):
+    """The server accepts a GET and never answers: the client's read timeout (3 s in tests) turns
+    the hang into a retry, and the range arrives whole."""
+    store, fault_proxy = Store(object_store.url), object_store.proxy
+    data = _objects(store, {"s": 2 * MiB + 1})
+    requests = _requests(data, 2)
+    rule = fault_proxy.add("stall", method="GET", path="/ranges/s", times=1, seconds=30)
+    got = dict(fetch_ranges(store.fs, f"{store.root}/ranges", requests, 4 * MiB))
+    assert rule.injected == 1
+    assert all(got[r] == data["s"][r.byte_start:r.byte_end] for r in requests)
 
 
 def test_filesystems_without_an_async_api_are_read_in_windows(tmp_path):

@@ -1,7 +1,7 @@
-"""Async saves on S3: uploads overlap the next steps yet each checkpoint holds exactly the state
-of its step (the same checksums as a synchronous save); a failed background upload stops the run
-at the next step with an error naming the rank and the object, and LATEST stays on the last good
-checkpoint."""
+"""Async saves on S3 and Azure Blob Storage (moto and Azurite, through their fault proxies):
+uploads overlap the next steps yet each checkpoint holds exactly the state of its step (the same
+checksums as a synchronous save); a failed background upload stops the run at the next step with
+an error naming the rank and the object, and LATEST stays on the last good checkpoint."""
 from __future__ import annotations
 
 import re
@@ -32,8 +32,9 @@ def sync_run(run_training, tmp_path_factory):
     return run_training(_config(root, DP2, steps=3, run="s", ckpt_every=1))
 
 
-def test_async_checkpoints_hold_their_step_while_training_goes_on(rank_pool, s3_store, fault_proxy, tmp_path, sync_run,
+def test_async_checkpoints_hold_their_step_while_training_goes_on(rank_pool, object_store, tmp_path, sync_run,
                                                                    monkeypatch):
+    s3_store, fault_proxy = object_store.url, object_store.proxy
     # The shard uploads of step 1 are held at the proxy until the driver has logged step 2: if
     # the save blocked training until its upload finished, step 2 could never run meanwhile and
     # the hold would give up (False below) instead of being released.
@@ -59,8 +60,8 @@ def test_async_checkpoints_hold_their_step_while_training_goes_on(rank_pool, s3_
     assert metadata["parent"] == result.checkpoints[0] and metadata["step"] == 2
 
 
-def test_a_failed_background_upload_is_reported_at_the_next_step(rank_pool, s3_store, fault_proxy, tmp_path,
-                                                                   monkeypatch):
+def test_a_failed_background_upload_is_reported_at_the_next_step(rank_pool, object_store, tmp_path, monkeypatch):
+    s3_store, fault_proxy = object_store.url, object_store.proxy
     monkeypatch.setenv("RAYSHARD_S3_MAX_ATTEMPTS", "2")
     broken = fault_proxy.add("error500", method="PUT", path=r"step-00000002/attempt-[0-9a-f]+/rank-00001")
     with pytest.raises(CheckpointError) as error:

@@ -1,11 +1,12 @@
-"""Streaming uploads to S3 (moto through the fault proxy): parallel multipart parts with a memory
-bound, bit-exact through throttling and resets, and a stalled part failing in bounded time with
-an error naming the rank and the object."""
+"""Streaming uploads to S3 and Azure Blob Storage (moto and Azurite, each through its fault proxy):
+parallel multipart parts (staged blocks on Azure) with a memory bound, bit-exact through
+throttling and resets, and a stalled part failing in bounded time with an error naming the rank
+and the object."""
 from __future__ import annotations
 
+import base64
 import os
 
-import boto3
 import pytest
 
 from rayshard.storage.backends.registry import backend_for
@@ -29,13 +30,23 @@ def _write_in_odd_pieces(handle, data: bytes) -> None:
 
 
 def _pending_uploads(store: Store) -> list:
-    bucket = store.root.split("/", 1)[0]
-    client = boto3.client("s3", endpoint_url=store.storage_conf["s3"]["endpoint_url"], region_name="us-east-1")
-    return client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    return store.backend.pending_uploads(store.root.split("/", 1)[0])  # the whole bucket or container
 
 
-def test_parallel_multipart_upload_is_bit_exact_with_bounded_parts_in_flight(s3_store, fault_proxy, monkeypatch):
-    store = Store(s3_store)
+def _part(kind: str, number: int | None = None) -> str:
+    """The proxy's pattern for the request that uploads part `number` (any part: None)."""
+    if kind == "s3":
+        return "partNumber=" if number is None else f"partNumber={number}(?!\\d)"
+    block_id = base64.b64encode(f"{number:08d}".encode()).decode().rstrip("=") if number else ""
+    return f"blockid={block_id}"  # Put Block; the ids are base64 of the zero-padded part number
+
+
+# The request that completes a multipart upload: S3's POST ?uploadId=, Azure's Put Block List.
+COMPLETE = {"s3": ("POST", "uploadId="), "az": ("PUT", "comp=blocklist")}
+
+
+def test_parallel_multipart_upload_is_bit_exact_with_bounded_parts_in_flight(object_store, monkeypatch):
+    store, fault_proxy = Store(object_store.url), object_store.proxy
     data = _payload(41 * MiB + 11)  # beyond the 25 MiB budget (5 MiB parts, 4 in flight): multipart
     peak = []
     original = MultipartWriter._send_part
@@ -46,7 +57,7 @@ def test_parallel_multipart_upload_is_bit_exact_with_bounded_parts_in_flight(s3_
         peak.append(len(self.in_flight))
 
     monkeypatch.setattr(MultipartWriter, "_send_part", watch)
-    parts = fault_proxy.add("delay", method="PUT", path="partNumber=", seconds=0.05)
+    parts = fault_proxy.add("delay", method="PUT", path=_part(object_store.kind), seconds=0.05)
     path = f"{store.root}/big/rank-00002.safetensors"
     with backend_for(store.fs).open_writer(path) as handle:
         _write_in_odd_pieces(handle, data)
@@ -56,13 +67,15 @@ def test_parallel_multipart_upload_is_bit_exact_with_bounded_parts_in_flight(s3_
     assert _pending_uploads(store) == []
 
 
-def test_parts_survive_throttling_resets_and_server_errors(s3_store, fault_proxy):
-    store = Store(s3_store)
+def test_parts_survive_throttling_resets_and_server_errors(object_store):
+    store, fault_proxy, kind = Store(object_store.url), object_store.proxy, object_store.kind
     data = _payload(31 * MiB)
-    rules = [fault_proxy.add("slowdown", method="PUT", path="partNumber=1", times=2),
-             fault_proxy.add("reset", method="PUT", path="partNumber=2", times=1),
-             fault_proxy.add("error500", method="POST", path="uploadId=", times=1),  # the completion
-             fault_proxy.add("reset", method="POST", path="uploads", times=1)]  # the creation
+    method, completion = COMPLETE[kind]
+    rules = [fault_proxy.add("slowdown", method="PUT", path=_part(kind, 1), times=2),
+             fault_proxy.add("reset", method="PUT", path=_part(kind, 2), times=1),
+             fault_proxy.add("error500", method=method, path=completion, times=1)]  # the completion
+    if kind == "s3":  # Azure starts staging blocks without a request
+        rules.append(fault_proxy.add("reset", method="POST", path="uploads", times=1))  # the creation
     path = f"{store.root}/faulty/rank-00000.safetensors"
     with backend_for(store.fs).open_writer(path) as handle:
         handle.write(data)
@@ -71,8 +84,8 @@ def test_parts_survive_throttling_resets_and_server_errors(s3_store, fault_proxy
 
 
 @pytest.mark.parametrize("nbytes", [4, 23 * MiB + 1])
-def test_objects_within_the_memory_budget_are_one_put(s3_store, fault_proxy, nbytes):
-    store = Store(s3_store)
+def test_objects_within_the_memory_budget_are_one_put(object_store, nbytes):
+    store, fault_proxy = Store(object_store.url), object_store.proxy
     data = _payload(nbytes)
     reset = fault_proxy.add("reset", method="PUT", path="small", times=1)  # the retry must rewind the body
     path = f"{store.root}/small/rank-00001.safetensors"
@@ -82,10 +95,10 @@ def test_objects_within_the_memory_budget_are_one_put(s3_store, fault_proxy, nby
     assert store.fs.cat_file(path) == data
 
 
-def test_a_stalled_part_fails_in_bounded_time_naming_rank_and_object(s3_store, fault_proxy, monkeypatch):
+def test_a_stalled_part_fails_in_bounded_time_naming_rank_and_object(object_store, monkeypatch):
     monkeypatch.setenv("RAYSHARD_S3_STALL_TIMEOUT_S", "4")
-    store = Store(s3_store)
-    fault_proxy.add("stall", method="PUT", path="partNumber=2", seconds=20)  # every attempt hangs
+    store, fault_proxy = Store(object_store.url), object_store.proxy
+    fault_proxy.add("stall", method="PUT", path=_part(object_store.kind, 2), seconds=20)  # every attempt hangs
     path = f"{store.root}/stalled/rank-00003.safetensors"
     with pytest.raises(CheckpointError) as error:
         with backend_for(store.fs).open_writer(path) as handle:

@@ -1,5 +1,6 @@
-"""Training with the store on the S3 test server: rank actors write and read their shards through
-the fault proxy, resume onto another layout, and survive throttling, resets and delays bit-exact."""
+"""Training with the store on the S3 test server (and, where a test takes `object_store`, on Azurite
+too): rank actors write and read their shards through the fault proxy, resume onto another layout,
+and survive throttling, resets and delays bit-exact."""
 from __future__ import annotations
 
 import pytest
@@ -32,7 +33,8 @@ def local_reference(run_training, tmp_path_factory):
     return result
 
 
-def test_s3_store_saves_and_resumes_onto_another_layout(run_training, s3_store, tmp_path, local_reference):
+def test_an_object_store_saves_and_resumes_onto_another_layout(run_training, object_store, tmp_path, local_reference):
+    s3_store = object_store.url
     run_training(_config(tmp_path, DP2_TP2, steps=2, run="x", store=s3_store))
     store = Store(s3_store)
     assert store.committed_steps("x") == [2] and store.latest_step("x") == 2
@@ -42,8 +44,9 @@ def test_s3_store_saves_and_resumes_onto_another_layout(run_training, s3_store, 
     assert store.latest_step("x") == 3
 
 
-def test_saves_and_loads_survive_throttling_resets_and_delays_bit_exact(run_training, s3_store, tmp_path,
-                                                                         fault_proxy, local_reference):
+def test_saves_and_loads_survive_throttling_resets_and_delays_bit_exact(run_training, object_store, tmp_path,
+                                                                         local_reference):
+    s3_store, fault_proxy = object_store.url, object_store.proxy
     rules = [fault_proxy.add("slowdown", method="PUT", path=r"rank-0000[02]\.safetensors", times=2),
              fault_proxy.add("reset", method="PUT", path=r"rank-00001\.safetensors", times=1),
              fault_proxy.add("error500", method="PUT", path=r"rank-00003\.safetensors", times=1),
@@ -62,9 +65,10 @@ def test_saves_and_loads_survive_throttling_resets_and_delays_bit_exact(run_trai
     assert all(rule.injected for rule in reads), [(r.fault, r.injected) for r in reads]
 
 
-def test_offline_reshard_on_s3_keeps_digests(run_training, s3_store, tmp_path):
-    """The default suite's offline reshard on S3: a one-layer model (few chunks: every chunk is a
-    request to a Python S3 server), dp2 -> tp2 in the driver, reading and writing through S3."""
+def test_offline_reshard_on_an_object_store_keeps_digests(run_training, object_store, tmp_path):
+    """The default suite's offline reshard on S3 and Azurite: a one-layer model (few chunks: every
+    chunk is a request to a test server), dp2 -> tp2 in the driver, reading and writing through it."""
+    s3_store = object_store.url
     from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
     from tests.integration.reshard_helpers import digests
 
@@ -73,7 +77,7 @@ def test_offline_reshard_on_s3_keeps_digests(run_training, s3_store, tmp_path):
                                   model=one_layer)).checkpoints[-1]
     store = Store(s3_store)
     result = reshard_checkpoint(source, ParallelLayout(tp=2), store, "small-tp2", local=True, log=lambda *_: None)
-    assert result.url.startswith("s3://") and store.latest_step("small-tp2") == 1
+    assert result.url.startswith(f"{object_store.kind}://") and store.latest_step("small-tp2") == 1
     assert digests(result.url) == digests(source)
     chunks, metadata = read_manifest(result.url)
     assert metadata["layout"] == ParallelLayout(tp=2).to_dict()

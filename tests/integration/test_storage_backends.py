@@ -1,8 +1,10 @@
 """Every registered backend keeps the `Backend` protocol's promises, over its real protocol: local
-files, S3 (moto through the fault proxy) and an fsspec filesystem with no backend of its own
-(memory://). A new backend adds its scheme to STORES and passes the same checks."""
+files, S3 (moto through the fault proxy), Azure Blob Storage (Azurite through the fault proxy) and
+an fsspec filesystem with no backend of its own (memory://). A new backend adds its scheme to
+STORES and passes the same checks."""
 from __future__ import annotations
 
+import traceback
 import uuid
 
 import fsspec
@@ -10,6 +12,7 @@ import pytest
 
 from rayshard.plans.checkpoint.reshard import Request
 from rayshard.storage import options as storage_options
+from rayshard.storage.backends.azure import AzureBackend
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
 from rayshard.storage.backends.local import LocalBackend
 from rayshard.storage.backends.protocol import Backend, PreconditionFailed
@@ -17,7 +20,8 @@ from rayshard.storage.backends.registry import BACKENDS, backend_for, open_url
 from rayshard.storage.backends.s3 import S3Backend
 from rayshard.storage.options import StorageOptions, upload_options
 
-STORES = {"local": LocalBackend, "s3": S3Backend, "memory": FsspecBackend}
+STORES = {"local": LocalBackend, "s3": S3Backend, "az": AzureBackend, "memory": FsspecBackend}
+OBJECT_STORES = ("s3", "az")  # multipart or staged uploads: an unfinished object stays invisible
 MiB = 2**20
 
 
@@ -25,6 +29,8 @@ MiB = 2**20
 def opened(request, tmp_path):
     if request.param == "s3":
         url = request.getfixturevalue("s3_store")
+    elif request.param == "az":
+        url = request.getfixturevalue("az_store")
     elif request.param == "memory":
         url = f"memory://backends-{uuid.uuid4().hex[:8]}"
     else:
@@ -80,7 +86,7 @@ def test_a_writer_streams_an_object_that_exists_only_once_closed(opened):
 
 def test_a_writer_that_fails_leaves_no_object_on_an_object_store(opened):
     kind, backend, root = opened
-    if kind != "s3":
+    if kind not in OBJECT_STORES:
         pytest.skip("local and memory files are visible while written; the commit protocol never names them")
     path = f"{root}/objects/broken"
     with pytest.raises(RuntimeError, match="producer died"):
@@ -143,3 +149,99 @@ def test_an_s3_writer_cuts_parts_of_the_shipped_size(s3_store):
         assert backend.fs.size(f"{root}/big") == 11 * MiB + 3
     finally:
         storage_options.apply_conf(before.fsspec_conf())
+
+
+def _abandoned_writer(backend, path: str, size: int):
+    """A writer that streamed `size` bytes in 5 MiB parts and then died without closing or
+    aborting: the parts it sent landed, nothing else happened."""
+    before = upload_options()
+    storage_options.apply_conf({"rayshard": {**before.fsspec_conf()["rayshard"], "part_size_mib": 5,
+                                             "max_concurrency": 1}})
+    try:
+        writer = backend.open_writer(path).__enter__()  # never exited: the process "died" here
+        writer.write(b"\x02" * size)
+        while writer.in_flight:  # the parts already sent reach the server before the "crash"
+            writer._finish_oldest()
+    finally:
+        storage_options.apply_conf(before.fsspec_conf())
+    return writer
+
+
+def test_a_writer_that_dies_leaves_a_pending_upload_that_abort_removes(opened):
+    kind, backend, root = opened
+    if kind not in OBJECT_STORES:
+        pytest.skip("local and memory writes have no upload state beside the file")
+    backend.fs.pipe_file(f"{root}/objects/committed", b"kept")
+    _abandoned_writer(backend, f"{root}/objects/crashed", 11 * MiB)
+    pending = backend.pending_uploads(root)
+    assert [upload.path for upload in pending] == [f"{root}/objects/crashed"]
+    assert not backend.fs.exists(f"{root}/objects/crashed")
+    assert backend.pending_uploads(f"{root}/elsewhere") == []
+    backend.abort_upload(pending[0])
+    assert backend.pending_uploads(root) == []
+    assert not backend.fs.exists(f"{root}/objects/crashed")  # the abort leaves no object behind either
+    assert backend.fs.cat_file(f"{root}/objects/committed") == b"kept"
+
+
+def test_an_aborted_upload_never_removes_an_object_committed_meanwhile(opened):
+    kind, backend, root = opened
+    if kind not in OBJECT_STORES:
+        pytest.skip("local and memory writes have no upload state beside the file")
+    _abandoned_writer(backend, f"{root}/objects/raced", 11 * MiB)
+    [pending] = backend.pending_uploads(root)
+    backend.fs.pipe_file(f"{root}/objects/raced", b"another writer finished first")
+    backend.abort_upload(pending)
+    assert backend.fs.cat_file(f"{root}/objects/raced") == b"another writer finished first"
+
+
+KEY_ID = "AKIARAYSHARDLEAKTEST7"
+SECRET = "rayshard+Leak/Test-Secret-0123456789abcdefXYZ"
+AZURE_KEY = "cmF5c2hhcmQtbGVhay10ZXN0LWF6dXJlLWFjY291bnQta2V5LTAxMjM0NTY3ODk="  # base64, as account keys are
+AZURE_SAS = "sv=2024-08-04&ss=b&srt=sco&sp=rwdlac&se=2099-01-01T00:00:00Z&sig=rayshardLeakTestSig0123456789abcdefXYZ%3D"
+
+
+@pytest.mark.parametrize("kind", OBJECT_STORES)
+@pytest.mark.parametrize("credential", ["key", "sas"])
+def test_a_failing_request_names_no_credential(kind, credential, request, monkeypatch):
+    """Requests signed with distinctive secrets fail (the server does not know them, or answers
+    500 to everything): no secret appears in the error, its causes or its traceback."""
+    if kind == "s3" and credential == "sas":
+        pytest.skip("S3 has no shared access signatures")
+    url = request.getfixturevalue(f"{kind}_store")
+    proxy = request.getfixturevalue("fault_proxy" if kind == "s3" else "azure_fault_proxy")
+    monkeypatch.setenv("RAYSHARD_S3_MAX_ATTEMPTS", "2")
+    storage_options.configure()
+    secrets = [KEY_ID, SECRET] if kind == "s3" else [AZURE_KEY, "rayshardLeakTestSig"]
+    if kind == "s3":
+        import s3fs
+
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY_ID)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+        s3fs.S3FileSystem.clear_instance_cache()
+        request.addfinalizer(s3fs.S3FileSystem.clear_instance_cache)
+    else:
+        from rayshard.storage.backends.azure_filesystem import BoundedRetryBlobFileSystem
+        from tests.azure_fixtures import ACCOUNT, PROXY_PORT, connection_string
+
+        endpoint = f"BlobEndpoint=http://127.0.0.1:{PROXY_PORT}/{ACCOUNT};"
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(PROXY_PORT, AZURE_KEY) if credential == "key"
+                           else f"{endpoint}SharedAccessSignature={AZURE_SAS}")
+        filesystem = BoundedRetryBlobFileSystem
+        filesystem.clear_instance_cache()
+        request.addfinalizer(filesystem.clear_instance_cache)
+    backend, root = open_url(url)
+    shown = []
+    for faults in ([], ["error500"]):
+        for fault in faults:
+            proxy.add(fault)
+        for operation in (lambda: backend.read_versioned(f"{root}/LATEST"),
+                          lambda: backend.create_only(f"{root}/manifest", b"m"),
+                          lambda: backend.fs.ls(root),
+                          lambda: backend.pending_uploads(root)):
+            try:
+                operation()
+            except Exception as error:  # the text a user would see: message, causes, traceback
+                shown.append("".join(traceback.format_exception(error)) + repr(error))
+    assert shown  # the requests did fail
+    for text in shown:
+        assert not any(secret in text for secret in secrets), text

@@ -46,6 +46,10 @@ EXAMPLE_VALUES = {
     "RAYSHARD_IMAGE_REGISTRY": "123456789012.dkr.ecr.eu-west-2.amazonaws.com/ml",
     "RAYSHARD_AMI": "ami-0123456789abcdef0",
     "RAYSHARD_EKS_CLUSTER": "ml-prod",
+    "RAYSHARD_AZURE_SUBSCRIPTION_ID": "0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",
+    "RAYSHARD_AZURE_RESOURCE_GROUP": "ml-prod",
+    "RAYSHARD_AZURE_STORAGE_ACCOUNT": "examplerayshard",
+    "RAYSHARD_AZURE_CONTAINER": "example-rayshard-ckpts",
 }
 
 

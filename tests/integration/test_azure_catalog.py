@@ -1,0 +1,41 @@
+"""The catalog's checks of test_catalog_gc.py, run on Azure Blob Storage (Azurite through its fault
+proxy): ls, verify (a flipped byte named by --deep), gc of an aborted attempt and of what LATEST
+and leases do not protect; and gc of the uncommitted blocks a dead writer left, Azure's pending
+uploads. No Ray: checkpoints are written by the same shard writer the ranks use."""
+from __future__ import annotations
+
+import pytest
+
+from rayshard.cluster.catalog.retention import collect
+from rayshard.cluster.catalog.store import Store
+from tests.integration.test_catalog_gc import (  # noqa: F401 (collected here, on this module's `store`)
+    test_catalog_is_a_pyarrow_dataset, test_gc_keeps_latest_leased_and_young_things,
+    test_gc_keeps_the_newest_checkpoint_when_latest_is_missing_or_damaged,
+    test_ls_shows_whole_checkpoints_and_leftovers_separately, test_verify_finds_missing_truncated_and_corrupted_shards,
+    write_checkpoint)
+
+
+@pytest.fixture
+def store(az_store):
+    return Store(az_store)
+
+
+def test_gc_discards_the_uncommitted_blocks_a_dead_writer_left(store):
+    from azure.storage.blob import BlobServiceClient
+    import os
+
+    write_checkpoint(store, "r", 1)
+    container, prefix = store.url.removeprefix("az://").split("/", 1)
+    with BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service:
+        ours = service.get_blob_client(container, f"{prefix}/r/checkpoints/step-00000002/attempt-x/rank-00000.safetensors")
+        ours.stage_block("00000001", b"a part of a shard")  # Put Block, then the writer died
+        other = service.get_blob_client(container, "elsewhere/not-ours")
+        other.stage_block("00000001", b"another tool's upload")
+        [pending] = store.backend.pending_uploads(store.root)
+        young = collect(store, keep=1, now=pending.initiated_unix + 60)
+        assert not young.aborted_uploads and any("multipart upload" in why for _, why in young.kept)
+        report = collect(store, keep=1, grace_s=0)
+        assert [p.rsplit("/", 1)[-1] for p in report.aborted_uploads] == ["rank-00000.safetensors"]
+        assert store.backend.pending_uploads(store.root) == [] and not ours.exists()
+        assert [u.path for u in store.backend.pending_uploads(container)] == [f"{container}/elsewhere/not-ours"]
+    assert store.committed_steps("r") == [1]
