@@ -36,8 +36,7 @@ from fsspec.asyn import sync
 
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
 from rayshard.storage.backends.protocol import PendingUpload, PreconditionFailed
-from rayshard.storage.backends.s3_multipart import ChunksReader, MultipartWriter
-from rayshard.storage.options import upload_options
+from rayshard.storage.backends.s3_multipart import ChunksReader, MultipartWriter, streamed
 
 SCHEMES = ("az", "abfs", "abfss")
 FILESYSTEM = "rayshard.storage.backends.azure_filesystem.BoundedRetryBlobFileSystem"
@@ -74,16 +73,8 @@ class AzureBackend(FsspecBackend):
                 return  # our own write landed on an earlier try of a retried request
             raise PreconditionFailed(path) from None
 
-    @contextlib.contextmanager
     def open_writer(self, path: str):
-        options = upload_options()
-        writer = BlockBlobWriter(self.fs, path, options.part_size, options.max_concurrency, options.stall_timeout_s)
-        try:
-            yield writer
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+        return streamed(BlockBlobWriter, self.fs, path)
 
     def pending_uploads(self, root: str) -> list[PendingUpload]:
         return sync(self.fs.loop, _uncommitted_blobs, self.fs, root)

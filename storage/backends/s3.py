@@ -7,14 +7,11 @@ action it needs, is listed in `s3_calls.py`.
 """
 from __future__ import annotations
 
-import contextlib
-
 from fsspec.asyn import sync
 
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
 from rayshard.storage.backends.protocol import PendingUpload, PreconditionFailed
-from rayshard.storage.backends.s3_multipart import MultipartWriter
-from rayshard.storage.options import upload_options
+from rayshard.storage.backends.s3_multipart import MultipartWriter, streamed
 
 
 class S3Backend(FsspecBackend):
@@ -48,16 +45,8 @@ class S3Backend(FsspecBackend):
                 raise PreconditionFailed(path) from None
             raise
 
-    @contextlib.contextmanager
     def open_writer(self, path: str):
-        options = upload_options()
-        writer = MultipartWriter(self.fs, path, options.part_size, options.max_concurrency, options.stall_timeout_s)
-        try:
-            yield writer
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+        return streamed(MultipartWriter, self.fs, path)
 
     def pending_uploads(self, root: str) -> list[PendingUpload]:
         bucket, prefix, _ = self.fs.split_path(root)

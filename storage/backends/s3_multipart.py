@@ -24,6 +24,7 @@ import time
 from collections import deque
 
 from rayshard.plans.errors import CheckpointError
+from rayshard.storage.options import upload_options
 
 def describe(path: str, protocol: str = "s3") -> str:
     """'rank 3 (s3://bucket/.../rank-00003.safetensors)': who was writing what."""
@@ -167,3 +168,17 @@ class ChunksReader(io.RawIOBase):
                 self.position += take
             start = end
         return filled
+
+
+@contextlib.contextmanager
+def streamed(writer_class: type[MultipartWriter], fs, path: str):
+    """A backend's `open_writer`: a writer of `writer_class` under the upload options; the object
+    exists once the block exits, and its staged parts are discarded when the block raises."""
+    options = upload_options()
+    writer = writer_class(fs, path, options.part_size, options.max_concurrency, options.stall_timeout_s)
+    try:
+        yield writer
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
