@@ -62,21 +62,27 @@ def leaves_its_group_on_failure(method):
                     error.rayshard_raised_unix = time.time()
                 error.rayshard_rank_traceback = traceback.format_exc()
             failed = error
-        _drop_frames(failed)
-        with contextlib.suppress(Exception):  # the group is lost either way; the error is what matters
-            self.shutdown()
-        gc.collect()
+        # gloo only: NCCL's destroy can block on outstanding work, and its watchdog already
+        # aborts a collective whose peer is gone.
+        if self.trainer is not None and self.trainer.device.type == "cpu":
+            _drop_frames(failed)
+            with contextlib.suppress(Exception):  # the group is lost either way; the error is what matters
+                self.shutdown()
+            gc.collect()
         raise failed
     return guarded
 
 
-def _drop_frames(error: BaseException | None) -> None:
-    """Forget the tracebacks of an error and of the errors it chains (they hold the model)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+def _drop_frames(error: BaseException) -> None:
+    """Forget the tracebacks of an error and of every error it chains (they hold the model)."""
+    seen, pending = set(), [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [current.__cause__, current.__context__]
 
 
 @ray.remote

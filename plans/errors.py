@@ -16,7 +16,7 @@ class ConfigError(RayshardError, ValueError):
         super().__init__(f"{field}={value!r}: {constraint}. Fix: {fix}")
 
     def __reduce__(self):  # raised on a rank, it must reach the driver whole (pickle calls cls(*args))
-        return type(self), (self.field, self.value, self.constraint, self.fix)
+        return type(self), (self.field, self.value, self.constraint, self.fix), self.__dict__  # marks too
 
 
 class ScheduleError(RayshardError, ValueError):

@@ -27,4 +27,5 @@ def append_bytes(backend: Backend, path: str, data: bytes, attempts: int = MAX_A
             return
         except PreconditionFailed:
             time.sleep(random.uniform(0, min(1.0, 0.01 * 2**attempt)))  # another writer appended: read again
-    raise TimeoutError(f"{path}: could not append after {attempts} attempts, other writers kept changing it")
+    raise TimeoutError(f"{path}: could not append after {attempts} attempts, other writers kept changing it. "
+                       "Fix: run one writer per run (a trainer's writer lease ensures it), then retry")

@@ -16,7 +16,7 @@ import sys
 
 from rayshard.storage.backends.protocol import PreconditionFailed
 from rayshard.storage.manifest_io import read_manifest
-from rayshard.cluster.catalog.store import Store, step_dirname
+from rayshard.cluster.catalog.store import STEP_DIR, Store, step_dirname
 from rayshard.plans.errors import CheckpointError
 
 
@@ -28,7 +28,10 @@ def _descends(metadata: dict, run: str, parent_step: int) -> bool:
 def adopt_unnamed_commits(store: Store, run: str) -> int | None:
     """Move LATEST to the newest committed step of the run's own lineage past it, and say so;
     the step adopted, or None when LATEST already names the newest (or there is no LATEST)."""
-    latest, committed = store.latest_step(run), store.committed_steps(run)
+    path = f"{store.root}/{run}/LATEST"
+    data, version = store.backend.read_versioned(path)  # one read: the swap below is from this version
+    named = STEP_DIR.match((data or b"").decode("utf-8", "replace").strip())
+    latest, committed = (int(named.group(1)) if named else None), store.committed_steps(run)
     if latest is None or latest not in committed:
         return None  # Store.resolve takes the newest committed step then (decision 88)
     adopted = latest
@@ -43,8 +46,6 @@ def adopt_unnamed_commits(store: Store, run: str) -> int | None:
         adopted = step
     if adopted == latest:
         return None
-    path = f"{store.root}/{run}/LATEST"
-    data, version = store.backend.read_versioned(path)
     try:
         store.backend.replace_if(path, step_dirname(adopted).encode(), version)
     except PreconditionFailed:
@@ -56,12 +57,14 @@ def adopt_unnamed_commits(store: Store, run: str) -> int | None:
     return adopted
 
 
-def refuse_rewrites(store: Store, run: str, start_step: int, save_steps: list[int]) -> None:
-    """A resume into the run at an earlier step would commit steps that already exist; manifests
-    are never overwritten, so refuse before training instead of failing at that commit."""
-    clashing = sorted(set(save_steps) & {s for s in store.committed_steps(run) if s > start_step})
-    if clashing:
+def refuse_rewrites(store: Store, run: str, start_step: int) -> None:
+    """A resume into the run at an older step than its newest commit would leave the newer ones
+    behind a LATEST that no longer descends to them (and commit their steps again); manifests are
+    never overwritten, so refuse before training: a branch goes into a new run."""
+    newer = [s for s in store.committed_steps(run) if s > start_step]
+    if newer:
         raise CheckpointError(
-            f"run {run!r} already has committed checkpoints at steps {clashing}, which this training (from step "
-            f"{start_step}) would commit again; checkpoints are never overwritten. Fix: resume from the newest "
-            f"(--resume latest), or branch into a new run (--resume {run}@{start_step} --run NEW_NAME)")
+            f"run {run!r} already has committed checkpoints past step {start_step} (steps {newer}); training it "
+            f"again from there would fork the run and commit its steps twice; checkpoints are never overwritten. "
+            f"Fix: resume from the newest (--resume latest), or branch into a new run (--resume {run}@{start_step} "
+            "--run NEW_NAME)")

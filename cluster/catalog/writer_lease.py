@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -35,15 +36,25 @@ class RunBusy(CheckpointError):
     """Another live trainer holds the run's writer lease."""
 
 
+def _pid_namespace() -> str:
+    """Containers on one host network share a host name but not their process ids."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _this_holder() -> dict:
     job = os.environ.get("RAY_JOB_SUBMISSION_ID")
     host, pid = socket.gethostname(), os.getpid()
-    return {"holder": (f"job {job} " if job else "") + f"pid {pid} on {host}", "host": host, "pid": pid}
+    return {"holder": (f"job {job} " if job else "") + f"pid {pid} on {host}", "host": host, "pid": pid,
+            "pid_namespace": _pid_namespace()}
 
 
 def _process_gone(record: dict) -> bool:
-    """The holder ran on this host and its process no longer exists."""
-    if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
+    """The holder ran on this host, in this process namespace, and its process no longer exists."""
+    if (record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int)
+            or record.get("pid_namespace", "") != _pid_namespace()):
         return False
     try:
         os.kill(record["pid"], 0)
@@ -74,18 +85,25 @@ class WriterLease:
                            "renewed_unix": time.time()}, sort_keys=True).encode()
 
     def acquire(self, attempts: int = 5) -> None:
+        """Take the lease, or raise RunBusy naming its live holder. A holder that has stopped
+        renewing (missed two renewals: killed on another host) is waited out, at most until its
+        lease lapses, saying so, rather than refused: a resubmit must not fail for a dead trainer."""
         backend = self.store.backend
         backend.make_directory(self.path.rsplit("/", 1)[0])
-        for _ in range(attempts):
+        tries = 0
+        while tries < attempts:
             data, version = backend.read_versioned(self.path)
             record = _parse(data)
             if data is not None and not self._takeable(record):
-                left = record["expires_unix"] - time.time()
-                raise RunBusy(
-                    f"run {self.run!r} is being trained by {record.get('holder', 'another process')} (its writer lease "
-                    f"{self.store.backend.url(self.path)} runs {left:.0f} s more unless renewed): one trainer per run. "
-                    "Fix: wait for that trainer to finish or stop it (a dead one's lease lapses by itself), "
-                    "or train under another --run name")
+                if not self._wait_if_lapsing(record):
+                    left = record["expires_unix"] - time.time()
+                    raise RunBusy(
+                        f"run {self.run!r} is being trained by {record.get('holder', 'another process')} (its writer "
+                        f"lease {self.store.backend.url(self.path)} runs {left:.0f} s more unless renewed): one trainer "
+                        "per run. Fix: wait for that trainer to finish or stop it (a dead one's lease lapses by "
+                        "itself), or train under another --run name")
+                continue  # waited for it to lapse: look again
+            tries += 1
             try:
                 backend.replace_if(self.path, self._record(time.time() + self.ttl_s), version)
             except PreconditionFailed:
@@ -95,6 +113,21 @@ class WriterLease:
         raise RunBusy(f"run {self.run!r}: its writer lease kept changing while this trainer tried to take it "
                       f"({attempts} tries): another trainer is starting on it. Fix: run one trainer per run")
 
+    def _wait_if_lapsing(self, record: dict) -> bool:
+        """Sleep until a lease whose holder stopped renewing lapses; False when it is renewed on time."""
+        renewed, expires = record.get("renewed_unix"), record["expires_unix"]
+        if not isinstance(renewed, (int, float)) or expires <= renewed:
+            return False
+        now, period = time.time(), (expires - renewed) / 4
+        if now - renewed <= 2 * period:
+            return False
+        wait = min(expires - now, expires - renewed) + 1.0
+        print(f"rayshard: run {self.run!r}: its writer lease, held by {record.get('holder', 'another process')}, has not "
+              f"been renewed for {now - renewed:.0f} s (a trainer that died?); waiting {wait:.0f} s for it to lapse",
+              file=sys.stderr, flush=True)
+        time.sleep(max(0.0, wait))
+        return True
+
     def _takeable(self, record: dict) -> bool:
         if record.get("token") == self.token:
             return True
@@ -102,13 +135,20 @@ class WriterLease:
         return same_process or record["expires_unix"] <= time.time() or _process_gone(record)
 
     def renew(self) -> None:
-        """Extend the lease; a lease someone else took since is lost, and says to whom."""
-        try:
-            self.store.backend.replace_if(self.path, self._record(time.time() + self.ttl_s), self.version)
-        except PreconditionFailed:
-            holder = _parse(self.store.backend.read_versioned(self.path)[0]).get("holder", "another process")
-            self.lost = f"{holder} took the run's writer lease"
-            return
+        """Extend the lease; a lease someone else took since is lost, and says to whom. A write
+        of ours whose version was not read back (a network error in between) is recognised by
+        its token and renewed from the version it has now."""
+        for _ in range(2):
+            try:
+                self.store.backend.replace_if(self.path, self._record(time.time() + self.ttl_s), self.version)
+                break
+            except PreconditionFailed:
+                data, version = self.store.backend.read_versioned(self.path)
+                record = _parse(data)
+                if record.get("token") != self.token:
+                    self.lost = f"{record.get('holder', 'another process')} took the run's writer lease"
+                    return
+                self.version = version  # still ours: renew from the version it holds now
         if not self._note_version():
             self.lost = "another trainer took the run's writer lease"
 

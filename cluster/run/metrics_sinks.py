@@ -54,6 +54,10 @@ class MetricsLog:
     def close(self) -> None:
         self.flush()
 
+    def discard(self) -> None:
+        """Forget the lines not yet written: this trainer lost the run to another."""
+        self.pending = []
+
     @property
     def where(self) -> str:
         return f"{self.store.url.rstrip('/')}/{self.relative}"

@@ -212,7 +212,10 @@ class RankGroup:
                 deadline = min(deadline, time.monotonic() + (0.0 if first_user_error else grace))
         if failures or pending:
             self.broken = True
-            failures = {rank: failures[rank] for rank in sorted(failures, key=lambda r: (_raised_at(causes.get(r)), r))}
+            # The rank that failed first first: a rank whose process died (no stamp; its peers'
+            # errors follow from it), then by the time each rank raised, then by number.
+            first = lambda r: (-1.0 if r in dead else _raised_at(causes.get(r)), r)  # noqa: E731
+            failures = {rank: failures[rank] for rank in sorted(failures, key=first)}
             raise StepFailed(method, failures, silent=sorted(pending.values()), dead_ranks=dead, causes=causes,
                              tracebacks=tracebacks, waited_s=round(time.monotonic() - started, 1))
         return [results[rank] for rank in sorted(results)]

@@ -106,7 +106,8 @@ def resolve_start(config: TrainConfig, store: Store) -> StartPoint:
             _log(f"note: {resume.url} sits in run {config.run!r} but was written by run {metadata['run']!r} (copied "
                  "in?); resuming from it as asked. To branch from another run, resume it by its own name "
                  f"(--resume {metadata['run']}@{point.step}) under a new --run")
-        commit_window.refuse_rewrites(store, config.run, point.step, save_steps(config, point.step))
+        if resume.run == config.run:
+            commit_window.refuse_rewrites(store, config.run, point.step)
     check_training_data(config, metadata, point.parent)  # before any rank starts
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
     check_sinks(point.config)
@@ -163,16 +164,21 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
                     _log(f"stopping after the checkpoint at step {done} as asked (resize)")
                     break
     finally:
-        finish(group, store, sinks, timings)
+        finish(group, store, sinks, timings, lost_run=point.lease is not None and point.lease.lost is not None)
     return result
 
 
-def finish(group: RankGroup, store: Store, sinks: list, timings: PipelineTimings) -> None:
-    """Close the metric sinks, write the pipeline's measured costs, and let the ranks go."""
-    for sink in sinks:
-        sink.close()
-    timings.write(store)
-    group.shutdown()
+def finish(group: RankGroup, store: Store, sinks: list, timings: PipelineTimings, lost_run: bool = False) -> None:
+    """Close the metric sinks, write the pipeline's measured costs, and let the ranks go (whatever
+    the sinks do). A trainer that lost the run to another appends nothing more to its files."""
+    try:
+        for sink in sinks:
+            if lost_run and hasattr(sink, "discard"):
+                sink.discard()
+            sink.close()
+        timings.write(store)
+    finally:
+        group.shutdown()
 
 
 def load_resumed(group: RankGroup, point: StartPoint) -> None:
@@ -242,8 +248,6 @@ class Saves:
 
     def committed(self, step: int, url: str) -> None:
         self.result.checkpoints.append(url)
-        for sink in self.sinks:
-            sink.flush()
         _log(f"checkpoint step {step} committed: {url}")
 
     def poll(self) -> None:
@@ -254,6 +258,8 @@ class Saves:
         """Save `step`; in the background unless `wait` (the last step, or a resize may follow)."""
         if self.lease is not None:
             self.lease.check()
+        for sink in self.sinks:  # before the commit: a crash after the manifest must not lose these steps
+            sink.flush()
         if self.background is not None:
             self.parent = self.background.start(step, self.parent)  # training waits only while ranks stage to CPU
             if wait:
@@ -261,12 +267,6 @@ class Saves:
         else:
             self.parent = save_checkpoint(self.group, self.store, self.config, step, self.parent, self.fingerprint)
             self.committed(step, self.parent)
-
-
-def save_steps(config: TrainConfig, start_step: int) -> list[int]:
-    """The steps a run from start_step commits: every checkpoint.every steps, and the last."""
-    every = config.checkpoint.every
-    return [step for step in range(start_step + 1, config.steps + 1) if step == config.steps or (every and step % every == 0)]
 
 
 def load_imbalance(expert_tokens: dict[int, list[int]]) -> float:

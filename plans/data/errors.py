@@ -13,7 +13,7 @@ class DataInputError(RayshardError, ValueError):
         super().__init__(f"{where}: {problem}. Fix: {fix}")
 
     def __reduce__(self):  # raised in a Ray task, it must reach the driver whole
-        return type(self), (self.source, self.row, self.problem, self.fix)
+        return type(self), (self.source, self.row, self.problem, self.fix), self.__dict__  # a rank's marks too
 
 
 class DatasetMismatch(RayshardError, ValueError):

@@ -65,8 +65,10 @@ def test_a_commit_that_is_not_the_runs_own_is_refused(window_crash, run_training
     assert "sits in run 'w' but was written by run 'other' (copied in?)" in capfd.readouterr().out
 
 
-def test_a_resume_that_would_commit_an_existing_step_again_stops_before_training(window_crash, run_training, tmp_path):
+@pytest.mark.parametrize("steps", [3, 1])  # would commit step 2 again; would move LATEST back behind step 2
+def test_a_resume_at_an_older_step_of_the_run_stops_before_training(steps, window_crash, run_training, tmp_path):
     window_crash.write_text("w/LATEST", "step-00000002")
-    with pytest.raises(CheckpointError, match=r"already has committed checkpoints at steps \[2\].*"
+    with pytest.raises(CheckpointError, match=r"already has committed checkpoints past step 1 \(steps \[2\]\).*"
                                               r"--resume w@1 --run NEW_NAME"):
-        run_training(_config(tmp_path, FSDP2, steps=3, run="w", ckpt_every=1, resume="w@1"))
+        run_training(_config(tmp_path, FSDP2, steps=steps + 1, run="w", ckpt_every=1, resume="w@1"))
+    assert window_crash.latest_step("w") == 2

@@ -116,3 +116,39 @@ def test_two_trainers_on_one_run_one_trains_the_others_stop_before_a_step(ray_se
     # The winner's metrics: every step once; the loser never trained, so nothing of its is there.
     assert [r["step"] for r in read_metrics(Store(store), "two")] == list(range(1, STEPS + 1))
     assert Store(store).committed_steps("two") == list(range(4, STEPS + 1, 4))
+
+
+def test_a_renewal_whose_version_was_not_read_back_is_still_ours(store_url):
+    """A renewal landed but reading its version back failed (a network error): the next renewal
+    meets its own write, recognises its token and renews from there, not 'lost to itself'."""
+    lease = WriterLease(Store(store_url), "r", 30)
+    lease.acquire()
+    lease.renew()
+    lease.version = "a version of ours that was never read back"
+    lease.renew()
+    lease.check()  # still held
+    assert lease.lost is None
+    lease.release()
+
+
+def test_a_lease_whose_holder_stopped_renewing_is_waited_out_not_refused(store_url, capfd):
+    store = Store(store_url)
+    now = time.time()
+    record = {"holder": "pid 1 on elsewhere", "host": "elsewhere", "pid": 1, "token": "x",
+              "renewed_unix": now - 10, "expires_unix": now + 2}  # a 12 s lease, 10 s without renewal
+    store.backend.make_directory(f"{store.root}/r")
+    store.backend.replace(f"{store.root}/r/WRITER", json.dumps(record).encode())
+    lease = WriterLease(store, "r", 30)
+    lease.acquire()
+    assert time.time() >= now + 2 and "has not been renewed for 10 s" in capfd.readouterr().err
+    lease.release()
+
+
+def test_a_ranks_marks_survive_the_trip_of_a_config_error():
+    import pickle
+
+    from rayshard.plans.errors import ConfigError
+
+    error = ConfigError("f", 1, "must be 2", "set it to 2")
+    error.rayshard_raised_unix = 5.0
+    assert pickle.loads(pickle.dumps(error)).rayshard_raised_unix == 5.0
