@@ -45,7 +45,7 @@ class StepFailed(RuntimeError):
     def __init__(self, method: str, failures: dict[int, str], silent: list[int], dead_ranks: list[int] = (),
                  causes: dict[int, BaseException] | None = None, tracebacks: dict[int, str] | None = None,
                  waited_s: float | None = None):
-        self.failures, self.silent, self.dead_ranks = failures, list(silent), sorted(dead_ranks)
+        self.method, self.failures, self.silent, self.dead_ranks = method, failures, list(silent), sorted(dead_ranks)
         self.waited_s = waited_s
         self.causes, self.tracebacks = dict(causes or {}), dict(tracebacks or {})
         if failures:

@@ -72,6 +72,15 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         if first is not None:
             rank, cause = first
             return _report(from_rank(cause, rank, failed.tracebacks.get(rank, "")))
+        if failed.dead_ranks:  # a process killed (OOM, a lost node): the cluster's doing, not a bug of ours
+            others = len(failed.failures) - 1 + len(failed.silent)
+            print(f"rayshard: error: training stopped: rank {failed.dead_ranks[0]}'s process died during "
+                  f"{failed.method}" + (f" ({others} other rank(s) stopped with it)" if others else "")
+                  + ". Fix: resubmit with --resume auto, or train with --elastic to recover by itself; the last "
+                  "committed checkpoint is whole. RAYSHARD_DEBUG=1 shows every rank's error", file=sys.stderr)
+            if _debug():
+                print(str(failed), file=sys.stderr)
+            return 1
         print(f"rayshard: training stopped: {failed}", file=sys.stderr)
         for rank, text in sorted(failed.tracebacks.items())[:1]:  # unexpected: a short traceback
             print(f"rank {rank}, last frames (RAYSHARD_DEBUG=1 shows them all):\n"

@@ -136,6 +136,15 @@ def test_step_failed_reports_the_first_user_error_or_a_short_traceback(monkeypat
     assert '"/f11.py"' in err and '"/f9.py"' in err and '"/f3.py"' not in err  # short: the last frames
 
 
+def test_a_rank_whose_process_died_is_one_line(monkeypatch):
+    failed = StepFailed("save_shard", {1: "ActorDiedError: The actor died unexpectedly", 0: "RuntimeError: closed"}, [],
+                        dead_ranks=[1], tracebacks={1: REMOTE})
+    code, err = _main_with(monkeypatch, failed)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("rayshard: error: training stopped: rank 1's process died during save_shard (1 other rank(s)")
+    assert "Fix: resubmit with --resume auto" in err
+
+
 def test_a_silent_group_names_the_wait():
     failed = StepFailed("train_step", {}, [0, 1], waited_s=30.0)
     assert "no rank answered within 30 s" in str(failed) and "[0, 1]" in str(failed)
