@@ -13,6 +13,7 @@ cluster's real credentials. A developer's own AZURE_STORAGE_* variables never re
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 import shutil
@@ -77,12 +78,11 @@ def _wait_listening(port: int, process: subprocess.Popen, timeout_s: float = 60.
     raise RuntimeError(f"Azurite did not listen on 127.0.0.1:{port} within {timeout_s:g}s")
 
 
-@pytest.fixture(scope="session")
-def azurite_server(tmp_path_factory):
-    launcher = install_azurite()
-    if launcher is None:
-        pytest.skip(install_azurite.reason)
-    log = open(tmp_path_factory.mktemp("azurite") / "azurite.log", "wb")
+@contextlib.contextmanager
+def running_azurite(launcher: str, log_path: Path):
+    """Azurite on 127.0.0.1:AZURITE_PORT until the block ends, its output in log_path; yields the
+    account's blob endpoint. Also used by tests/e2e/elastic_scenario.py, outside pytest."""
+    log = open(log_path, "wb")
     # In memory, no telemetry; --skipApiVersionCheck: the Azure SDK may be newer than the emulator.
     process = subprocess.Popen([launcher, "--blobHost", "127.0.0.1", "--blobPort", str(AZURITE_PORT),
                                 "--inMemoryPersistence", "--skipApiVersionCheck", "--disableTelemetry", "--silent"],
@@ -98,6 +98,15 @@ def azurite_server(tmp_path_factory):
             process.kill()
             process.wait(timeout=15)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def azurite_server(tmp_path_factory):
+    launcher = install_azurite()
+    if launcher is None:
+        pytest.skip(install_azurite.reason)
+    with running_azurite(launcher, tmp_path_factory.mktemp("azurite") / "azurite.log") as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Run elastic training on a multi-node local Ray cluster while injecting faults.
 
-    python tests/e2e/elastic_scenario.py OUT.json [--small]
+    python tests/e2e/elastic_scenario.py OUT.json [--small] [--moe] [--azure]
 
 A ray.cluster_utils.Cluster with a head and three worker nodes (2 logical CPUs each, one rank
 per CPU) starts the run on 8 ranks. The store is S3: a moto server on 127.0.0.1 behind the
@@ -15,9 +15,11 @@ to OUT.json.
 
 --small: the default suite's representative: a head and one worker node (4 ranks), SMALL_STEPS
 steps, and one fault, a rank SIGKILLed after the first checkpoint.
+--azure: the store is Azure Blob Storage instead: Azurite on 127.0.0.1 behind the same proxy.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -92,6 +94,33 @@ def start_s3():
     bucket = f"elastic-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=proxy.url, region_name="us-east-1").create_bucket(Bucket=bucket)
     return server, proxy, f"s3://{bucket}/store"
+
+
+def start_azure(log_path: Path):
+    """Azurite on 127.0.0.1 behind the fault proxy (installed from npm on first use, as the tests'
+    fixtures do), a fresh container, and the connection string the Ray nodes pass on to every
+    rank actor (set when tests.azure_fixtures is imported). Returns (a context that stops
+    Azurite, the proxy, the az:// store URL)."""
+    import contextlib
+
+    from azure.storage.blob import BlobServiceClient
+
+    from tests import azure_fixtures
+    from tests.fault_proxy import FaultProxy
+    from tests.s3_fixtures import TEST_STORAGE_ENV
+
+    launcher = azure_fixtures.install_azurite()
+    if launcher is None:
+        raise SystemExit(f"azure store unavailable: {azure_fixtures.install_azurite.reason}")
+    stack = contextlib.ExitStack()
+    stack.enter_context(azure_fixtures.running_azurite(launcher, log_path))
+    atexit.register(stack.close)  # Azurite is a process of its own: stopped however this one ends
+    proxy = FaultProxy("127.0.0.1", azure_fixtures.AZURITE_PORT, listen_port=azure_fixtures.PROXY_PORT).start()
+    os.environ.update(TEST_STORAGE_ENV)
+    container = f"elastic-{uuid.uuid4().hex[:12]}"
+    with BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"]) as service:
+        service.create_container(container)
+    return stack, proxy, f"az://{container}/store"
 
 
 def kill_a_rank_mid_save(proxy, store: str, events: list):
@@ -170,10 +199,12 @@ def kill_one_rank(store: str, proxy, events: list) -> None:
         killed.set()
 
 
-def main(out: str, small: bool = False, moe: bool = False) -> None:
+def main(out: str, small: bool = False, moe: bool = False, azure: bool = False) -> None:
     """small: a head and one worker node, one rank killed; moe: the MoE model with ep pinned to 2,
-    so every layout the recovery picks exchanges tokens between ranks."""
-    server, proxy, store = start_s3()  # before the cluster: its nodes inherit the S3 environment
+    so every layout the recovery picks exchanges tokens between ranks; azure: the store is Azure
+    Blob Storage (Azurite) instead of S3 (moto)."""
+    # Before the cluster: its nodes inherit the store's environment.
+    server, proxy, store = start_azure(Path(out).with_name("azurite.log")) if azure else start_s3()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(1 if small else 3)]
     cluster.wait_for_nodes()
@@ -199,6 +230,7 @@ def main(out: str, small: bool = False, moe: bool = False) -> None:
     controller, state = outcome["controller"], outcome["state"]
     metrics = read_metrics(Store(store), RUN)  # the current timeline: each step once
     Path(out).write_text(json.dumps({
+        "store": store,
         "state": state.value,
         "history": [{"state": t.state.value, "detail": t.detail, "at": t.at_wall} for t in controller.history],
         "events": events,
@@ -212,8 +244,11 @@ def main(out: str, small: bool = False, moe: bool = False) -> None:
     except AttributeError:  # Ray 2.60's Cluster.shutdown trips over a node removed earlier
         pass
     proxy.stop()
-    server.stop()
+    if azure:
+        server.close()
+    else:
+        server.stop()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], small="--small" in sys.argv[2:], moe="--moe" in sys.argv[2:])
+    main(sys.argv[1], small="--small" in sys.argv[2:], moe="--moe" in sys.argv[2:], azure="--azure" in sys.argv[2:])

@@ -24,11 +24,19 @@ def _run_scenario(root: Path, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_a_rank_killed_on_a_small_cluster_is_replaced_and_the_run_resumes_from_latest(tmp_path):
+@pytest.mark.parametrize("store", ["s3", "az"])
+def test_a_rank_killed_on_a_small_cluster_is_replaced_and_the_run_resumes_from_latest(tmp_path, store):
     """The default suite's elastic case: a head and a worker node, 4 ranks, one rank SIGKILLed
     after checkpoint 2 (checkpoint 4 is held until then): the controller restarts on 4 ranks,
-    resumes from step 2 (verified tensor for tensor) and finishes; no step is logged twice."""
-    result = _run_scenario(tmp_path, "--small")
+    resumes from step 2 (verified tensor for tensor) and finishes; no step is logged twice.
+    On S3 (moto) and on Azure Blob Storage (Azurite), each behind the fault proxy."""
+    if store == "az":
+        from tests.azure_fixtures import install_azurite
+
+        if install_azurite() is None:
+            pytest.skip(install_azurite.reason)
+    result = _run_scenario(tmp_path, "--small", *(["--azure"] if store == "az" else []))
+    assert result["store"].startswith(f"{store}://")
     assert result["state"] == "finished" and result["latest_step"] == SMALL_STEPS
     assert [e["event"] for e in result["events"]] == ["kill_rank"] and result["events"][0]["after_checkpoint"] == EVERY
     states = [h["state"] for h in result["history"]]
