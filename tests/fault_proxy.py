@@ -22,6 +22,7 @@ check they really happened.
 from __future__ import annotations
 
 import http.client
+import random
 import re
 import socket
 import struct
@@ -44,6 +45,8 @@ class Rule:
     skip: int = 0  # matching requests let through before the first injection
     seconds: float = 0.0  # for delay and stall
     callback: Callable[[str, str], None] | None = None
+    probability: float = 1.0  # of injecting into a matching request (a soak faults a share of all traffic)
+    rng: random.Random | None = None  # seeded by the test, so a soak's faults can be replayed
     seen: int = 0
     injected: int = 0
 
@@ -93,7 +96,8 @@ class FaultProxy:
             for rule in self.rules:
                 if rule.matches(method, target):
                     rule.seen += 1
-                    if rule.seen > rule.skip and rule.injected < rule.times:
+                    chance = rule.probability >= 1.0 or (rule.rng or random).random() < rule.probability
+                    if rule.seen > rule.skip and rule.injected < rule.times and chance:
                         rule.injected += 1
                         return rule
         return None

@@ -7,6 +7,8 @@ action it needs, is listed in `s3_calls.py`.
 """
 from __future__ import annotations
 
+import asyncio
+
 from fsspec.asyn import sync
 
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
@@ -80,11 +82,25 @@ def _precondition_failed(error: BaseException) -> bool:
     return isinstance(error, FileExistsError) or "PreconditionFailed" in text or "412" in text
 
 
+BODY_READ_ATTEMPTS = 5  # a reply cut short mid-body is not retried by botocore: the read is
+
+
 async def _get_with_etag(fs, path: str) -> tuple[bytes, str]:
+    """The object and its ETag. botocore retries a request that fails, but not a body that breaks
+    off after the headers (a reset mid-reply: aiohttp's ClientPayloadError); found by the storage
+    soak, where it stopped a trainer at its metrics append. The GET is made again, a bounded number
+    of times, with backoff."""
+    import aiohttp  # loaded with s3fs already; not at import, which every command pays
+
     bucket, key, _ = fs.split_path(path)
-    response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
-    try:
-        data = await response["Body"].read()
-    finally:
-        response["Body"].close()
-    return data, response["ETag"]
+    for attempt in range(BODY_READ_ATTEMPTS):
+        response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        try:
+            return await response["Body"].read(), response["ETag"]
+        except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError):
+            if attempt == BODY_READ_ATTEMPTS - 1:
+                raise
+            await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+        finally:
+            response["Body"].close()
+    raise AssertionError("unreachable")

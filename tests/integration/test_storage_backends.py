@@ -10,6 +10,7 @@ import uuid
 import fsspec
 import pytest
 
+from rayshard.cluster.catalog.store import Store
 from rayshard.plans.checkpoint.reshard import Request
 from rayshard.storage import options as storage_options
 from rayshard.storage.backends.azure import AzureBackend
@@ -245,3 +246,14 @@ def test_a_failing_request_names_no_credential(kind, credential, request, monkey
     assert shown  # the requests did fail
     for text in shown:
         assert not any(secret in text for secret in secrets), text
+
+
+def test_a_versioned_read_whose_reply_breaks_off_is_read_again(s3_store, fault_proxy):
+    """A GET whose body is cut short after the headers (botocore does not retry a broken body):
+    the read of LATEST or of a run's log is made again, not failed (found by the storage soak)."""
+    store = Store(s3_store)
+    path = f"{store.root}/r/LATEST"
+    store.backend.replace(path, b"step-00000042" * 100)
+    rule = fault_proxy.add("cut_body", method="GET", path=r"/r/LATEST", times=2)
+    data, version = store.backend.read_versioned(path)
+    assert rule.injected == 2 and data == b"step-00000042" * 100 and version
