@@ -56,6 +56,20 @@ def forget_previous_meshes() -> None:
     clear_redistribute_planner_cache()
 
 
+def forget_previous_compiles() -> None:
+    """Return torch.compile to a fresh process's state before a reused process trains again.
+
+    Dynamo keeps its compiled graphs and each function's history of input sizes per code object,
+    not per model, and every run's blocks share `TransformerBlock.forward`. A run after one with
+    other sizes (moe-tiny at seq_len 8, then tiny at 32) found those sizes in that history and
+    compiled its very first block with them symbolic ("automatic dynamic"); under TP with full AC,
+    AOTAutograd's trace of a symbolic-shape DTensor block then exceeded Python's recursion limit
+    (docs/decisions.md 104). Its graphs also sat next to the earlier run's, whose guards hold that
+    run's dead blocks. Inductor's on-disk cache is untouched (keyed by graph, so still valid).
+    """
+    torch._dynamo.reset()
+
+
 def param_groups_by_mesh(parameters) -> list[dict]:
     """One optimizer param group per device mesh (plain tensors form their own group).
 
@@ -88,6 +102,7 @@ class Trainer:
         if self.device.type == "cpu":
             keep_freed_host_memory()  # a step's activations live in host memory: reuse, not refault, them
         forget_previous_meshes()
+        forget_previous_compiles()
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.layout.world_size,
                                 timeout=timedelta(seconds=config.resources.collective_timeout_s))
         self.mesh = init_device_mesh(self.device.type, self.layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
@@ -254,3 +269,4 @@ class Trainer:
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_previous_meshes()
+        forget_previous_compiles()
