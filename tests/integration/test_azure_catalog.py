@@ -39,3 +39,22 @@ def test_gc_discards_the_uncommitted_blocks_a_dead_writer_left(store):
         assert store.backend.pending_uploads(store.root) == [] and not ours.exists()
         assert [u.path for u in store.backend.pending_uploads(container)] == [f"{container}/elsewhere/not-ours"]
     assert store.committed_steps("r") == [1]
+
+
+def test_show_diff_and_digest_read_an_azure_catalog(az_store, capsys):
+    """The catalog's reading commands through the CLI on az://: show, diff (two steps differ:
+    exit 1, naming tensors), digest (layout-independent, so the same for the same step)."""
+    from rayshard.cluster.cli.main import main
+    from rayshard.plans.training.model_spec import preset
+    from tests.unit.checkpoint_factory import write_checkpoint as write_trained
+
+    write_trained(az_store, "r", preset("tiny"), steps=1)
+    write_trained(az_store, "r", preset("tiny"), steps=2)
+    assert main(["ckpt", "show", "r@1", "--store", az_store]) == 0
+    assert "step" in capsys.readouterr().out
+    assert main(["ckpt", "diff", "r@1", "r@2", "--store", az_store]) == 1
+    assert "layers.0" in capsys.readouterr().out
+    assert main(["ckpt", "digest", "r@2", "--store", az_store]) == 0
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main(["ckpt", "digest", "r@2", "--store", az_store]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == first and first
