@@ -147,6 +147,12 @@ class AsyncCheckpointer:
         thread.start()
         self.committing = Committing(pending, thread, outcome)
 
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Before the run lets go of its writer lease (a step failed): a commit in flight on the
+        driver thread ends first, bounded, so the run's next trainer never races its two writes."""
+        if self.committing is not None:
+            self.committing.thread.join(timeout_s)
+
     def _finish_commit(self, block: bool) -> None:
         """On the training thread: surface a commit's outcome (on_commit, or its error)."""
         if self.committing is None:
