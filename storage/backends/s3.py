@@ -85,20 +85,24 @@ def _precondition_failed(error: BaseException) -> bool:
 BODY_READ_ATTEMPTS = 5  # a reply cut short mid-body is not retried by botocore: the read is
 
 
+def _body_broke_off(error: BaseException) -> bool:
+    """A reply cut short after its headers: aiohttp's ClientPayloadError (named, so that importing
+    this module does not import aiohttp for every command), or the connection reset under it."""
+    return type(error).__name__ == "ClientPayloadError" or isinstance(error, (ConnectionError, asyncio.IncompleteReadError))
+
+
 async def _get_with_etag(fs, path: str) -> tuple[bytes, str]:
     """The object and its ETag. botocore retries a request that fails, but not a body that breaks
     off after the headers (a reset mid-reply: aiohttp's ClientPayloadError); found by the storage
     soak, where it stopped a trainer at its metrics append. The GET is made again, a bounded number
     of times, with backoff."""
-    import aiohttp  # loaded with s3fs already; not at import, which every command pays
-
     bucket, key, _ = fs.split_path(path)
     for attempt in range(BODY_READ_ATTEMPTS):
         response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
         try:
             return await response["Body"].read(), response["ETag"]
-        except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError):
-            if attempt == BODY_READ_ATTEMPTS - 1:
+        except Exception as error:
+            if not _body_broke_off(error) or attempt == BODY_READ_ATTEMPTS - 1:
                 raise
             await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
         finally:
