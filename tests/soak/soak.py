@@ -131,80 +131,82 @@ def main() -> int:
     time.sleep(5)  # the raylet registers after the GCS listens
     env["RAY_ADDRESS"] = address
 
-    config = work / "soak.yaml"
-    _write_config(config, store)
-    rng = random.Random(args.seed)
-    rules = [proxy.add(fault, probability=share * args.fault_share / 0.22, rng=rng) for fault, share in FAULTS]
-    events, attempts = [], []
-    # The operator's retention, itself through the faulty proxy (checkpoints every step would
-    # otherwise fill moto's memory).
-    gc_command = [sys.executable, "-m", "rayshard", "ckpt", "gc", "--store", store, "--keep", "4", "--grace", "0"]
-    gc, next_gc = None, 0.0
-    started = time.time()
-    end = started + args.minutes * 60
-    next_kill, kill_driver = started + args.kill_every_s, False
-    while time.time() < end:
-        log = open(work / f"attempt-{len(attempts)}.log", "w")
-        driver = subprocess.Popen([sys.executable, "-m", "rayshard", "train", "--config", str(config)], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT, cwd=work)
-        attempt = {"started": time.time() - started, "pid": driver.pid}
-        while driver.poll() is None and time.time() < end:
-            if gc is None or gc.poll() is not None:  # retention runs beside training, as a cron job would
-                if time.time() >= next_gc:
-                    gc = subprocess.Popen(gc_command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    next_gc = time.time() + 60
-            if time.time() >= next_kill:
-                pids = [] if kill_driver else _rank_pids(f"http://127.0.0.1:{dashboard_port}")
-                victim = driver.pid if kill_driver or not pids else rng.choice(pids)
-                os.kill(victim, signal.SIGKILL)
-                events.append({"at": round(time.time() - started, 1), "kill": "driver" if victim == driver.pid else "rank"})
-                kill_driver, next_kill = not kill_driver, time.time() + args.kill_every_s
-            time.sleep(0.5)
-        if driver.poll() is None:  # the soak's time is up: the last driver is stopped like the others
-            os.kill(driver.pid, signal.SIGKILL)
-        driver.wait()
-        log.close()
-        attempt.update(ended=round(time.time() - started, 1), returncode=driver.returncode,
-                       last_line=((work / f"attempt-{len(attempts)}.log").read_text().strip().splitlines() or [""])[-1][:300])
-        attempts.append(attempt)
-    if gc is not None:
-        gc.wait(timeout=600)
-    faulted = sum(rule.injected for rule in rules)
-    requests = len(proxy.requests)
-    proxy.clear()  # the checks below see the store as it is
+    try:  # whatever happens, the head, the proxy and moto stop with the soak
+        config = work / "soak.yaml"
+        _write_config(config, store)
+        rng = random.Random(args.seed)
+        rules = [proxy.add(fault, probability=share * args.fault_share / 0.22, rng=rng) for fault, share in FAULTS]
+        events, attempts = [], []
+        # The operator's retention, itself through the faulty proxy (checkpoints every step would
+        # otherwise fill moto's memory).
+        gc_command = [sys.executable, "-m", "rayshard", "ckpt", "gc", "--store", store, "--keep", "4", "--grace", "0"]
+        gc, next_gc = None, 0.0
+        started = time.time()
+        end = started + args.minutes * 60
+        next_kill, kill_driver = started + args.kill_every_s, False
+        while time.time() < end:
+            log = open(work / f"attempt-{len(attempts)}.log", "w")
+            driver = subprocess.Popen([sys.executable, "-m", "rayshard", "train", "--config", str(config)], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=work)
+            attempt = {"started": time.time() - started, "pid": driver.pid}
+            while driver.poll() is None and time.time() < end:
+                if gc is None or gc.poll() is not None:  # retention runs beside training, as a cron job would
+                    if time.time() >= next_gc:
+                        gc = subprocess.Popen(gc_command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        next_gc = time.time() + 60
+                if time.time() >= next_kill:
+                    pids = [] if kill_driver else _rank_pids(f"http://127.0.0.1:{dashboard_port}")
+                    victim = driver.pid if kill_driver or not pids else rng.choice(pids)
+                    os.kill(victim, signal.SIGKILL)
+                    events.append({"at": round(time.time() - started, 1), "kill": "driver" if victim == driver.pid else "rank"})
+                    kill_driver, next_kill = not kill_driver, time.time() + args.kill_every_s
+                time.sleep(0.5)
+            if driver.poll() is None:  # the soak's time is up: the last driver is stopped like the others
+                os.kill(driver.pid, signal.SIGKILL)
+            driver.wait()
+            log.close()
+            attempt.update(ended=round(time.time() - started, 1), returncode=driver.returncode,
+                           last_line=((work / f"attempt-{len(attempts)}.log").read_text().strip().splitlines() or [""])[-1][:300])
+            attempts.append(attempt)
+        if gc is not None:
+            gc.wait(timeout=600)
+        faulted = sum(rule.injected for rule in rules)
+        requests = len(proxy.requests)
+        proxy.clear()  # the checks below see the store as it is
 
-    from rayshard.cluster.catalog.store import Store
-    from rayshard.cluster.checkpoint.verify import verify
-    from rayshard.cluster.run.metrics_sinks import read_metrics
+        from rayshard.cluster.catalog.store import Store
+        from rayshard.cluster.checkpoint.verify import verify
+        from rayshard.cluster.run.metrics_sinks import read_metrics
 
-    remote = Store(store)
-    committed = remote.committed_steps(RUN)
-    verified = {step: verify(remote.checkpoint_url(RUN, step), deep=True).ok for step in committed}
-    metrics = read_metrics(remote, RUN) or []
-    last = max(committed) if committed else 0
-    logged = max((r["step"] for r in metrics), default=0)  # steps are logged before their commit
-    reference_store = work / "reference"
-    reference_config = work / "reference.yaml"
-    _write_config(reference_config, str(reference_store), steps=max(last, logged, 1))
-    reference_env = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}
-    subprocess.run([sys.executable, "-m", "rayshard", "train", "--config", str(reference_config)], env=reference_env,
-                   check=True, capture_output=True, timeout=3600, cwd=work)
-    reference = {r["step"]: r["loss"] for r in read_metrics(Store(str(reference_store)), RUN)}
-    logged_steps = sum(1 for _ in (remote.read_text(f"{RUN}/metrics.jsonl") or "").splitlines() if '"step"' in _)
-    result = {
-        "minutes": args.minutes, "requests": requests, "faulted": faulted,
-        "faulted_by_kind": {rule.fault: rule.injected for rule in rules},
-        "kills": events, "attempts": attempts, "recoveries": max(0, len(attempts) - 1),
-        "committed_after_gc": committed, "verified": verified, "last_step": last,
-        "metrics_steps": [r["step"] for r in metrics], "steps_logged_in_all": logged_steps,
-        "steps_redone": logged_steps - len(metrics),
-        "max_relative_loss_difference": max((abs(r["loss"] - reference[r["step"]]) / abs(reference[r["step"]])
-                                             for r in metrics if r["step"] in reference), default=None),
-    }
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    _stop_head(head)
-    proxy.stop()
-    server.stop()
+        remote = Store(store)
+        committed = remote.committed_steps(RUN)
+        verified = {step: verify(remote.checkpoint_url(RUN, step), deep=True).ok for step in committed}
+        metrics = read_metrics(remote, RUN) or []
+        last = max(committed) if committed else 0
+        logged = max((r["step"] for r in metrics), default=0)  # steps are logged before their commit
+        reference_store = work / "reference"
+        reference_config = work / "reference.yaml"
+        _write_config(reference_config, str(reference_store), steps=max(last, logged, 1))
+        reference_env = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}
+        subprocess.run([sys.executable, "-m", "rayshard", "train", "--config", str(reference_config)], env=reference_env,
+                       check=True, capture_output=True, timeout=3600, cwd=work)
+        reference = {r["step"]: r["loss"] for r in read_metrics(Store(str(reference_store)), RUN)}
+        logged_steps = sum(1 for _ in (remote.read_text(f"{RUN}/metrics.jsonl") or "").splitlines() if '"step"' in _)
+        result = {
+            "minutes": args.minutes, "requests": requests, "faulted": faulted,
+            "faulted_by_kind": {rule.fault: rule.injected for rule in rules},
+            "kills": events, "attempts": attempts, "recoveries": max(0, len(attempts) - 1),
+            "committed_after_gc": committed, "verified": verified, "last_step": last,
+            "metrics_steps": [r["step"] for r in metrics], "steps_logged_in_all": logged_steps,
+            "steps_redone": logged_steps - len(metrics),
+            "max_relative_loss_difference": max((abs(r["loss"] - reference[r["step"]]) / abs(reference[r["step"]])
+                                                 for r in metrics if r["step"] in reference), default=None),
+        }
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    finally:
+        _stop_head(head)
+        proxy.stop()
+        server.stop()
     print(json.dumps({k: v for k, v in result.items() if k not in ("attempts", "metrics_steps", "verified")}, indent=1))
     return 0
 
