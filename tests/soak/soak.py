@@ -110,7 +110,7 @@ def main() -> int:
     env.pop("RAY_ADDRESS", None)
     os.environ.update(TEST_STORAGE_ENV, AWS_ENDPOINT_URL=proxy.url)  # this process's own checks at the end
 
-    # A Ray head of our own, on free ports, stopped by its pid at the end (never `ray stop`).
+    # A Ray head of our own, on free ports, stopped at the end by its own process id and group, nothing else.
     gcs_port, dashboard_port = free_port(), free_port()  # the dashboard serves the state API (rank pids)
     agent_ports = [f"--{flag}={free_port()}" for flag in (
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
