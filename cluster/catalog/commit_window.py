@@ -16,7 +16,7 @@ import sys
 
 from rayshard.storage.backends.protocol import PreconditionFailed
 from rayshard.storage.manifest_io import read_manifest
-from rayshard.cluster.catalog.store import STEP_DIR, Store, step_dirname
+from rayshard.cluster.catalog.store import Store, step_dirname, step_named
 from rayshard.plans.errors import CheckpointError
 
 
@@ -30,8 +30,7 @@ def adopt_unnamed_commits(store: Store, run: str) -> int | None:
     the step adopted, or None when LATEST already names the newest (or there is no LATEST)."""
     path = f"{store.root}/{run}/LATEST"
     data, version = store.backend.read_versioned(path)  # one read: the swap below is from this version
-    named = STEP_DIR.match((data or b"").decode("utf-8", "replace").strip())
-    latest, committed = (int(named.group(1)) if named else None), store.committed_steps(run)
+    latest, committed = step_named(data), store.committed_steps(run)
     if latest is None or latest not in committed:
         return None  # Store.resolve takes the newest committed step then (decision 88)
     adopted = latest

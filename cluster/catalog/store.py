@@ -52,6 +52,13 @@ def resumed_step(latest: int | None, committed: list[int]) -> int | None:
     return latest if latest in committed or not committed else committed[-1]
 
 
+def step_named(latest: bytes | None) -> int | None:
+    """The step a LATEST object's bytes name. One that is not a step's name (damaged, even
+    binary) points nowhere, as a missing one."""
+    match = STEP_DIR.match((latest or b"").decode("utf-8", "replace").strip())
+    return int(match.group(1)) if match else None
+
+
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -131,11 +138,7 @@ class Store:
 
     def latest_step(self, run: str) -> int | None:
         path = f"{self.root}/{run}/LATEST"
-        if not self.fs.exists(path):
-            return None
-        # A LATEST that is not a step's name (damaged, even binary) points nowhere, as a missing one.
-        match = STEP_DIR.match(self.fs.cat_file(path).decode("utf-8", "replace").strip())
-        return int(match.group(1)) if match else None
+        return step_named(self.fs.cat_file(path)) if self.fs.exists(path) else None
 
     # ---- addressing -------------------------------------------------------------------------
 
