@@ -8,7 +8,7 @@ knows no live writer is mid-commit, so a committed step past LATEST is a dead at
 descends from LATEST's checkpoint (its manifest names this run and, parent by parent, LATEST's
 step), it is adopted: LATEST moves to it by compare-and-swap and training continues from there.
 One that does not descend from it (copied in from another run, or of a writer that ignored the
-lease) is refused; nothing is deleted (docs/decisions.md 96).
+lease), or whose files are damaged, is refused; nothing is deleted (docs/decisions.md 96).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import sys
 
 from rayshard.storage.backends.protocol import PreconditionFailed
 from rayshard.storage.manifest_io import read_manifest
+from rayshard.cluster.catalog.catalog import Catalog
 from rayshard.cluster.catalog.store import Store, step_dirname, step_named
 from rayshard.plans.errors import CheckpointError
 
@@ -34,7 +35,16 @@ def adopt_unnamed_commits(store: Store, run: str) -> int | None:
     if latest is None or latest not in committed:
         return None  # Store.resolve takes the newest committed step then (decision 88)
     adopted = latest
-    for step in (s for s in committed if s > latest):
+    newer = [s for s in committed if s > latest]
+    if newer:  # rare (a crash in the window): worth one listing to never name a damaged checkpoint
+        damaged = {e.step: e.status for e in Catalog(store).checkpoints(run) if e.step in newer and not e.whole}
+    for step in newer:
+        if step in damaged:
+            raise CheckpointError(
+                f"run {run!r}: step {step} is committed past LATEST (step {latest}) but damaged ({damaged[step]}), "
+                f"so LATEST stays on step {latest}. Fix: restore its files and resubmit, or branch from the last "
+                f"whole one with --resume {run}@{latest} --run NEW_NAME (`rayshard ckpt verify {run}@{step}` "
+                "says what is wrong)")
         metadata = read_manifest(store.checkpoint_url(run, step))[1]
         if not _descends(metadata, run, adopted):
             raise CheckpointError(

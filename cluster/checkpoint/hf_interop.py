@@ -27,6 +27,7 @@ from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_sha
 
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.progress import advance, set_total
+from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.transform_exec import run_group
 from rayshard.cluster.data.tokenizer import copy_tokenizer_files, tokenizer_url_of
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
@@ -263,7 +264,13 @@ def _reader(fs, base: str, tensors: dict[str, StoredTensor]):
 def import_hf(directory: str, store, run: str, dtype: str = "float32", file_bytes: int = IMPORT_FILE_BYTES,
               log=print, progress=None) -> str:
     """Write a rayshard checkpoint (run@step) from a Hugging Face directory of a family we compute; commit it.
-    progress: a bar (cluster/progress.py) advanced by the bytes of each tensor handed to the writer."""
+    progress: a bar (cluster/progress.py) advanced by the bytes of each tensor handed to the writer.
+    The import writes into `run` as a trainer does, so it holds the run's writer lease meanwhile."""
+    with writer_lease.holding(store, run):
+        return _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, progress)
+
+
+def _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, progress) -> str:
     fs, base = fsspec.core.url_to_fs(directory)
     config_path = f"{base}/{CONFIG}"
     if not fs.exists(config_path):

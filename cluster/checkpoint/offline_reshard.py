@@ -27,6 +27,7 @@ from rayshard.storage.partial_reads import PartialRead
 from rayshard.actors.checkpoint.stored import StoredCheckpoint, verify_parts
 from rayshard.cluster.progress import advance, set_total
 from rayshard.cluster.ray_connection import connect_ray
+from rayshard.cluster.catalog import writer_lease
 from rayshard.storage.options import apply_conf
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.errors import CheckpointError
@@ -193,7 +194,16 @@ def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str,
                        stage_layout: list[int] | None = None, log=print, progress=None) -> ReshardResult:
     """Write and commit `run`@step: the checkpoint at source_url laid out for `layout`.
     local=True plays every rank in this process (same code, no Ray; for tests and small models).
-    progress: a bar (cluster/progress.py) advanced by each rank's planned bytes when it finishes."""
+    progress: a bar (cluster/progress.py) advanced by each rank's planned bytes when it finishes.
+    It writes into `run` as a trainer does, so it holds the run's writer lease while it works:
+    a trainer (or another reshard) on the same run is refused in one line, not raced."""
+    with writer_lease.holding(store, run):
+        return _reshard_holding_the_lease(source_url, layout, store, run, workers, num_cpus, local, schedule,
+                                          stage_layout, log, progress)
+
+
+def _reshard_holding_the_lease(source_url, layout, store, run, workers, num_cpus, local, schedule, stage_layout,
+                               log, progress) -> ReshardResult:
     started = time.perf_counter()
     chunks, metadata = read_manifest(source_url)
     step = int(metadata["step"])

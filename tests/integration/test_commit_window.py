@@ -72,3 +72,23 @@ def test_a_resume_at_an_older_step_of_the_run_stops_before_training(steps, windo
                                               r"--resume w@1 --run NEW_NAME"):
         run_training(_config(tmp_path, FSDP2, steps=steps + 1, run="w", ckpt_every=1, resume="w@1"))
     assert window_crash.latest_step("w") == 2
+
+
+def test_an_elastic_restart_on_a_damaged_checkpoint_stops_in_one_line(window_crash, rank_pool, tmp_path):
+    """A truncated shard in the commit past LATEST is not a failure a retry can fix, and not one
+    to adopt: LATEST stays on the whole step, and the controller stops at once (no replan loop)
+    with one line naming the step, what is wrong and the fix."""
+    shard = next((tmp_path / "store" / "w" / "checkpoints" / "step-00000002").glob("attempt-*/rank-00000.*"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    config = _config(tmp_path, FSDP2, steps=3, run="w", ckpt_every=1)
+    history = []
+    controller = Controller(TrainingWorkerGroup(config, 2, actors=rank_pool), choose=lambda ranks: FSDP2,
+                            log=history.append)
+    with pytest.raises(CheckpointError) as raised:
+        controller.run()
+    message = str(raised.value)
+    assert "\n" not in message and "step 2 is committed past LATEST (step 1) but damaged" in message, message
+    assert "--resume w@1 --run NEW_NAME" in message, message
+    assert sum("[controller] running" in line for line in history) == 1, history
+    assert window_crash.latest_step("w") == 1  # nothing moved, nothing deleted
+    assert window_crash.committed_steps("w") == [1, 2]

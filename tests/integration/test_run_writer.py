@@ -152,3 +152,34 @@ def test_a_ranks_marks_survive_the_trip_of_a_config_error():
     error = ConfigError("f", 1, "must be 2", "set it to 2")
     error.rayshard_raised_unix = 5.0
     assert pickle.loads(pickle.dumps(error)).rayshard_raised_unix == 5.0
+
+
+def test_offline_writers_into_a_held_run_are_refused_in_one_line(tmp_path, capsys):
+    """`ckpt reshard --run` and `ckpt import --run` write into a run as a trainer does: they take
+    its writer lease, so one into a run being trained stops at once, naming the holder, and
+    writes nothing there."""
+    from rayshard.cluster.checkpoint.hf_interop import export_hf
+    from rayshard.plans.training.model_spec import preset
+    from tests.unit.checkpoint_factory import write_checkpoint
+
+    store_url = str(tmp_path / "store")
+    write_checkpoint(store_url, "source", preset("tiny"))
+    source = f"{store_url}/source/checkpoints/step-00000002"
+    export_hf(source, str(tmp_path / "hf"), log=lambda *_: None)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, store_url], stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        commands = [["ckpt", "reshard", source, "--to", "fsdp=2", "--run", "r", "--local", "--store", store_url],
+                    ["ckpt", "import", str(tmp_path / "hf"), "--run", "r", "--store", store_url]]
+        for command in commands:
+            assert main(command) == 2, command
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"is being trained by pid {holder.pid}" in err[0], (command, err)
+        assert Store(store_url).committed_steps("r") == []
+    finally:
+        holder.kill()
+        holder.wait()
+    # Free again, the same reshard commits (the lease is released after it).
+    assert main(commands[0]) == 0
+    assert Store(store_url).committed_steps("r") == [2]
+    assert WriterLease(Store(store_url), "r", 30)._takeable(json.loads((tmp_path / "store/r/WRITER").read_text()))
