@@ -24,7 +24,7 @@ def _run_scenario(root: Path, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("store", ["s3", "az"])
+@pytest.mark.parametrize("store", ["s3", pytest.param("az", marks=pytest.mark.slow)])  # Azure: -m slow (decision 113)
 def test_a_rank_killed_on_a_small_cluster_is_replaced_and_the_run_resumes_from_latest(tmp_path, store):
     """The default suite's elastic case: a head and a worker node, 4 ranks, one rank SIGKILLed
     after checkpoint 2 (checkpoint 4 is held until then): the controller restarts on 4 ranks,

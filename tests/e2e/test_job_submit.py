@@ -114,6 +114,7 @@ def test_ray_job_submit_trains_commits_and_a_resubmission_resumes(ray_head, tmp_
     assert (store / "job" / "LATEST").read_text() == "step-00000005"
 
 
+@pytest.mark.slow  # decision 113: the default suite's 15 minutes
 def test_ray_job_submit_runs_rayshard_from_an_installed_wheel(ray_head, tmp_path):
     """No working directory: the job (driver and rank actors) imports rayshard from a wheel's files
     on PYTHONPATH, as a cluster whose image pip-installed the wheel would, and finds its embedded

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # decision 113: the default suite's 15 minutes
 def test_three_ranks_on_two_cpus_bounded_waits_and_one_line_rank_errors(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)

@@ -41,6 +41,7 @@ def test_gc_discards_the_uncommitted_blocks_a_dead_writer_left(store):
     assert store.committed_steps("r") == [1]
 
 
+@pytest.mark.slow  # decision 113: ls, gc and verify on Azure stay in the default suite
 def test_show_diff_and_digest_read_an_azure_catalog(az_store, capsys):
     """The catalog's reading commands through the CLI on az://: show, diff (two steps differ:
     exit 1, naming tensors), digest (layout-independent, so the same for the same step)."""

@@ -8,6 +8,7 @@ and a throttled PUT and a 500 on a GET are retried on the way."""
 from __future__ import annotations
 
 import fsspec
+import pytest
 
 from rayshard.cluster.checkpoint.digest import digest_checkpoint
 from rayshard.cluster.cli.main import main
@@ -15,6 +16,7 @@ from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 
+@pytest.mark.slow_on_azure
 def test_export_to_the_store_and_import_back_is_bit_exact(object_store):
     source, _, _ = write_checkpoint(object_store.url, "src", preset("tiny"), steps=2)
     hf = f"{object_store.url.rsplit('/', 1)[0]}/exports/src-2"  # beside the store, in the same bucket

@@ -34,6 +34,7 @@ def test_one_step_equals_tp_without_sp(rank_pool, tmp_path, degrees, schedule):
         torch.testing.assert_close(gradients[name], gradient, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow  # decision 113: the default suite's 15 minutes
 def test_ten_steps_follow_tp_without_sp(run_training, tmp_path):
     layout = ParallelLayout(dp=2, tp=2)
     plain = run_training(_config(tmp_path / "plain", layout)).losses

@@ -106,6 +106,7 @@ def test_the_factorys_own_criterion_is_the_loss_under_tp(run_training, one_rank,
     assert math.isclose(result.losses[1], 2 * one_rank.losses[1], rel_tol=1e-5)
 
 
+@pytest.mark.slow  # decision 113: the default suite's 15 minutes
 def test_a_plans_sequence_parallel_matches_tp_without_it_eager_and_compiled(run_training, tmp_path):
     """The plan's --sp additions (LayerNorms on sequence shards, gathers before the blocks'
     halves) with the tp styles' sequence-sharded forms derived: the tp2 losses within 1e-5, and

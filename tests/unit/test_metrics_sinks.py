@@ -95,7 +95,7 @@ def _append_lines(url: str, writer: int, count: int) -> None:
         log.flush()
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", [pytest.param("local", marks=pytest.mark.slow), "s3"])  # local: -m slow (decision 113)
 def test_two_processes_appending_at_once_lose_no_line(where, tmp_path, request):
     """Two trainers' metrics logs on one run (the case the run's writer lease is there to
     prevent): whatever the interleaving, every line of both survives."""
