@@ -44,4 +44,6 @@ def with_resumed_model(config: TrainConfig, named: bool) -> TrainConfig:
     if differences:
         raise ConfigError("model", config.model.preset, f"differs from the checkpoint's model in {', '.join(differences)}",
                           "leave the model out (a resume builds the checkpoint's own), or resume a checkpoint of this model")
+    if config.model.spec.special_tokens is None and saved.special_tokens is not None:  # they travel with the weights
+        return replace(config, model=replace(config.model, spec=replace(config.model.spec, special_tokens=saved.special_tokens)))
     return config
