@@ -49,8 +49,8 @@ def _perturbed(model):
 
 def hf_llama(scaling: dict, seed: int = 5, **extra):
     max_positions = ORIGINAL if scaling["rope_type"] == "dynamic" else 64
-    config = transformers.LlamaConfig(**SIZES, max_position_embeddings=max_positions,
-                                      rope_parameters={**scaling, "rope_theta": 500.0}, **extra)
+    config = transformers.LlamaConfig(**{**SIZES, **extra}, max_position_embeddings=max_positions,
+                                      rope_parameters={**scaling, "rope_theta": 500.0})
     torch.manual_seed(seed)
     return _perturbed(transformers.LlamaForCausalLM(config))
 
