@@ -39,6 +39,10 @@ def with_resumed_model(config: TrainConfig, named: bool) -> TrainConfig:
         return config
     preset_name, saved = found
     if not named:
+        given = config.model.vocab_size  # --vocab-size alone names no model, but must agree with the one resumed
+        if given is not None and given != saved.vocab_size:
+            raise ConfigError("model.vocab_size", given, f"differs from the checkpoint's model ({saved.vocab_size})",
+                              "leave --vocab-size out (a resume builds the checkpoint's own model), or start a new --run")
         return replace(config, model=ModelChoice(preset_name or "custom", saved))
     differences = model_differences(saved, config.model.spec)
     if differences:
