@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from rayshard.cluster.catalog.store import Store
-from tests.integration.test_hf_family_training import _config
 from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from tests.integration.test_hf_family_training import _config
 from tests.unit.test_hf_families import ours_from
 from tests.unit.test_hf_rope_scaling import SCALINGS, _assert_computes_transformers, hf_llama
 
