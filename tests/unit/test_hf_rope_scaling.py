@@ -129,8 +129,6 @@ def test_dynamic_tables_follow_the_sequence_length_as_transformers_does_per_forw
 
 
 @pytest.mark.parametrize("scaling, named", [
-    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "factor": 2.0},
-     "rope_type='longrope', which rayshard does not implement"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
       "original_max_position_embeddings": 16}, "high_freq_factor=1.0: must exceed low_freq_factor"),
     ({"rope_type": "linear", "factor": -2.0}, "factor=-2.0: must be positive"),
