@@ -7,20 +7,31 @@ the same as Hugging Face Llama, so weights export without a permutation.
 
 cos and sin are [seq, head_dim] and the two halves are not assumed to be equal: the backward
 handles general values, and the test feeds halves that differ (a backward that silently assumed
-equal halves once passed a symmetric test).
+equal halves once passed a symmetric test). RoPE scaling (Llama 3's, yarn's, ...) changes only the
+tables; yarn's attention factor scales cos and sin, which the backward takes as they are.
 """
 from __future__ import annotations
 
 import torch
 
+from rayshard.actors.model.rope_frequencies import inverse_frequencies
+from rayshard.plans.training.rope_scaling import RopeScaling
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None, scaling: RopeScaling | None = None,
+                max_seq_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [seq_len, head_dim], computed in float64 then cast, so every layout
-    (and every rank) gets bit-identical tables."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    (and every rank) gets bit-identical tables. scaling: the model's RoPE scaling (its
+    frequencies, and yarn's attention factor on cos and sin: `rope_frequencies.py`); a `dynamic`
+    one depends on seq_len, which is why the tables are made per forward. max_seq_len: the
+    model's max_position_embeddings, which dynamic and yarn read."""
+    inv_freq, attention_factor = inverse_frequencies(head_dim, theta, scaling, seq_len, max_seq_len)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    cos, sin = angles.cos(), angles.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.float().to(device), sin.float().to(device)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,9 @@ class Transformer(nn.Module):
         embedding (it then takes the residual stream [batch, seq, dim]) or the head (it then
         returns the residual stream)."""
         seq = inputs.shape[1] if self.tok_embeddings is not None else inputs.shape[1] * self.sequence_shards
-        cos, sin = rope_tables(seq, self.config.head_dim, self.config.rope_theta, inputs.device)
+        config = self.config
+        cos, sin = rope_tables(seq, config.head_dim, config.rope_theta, inputs.device, config.rope_scaling,
+                               config.max_seq_len)
         h = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
         for layer in self.layers.values():
             h = layer(h, cos, sin)

@@ -5,8 +5,10 @@ its plan's mapping), import one back.
 One mapping per family (`hf_mapping`), or a user plan's, is written in the export direction; import
 uses its derived inverse. A user model's export imports back only with its `rayshard.json` (the
 record naming its factory and plan): config.json alone names no family rayshard computes.
-Export writes `config.json` and `model.safetensors` (or `model-0000i-of-0000n.safetensors` plus
-`model.safetensors.index.json` past `max_shard_bytes`), and, unless asked not to, the optimizer
+Export writes `config.json` (with the bos / eos / pad ids: the model's, else its tokenizer's),
+`generation_config.json` (those ids, so `generate()` stops at eos) and `model.safetensors` (or
+`model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json` past `max_shard_bytes`),
+and, unless asked not to, the optimizer
 moments under the same names in `rayshard-optimizer/` (Hugging Face ignores the folder) and the
 run metadata in `rayshard.json`, so `import(export(ckpt))` restores the very same training state.
 
@@ -29,17 +31,21 @@ from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.progress import advance, set_total
 from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.transform_exec import run_group
-from rayshard.cluster.data.tokenizer import copy_tokenizer_files, tokenizer_url_of
+from rayshard.cluster.data.tokenizer import (TOKENIZER_JSON, copy_tokenizer_files, load_tokenizer, special_tokens_of,
+                                             tokenizer_url_of)
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
-from rayshard.plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError, RayshardError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
+from rayshard.plans.training.special_tokens import SpecialTokens
 from rayshard.plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
 from rayshard.plans.interop.hf_families import export_config, export_mapping, model_config_from_hf
 from rayshard.plans.transforms.mapping import Cast, Mapping, MappingPlan, Meta
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+GENERATION_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # transformers' GenerationConfig names
 WEIGHTS = "model"
 OPTIMIZER_DIR = "rayshard-optimizer"
 RUN_METADATA = "rayshard.json"
@@ -149,15 +155,33 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
     stored.check_partial_reads()  # none today (whole tensors read whole chunks); any part would be checked here
     out_dtype = dtype or next(iter(stored.chunks)).dtype
-    fs.pipe_file(f"{base}/{CONFIG}", json.dumps(export_config(model, out_dtype), indent=2).encode())
+    tokenizer_url = tokenizer_url_of(stored.metadata)  # the run's tokenizer travels with its weights
+    copied = copy_tokenizer_files(tokenizer_url, directory) if tokenizer_url else []
+    written += copied
+    config = export_config(model, out_dtype)
+    # The ids generate() stops at: the model's own (imported with it), else its tokenizer's; a
+    # user plan's config.json keeps any it names.
+    tokens = model.special_tokens or (_tokenizer_special_tokens(directory, log) if TOKENIZER_JSON in copied else None)
+    for key, value in (tokens.hf_fields() if tokens else {}).items():
+        config.setdefault(key, value)
+    fs.pipe_file(f"{base}/{CONFIG}", json.dumps(config, indent=2).encode())
+    generation = {key: config[key] for key in GENERATION_FIELDS if config.get(key) is not None}
+    if generation:
+        fs.pipe_file(f"{base}/{GENERATION_CONFIG}", json.dumps(generation, indent=2).encode())
     fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
                                                        "weights_dtype": out_dtype}, indent=2, default=str).encode())
-    tokenizer_url = tokenizer_url_of(stored.metadata)  # the run's tokenizer travels with its weights
-    if tokenizer_url:
-        written += copy_tokenizer_files(tokenizer_url, directory)
     result = ExportResult(directory, written, sum(1 for _ in stored.tensors()), time.perf_counter() - started)
     log(f"exported {checkpoint_url} to {directory}: {len(written)} safetensors file(s) in {result.seconds:.1f}s")
     return result
+
+
+def _tokenizer_special_tokens(directory: str, log) -> SpecialTokens | None:
+    """The copied tokenizer's ids; one without an end-of-document token gives none (noted)."""
+    try:
+        return special_tokens_of(load_tokenizer(directory))
+    except RayshardError as error:
+        log(f"note: no bos/eos ids written to {CONFIG}: {error}")
+        return None
 
 
 # ---- import -------------------------------------------------------------------------------------

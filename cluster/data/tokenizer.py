@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from rayshard.cluster.data.documents import ReadOptions, input_files, read_documents
 from rayshard.plans.errors import ConfigError, RayshardError
+from rayshard.plans.training.special_tokens import SpecialTokens
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -127,3 +128,17 @@ def tokenizer_url_of(metadata: dict) -> str | None:
     """The tokenizer a checkpoint's run used: its prepared dataset's, or the one `ckpt import` kept."""
     dataset = (metadata.get("data_position") or {}).get("dataset") or {}
     return dataset.get("tokenizer_url") or metadata.get("tokenizer_url")
+
+
+def special_tokens_of(loaded: LoadedTokenizer) -> SpecialTokens:
+    """The ids a tokenizer names: its end-of-document token as eos, and bos and pad where its
+    tokenizer_config.json names tokens the vocabulary holds (ours names bos as the eos token, as
+    GPT-2's does)."""
+    config = json.loads(loaded.config_json) if loaded.config_json else {}
+
+    def named(key: str) -> int | None:
+        token = config.get(key) if isinstance(config, dict) else None
+        token = token.get("content") if isinstance(token, dict) else token
+        return loaded.tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+    return SpecialTokens(bos_token_id=named("bos_token"), eos_token_id=loaded.eos_id, pad_token_id=named("pad_token"))

@@ -1,6 +1,6 @@
-"""The driver's side of training on a prepared dataset (or a weighted mixture of several): checks
-before any rank starts, what a checkpoint records of the data, and one hash per step of the global
-batch.
+"""The driver's side of training on a prepared dataset (or a weighted mixture of several): the
+vocabulary a preset takes from it, checks before any rank starts, what a checkpoint records of the
+data, and one hash per step of the global batch.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from rayshard.plans.data.compatibility import check_same_dataset, check_vocab_fi
 from rayshard.plans.data.errors import DatasetMismatch
 from rayshard.plans.data.mixture import mixture_record
 from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.tp_fit import vocab_multiple
 
 # (dataset URL or mixture, seq_len) -> what checkpoints record: read from the index(es) when a run
 # starts (check_training_data), then reused by every save instead of re-reading the index.
@@ -43,6 +44,27 @@ def check_training_data(config: TrainConfig, resumed_metadata: dict | None, chec
     record = _records[(url, config.seq_len)] = _record_of(dataset)
     if recorded is not None:
         check_same_dataset(recorded, record, checkpoint_url)
+
+
+def with_dataset_vocabulary(config: TrainConfig, note=None) -> TrainConfig:
+    """A built-in model whose vocabulary nobody set (no model.vocab_size in the file, no
+    --vocab-size) trained on a prepared dataset takes its tokenizer's vocabulary, rounded up to a
+    multiple of what the model's other tp splits share, so the vocabulary never limits tp (the
+    extra rows are ids no sample holds). note: told the size chosen, in one line."""
+    url = prepared_dataset_url(config)
+    model = config.model
+    if url is None or model.vocab_size is not None or model.spec.user is not None:
+        return config
+    tokenizer_vocab = open_prepared(url, config.seq_len).meta.vocab_size
+    multiple = vocab_multiple(model.spec)
+    rounded = -(-tokenizer_vocab // multiple) * multiple
+    if rounded == model.spec.vocab_size:
+        return config
+    if note is not None:
+        rounding = f", rounded up to a multiple of {multiple} so that tp can split it" if rounded != tokenizer_vocab else ""
+        note(f"model.vocab_size={rounded}: the tokenizer of {url} has {tokenizer_vocab} ids{rounding} "
+             "(--vocab-size N sets another)")
+    return replace(config, model=replace(model, spec=replace(model.spec, vocab_size=rounded)))
 
 
 def with_resolved_dataset(config: TrainConfig) -> TrainConfig:

@@ -39,9 +39,15 @@ def with_resumed_model(config: TrainConfig, named: bool) -> TrainConfig:
         return config
     preset_name, saved = found
     if not named:
+        given = config.model.vocab_size  # --vocab-size alone names no model, but must agree with the one resumed
+        if given is not None and given != saved.vocab_size:
+            raise ConfigError("model.vocab_size", given, f"differs from the checkpoint's model ({saved.vocab_size})",
+                              "leave --vocab-size out (a resume builds the checkpoint's own model), or start a new --run")
         return replace(config, model=ModelChoice(preset_name or "custom", saved))
     differences = model_differences(saved, config.model.spec)
     if differences:
         raise ConfigError("model", config.model.preset, f"differs from the checkpoint's model in {', '.join(differences)}",
                           "leave the model out (a resume builds the checkpoint's own), or resume a checkpoint of this model")
+    if config.model.spec.special_tokens is None and saved.special_tokens is not None:  # they travel with the weights
+        return replace(config, model=replace(config.model, spec=replace(config.model.spec, special_tokens=saved.special_tokens)))
     return config

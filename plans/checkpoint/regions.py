@@ -34,8 +34,9 @@ from rayshard.plans.layout.parallel_layout import ParallelLayout, RankCoords
 from rayshard.plans.pipeline.partition import StagePartition
 from rayshard.plans.pipeline.plan import stage_partition
 from rayshard.plans.pipeline.schedules import schedule_for_vpp
-from rayshard.plans.training.model_plan import check_tp_divides, stage_part
+from rayshard.plans.training.model_plan import stage_part
 from rayshard.plans.training.model_spec import ModelConfig, check_experts_fit, parameter_shapes
+from rayshard.plans.training.tp_fit import check_tp_fits
 from rayshard.plans.training.tp_plan import split_dim_under
 
 EMBEDDING = "tok_embeddings.weight"
@@ -265,14 +266,7 @@ def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout, wid
 
 def check_layout_fits(model: ModelConfig, layout: ParallelLayout) -> None:
     """The model-shape constraints a layout must meet to hold this model (the same ones training checks)."""
-    if model.user is not None:  # a user model: each parameter tp splits, from its record
-        check_tp_divides(model.user, layout.tp)
-    else:
-        for what, count in (("the number of kv heads", model.n_kv_heads), ("model.ffn_dim", model.ffn_dim),
-                            ("model.vocab_size", model.vocab_size)):
-            if count % layout.tp:
-                divisors = [d for d in range(1, count + 1) if count % d == 0]
-                raise ConfigError("tp", layout.tp, f"must divide {what} ({count})", f"use tp in {divisors}")
+    check_tp_fits(model, layout.tp, "tp", "tp", training=False)  # a user model: each parameter tp splits, from its record
     check_experts_fit(model, layout)
     if layout.pp * layout.vpp > model.n_layers:
         raise ConfigError("pp", layout.pp, f"pp*vpp = {layout.pp * layout.vpp} stages exceed the model's {model.n_layers} layers",

@@ -22,6 +22,7 @@ from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.options import option, section, sections
 from rayshard.plans.run_names import RUN_NAME, check_run_name
 from rayshard.plans.training.model_spec import PRESETS, ModelConfig, preset
+from rayshard.plans.training.tp_fit import TpSplit
 
 
 
@@ -59,7 +60,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Every section's constraints, the model and the layout first: most others read them."""
-        self.model.validate(self.layout)
+        self.model.validate(self.layout, self._tp_limits())
         self.resources.validate(self.layout)
         self._validate_batch()
         self.pipeline.validate(self.model.spec, self.layout, self.global_batch, self.numerics.compile)
@@ -69,6 +70,15 @@ class TrainConfig:
         self.data.validate(self.seq_len)
         self.numerics.validate(self.model.spec, self.layout, self.seq_len)
         return self
+
+    def _tp_limits(self) -> tuple[TpSplit, ...]:
+        """What the run asks of tp beyond the model: a tp hint lists only degrees that meet these too."""
+        limits = []
+        if self.resources.world_size:
+            limits.append(TpSplit(self.resources.world_size, f"must divide world_size ({self.resources.world_size})"))
+        if self.numerics.sequence_parallel and self.seq_len > 0:
+            limits.append(TpSplit(self.seq_len, f"must divide seq_len ({self.seq_len}) under sequence parallelism"))
+        return tuple(limits)
 
     def _validate_batch(self) -> None:
         """A step's shape: sequences the model can hold, split evenly over the data ranks."""
@@ -111,7 +121,7 @@ def _model_choice(values: dict) -> ModelChoice:
     name = values.pop("preset", "tiny")
     if not isinstance(name, str):
         raise ConfigError("model.preset", name, "must be a preset's name", f"write one of {', '.join(PRESETS)}")
-    return ModelChoice(name, preset(name, **values))
+    return ModelChoice(name, preset(name, **values), vocab_size=values.get("vocab_size"))
 
 
 def with_overrides(config: TrainConfig, **overrides) -> TrainConfig:

@@ -10,8 +10,8 @@ def check_vocab_fits(model_vocab_size: int, tokenizer_vocab_size: int, dataset_u
     if model_vocab_size < tokenizer_vocab_size:
         raise ConfigError("model.vocab_size", model_vocab_size,
                           f"is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size}) of dataset {dataset_url}",
-                          f"set model.vocab_size to {tokenizer_vocab_size} or more (a multiple of tp), "
-                          "or prepare the data with a smaller tokenizer")
+                          f"pass --vocab-size {tokenizer_vocab_size} or more (a multiple of tp), or leave it out "
+                          "(a preset then takes the tokenizer's), or prepare the data with a smaller tokenizer")
 
 
 def check_same_dataset(recorded: dict, current: dict, checkpoint_url: str) -> None:

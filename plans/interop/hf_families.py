@@ -21,9 +21,11 @@ older transformers and other readers expect. An MoE model transformers would com
 (sigmoid router scores, a qwen2_moe without shared expert, ...) is refused at export naming the
 setting; a config.json with `mlp_only_layers` at import.
 
-A config.json that asks for something this decoder does not compute (rope scaling, an unknown
-`model_type`, attention bias where the family has none, a per-layer sliding window) is refused
-naming the field: importing it would change what the weights compute.
+A config.json that asks for something this decoder does not compute (a RoPE scaling type other
+than linear, dynamic, yarn and llama3, an unknown `model_type`, attention bias where the family
+has none, a per-layer sliding window) is refused naming the field: importing it would change what
+the weights compute. RoPE scaling and the bos / eos / pad ids are kept in the ModelConfig and
+written back at export (`rope_parameters` and 4.x's `rope_scaling`; the ids in config.json).
 
 The mapping is written once, in the export direction; import uses its derived inverse.
 A user's model (`--model-factory`) brings its own mapping and config.json in its plan
@@ -37,6 +39,8 @@ from rayshard.plans.transforms.codec import decode_mapping
 from rayshard.plans.transforms.mapping import Alias, Cast, Mapping, Rename, SplitRows, Unstack
 from rayshard.plans.errors import CheckpointError, ConfigError
 from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
+from rayshard.plans.training.rope_scaling import FIELDS_OF, ROPE_TYPES, RopeScaling
+from rayshard.plans.training.special_tokens import SpecialTokens
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -167,10 +171,16 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
         "num_hidden_layers": model.n_layers, "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.n_kv_heads, "head_dim": model.head_dim,
         "max_position_embeddings": model.max_seq_len, "rms_norm_eps": model.norm_eps,
-        # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta.
+        # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta (and rope_scaling).
         "rope_theta": model.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
         "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu", "torch_dtype": dtype, "dtype": dtype,
     }
+    if model.rope_scaling is not None:
+        scaling = model.rope_scaling.to_dict()
+        config["rope_parameters"] = {**scaling, "rope_theta": model.rope_theta}
+        config["rope_scaling"] = scaling  # transformers 5 prefers it when both are given; they agree
+    if model.special_tokens is not None:
+        config.update(model.special_tokens.hf_fields())
     if model.family in ("llama", "qwen3"):
         config["attention_bias"] = False
     if model.family == "llama":
@@ -203,19 +213,14 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
                               f"{', '.join(sorted(ARCHITECTURES))}")
     _check_numbers(config, family, where)
     unsupported = [f"{key}={config[key]!r}" for key, fine in _EXPECTED[family] if key in config and config[key] != fine]
-    # transformers 5 writes rope_parameters, 4.x rope_scaling; a file edited by hand may hold both.
-    for key in ("rope_parameters", "rope_scaling"):
-        rope_type = (config.get(key) or {}).get("rope_type", (config.get(key) or {}).get("type", "default"))
-        if rope_type not in ("default", None):
-            unsupported.append(f"{key}.rope_type={rope_type!r}")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope, rope_scaling = _rope_from_hf(config, head_dim, where)
     if family in ("qwen2", "qwen3", *MOE_FAMILIES) and config.get("use_sliding_window"):
         unsupported.append(f"use_sliding_window={config['use_sliding_window']!r}")
     layer_types = set(config.get("layer_types") or ())
     if layer_types - {"full_attention", "sliding_attention"} or (family != "mistral" and "sliding_attention" in layer_types):
         unsupported.append(f"layer_types={sorted(layer_types)!r}")
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     if family == "qwen2" and head_dim != config["hidden_size"] // heads:  # Qwen2's class ignores head_dim
         unsupported.append(f"head_dim={head_dim} (Qwen2 computes hidden_size / num_attention_heads)")
     if family in MOE_FAMILIES:
@@ -229,12 +234,59 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
         n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads, ffn_dim=config["intermediate_size"],
         max_seq_len=config.get("max_position_embeddings", 2048),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), rope_scaling=rope_scaling,
+        special_tokens=special_tokens_from_hf(config, where),
         norm_eps=float(config.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         family=family, qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(config.get("qkv_bias", True))),
         qk_norm=family in ("qwen3", "qwen3_moe"), sliding_window=int(sliding_window) if sliding_window else None,
         head_size=head_dim if head_dim != config["hidden_size"] // heads else None, **experts,
     ).validate()
+
+
+def _rope_from_hf(config: dict, head_dim: int, where: str) -> tuple[dict, RopeScaling | None]:
+    """The RoPE parameters of a config.json and their scaling, read as transformers reads them:
+    4.x's rope_scaling wins over 5's rope_parameters where both are given, an old `type` key
+    names the type, original_max_position_embeddings defaults to max_position_embeddings (a
+    top-level one wins, as Phi-3 writes it), and keys the type does not read are ignored. A type
+    or setting rayshard does not compute is refused naming the key."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = dict(config.get(key) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("default", None):
+        return rope, None
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"{where}: this model uses {key}.rope_type={rope_type!r}, which rayshard does not "
+                              f"implement (it computes default, {', '.join(ROPE_TYPES)}); importing it would change what "
+                              "the weights compute")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{where}: this model uses {key}.partial_rotary_factor={rope['partial_rotary_factor']!r} "
+                              "(RoPE on part of each head), which rayshard does not implement")
+    if rope_type in ("yarn", "llama3"):
+        if config.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 2048))
+    fields = {name: rope[name] for name in FIELDS_OF[rope_type] if rope.get(name) is not None}
+    try:
+        scaling = RopeScaling(rope_type=rope_type, **fields).validate(config.get("max_position_embeddings", 2048),
+                                                                      head_dim, where=key)
+    except ConfigError as error:
+        raise CheckpointError(f"{where}: {error}") from None
+    return rope, scaling
+
+
+def special_tokens_from_hf(config: dict, where: str) -> SpecialTokens | None:
+    """A config.json's bos / eos / pad ids (None when it names none); a malformed one is named."""
+    values = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = config.get(key)
+        if value is None:
+            continue
+        ids = value if key == "eos_token_id" and isinstance(value, list) else [value]
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise CheckpointError(f"{where}: {key}={value!r} is not a token id (a whole number 0 or more"
+                                  f"{', or a list of them' if key == 'eos_token_id' else ''}). Fix: restore the file")
+        values[key] = value
+    return SpecialTokens(**values) if values else None
 
 
 def _unsupported_moe(config: dict) -> list[str]:

@@ -24,6 +24,7 @@ from rayshard.plans.layout.experts import (ExpertFootprint, check_pinned_ep, exc
                                   expert_parameters_per_layer, largest_block)
 from rayshard.plans.layout.parallel_layout import PARALLEL_DEGREES, ParallelLayout
 from rayshard.plans.training.model_spec import ModelConfig, parameter_count
+from rayshard.plans.training.tp_fit import fitting_tp
 
 BYTES_PER_PARAM_STATE = 16  # fp32 parameter + gradient + two AdamW moments
 # What a user may pin: the rank dimensions, and ep (vpp comes from the run's schedule instead).
@@ -161,10 +162,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_candidates(model: ModelConfig, ranks_per_node: int) -> list[int]:
-    # An MoE model's experts (and shared expert) are split over tp by hidden units too.
-    return [t for t in _divisors(model.n_kv_heads)
-            if model.ffn_dim % t == 0 and model.vocab_size % t == 0 and t <= ranks_per_node
-            and model.expert_ffn_dim % t == 0 and model.shared_expert_ffn_dim % t == 0]
+    # Every size tp splits (heads, hidden units, experts', the vocabulary), and within a node.
+    return [t for t in fitting_tp(model) if t <= ranks_per_node]
 
 
 def pinned_ranks(pinned: dict[str, int]) -> int:

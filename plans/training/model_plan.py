@@ -198,15 +198,3 @@ def validate_plan(plan: ModelPlan, module_names: list[str], shapes: dict[str, tu
             raise ConfigError("model plan hf_mapping", f"{len(plan.hf_mapping)} rules", f"does not fit the model: {error}",
                               "make the rules cover every parameter once, with the shapes the model has") from None
 
-
-def check_tp_divides(user: UserModel, tp: int) -> None:
-    """Every parameter tp splits must split evenly: DTensor would cut unevenly, and the layout-free
-    checkpoint regions assume equal blocks."""
-    if tp == 1:
-        return
-    for name, shape, split in user.parameters:
-        if split >= 0 and (split >= len(shape) or shape[split] % tp):
-            raise ConfigError("layout.tp", tp, f"cannot split parameter {name} of shape {list(shape)} along dim {split}",
-                              f"use a --tp that divides {shape[split] if split < len(shape) else 'it'}, "
-                              "or leave its module out of the plan's tp_styles")
-

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, replace
 
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.training.model_plan import ModelPlan, UserModel
+from rayshard.plans.training.rope_scaling import RopeScaling
+from rayshard.plans.training.special_tokens import SpecialTokens
 from rayshard.plans.training.tp_plan import DEFAULT_TP_STYLES, SEQUENCE_PARALLEL_ADDITIONS
 
 
@@ -63,6 +65,12 @@ class ModelConfig:
     norm_topk: bool = False
     shared_expert_ffn_dim: int = 0
     aux_loss_coef: float = 0.01
+    # RoPE past the trained context (llama3, yarn, linear, dynamic; plans/training/rope_scaling.py);
+    # None: plain RoPE of rope_theta.
+    rope_scaling: RopeScaling | None = None
+    # bos / eos / pad ids as the model's users know them (plans/training/special_tokens.py): what
+    # an export writes into config.json and generation_config.json; nothing computes with them.
+    special_tokens: SpecialTokens | None = None
     # A user's model (family "user"): its factory, plan and recorded parameters. The sizes above
     # then say only what the rest of rayshard asks of any model: vocab_size, dim (what pipeline
     # stages exchange), n_layers (blocks) and max_seq_len; the attention fields are unused.
@@ -71,6 +79,10 @@ class ModelConfig:
     def __post_init__(self):
         if isinstance(self.user, dict):  # from JSON metadata
             object.__setattr__(self, "user", UserModel(**self.user))
+        if self.rope_scaling is not None:  # from JSON metadata or a config file
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        if self.special_tokens is not None:
+            object.__setattr__(self, "special_tokens", SpecialTokens.from_dict(self.special_tokens))
 
     @property
     def plan(self) -> ModelPlan:
@@ -134,6 +146,10 @@ class ModelConfig:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads,
                               f"must divide model.n_heads={self.n_heads} (grouped-query attention)",
                               "pick n_kv_heads among the divisors of n_heads")
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate(self.max_seq_len, self.head_dim)
+        if self.special_tokens is not None:
+            self.special_tokens.validate()
         return self
 
     def _validate_experts(self) -> None:
@@ -177,11 +193,12 @@ REFERENCE_PLAN = ModelPlan(tp_styles=DEFAULT_TP_STYLES, sequence_parallel=SEQUEN
 
 def model_differences(saved: ModelConfig, named: ModelConfig) -> list[str]:
     """Each field where two models differ, as "field (saved -> named)"; a user model by its
-    factory, plan and parameters (their values would fill the line)."""
+    factory, plan and parameters (their values would fill the line). The special tokens are not
+    compared: they change nothing the model computes (a resume keeps the checkpoint's)."""
     differences = []
     for name in saved.__dataclass_fields__:
         value, other = getattr(saved, name), getattr(named, name)
-        if value == other:
+        if value == other or name == "special_tokens":
             continue
         if name == "user":
             differences += _user_differences(value, other)
@@ -314,7 +331,4 @@ def check_experts_fit(config: ModelConfig, layout) -> None:
         divisors = [d for d in range(1, config.n_experts + 1) if config.n_experts % d == 0]
         raise ConfigError("ep", layout.ep, f"must divide the number of experts ({config.n_experts})",
                           f"use ep (and fsdp) in {divisors}")
-    for field in ("expert_ffn_dim", "shared_expert_ffn_dim"):
-        if getattr(config, field) % layout.tp:
-            raise ConfigError("tp", layout.tp, f"must divide model.{field} ({getattr(config, field)})",
-                              "choose tp among its divisors")
+    # tp splits each expert's hidden units: plans/training/tp_fit.py checks that with every other size.

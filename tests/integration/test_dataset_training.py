@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.actors.training.dataset_reader import PreparedDataset
 from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
-from rayshard.cluster.cli.main import main
+from rayshard.cluster.cli.commands.train import config_from_args
+from rayshard.cluster.cli.main import build_parser, main
 from rayshard.cluster.data.documents import ReadOptions
 from rayshard.cluster.data.prepare import prepare_dataset
 from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -119,6 +120,22 @@ def test_model_smaller_than_the_tokenizer_is_refused(run_training, dataset, tmp_
     with pytest.raises(ConfigError) as error:
         run_training(_config(tmp_path, str(root / "ds"), ParallelLayout(), model=ModelChoice.named("tiny")))
     assert "model.vocab_size=256" in str(error.value) and "(300)" in str(error.value)
+
+
+def test_a_preset_with_data_takes_the_tokenizers_vocabulary_and_trains(run_training, dataset, tmp_path, capsys):
+    """`rayshard train --data DATASET` with a preset and no vocabulary given: the model takes the
+    tokenizer's, rounded up so that every tp the model allows divides it (tiny: 2 kv heads)."""
+    root, tokenizer = dataset
+    flags = ["train", "--data", str(root / "ds"), "--store", str(tmp_path / "store"), "--run", "v", "--steps", "2",
+             "--global-batch", "2", "--seq-len", "16", "--dp", "1", "--tp", "2"]
+    config = config_from_args(build_parser().parse_args(flags))
+    expected = -(-tokenizer.vocab_size // 2) * 2
+    assert config.model.spec.vocab_size == expected >= tokenizer.vocab_size > 256
+    assert f"model.vocab_size={expected}: the tokenizer of {root / 'ds'} has {tokenizer.vocab_size} ids" in capsys.readouterr().err
+    assert sorted(run_training(config).losses) == [1, 2]
+    given = config_from_args(build_parser().parse_args(flags + ["--vocab-size", "256", "--run", "given"]))
+    with pytest.raises(ConfigError, match=r"model.vocab_size=256: is smaller than the tokenizer's vocabulary"):
+        run_training(given)  # a vocabulary given is kept, and refused before any rank starts
 
 
 def test_training_reads_the_dataset_from_an_object_store(run_training, dataset, uninterrupted, object_store):

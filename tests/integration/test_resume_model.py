@@ -17,12 +17,14 @@ from rayshard.cluster.cli.main import build_parser
 from rayshard.cluster.catalog.store import Store
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.training.model_spec import ModelConfig
+from rayshard.plans.training.special_tokens import SpecialTokens
 
 # Sizes no preset has: 3 layers, 6 heads over 2 kv heads, head_dim 8, vocab 264.
 HF_SIZES = dict(vocab_size=264, hidden_size=48, intermediate_size=112, num_hidden_layers=3, num_attention_heads=6,
                 num_key_value_heads=2, max_position_embeddings=128)
 IMPORTED = ModelConfig(vocab_size=264, dim=48, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=112, max_seq_len=128,
-                       norm_eps=1e-6)  # LlamaConfig's default rms_norm_eps
+                       norm_eps=1e-6,  # LlamaConfig's default rms_norm_eps
+                       special_tokens=SpecialTokens(bos_token_id=1, eos_token_id=2))  # and its default ids
 
 
 @pytest.fixture

@@ -86,7 +86,7 @@ def test_import_computes_transformers_logits_and_exports_bit_identical(tmp_path,
 
 
 @pytest.mark.parametrize("family, change, field", [
-    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling.rope_type='linear'"),
+    ("llama", {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling.rope_type='longrope'"),
     ("llama", {"attention_bias": True}, "attention_bias=True"),
     ("qwen3", {"attention_bias": True}, "attention_bias=True"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True"),

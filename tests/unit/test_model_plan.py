@@ -17,7 +17,8 @@ from rayshard.plans.checkpoint.regions import rank_regions
 from rayshard.plans.config import ModelChoice, NumericsConfig, TrainConfig
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.training.model_plan import ModelPlan, check_tp_divides, validate_plan
+from rayshard.plans.training.model_plan import ModelPlan, validate_plan
+from rayshard.plans.training.tp_fit import check_tp_fits
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 from rayshard.plans.training.tp_plan import COLWISE
 
@@ -72,7 +73,7 @@ def test_a_parameter_tp_cannot_split_is_refused_naming_it_and_its_shape(monkeypa
 
     monkeypatch.setattr(example, "odd_gpt2", _odd_gpt2, raising=False)
     model = describe_factory("examples.gpt2.model:odd_gpt2")
-    check_tp_divides(model.user, 2)
+    check_tp_fits(model, 2)
     with pytest.raises(ConfigError, match=r"layout.tp=4: cannot split parameter wte.weight of shape \[250, 48\] along dim 0"):
         TrainConfig(model=ModelChoice(spec=model), layout=ParallelLayout(tp=4), global_batch=8, seq_len=32).validate()
 

@@ -11,6 +11,7 @@ from rayshard.actors.model.user_model import describe_factory
 from rayshard.cluster.catalog.store import Store
 from rayshard.cluster.cli.config_flags import config_overrides
 from rayshard.cluster.cli.train import DEFAULT_CONFIG
+from rayshard.cluster.data.training_data import with_dataset_vocabulary
 from rayshard.cluster.run.controller import State
 from rayshard.cluster.run.elastic import train_elastic
 from rayshard.cluster.run.pipeline_order_file import read_csv_rows
@@ -88,7 +89,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                                  ("pipeline.microbatches", "microbatches", order.microbatches)):
             if getattr(args, flag) is None:
                 overrides[key] = value
-    return with_resumed_model(with_overrides(config, **overrides), named).validate()
+    config = with_dataset_vocabulary(with_overrides(config, **overrides),
+                                     note=lambda line: print(f"rayshard: note: {line}", file=sys.stderr))
+    return with_resumed_model(config, named).validate()
 
 
 def run_train(args: argparse.Namespace) -> int:
