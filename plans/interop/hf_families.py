@@ -13,6 +13,14 @@ what transformers' class computes:
   sigmoid(shared_expert_gate(x)). Its routing (softmax in fp32, top-k, optional renormalisation
   of the k weights: norm_topk_prob) is exactly ours (`actors/model/moe.py`).
 - qwen3_moe (`Qwen3MoeForCausalLM`): qwen3's attention, the same experts, no shared expert.
+- phi3 (`Phi3ForCausalLM`): Llama's computation (and Mistral's optional sliding window) with
+  fused tensors in the Hub: `qkv_proj` is [all q heads; all k heads; all v heads] and
+  `gate_up_proj` is [all gate rows; all up rows] (transformers chunks it in two), so the mapping
+  splits ours (grouped per kv head, interleaved per hidden unit) and concatenates the parts.
+- mixtral (`MixtralForCausalLM`): Mistral's attention, every layer a mixture of experts with no
+  shared expert, routed by softmax top-k with the k weights always renormalised (our norm_topk);
+  experts live in `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down), each expert
+  `intermediate_size` wide.
 
 Experts are written in the Hub's per-expert form (`mlp.experts.{e}.gate_proj.weight` [F, D],
 `up_proj`, `down_proj` [D, F]): what `save_pretrained` of transformers 5.24 writes, what its
@@ -36,14 +44,26 @@ from __future__ import annotations
 import math
 
 from rayshard.plans.transforms.codec import decode_mapping
-from rayshard.plans.transforms.mapping import Alias, Cast, Mapping, Rename, SplitRows, Unstack
+from rayshard.plans.transforms.mapping import Alias, Cast, ConcatRows, Mapping, Rename, SplitRows, Unstack
 from rayshard.plans.errors import CheckpointError, ConfigError
 from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
 from rayshard.plans.training.rope_scaling import FIELDS_OF, ROPE_TYPES, RopeScaling
 from rayshard.plans.training.special_tokens import SpecialTokens
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+# Families whose class computes a sliding window where config.json's sliding_window is set.
+SLIDING_WINDOW_FAMILIES = ("mistral", "phi3", "mixtral")
+# Hub families rayshard does not compute, each with what its class computes that ours does not:
+# named in the refusal so the user knows whether it is a missing family or a missing feature.
+NOT_COMPUTED = {
+    "gemma2": "Gemma2's scaled embedding, (1 + weight) RMSNorms around each sublayer, logit and attention soft-capping "
+              "and alternating sliding-window layers",
+    "gemma3_text": "Gemma3's scaled embedding, (1 + weight) RMSNorms, per-head q/k norms and local/global RoPE bases "
+                   "on alternating sliding-window layers",
+    "gemma3": "Gemma3's vision tower and its text model's local/global RoPE on alternating sliding-window layers",
+}
 
 
 def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
@@ -58,6 +78,9 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     """
     if model.family in MOE_FAMILIES:
         refuse_unexportable_moe(model)
+    if model.family == "phi3" and (model.qkv_bias or model.qk_norm):
+        raise CheckpointError("cannot export this phi3 model: model.qkv_bias/qk_norm is not what Phi3ForCausalLM computes. "
+                              "Fix: train without them, or use family qwen2 (biases) or qwen3 (q/k norms)")
     layer = "layers.{layer}."
     hf_layer = "model.layers.{layer}."
     qkv_rows = (model.heads_per_group * model.head_dim, model.head_dim, model.head_dim)
@@ -73,8 +96,10 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
         Rename(layer + "feed_forward.down.weight", hf_layer + "mlp.down_proj.weight"),
         Rename("norm.weight", "model.norm.weight"),
     ]
+    if model.family == "phi3":
+        rules += phi3_fusion_rules(model)
     if model.is_moe:
-        rules += moe_rules(model)
+        rules += mixtral_expert_rules(model) if model.family == "mixtral" else moe_rules(model)
     if model.qkv_bias:
         rules.append(SplitRows(layer + "attention.qkv.bias", tuple(hf_layer + f"self_attn.{p}_proj.bias" for p in "qkv"),
                                qkv_rows, model.n_kv_heads))
@@ -88,6 +113,30 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     if dtype and dtype != "float32":
         rules.append(Cast("*", to=dtype, source="float32"))
     return Mapping(tuple(rules))
+
+
+def phi3_fusion_rules(model: ModelConfig) -> list:
+    """Phi-3 fuses q, k and v (and gate and up) too, but part after part rather than per kv head
+    (per hidden unit): the plain q, k, v (gate, up) the split above yields are concatenated whole,
+    one group. The intermediate names exist only between the two rules."""
+    hf_layer = "model.layers.{layer}."
+    q_rows, kv_rows = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    return [ConcatRows(tuple(hf_layer + f"self_attn.{p}_proj.weight" for p in "qkv"), hf_layer + "self_attn.qkv_proj.weight",
+                       (q_rows, kv_rows, kv_rows), 1),
+            ConcatRows((hf_layer + "mlp.gate_proj.weight", hf_layer + "mlp.up_proj.weight"), hf_layer + "mlp.gate_up_proj.weight",
+                       (model.ffn_dim, model.ffn_dim), 1)]
+
+
+def mixtral_expert_rules(model: ModelConfig) -> list:
+    """Mixtral's experts under `block_sparse_moe`: w1 the gate, w3 the up, w2 the down projection
+    (what save_pretrained of transformers 5.24 writes back from its fused in-memory experts)."""
+    ours, hf = "layers.{layer}.feed_forward.", "model.layers.{layer}.block_sparse_moe."
+    expert = hf + "experts.{expert}."
+    return [Rename(ours + "router.weight", hf + "gate.weight"),
+            Unstack(ours + "experts.gate_up.weight", expert + "gate_up_interleaved", model.n_experts),
+            SplitRows(expert + "gate_up_interleaved", (expert + "w1.weight", expert + "w3.weight"), (1, 1),
+                      model.expert_ffn_dim),
+            Unstack(ours + "experts.down.weight", expert + "w2.weight", model.n_experts)]
 
 
 def moe_rules(model: ModelConfig) -> list:
@@ -128,8 +177,16 @@ def refuse_unexportable_moe(model: ModelConfig) -> None:
          "Qwen3MoeForCausalLM always normalises q and k per head; set qk_norm, or use family qwen2_moe"),
         (family == "qwen3_moe" and model.qkv_bias, "qkv_bias=True",
          "Qwen3MoeForCausalLM's attention_bias also adds an o_proj bias rayshard does not have; use family qwen2_moe"),
-        (model.sliding_window is not None, f"sliding_window={model.sliding_window}",
+        (model.sliding_window is not None and family not in SLIDING_WINDOW_FAMILIES, f"sliding_window={model.sliding_window}",
          f"{ARCHITECTURES[family]} as exported attends to every earlier token; train without a sliding window"),
+        (family == "mixtral" and not model.norm_topk, "norm_topk=False",
+         "MixtralForCausalLM always renormalises the k routing weights to sum to 1; set norm_topk"),
+        (family == "mixtral" and model.shared_expert_ffn_dim > 0, f"shared_expert_ffn_dim={model.shared_expert_ffn_dim}",
+         "MixtralForCausalLM has no shared expert; set it to 0, or use family qwen2_moe"),
+        (family == "mixtral" and model.moe_every != 1, f"moe_every={model.moe_every}",
+         "every MixtralForCausalLM layer is a mixture of experts; set moe_every 1"),
+        (family == "mixtral" and (model.qkv_bias or model.qk_norm), "qkv_bias/qk_norm",
+         "MixtralForCausalLM's attention has neither; use family qwen2_moe or qwen3_moe"),
     )
     for wrong, setting, fix in problems:
         if wrong:
@@ -187,9 +244,19 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
         config["mlp_bias"] = False
     if model.family in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None)
-    if model.family == "mistral":
+    if model.family in SLIDING_WINDOW_FAMILIES:
         config["sliding_window"] = model.sliding_window
-    if model.family in MOE_FAMILIES:
+    if model.family == "phi3":
+        # Phi3Config defaults pad_token_id to Phi-3's 32000, which its embedding refuses for a
+        # smaller vocabulary: a model that names no pad id says so.
+        if config.get("pad_token_id") is None and model.vocab_size <= 32000:
+            config["pad_token_id"] = None
+        config.update(original_max_position_embeddings=model.max_seq_len, resid_pdrop=0.0, embd_pdrop=0.0)
+    if model.family == "mixtral":
+        config.update(num_local_experts=model.n_experts, num_experts_per_tok=model.experts_per_token,
+                      intermediate_size=model.expert_ffn_dim, router_aux_loss_coef=model.aux_loss_coef,
+                      output_router_logits=False, router_jitter_noise=0.0)
+    if model.family in ("qwen2_moe", "qwen3_moe"):
         config.update(
             num_experts=model.n_experts, num_experts_per_tok=model.experts_per_token,
             moe_intermediate_size=model.expert_ffn_dim, decoder_sparse_step=model.moe_every, mlp_only_layers=[],
@@ -208,6 +275,9 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
 def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     """Our ModelConfig from a config.json of a family we compute; refuses what we would approximate."""
     family = config.get("model_type")
+    if family in NOT_COMPUTED:
+        raise CheckpointError(f"{where}: model_type {family!r} is not one rayshard computes yet: it would need "
+                              f"{NOT_COMPUTED[family]}; supported: {', '.join(sorted(ARCHITECTURES))}")
     if family not in ARCHITECTURES:
         raise CheckpointError(f"{where}: model_type {family!r} is not one rayshard computes; supported: "
                               f"{', '.join(sorted(ARCHITECTURES))}")
@@ -216,10 +286,10 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope, rope_scaling = _rope_from_hf(config, head_dim, where)
-    if family in ("qwen2", "qwen3", *MOE_FAMILIES) and config.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and config.get("use_sliding_window"):
         unsupported.append(f"use_sliding_window={config['use_sliding_window']!r}")
     layer_types = set(config.get("layer_types") or ())
-    if layer_types - {"full_attention", "sliding_attention"} or (family != "mistral" and "sliding_attention" in layer_types):
+    if layer_types - {"full_attention", "sliding_attention"} or (family not in SLIDING_WINDOW_FAMILIES and "sliding_attention" in layer_types):
         unsupported.append(f"layer_types={sorted(layer_types)!r}")
     if family == "qwen2" and head_dim != config["hidden_size"] // heads:  # Qwen2's class ignores head_dim
         unsupported.append(f"head_dim={head_dim} (Qwen2 computes hidden_size / num_attention_heads)")
@@ -228,7 +298,7 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     if unsupported:
         raise CheckpointError(f"{where}: this {family} model uses {', '.join(unsupported)}, which rayshard does not "
                               "implement; importing it would change what the weights compute")
-    sliding_window = config.get("sliding_window") if family == "mistral" else None
+    sliding_window = config.get("sliding_window") if family in SLIDING_WINDOW_FAMILIES else None
     experts = _experts_from_hf(config) if family in MOE_FAMILIES else {}
     return ModelConfig(
         vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
@@ -252,15 +322,18 @@ def _rope_from_hf(config: dict, head_dim: int, where: str) -> tuple[dict, RopeSc
     key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     rope = dict(config.get(key) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # Phi-3's config (and Phi-4-mini's, top-level) carries it even with default RoPE.
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        where_set = f"{key}.partial_rotary_factor" if "partial_rotary_factor" in rope else "partial_rotary_factor"
+        raise CheckpointError(f"{where}: this model uses {where_set}={partial!r} (RoPE on part of each head), which "
+                              "rayshard does not implement; importing it would change what the weights compute")
     if rope_type in ("default", None):
         return rope, None
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"{where}: this model uses {key}.rope_type={rope_type!r}, which rayshard does not "
                               f"implement (it computes default, {', '.join(ROPE_TYPES)}); importing it would change what "
                               "the weights compute")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{where}: this model uses {key}.partial_rotary_factor={rope['partial_rotary_factor']!r} "
-                              "(RoPE on part of each head), which rayshard does not implement")
     if rope_type in ("yarn", "llama3"):
         if config.get("original_max_position_embeddings") is not None:
             rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
@@ -309,7 +382,12 @@ def _n_experts(config: dict) -> int | None:
 
 def _experts_from_hf(config: dict) -> dict:
     """Our ModelConfig's expert fields from config.json. Sizes must be given (save_pretrained always
-    writes them); the switches take the default both transformers classes share."""
+    writes them); the switches take the default both transformers classes share. Mixtral's
+    experts are intermediate_size wide, in every layer, their k weights always renormalised."""
+    if config["model_type"] == "mixtral":
+        return dict(n_experts=config["num_local_experts"], experts_per_token=config["num_experts_per_tok"],
+                    expert_ffn_dim=config["intermediate_size"], moe_every=1, norm_topk=True, shared_expert_ffn_dim=0,
+                    aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
     return dict(n_experts=_n_experts(config), experts_per_token=config["num_experts_per_tok"],
                 expert_ffn_dim=config["moe_intermediate_size"], moe_every=config.get("decoder_sparse_step", 1),
                 norm_topk=bool(config.get("norm_topk_prob", False)),
@@ -328,7 +406,8 @@ _OPTIONAL_REALS = ("rms_norm_eps", "rope_theta", "router_aux_loss_coef")
 
 
 def _check_numbers(config: dict, family: str, where: str) -> None:
-    required = _REQUIRED_SIZES + (_REQUIRED_MOE_SIZES if family in MOE_FAMILIES else ())
+    required = _REQUIRED_SIZES + (_REQUIRED_MOE_SIZES if family in ("qwen2_moe", "qwen3_moe") else
+                                  ("num_experts_per_tok", "num_local_experts") if family == "mixtral" else ())
     missing = [key for key in required if config.get(key) is None]
     if missing:
         raise CheckpointError(f"{where}: this {family} config.json has no {', '.join(missing)}. Fix: restore the "
@@ -357,4 +436,6 @@ _EXPECTED = {
     "mistral": (("hidden_act", "silu"),),
     "qwen2_moe": (("hidden_act", "silu"),),
     "qwen3_moe": (("hidden_act", "silu"), ("attention_bias", False)),
+    "phi3": (("hidden_act", "silu"),),
+    "mixtral": (("hidden_act", "silu"),),
 }

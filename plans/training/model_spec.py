@@ -23,8 +23,8 @@ from rayshard.plans.training.special_tokens import SpecialTokens
 from rayshard.plans.training.tp_plan import DEFAULT_TP_STYLES, SEQUENCE_PARALLEL_ADDITIONS
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")  # families whose Hugging Face class has mixture-of-experts layers
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")  # families whose Hugging Face class has mixture-of-experts layers
 ROUTER_SCORES = ("softmax", "sigmoid")
 USER_FAMILY = "user"  # a model built by the user's factory (`--model-factory`); see plans/training/model_plan.py
 
