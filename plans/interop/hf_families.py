@@ -1,6 +1,6 @@
 """Hugging Face model families: our parameter names <-> theirs, and our ModelConfig <-> config.json.
 
-One decoder (`plans/training/model_spec.py`) expresses six families; each differs from Llama by
+One decoder (`plans/training/model_spec.py`) expresses eight families; each differs from Llama by
 what transformers' class computes:
 
 - llama (`LlamaForCausalLM`): the base.
@@ -63,6 +63,9 @@ NOT_COMPUTED = {
     "gemma3_text": "Gemma3's scaled embedding, (1 + weight) RMSNorms, per-head q/k norms and local/global RoPE bases "
                    "on alternating sliding-window layers",
     "gemma3": "Gemma3's vision tower and its text model's local/global RoPE on alternating sliding-window layers",
+    "gpt2": "GPT-2's learned absolute positions, LayerNorms with bias, GELU MLP, biased Conv1D projections and tied "
+            "head (examples/gpt2/model.py computes them as a user model, whose own export imports back through its "
+            "rayshard.json)",
 }
 
 
