@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import transformers
 
@@ -15,6 +16,7 @@ from tests.integration.test_hf_moe_ep_training import _config
 from tests.unit.test_hf_families import COMMON, hf_model, ours_from
 
 
+@pytest.mark.slow  # the default suite's Mixtral case is tests/unit/test_hf_families.py; ep: test_hf_moe_ep_training.py
 def test_an_imported_mixtral_trains_with_ep_like_one_rank_and_exports_back(run_training, tmp_path):
     hf_model("mixtral", tied=False).save_pretrained(str(tmp_path / "hf"))
     store = str(tmp_path / "store")
