@@ -1,6 +1,7 @@
 """What `rayshard ckpt plan` prints: a reshard plan's per-rank reads, totals and coverage proof."""
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -62,9 +63,35 @@ def format_plan(plan: LayoutPlan, layout: ParallelLayout, source: str, metadata:
     amplification = plan.bytes_read / plan.bytes_needed if plan.bytes_needed else 1.0
     sharing = (f"{plan.bytes_received / MiB:.2f} MiB more reach dp replicas by broadcast (each piece read once per replica group)"
                if plan.bytes_received else "every rank reads what it holds (no broadcast)")
+    lines += amplification_lines(plan)
     lines += [f"  total: {plan.bytes_read / MiB:.2f} MiB read from storage for {plan.bytes_needed / MiB:.2f} MiB needed "
               f"({amplification:.3f}x; {plan.bytes_read / max(1, plan.source_bytes):.2f}x the checkpoint) in {plan.requests} requests; "
               + sharing,
               f"  {plan.proof()}",
               f"  planned in {seconds:.3f}s from the manifest alone; no tensor data was read"]
+    return lines
+
+
+def weight_family(name: str, kind: str = "") -> str:
+    """A tensor's name with its layer (and expert) numbers as `*`: every layer's `wo` is one family."""
+    return re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", name)
+
+
+def _ratio(read: int, needed: int) -> str:
+    return f"{read / needed:.3f}x" if needed else "-"
+
+
+def amplification_lines(plan: LayoutPlan) -> list[str]:
+    """Read amplification (bytes read / bytes needed) per state kind and per weight family, from
+    the items' byte ranges before coalescing (header checks excluded: the total line has them)."""
+    by_kind = plan.amplification_by(lambda name, kind: kind)
+    by_family = plan.amplification_by(weight_family)
+    if not by_kind:
+        return []
+    lines = ["  read amplification (bytes read / bytes needed) by state kind: "
+             + ", ".join(f"{kind} {_ratio(*sums)}" for kind, sums in by_kind.items())]
+    width = max(len(family) for family in by_family)
+    lines.append("  by weight family:")
+    lines += [f"    {family:<{width}}  {_ratio(read, needed):>8}  ({read / MiB:.2f} MiB read, {needed / MiB:.2f} needed)"
+              for family, (read, needed) in by_family.items()]
     return lines

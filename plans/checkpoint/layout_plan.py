@@ -5,7 +5,7 @@ executes at load time. Over 12,288 target ranks of a 405B model that is ~2M reco
 only to be summed: 30 s and most of a 2 GiB driver. Here the same geometry runs on numpy columns
 over a batch of ranks at once: each target's candidate chunks by interval search on dim 0 (the
 rows `TableTensor` searches), the overlap boxes, the byte ranges `_items_for_overlap` would cut
-(whole rows, or one range per row when a column split's segments reach `min_segment_bytes`), the
+(whole rows, or one range per row for a column split: `reads_by_row`), the
 header checks of files read in part, and `coalesce`'s merge of touching ranges per (rank, file).
 What comes out is per-rank totals; `LayoutPlan.ranks[r]` runs `plan_rank` itself for the ranks a
 caller looks at, and tests hold the totals to `plan_rank`'s on many layouts.
@@ -17,7 +17,7 @@ which raises, so the verdict and the message are that function's.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +25,8 @@ import numpy as np
 from rayshard.plans.checkpoint.chunk_table import ChunkTable, FileHeaders, as_table
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.checkpoint.reshard import (DEFAULT_MIN_SEGMENT_BYTES, ChunkIndex, RankReadPlan, Target,
-                                      check_chunks_disjoint_and_complete, header_checks, index_chunks, plan_rank)
+                                      check_chunks_disjoint_and_complete, header_checks, index_chunks, plan_rank,
+                                      reads_by_row)
 from rayshard.plans.checkpoint.safetensors_layout import ITEMSIZE
 from rayshard.plans.checkpoint.target_table import READS_ITSELF, TargetTable
 from rayshard.plans.errors import CheckpointError
@@ -61,6 +62,14 @@ class RankPlans(Sequence):
         return made
 
 
+@dataclass(frozen=True)
+class TensorReads:
+    """One stored tensor's (name, kind) bytes read and bytes needed by a whole layout's load."""
+
+    read: int
+    needed: int
+
+
 @dataclass
 class LayoutPlan:
     """Every target rank's reads as per-rank totals (int64 arrays indexed by rank), with the
@@ -75,6 +84,19 @@ class LayoutPlan:
     rank_requests: np.ndarray
     rank_files: np.ndarray
     rank_pieces: np.ndarray = field(default=None)
+    # (name, kind) -> bytes its read items span and bytes its targets need, over every rank
+    tensors: dict[tuple[str, str], "TensorReads"] = field(default_factory=dict)
+
+    def amplification_by(self, group: Callable[[str, str], str]) -> dict[str, tuple[int, int]]:
+        """group(name, kind) -> (bytes read, bytes needed) summed over its tensors, in first-seen
+        order. Bytes read per tensor are its items' before coalescing (a request may serve several
+        tensors; the file header checks belong to none), so they sum to about `bytes_read`."""
+        sums: dict[str, list[int]] = {}
+        for (name, kind), reads in self.tensors.items():
+            found = sums.setdefault(group(name, kind), [0, 0])
+            found[0] += reads.read
+            found[1] += reads.needed
+        return {key: (read, needed) for key, (read, needed) in sums.items()}
 
     @property
     def bytes_read(self) -> int:
@@ -111,6 +133,8 @@ def plan_layout(chunks: Sequence[Chunk], targets: TargetTable | Sequence[Sequenc
     ranks = RankPlans(index_chunks(table), headers, wanted, min_segment_bytes)
     world = wanted.world_size
     totals = {name: np.zeros(world, np.int64) for name in ("read", "needed", "requests", "files", "received", "pieces")}
+    tensors = len(table.values["name"]) * max(1, len(table.values["kind"]))  # table.tensor_keys()' range
+    totals["tensor_read"], totals["tensor_needed"] = np.zeros(tensors, np.int64), np.zeros(tensors, np.int64)
     volumes = wanted.volumes()
     received = wanted.receive_from != READS_ITSELF
     np.add.at(totals["received"], wanted.rank[received], volumes[received] * wanted.itemsize[received])
@@ -130,7 +154,15 @@ def plan_layout(chunks: Sequence[Chunk], targets: TargetTable | Sequence[Sequenc
                                       "that plan_rank does not; report this as a rayshard bug")
             low_rank = high_rank
     return LayoutPlan(ranks, len(wanted), table.total_bytes(), totals["read"], totals["needed"], totals["received"],
-                      totals["requests"], totals["files"], totals["pieces"])
+                      totals["requests"], totals["files"], totals["pieces"],
+                      _by_tensor(table, totals["tensor_read"], totals["tensor_needed"]))
+
+
+def _by_tensor(table: ChunkTable, read: np.ndarray, needed: np.ndarray) -> dict[tuple[str, str], TensorReads]:
+    names, kinds = table.values["name"], table.values["kind"]
+    width = max(1, len(kinds))
+    return {(names[key // width], kinds[key % width]): TensorReads(int(read[key]), int(needed[key]))
+            for key in np.flatnonzero(needed | read).tolist()}
 
 
 class _SourceRows:
@@ -230,8 +262,11 @@ def _plan_batch(sources: _SourceRows, targets: TargetTable, rows: np.ndarray, vo
     keep = np.flatnonzero(overlaps)
     rank = targets.rank[reads][pair_target[keep]]
     np.add.at(totals["needed"], rank, volume[keep] * itemsize[keep])
+    tensor = table.tensor_keys()[chunk[keep]]
+    np.add.at(totals["tensor_needed"], tensor, volume[keep] * itemsize[keep])
     items = _byte_ranges(table, chunk[keep], c_off[keep], c_size[keep], lo[keep], extent[keep], itemsize[keep],
                          ndim[pair_target[keep]], rank, min_segment_bytes)
+    np.add.at(totals["tensor_read"], table.tensor_keys()[items.chunk], items.end - items.start)
     _add_requests(sources, items, totals)
     return None
 
@@ -249,6 +284,7 @@ class _Items:
     start: np.ndarray
     end: np.ndarray
     whole: np.ndarray
+    chunk: np.ndarray  # the source row each range reads
 
 
 def _byte_ranges(table: ChunkTable, chunk, c_off, c_size, lo, extent, itemsize, ndim, rank,
@@ -265,7 +301,7 @@ def _byte_ranges(table: ChunkTable, chunk, c_off, c_size, lo, extent, itemsize, 
     full_rows = same[:, 1:].all(axis=1)
     tail_same = same[:, 2:].all(axis=1)
     segment_bytes = (extent[:, 1] if width > 1 else np.ones(len(chunk), np.int64)) * column_elements * itemsize
-    by_row = ~full_rows & (ndim >= 2) & tail_same & (segment_bytes >= min_segment_bytes)
+    by_row = ~full_rows & (ndim >= 2) & tail_same & (segment_bytes >= min_segment_bytes) & reads_by_row(row_bytes, segment_bytes)
     scalar = ndim == 0
     # Whole rows: one range per overlap (a 0-d tensor: its chunk).
     whole_rows = ~by_row
@@ -283,7 +319,7 @@ def _byte_ranges(table: ChunkTable, chunk, c_off, c_size, lo, extent, itemsize, 
         start, end = np.r_[start, row_start], np.r_[end, row_start + segment_bytes[which]]
         item_rank, item_chunk = np.r_[item_rank, rank[which]], np.r_[item_chunk, chunk[which]]
     whole = (start == table.byte_start[item_chunk]) & (end == table.byte_end[item_chunk])
-    return _Items(item_rank, table.codes["file"][item_chunk].astype(np.int64), start, end, whole)
+    return _Items(item_rank, table.codes["file"][item_chunk].astype(np.int64), start, end, whole, item_chunk)
 
 
 def _add_requests(sources: _SourceRows, items: _Items, totals: dict) -> None:

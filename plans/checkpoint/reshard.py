@@ -7,11 +7,15 @@ this geometry column-wise over every rank at once (`plans/checkpoint/layout_plan
 
 For one target region and one stored chunk of the same tensor the overlap is a box. Chunks are
 row-major, so a box that spans the chunk's full extent past dim 0 is one contiguous byte range
-(whole rows). A box that spans only some columns is read either as one range per row (exact bytes)
-when those row segments are at least `min_segment_bytes` long, or as whole rows (fewer, larger
-requests, reading more than needed) when they are shorter: object stores charge per request, and
-a few KiB per request is slower than reading the rest of the row. Items in the same file whose
-byte ranges touch are then coalesced into one request.
+(whole rows). A box that spans only some columns (a row-parallel weight read at another tp
+degree, or by fsdp rows of a tp chunk) is read as one exact range per row, unless the rest of the
+row is small next to the segment (at most 1/OVERREAD_DENOMINATOR of it): then as whole rows, one
+range that reads at most 5% more. Reading whole rows whenever the segments were short (the old
+rule, below 256 KiB) made every tp3 rank read a tp2 or fsdp checkpoint's `wo` and `down` whole:
+1.54x the bytes held on the 135M model (docs/decisions.md 114). A caller that prefers fewer,
+larger requests to exact bytes (a request-priced store) may still ask for whole rows below
+`min_segment_bytes`. Items in the same file whose byte ranges touch are then coalesced into one
+request. Parts of a chunk read by several ranks are verified together (`storage/partial_reads.py`).
 
 Coverage is proven, not assumed: a tensor's chunks are checked to tile it without overlap
 (`check_chunks_disjoint_and_complete`, a sweep, not all pairs), and for every target region the
@@ -31,7 +35,13 @@ from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.checkpoint.expert_coverage import expert_note
 from rayshard.plans.errors import CheckpointError
 
-DEFAULT_MIN_SEGMENT_BYTES = 256 * 1024
+DEFAULT_MIN_SEGMENT_BYTES = 0  # exact row segments however short (issue 42): amplification over request count
+# On object stores each row segment is a ranged GET: shorter segments are read as whole rows there
+# (actors/checkpoint/stored.py min_segment_bytes_for; decision 114).
+OBJECT_STORE_MIN_SEGMENT_BYTES = 256 * 1024
+# A column split is read as whole rows when the rest of each row is at most 1/20 of the segment
+# (<= 1.05x the bytes needed), as exact row segments otherwise.
+OVERREAD_DENOMINATOR = 20
 
 
 @dataclass(frozen=True)
@@ -214,7 +224,7 @@ def _items_for_overlap(chunk: Chunk, inter_off, inter_size, min_segment_bytes: i
         # Only some columns: one exact range per row, if those ranges are long enough to be worth a request.
         column_elements = _volume(chunk.sizes[2:])
         segment_bytes = inter_size[1] * column_elements * chunk.itemsize
-        if segment_bytes >= min_segment_bytes:
+        if segment_bytes >= min_segment_bytes and reads_by_row(row_bytes, segment_bytes):
             first_column = inter_off[1] - chunk.offsets[1]
             items = []
             for row in range(first_row, first_row + inter_size[0]):
@@ -227,6 +237,12 @@ def _items_for_overlap(chunk: Chunk, inter_off, inter_size, min_segment_bytes: i
     held_off = (inter_off[0], *chunk.offsets[1:])
     held_size = (inter_size[0], *chunk.sizes[1:])
     return [ReadItem(chunk, start, start + inter_size[0] * row_bytes, held_off, held_size, inter_off, inter_size)]
+
+
+def reads_by_row(row_bytes, segment_bytes):
+    """Whether a column split is read as one range per row (the rest of the row is more than
+    1/OVERREAD_DENOMINATOR of the segment) rather than as whole rows. Works on numpy columns too."""
+    return (row_bytes - segment_bytes) * OVERREAD_DENOMINATOR > segment_bytes
 
 
 def check_chunks_disjoint_and_complete(chunks: Iterable[Chunk]) -> None:
