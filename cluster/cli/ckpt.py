@@ -47,10 +47,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     plan = group.add_parser("plan", help="dry run: what each rank of another layout would read (no data moved)")
     add_checkpoint_argument(plan)
     _target_arguments(plan)
-    plan.add_argument("--min-segment-kib", type=NON_NEGATIVE, default=0, metavar="K",
+    plan.add_argument("--min-segment-kib", type=NON_NEGATIVE, default=None, metavar="K",
                       help="read whole rows when a column split's row segments are shorter than K KiB (fewer, larger "
-                           "requests); default 0: only the needed columns, whole rows only where the rest of a row is "
-                           "at most 5%% of the segment")
+                           "requests); default: what a load from this store does (0 on local files: only the needed "
+                           "columns; 256 on object stores, where each segment is a request)")
     plan.add_argument("--show-ranks", type=AT_LEAST_ZERO, default=16, metavar="N", help="list every rank up to N ranks (default 16)")
     plan.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_plan")
 

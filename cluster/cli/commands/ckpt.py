@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 
+import fsspec
+
 from rayshard.actors.checkpoint.load import read_once_for
+from rayshard.actors.checkpoint.stored import min_segment_bytes_for
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.checkpoint.digest import checkpoint_digest, diff_checkpoints, digest_checkpoint
 from rayshard.cluster.checkpoint.hf_generate import generate_text  # imports transformers only when it runs
@@ -31,7 +34,9 @@ def run_plan(args: argparse.Namespace) -> int:
     chunks, metadata = read_manifest(ref.url)
     layout = _layout(args.to)
     partition = target_partition(metadata, layout, args.schedule, _stage_layout(args.stage_layout))
-    plan, seconds = build_plan(chunks, metadata, layout, partition, int(args.min_segment_kib * 1024), read_once_for(ref.url))
+    min_segment = (min_segment_bytes_for(fsspec.core.url_to_fs(ref.url)[0]) if args.min_segment_kib is None
+                   else int(args.min_segment_kib * 1024))  # what the load from this store would do
+    plan, seconds = build_plan(chunks, metadata, layout, partition, min_segment, read_once_for(ref.url))
     for line in format_plan(plan, layout, ref.url, metadata, seconds, len(chunks.file_names()), args.show_ranks):
         print(line)
     return 0
