@@ -240,25 +240,46 @@ def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: 
     return 0
 
 
+@dataclass
+class _Prepared:
+    """A DCP directory read and checked against the model: everything but the writing."""
+
+    contents: DcpContents
+    found: _Found
+    kinds: list[str]
+    reader: DcpReader
+    step: int
+
+
 def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str, dtype: str = "float32",
                model_preset: str | None = None, file_bytes: int = IMPORT_FILE_BYTES, band_bytes: int = BAND_BYTES,
                log=print, progress=None) -> str:
     """Write a rayshard checkpoint (run@step) from a DCP directory of torchtitan's Llama; commit it.
-    model: its configuration (`source` says where it came from, for messages). Holds the run's
-    writer lease meanwhile, as every writer of a run does."""
-    with writer_lease.holding(store, run):
-        return _import_holding_the_lease(directory, store, run, model, source, dtype, model_preset, file_bytes, band_bytes,
-                                         log, progress)
-
-
-def _import_holding_the_lease(directory, store, run, model, source, dtype, model_preset, file_bytes, band_bytes, log,
-                              progress) -> str:
+    model: its configuration (`source` says where it came from, for messages). The directory is
+    read and checked whole first, so a refusal leaves the store untouched; the writing holds the
+    run's writer lease, as every writer of a run does."""
     started = time.perf_counter()
+    mapping = torchtitan_mapping(model)
+    ours = parameter_shapes(model)
+    prepared = _prepare(directory, model, source, mapping, ours, dtype, log)
+    try:
+        with writer_lease.holding(store, run):
+            committed = _write(prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes,
+                               band_bytes, progress)
+    finally:
+        prepared.reader.close()
+    found, kinds = prepared.found, prepared.kinds
+    skipped = (f"; skipped {len(found.skipped)} entries that are not weights or AdamW moments "
+               f"({', '.join(sorted({k.split('.')[0] for k in found.skipped})[:6])})" if found.skipped else "")
+    log(f"imported {directory} as {run}@{prepared.step}: {committed} ({prepared.reader.bytes_read / 2**20:.1f} MiB read in "
+        f"{time.perf_counter() - started:.1f}s; AdamW moments {'imported' if len(kinds) > 1 else 'absent: zeros'}{skipped})")
+    return committed
+
+
+def _prepare(directory, model, source, mapping, ours, dtype, log) -> _Prepared:
     fs, base = fsspec.core.url_to_fs(directory)
     base = base.rstrip("/")
     contents = read_dcp_metadata(fs, base, directory)
-    mapping = torchtitan_mapping(model)
-    ours = parameter_shapes(model)
     export_plan = mapping.plan({name: Meta(tuple(shape), dtype) for name, shape in ours.items()})
     shapes = {name: meta.shape for name, meta in export_plan.outputs.items()}  # torchtitan's names and shapes
     found = _classify(contents, shapes, directory, source)
@@ -268,29 +289,29 @@ def _import_holding_the_lease(directory, store, run, model, source, dtype, model
     reader = DcpReader(fs, base, directory, located)
     try:
         step = _step_of(found, contents, reader, fs, base, directory, log)
-        pieces = _pieces(found, kinds, mapping, ours, dtype, reader, band_bytes, progress)
-        set_total(progress, sum(_piece_bytes(piece) for piece in pieces))
-        pending = store.begin(run, step)
-        target_fs, target_base = fsspec.core.url_to_fs(pending.url)
-        chunks = []
-        for number, members in enumerate(_files(pieces, file_bytes)):
-            chunks += write_shard(target_fs, target_base, pending.file_for(number, stem="import"),
-                                  members)
-    finally:
+    except BaseException:
         reader.close()
-    metadata = {"run": run, "step": step, "model": model.to_dict(), "model_preset": model_preset,
+        raise
+    return _Prepared(contents, found, kinds, reader, step)
+
+
+def _write(prepared: _Prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes, band_bytes,
+           progress) -> str:
+    pieces = _pieces(prepared.found, prepared.kinds, mapping, ours, dtype, prepared.reader, band_bytes, progress)
+    set_total(progress, sum(_piece_bytes(piece) for piece in pieces))
+    pending = store.begin(run, prepared.step)
+    target_fs, target_base = fsspec.core.url_to_fs(pending.url)
+    chunks = []
+    for number, members in enumerate(_files(pieces, file_bytes)):
+        chunks += write_shard(target_fs, target_base, pending.file_for(number, stem="import"), members)
+    metadata = {"run": run, "step": prepared.step, "model": model.to_dict(), "model_preset": model_preset,
                 "layout": ParallelLayout().to_dict(), "parent": None, "imported_from": directory,
-                "imported_format": {"format": "torch.distributed.checkpoint", "dcp_version": contents.version,
+                "imported_format": {"format": "torch.distributed.checkpoint", "dcp_version": prepared.contents.version,
                                     "names": "torchtitan llama", "read_by_torch": torch.__version__,
-                                    "optimizer_state": "imported" if len(kinds) > 1 else "zeros (none in the checkpoint)"},
+                                    "optimizer_state": ("imported" if len(prepared.kinds) > 1
+                                                        else "zeros (none in the checkpoint)")},
                 "created_unix": time.time()}
-    committed = pending.commit(chunks, metadata)
-    seconds = time.perf_counter() - started
-    skipped = (f"; skipped {len(found.skipped)} entries that are not weights or AdamW moments "
-               f"({', '.join(sorted({k.split('.')[0] for k in found.skipped})[:6])})" if found.skipped else "")
-    log(f"imported {directory} as {run}@{step}: {committed} ({reader.bytes_read / 2**20:.1f} MiB read in {seconds:.1f}s; "
-        f"AdamW moments {'imported' if len(kinds) > 1 else 'absent: zeros'}{skipped})")
-    return committed
+    return pending.commit(chunks, metadata)
 
 
 def _piece_bytes(piece: Piece) -> int:
