@@ -28,7 +28,7 @@ from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_sha
 from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.dcp_metadata import DcpContents, DcpTensor, read_dcp_metadata
 from rayshard.cluster.checkpoint.dcp_records import ChunkBytes, locate_chunk, read_plain_value
-from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, bands, fill_band, row_origins
+from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, Buffers, bands, fill_band, row_origins
 from rayshard.cluster.progress import advance, set_total
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from rayshard.plans.checkpoint.reshard import check_chunks_disjoint_and_complete
@@ -328,13 +328,16 @@ def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, re
     itemsize = ITEMSIZE[dtype]
     pieces = []
     inverse = mapping.inverse()
+    # The writer finishes a piece before it loads the next, so every band can reuse one buffer.
+    buffers = Buffers()
     for kind in (PARAM, *MOMENTS):
         if kind not in kinds:  # no moments in the checkpoint: a fresh AdamW's zeros
             for name, shape in ours.items():
                 for first, end in bands(tuple(shape), itemsize, band_bytes):
                     band = (end - first, *shape[1:])
                     pieces.append(Piece(name, kind, LazyTensor(target, band, _counted(
-                        lambda band=band: torch.zeros(band, dtype=target), progress)), tuple(shape), (first,) + (0,) * (len(shape) - 1)))
+                        lambda band=band: buffers.take("band", band, target).zero_(), progress)), tuple(shape),
+                                        (first,) + (0,) * (len(shape) - 1)))
             continue
         sources = {name: tensor for (name, k), tensor in found.states.items() if k == kind}
         metas = {name: Meta(tensor.shape, tensor.dtype) for name, tensor in sources.items()}
@@ -353,8 +356,8 @@ def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, re
 
                     def load(origin=origins[name], first=first, end=end, band=band, source_shapes=source_shapes,
                              source_dtypes=source_dtypes, read_rows=read_rows):
-                        return fill_band(origin, first, end, torch.empty(band, dtype=target), source_shapes, source_dtypes,
-                                         read_rows)
+                        return fill_band(origin, first, end, buffers.take("band", band, target), source_shapes,
+                                         source_dtypes, read_rows, buffers.take)
                     pieces.append(Piece(name, kind, LazyTensor(target, band, _counted(load, progress)), shape,
                                         (first,) + (0,) * (len(shape) - 1) if shape else ()))
     return pieces

@@ -72,12 +72,33 @@ def bands(shape: tuple[int, ...], itemsize: int, band_bytes: int = BAND_BYTES) -
 ReadRows = Callable[[str, int, int, torch.Tensor], None]  # (source, first row, end row, into) fills `into`
 
 
+class Buffers:
+    """Reused memory for consecutive bands: `take(slot, shape, dtype)` gives a tensor over the
+    slot's buffer, grown when a band needs more. A band's memory is then touched once for the whole
+    import (a fresh 64 MiB tensor per band costs a page fault and a zero fill per 4 KiB page), so a
+    caller may only take a slot again once it is done with what the slot last held."""
+
+    def __init__(self):
+        self.slots: dict[str, torch.Tensor] = {}
+
+    def take(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        held = self.slots.get(slot)
+        if held is None or held.numel() < count:
+            held = self.slots[slot] = torch.empty(max(count, 1), dtype=torch.uint8)
+        return held[:count].view(dtype).reshape(shape)
+
+
+def _fresh(slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 def fill_band(origins: RowOrigins, first: int, end: int, out: torch.Tensor, source_shapes: dict[str, tuple],
-              source_dtypes: dict[str, torch.dtype], read_rows: ReadRows) -> torch.Tensor:
+              source_dtypes: dict[str, torch.dtype], read_rows: ReadRows, scratch=_fresh) -> torch.Tensor:
     """Output rows [first, end) into `out` (shape [end - first, *row shape], or 0-d for a 0-d tensor).
 
     A band that is one run of consecutive rows of one source of the same dtype is read straight into
-    `out`; otherwise runs of nearby source rows are read into a buffer and scattered."""
+    `out`; otherwise runs of nearby source rows are read into one buffer and gathered into `out`."""
     which, rows = origins.source_of_row[first:end], origins.row_in_source[first:end]
     if out.dim() == 0:
         source = origins.sources[int(which[0])]
@@ -95,9 +116,11 @@ def fill_band(origins: RowOrigins, first: int, end: int, out: torch.Tensor, sour
         if source_dtypes[source] == out.dtype:
             read_rows(source, int(rows[0]), int(rows[0]) + count, out)
             return out
+    # Runs of nearby rows of each source, stacked in one buffer of the output's dtype, then one
+    # gather (index_select: a row copy each, no per-element scatter) into `out`.
     limit = max(2 * count, 1)
+    runs, total = [], 0
     for index in torch.unique(which).tolist():
-        source = origins.sources[index]
         positions = torch.nonzero(which == index).reshape(-1)
         wanted = rows[positions]
         order = torch.argsort(wanted)
@@ -105,12 +128,24 @@ def fill_band(origins: RowOrigins, first: int, end: int, out: torch.Tensor, sour
         start = 0
         while start < len(wanted):
             low = int(wanted[start])
-            # A run: the sorted rows that fit in one buffer of `limit` rows from `low`.
-            stop = int(torch.searchsorted(wanted, low + limit))
+            stop = int(torch.searchsorted(wanted, low + limit))  # the sorted rows within `limit` rows of `low`
             high = int(wanted[stop - 1]) + 1
-            buffer = torch.empty((high - low, *source_shapes[source][1:]), dtype=source_dtypes[source])
-            read_rows(source, low, high, buffer)
-            out[positions[start:stop]] = buffer[wanted[start:stop] - low].to(out.dtype)
-            del buffer
+            runs.append((origins.sources[index], low, high, positions[start:stop], wanted[start:stop]))
+            total += high - low
             start = stop
+    buffer = scratch("gather", (total, *out.shape[1:]), out.dtype)
+    gather = torch.empty(count, dtype=torch.int64)
+    base = 0
+    for source, low, high, positions, wanted in runs:
+        place = buffer[base:base + high - low]
+        if source_dtypes[source] == out.dtype:
+            read_rows(source, low, high, place)
+        else:
+            cast = torch.empty((high - low, *source_shapes[source][1:]), dtype=source_dtypes[source])
+            read_rows(source, low, high, cast)
+            place.copy_(cast)
+            del cast
+        gather[positions] = wanted - low + base
+        base += high - low
+    torch.index_select(buffer, 0, gather, out=out)
     return out
