@@ -41,6 +41,7 @@ _ADMITTED = {
     "torch.serialization": {"_get_layout"},  # a layout by its name, e.g. "torch.strided"
     "torch": {"Size"},
     "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "pathlib._local": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},  # Python 3.13's spelling
     "collections": {"OrderedDict"},
 }
 # A plain file name inside the checkpoint directory, as DCP writes them (`__0_0.distcp`).
@@ -54,7 +55,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if name in _ADMITTED.get(module, ()):
-            return getattr(pathlib if module == "pathlib" else _module(module), name)
+            return getattr(pathlib if module.startswith("pathlib") else _module(module), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise CheckpointError(f"{self.where}: names {module}.{name}, which is not one of DCP's metadata classes; the file "

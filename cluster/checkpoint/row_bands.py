@@ -110,8 +110,10 @@ def fill_band(origins: RowOrigins, first: int, end: int, out: torch.Tensor, sour
             out.copy_(scratch)
         return out
     count = end - first
+    if count == 0:
+        return out
     one_source = bool((which == which[0]).all())
-    if one_source and count and int(rows[-1]) - int(rows[0]) == count - 1 and bool((rows.diff() == 1).all()):
+    if one_source and int(rows[-1]) - int(rows[0]) == count - 1 and bool((rows.diff() == 1).all()):
         source = origins.sources[int(which[0])]
         if source_dtypes[source] == out.dtype:
             read_rows(source, int(rows[0]), int(rows[0]) + count, out)
