@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.checkpoint.dcp_metadata import METADATA_FILE
-from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, RowOrigins, bands, fill_band, row_origins
+from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, RowOrigins, bands, fill_band, one_torch_thread, row_origins
 from rayshard.cluster.progress import advance, set_total
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
 from rayshard.plans.checkpoint.model_check import check_against_own_model
@@ -136,7 +136,7 @@ def export_dcp(checkpoint_url: str, directory: str, workers: int = 1, band_bytes
     assigned = _assign(items, max(1, workers))
     files = [f"__{w}_0.distcp" for w in range(len(assigned))]
     try:
-        with ThreadPoolExecutor(max_workers=len(assigned), thread_name_prefix="dcp-export") as pool:
+        with one_torch_thread(), ThreadPoolExecutor(max_workers=len(assigned), thread_name_prefix="dcp-export") as pool:
             futures = [pool.submit(_write_file, fs, f"{staging}/{file}", file, members, values if w == 0 else {},
                                    checkpoint_url, stored, progress)
                        for w, (file, members) in enumerate(zip(files, assigned))]

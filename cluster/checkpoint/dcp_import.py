@@ -28,7 +28,7 @@ from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_sha
 from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.dcp_metadata import DcpContents, DcpTensor, read_dcp_metadata
 from rayshard.cluster.checkpoint.dcp_records import ChunkBytes, locate_chunk, read_plain_value
-from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, Buffers, bands, fill_band, row_origins
+from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, Buffers, bands, fill_band, one_torch_thread, row_origins
 from rayshard.cluster.progress import advance, set_total
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from rayshard.plans.checkpoint.reshard import check_chunks_disjoint_and_complete
@@ -263,7 +263,7 @@ def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str,
     ours = parameter_shapes(model)
     prepared = _prepare(directory, model, source, mapping, ours, dtype, log)
     try:
-        with writer_lease.holding(store, run):
+        with writer_lease.holding(store, run), one_torch_thread():
             committed = _write(prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes,
                                band_bytes, progress)
     finally:

@@ -13,6 +13,7 @@ whatever the tensor's size), which is what bounds an import's or export's peak m
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,19 @@ def bands(shape: tuple[int, ...], itemsize: int, band_bytes: int = BAND_BYTES) -
 
 
 ReadRows = Callable[[str, int, int, torch.Tensor], None]  # (source, first row, end row, into) fills `into`
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Band work is copies of a few MiB at a time, which one thread does at memory speed; torch's
+    intra-op pool only adds its synchronisation. On the shared 2-core machine a 12 MiB gather took
+    29 ms on two threads and 3.6 ms on one (bench/RESULTS.md, decision 110). Restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Buffers:
