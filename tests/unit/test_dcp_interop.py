@@ -128,6 +128,20 @@ def test_a_dcp_save_imports_as_the_source_checkpoint(source, layout, tmp_path, c
     assert "skipped" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("given", ["--hf-config", "--config"])
+def test_the_model_configuration_may_come_from_a_config_json_or_a_train_config(source, given, tmp_path):
+    store, url, directories = source
+    if given == "--hf-config":
+        value = _hf_config(tmp_path, ffn=CONFIG.ffn_dim)
+    else:
+        (tmp_path / "train.yaml").write_text("model:\n  preset: tiny\n")
+        value = str(tmp_path / "train.yaml")
+    target = str(tmp_path / "store")
+    assert main(["ckpt", "import", directories["plain"], "--format", "dcp", given, value, "--run", "imported",
+                 "--store", target, "--quiet"]) == 0
+    assert digests(Store(target).resolve("imported").url) == digests(url)
+
+
 def test_the_export_loads_with_dcp_as_torchtitan_named_the_source(source, tmp_path):
     store, url, directories = source
     out = str(tmp_path / "export")
