@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from rayshard.plans.errors import CheckpointError
-from rayshard.plans.transforms.mapping import (Add, Cast, ConcatRows, Drop, Group, Rename, SplitRows, Stack, Transpose, Unalias,
-                                         Unstack)
+from rayshard.plans.transforms.mapping import (Add, Cast, ConcatRows, Drop, Group, RegroupRows, Rename, SplitRows, Stack, Transpose,
+                                         Unalias, Unstack)
 
 
 def run_group(group: Group, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -24,6 +24,10 @@ def run_group(group: Group, tensors: dict[str, torch.Tensor]) -> dict[str, torch
             parts = [state.pop(name) for name in step.inputs]
             grouped = [p.reshape(rule.groups, rows, *p.shape[1:]) for p, rows in zip(parts, rule.rows)]
             state[step.outputs[0]] = torch.cat(grouped, dim=1).reshape(-1, *parts[0].shape[1:]).contiguous()
+        elif isinstance(rule, RegroupRows):
+            tensor = state.pop(step.inputs[0])
+            regrouped = tensor.reshape(rule.groups, rule.outer, rule.inner, *tensor.shape[1:]).transpose(1, 2)
+            state[step.outputs[0]] = regrouped.reshape(tensor.shape).contiguous()
         elif isinstance(rule, Unstack):  # outputs are in index order (Unstack.apply)
             for name, part in zip(step.outputs, state.pop(step.inputs[0]).unbind(0)):
                 state[name] = part.contiguous()

@@ -78,14 +78,19 @@ def register(commands: argparse._SubParsersAction) -> None:
     progress.add_arguments(diff)
     diff.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_diff")
 
-    export = group.add_parser("export", help="write a Hugging Face directory (config.json + safetensors)")
+    export = group.add_parser("export", help="write a Hugging Face directory (config.json + safetensors), or a torch DCP one",
+                              description="--format hf (default): config.json + safetensors of the model's family. "
+                                          "--format dcp: a torch.distributed.checkpoint directory of torchtitan's Llama "
+                                          "(weights, AdamW moments and step), which dcp.load reads on any world size.")
     add_checkpoint_argument(export)
-    export.add_argument("--format", choices=["hf"], default="hf")
+    export.add_argument("--format", choices=["hf", "dcp"], default="hf")
     export.add_argument("--out", required=True, metavar="DIR")
-    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: as stored)")
-    export.add_argument("--max-shard-mib", type=POSITIVE, default=2048, metavar="M",
-                        help="split into model-0000i-of-0000n.safetensors + index past M MiB (default 2048)")
-    export.add_argument("--no-optimizer", action="store_true", help="leave out the optimizer moments (rayshard-optimizer/)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="hf: weights dtype (default: as stored)")
+    export.add_argument("--max-shard-mib", type=POSITIVE, metavar="M",
+                        help="hf: split into model-0000i-of-0000n.safetensors + index past M MiB (default 2048)")
+    export.add_argument("--no-optimizer", action="store_true", help="hf: leave out the optimizer moments (rayshard-optimizer/)")
+    export.add_argument("--workers", type=AT_LEAST_ONE, metavar="N",
+                        help="dcp: writers, each filling its own __N_0.distcp file in parallel (default 1)")
     progress.add_arguments(export)
     export.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_export")
 
@@ -97,11 +102,20 @@ def register(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (top-k 40)")
     generate.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_generate")
 
-    importer = group.add_parser("import", help="make a checkpoint (RUN@STEP) from a Hugging Face directory (Llama, Qwen2/3, Mistral, Qwen2/3-MoE)")
+    importer = group.add_parser("import", help="make a checkpoint (RUN@STEP) from a Hugging Face directory (Llama, Qwen2/3, "
+                                               "Mistral, Qwen2/3-MoE) or a torch DCP one (torchtitan's Llama)",
+                                description="--format hf (default): a Hugging Face model directory. --format dcp: a "
+                                            "torch.distributed.checkpoint directory of torchtitan's Llama (weights, AdamW "
+                                            "moments and step); DCP records no model configuration, so give it with "
+                                            "exactly one of --hf-config, --model or --config.")
     importer.add_argument("directory", metavar="DIR")
+    importer.add_argument("--format", choices=["hf", "dcp"], default="hf")
     importer.add_argument("--run", type=run_name, required=True, metavar="NAME")
     importer.add_argument("--store", default="./runs", metavar="URL")
     importer.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="training dtype (default float32)")
+    importer.add_argument("--hf-config", metavar="DIR", help="dcp: the model's Hugging Face config.json (or its directory)")
+    importer.add_argument("--model", metavar="PRESET", help="dcp: the model is this preset (tiny, small, medium, 1b, ...)")
+    importer.add_argument("--config", metavar="FILE", help="dcp: the model is this train config file's model section")
     progress.add_arguments(importer)
     importer.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_import")
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from rayshard.plans.transforms.mapping import (Add, Alias, Cast, ConcatRows, Drop, Mapping, Rename, SplitRows, Stack, Transpose,
-                                         Unstack)
+from rayshard.plans.transforms.mapping import (Add, Alias, Cast, ConcatRows, Drop, Mapping, RegroupRows, Rename, SplitRows, Stack,
+                                         Transpose, Unstack)
 from rayshard.plans.errors import CheckpointError, ConfigError
 
 RULES = {"rename": Rename, "split_rows": SplitRows, "concat_rows": ConcatRows, "unstack": Unstack, "stack": Stack,
-         "transpose": Transpose,
+         "regroup_rows": RegroupRows, "transpose": Transpose,
          "cast": Cast, "add": Add, "drop": Drop, "alias": Alias}
 NAMES = {rule: name for name, rule in RULES.items()}
 WHERE = "model plan hf_mapping"

@@ -18,6 +18,11 @@ disagree. Rules:
   holding `rows[i]` rows of part i. That is how TP-friendly fused weights are laid out (our qkv:
   per kv head [its q heads, k, v]; our gate_up: per hidden unit [gate, up]), so any tp degree
   holds whole groups; the split recovers the plain per-part tensors in their natural order.
+- RegroupRows(pattern, groups, outer, inner): rows viewed as [groups, outer, inner] (each entry
+  a whole row) become [groups, inner, outer]; the inverse swaps outer and inner back. How the
+  rows of a head change RoPE convention: halves (rayshard, Hugging Face: [2, head_dim/2] per
+  head) <-> adjacent pairs (Meta, torchtitan: [head_dim/2, 2]), as transformers' Llama
+  conversion script permutes q and k.
 - Transpose(pattern, dims): swaps two dims (its own inverse).
 - Cast(pattern, to, source): a dtype change, inverted by casting back (lossless only when
   widening; a float32 -> bfloat16 -> float32 trip rounds).
@@ -287,6 +292,27 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class RegroupRows:
+    pattern: str
+    groups: int
+    outer: int
+    inner: int
+
+    def __post_init__(self):
+        if min(self.groups, self.outer, self.inner) < 1:
+            raise CheckpointError(f"RegroupRows {self.pattern}: groups, outer and inner must be 1 or more")
+
+    def inverse(self) -> "RegroupRows":
+        return RegroupRows(self.pattern, self.groups, self.inner, self.outer)
+
+    def apply(self, state):
+        rows = self.groups * self.outer * self.inner
+        return [(Application(self, (name,), (name,)), {name: meta})
+                for name, _, meta in _sized(state, self.pattern, rows, lambda meta: (
+                    f"{meta.shape[:1]} rows are not {self.groups} groups of {self.outer} x {self.inner} rows"))]
+
+
+@dataclass(frozen=True)
 class Transpose:
     pattern: str
     dims: tuple[int, int] = (0, 1)
@@ -388,7 +414,7 @@ class Unalias:
         return [(Application(self, (self.name, self.of), (self.of,)), {self.of: state[self.of]})]
 
 
-Rule = Rename | SplitRows | ConcatRows | Unstack | Stack | Transpose | Cast | Add | Drop | Alias | Unalias
+Rule = Rename | SplitRows | ConcatRows | RegroupRows | Unstack | Stack | Transpose | Cast | Add | Drop | Alias | Unalias
 
 
 # ---- the mapping and its plan -------------------------------------------------------------------

@@ -11,14 +11,25 @@ from rayshard.actors.checkpoint.stored import min_segment_bytes_for
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.checkpoint.digest import checkpoint_digest, diff_checkpoints, digest_checkpoint
 from rayshard.cluster.checkpoint.hf_generate import generate_text  # imports transformers only when it runs
-from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
+from rayshard.cluster.checkpoint.dcp_export import export_dcp
+from rayshard.cluster.checkpoint.dcp_import import import_dcp
+from rayshard.cluster.checkpoint.hf_interop import DEFAULT_SHARD_BYTES, export_hf, import_hf, read_json_object
 from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint, target_partition
 from rayshard.cluster.checkpoint.reshard_report import build_plan, format_plan
 from rayshard.cluster.cli.commands.checkpoint_refs import reading, resolve_checkpoint
 from rayshard.cluster.pictures.resume_plot import plot_resume
 from rayshard.cluster.progress import byte_bar
 from rayshard.cluster.catalog.store import Store
+from rayshard.cluster.cli.config_file import read_config_file
+from rayshard.plans.config import TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.interop.hf_families import model_config_from_hf
 from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import ModelConfig, preset
+
+HF_ONLY_EXPORT = (("dtype", "--dtype"), ("max_shard_mib", "--max-shard-mib"), ("no_optimizer", "--no-optimizer"))
+DCP_ONLY_EXPORT = (("workers", "--workers"),)
+DCP_MODEL_SOURCES = (("hf_config", "--hf-config"), ("model", "--model"), ("config", "--config"))
 
 
 def _layout(text: str):
@@ -74,9 +85,22 @@ def run_diff(args: argparse.Namespace) -> int:
     return 1 if unequal else 0
 
 
+def _refuse_options(args: argparse.Namespace, options, fmt: str) -> None:
+    """Options of the other --format, given: one line naming the first."""
+    for dest, flag in options:
+        if getattr(args, dest, None) not in (None, False):
+            raise ConfigError(flag, getattr(args, dest), f"does not apply to --format {fmt}",
+                              f"leave {flag} out, or pass the --format it belongs to")
+
+
 def run_export(args: argparse.Namespace) -> int:
+    _refuse_options(args, DCP_ONLY_EXPORT if args.format == "hf" else HF_ONLY_EXPORT, args.format)
     with reading(args) as (_, [ref]), byte_bar(args, "export") as bar:
-        export_hf(ref.url, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_mib * 2**20),
+        if args.format == "dcp":
+            export_dcp(ref.url, args.out, workers=args.workers or 1, log=bar.write, progress=bar)
+            return 0
+        max_shard_bytes = int(args.max_shard_mib * 2**20) if args.max_shard_mib else DEFAULT_SHARD_BYTES
+        export_hf(ref.url, args.out, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
                   include_optimizer=not args.no_optimizer, log=bar.write, progress=bar)
     return 0
 
@@ -88,9 +112,40 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        _refuse_options(args, DCP_MODEL_SOURCES, "hf")
+        with byte_bar(args, "import") as bar:
+            import_hf(args.directory, Store(args.store), args.run, dtype=args.dtype, log=bar.write, progress=bar)
+        return 0
+    model, source, preset_name = dcp_model(args)
     with byte_bar(args, "import") as bar:
-        import_hf(args.directory, Store(args.store), args.run, dtype=args.dtype, log=bar.write, progress=bar)
+        import_dcp(args.directory, Store(args.store), args.run, model, source, dtype=args.dtype, model_preset=preset_name,
+                   log=bar.write, progress=bar)
     return 0
+
+
+def dcp_model(args: argparse.Namespace) -> tuple[ModelConfig, str, str | None]:
+    """The model a DCP checkpoint holds, from exactly one of --hf-config, --model, --config:
+    (its configuration, how the messages name it, its preset name if any)."""
+    given = [(dest, flag) for dest, flag in DCP_MODEL_SOURCES if getattr(args, dest)]
+    if len(given) != 1:
+        raise ConfigError(", ".join(flag for _, flag in given) or "--hf-config/--model/--config",
+                          [getattr(args, dest) for dest, _ in given] or None,
+                          "a DCP checkpoint records no model configuration: give exactly one of --hf-config DIR, "
+                          "--model PRESET, --config FILE", "name the configuration the checkpoint was trained with, "
+                          "e.g. --hf-config ./Llama-3.2-1B or --model tiny")
+    if args.model:
+        return preset(args.model), f"--model {args.model}", args.model
+    if args.config:
+        choice = TrainConfig.from_dict(read_config_file(args.config)).model
+        return choice.spec.validate(), f"--config {args.config}", choice.preset
+    fs, path = fsspec.core.url_to_fs(args.hf_config)
+    path = path.rstrip("/")
+    config_path = path if path.endswith(".json") else f"{path}/config.json"
+    if not fs.exists(config_path):
+        raise ConfigError("--hf-config", args.hf_config, "has no config.json", "pass a Hugging Face model directory or its "
+                          "config.json")
+    return model_config_from_hf(read_json_object(fs, config_path), args.hf_config), f"--hf-config {args.hf_config}", None
 
 
 def run_plot_resume(args: argparse.Namespace) -> int:

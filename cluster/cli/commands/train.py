@@ -5,10 +5,9 @@ import argparse
 import sys
 from dataclasses import replace
 
-import yaml
-
 from rayshard.actors.model.user_model import describe_factory
 from rayshard.cluster.catalog.store import Store
+from rayshard.cluster.cli.config_file import read_config_file
 from rayshard.cluster.cli.config_flags import config_overrides
 from rayshard.cluster.cli.train import DEFAULT_CONFIG
 from rayshard.cluster.data.training_data import with_dataset_vocabulary
@@ -29,27 +28,7 @@ from rayshard.plans.pipeline.schedules import schedule_spec
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     path = args.config or DEFAULT_CONFIG
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle) or {}
-    except FileNotFoundError:
-        raise ConfigError("--config", path, "file not found", "pass an existing YAML file, e.g. configs/demo.yaml") from None
-    except IsADirectoryError:
-        raise ConfigError("--config", path, "is a directory", "pass a YAML file, e.g. configs/demo.yaml") from None
-    except OSError as error:  # permissions, a broken disk: named as the file's, not the store's
-        raise ConfigError("--config", path, f"cannot be read ({error.strerror or error})",
-                          "pass a readable YAML file") from None
-    except UnicodeDecodeError as error:
-        raise ConfigError("--config", path, f"is not UTF-8 text (byte {error.start})",
-                          "save the file as UTF-8 YAML") from None
-    except yaml.YAMLError as error:
-        where = getattr(error, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-        problem = getattr(error, "problem", None) or type(error).__name__
-        raise ConfigError("--config", path, f"is not valid YAML{at}: {problem}",
-                          "fix the file's syntax (see configs/demo.yaml)") from None
-    if not isinstance(data, dict):
-        raise ConfigError("--config", path, "the file must hold a YAML mapping", "see configs/demo.yaml for the shape")
+    data = read_config_file(path)
     if flat_keys_in(data):  # they still load (TrainConfig.from_dict moves them); say where they belong now
         print(f"rayshard: warning: {path}: {deprecation_note(flat_keys_in(data))}", file=sys.stderr)
     # The user named the model: a flag, or a model section (or a top-level `model_preset:`) in a

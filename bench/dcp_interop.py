@@ -1,0 +1,167 @@
+"""torch DCP import throughput against a raw read of the same `.distcp` bytes, and its peak memory.
+
+A torchtitan-named Llama state of the preset's shapes (weights, AdamW moments and step, random
+values) is saved once with `torch.distributed.checkpoint.save` (one process: each tensor one
+chunk). Then, repeatedly and in alternating order:
+- raw: every `.distcp` file read start to end in 64 MiB `readinto`s into one reused buffer (the
+  floor any importer pays to see the bytes);
+- copy: the same reads, each block also written to a file in the import's store root (the floor
+  of any importer that writes what it reads: not the goal's anchor, shown for scale);
+- import: `import_dcp` of the directory into a fresh store (`rayshard ckpt import --format dcp`:
+  restricted metadata read, chunk location, row bands through the torchtitan mapping, safetensors
+  written with checksums, manifest commit).
+Throughput is the `.distcp` bytes over the wall time of each; the figure is the median over
+repeats. Both read from the page cache (the first raw read warms it); the import's store is on
+tmpfs by default (`--store-root`), so the figure is the importer's own cost, not a shared disk's
+write-back (pass a disk path to include it). Peak RSS above the process's
+resident set before the import is sampled every 2 ms; the goal is at most the largest chunk +
+256 MiB.
+
+    .venv/bin/python bench/dcp_interop.py [--model small] [--repeats 5] [--root /tmp/rayshard-bench-dcp]
+                                          [--store-root /dev/shm/rayshard-bench-dcp-store]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from rayshard.actors.training.device_memory import resident_memory_bytes  # noqa: E402
+from rayshard.cluster.catalog.store import Store  # noqa: E402
+from rayshard.cluster.checkpoint.dcp_import import import_dcp  # noqa: E402
+from rayshard.cluster.checkpoint.row_bands import BAND_BYTES  # noqa: E402
+from rayshard.plans.interop.torchtitan import torchtitan_mapping  # noqa: E402
+from rayshard.plans.training.model_spec import parameter_shapes, preset  # noqa: E402
+from rayshard.plans.transforms.mapping import Meta  # noqa: E402
+
+MiB = 2**20
+READ_BLOCK = 64 * MiB
+
+
+class PeakRSS:
+    """Largest resident set above the starting one while the block runs (sampled every 2 ms)."""
+
+    def __enter__(self):
+        self.base = self.peak = resident_memory_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, resident_memory_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, resident_memory_bytes())
+
+    @property
+    def above_base(self) -> int:
+        return self.peak - self.base
+
+
+def save_dcp(model_name: str, directory: str) -> int:
+    """The torchtitan-named state saved by dcp.save; returns the largest tensor's bytes."""
+    model = preset(model_name)
+    ours = {name: Meta(tuple(shape), "float32") for name, shape in parameter_shapes(model).items()}
+    shapes = {name: meta.shape for name, meta in torchtitan_mapping(model).plan(ours).outputs.items()}
+    generator = torch.Generator().manual_seed(0)
+    weights = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    optimizer = {}
+    for name, shape in shapes.items():
+        optimizer[f"state.{name}.exp_avg"] = torch.randn(shape, generator=generator)
+        optimizer[f"state.{name}.exp_avg_sq"] = torch.rand(shape, generator=generator)
+        optimizer[f"state.{name}.step"] = torch.tensor(10.0)
+    dcp.save({**weights, "optimizer": optimizer}, checkpoint_id=directory, no_dist=True)
+    return max(tensor.numel() * tensor.element_size() for tensor in weights.values())
+
+
+def distcp_files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".distcp"))
+
+
+def raw_read(files: list[str], buffer: bytearray) -> float:
+    view = memoryview(buffer)
+    started = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as handle:
+            while handle.readinto(view):
+                pass
+    return time.perf_counter() - started
+
+
+def raw_copy(files: list[str], buffer: bytearray, target: str) -> float:
+    view = memoryview(buffer)
+    started = time.perf_counter()
+    with open(target, "wb", buffering=0) as out:
+        for path in files:
+            with open(path, "rb", buffering=0) as handle:
+                while count := handle.readinto(view):
+                    out.write(view[:count])
+    seconds = time.perf_counter() - started
+    os.remove(target)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--root", default="/tmp/rayshard-bench-dcp", help="where the DCP directory is saved")
+    parser.add_argument("--store-root", default="/dev/shm/rayshard-bench-dcp-store", help="where the imports are written")
+    args = parser.parse_args()
+    shutil.rmtree(args.root, ignore_errors=True)
+    directory = os.path.join(args.root, "dcp")
+    largest = save_dcp(args.model, directory)
+    files = distcp_files(directory)
+    total = sum(os.path.getsize(path) for path in files)
+    buffer = bytearray(READ_BLOCK)
+    raw_read(files, buffer)  # warm the page cache
+    raw_times, copy_times, import_times, peaks = [], [], [], []
+    os.makedirs(args.store_root, exist_ok=True)
+    model = preset(args.model)
+    for repeat in range(args.repeats):
+        store = os.path.join(args.store_root, f"store-{repeat}")
+
+        def run_import():
+            with PeakRSS() as rss:
+                started = time.perf_counter()
+                import_dcp(directory, Store(store), "imported", model, f"--model {args.model}", log=lambda *_: None)
+                import_times.append(time.perf_counter() - started)
+            peaks.append(rss.above_base)
+        if repeat % 2:
+            run_import()
+            copy_times.append(raw_copy(files, buffer, os.path.join(args.store_root, "copy")))
+            raw_times.append(raw_read(files, buffer))
+        else:
+            raw_times.append(raw_read(files, buffer))
+            copy_times.append(raw_copy(files, buffer, os.path.join(args.store_root, "copy")))
+            run_import()
+        shutil.rmtree(store)
+    raw, copied, imported = statistics.median(raw_times), statistics.median(copy_times), statistics.median(import_times)
+    print(f"model {args.model}: {len(files)} .distcp file(s), {total / MiB:.1f} MiB; largest chunk {largest / MiB:.1f} MiB; "
+          f"band {BAND_BYTES // MiB} MiB; store {args.store_root}; torch {torch.__version__}; median of {args.repeats}; "
+          f"load average {os.getloadavg()[0]:.0f} on {os.cpu_count()} CPUs")
+    print(f"  raw read      {total / MiB / raw:8.1f} MiB/s  ({raw:.2f} s)")
+    print(f"  raw copy      {total / MiB / copied:8.1f} MiB/s  ({copied:.2f} s)")
+    print(f"  rayshard import {total / MiB / imported:6.1f} MiB/s  ({imported:.2f} s)  = {raw / imported:.2f}x raw read "
+          f"(goal >= 0.8x), {copied / imported:.2f}x raw copy")
+    print(f"  import peak RSS above base: median {statistics.median(peaks) / MiB:.0f} MiB, max {max(peaks) / MiB:.0f} MiB "
+          f"(goal <= largest chunk + 256 MiB = {(largest + 256 * MiB) / MiB:.0f} MiB)")
+    shutil.rmtree(args.root, ignore_errors=True)
+    shutil.rmtree(args.store_root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""`rayshard ckpt import DIR --format dcp`: a torch.distributed.checkpoint directory of torchtitan's
+Llama (model + AdamW, any layout that wrote it) as a rayshard checkpoint, streamed.
+
+Nothing in the directory is unpickled beyond DCP's metadata records (`dcp_metadata.py`) and the
+records that locate each tensor chunk's bytes (`dcp_records.py`). The model configuration comes
+from the caller (DCP carries none) and every tensor's shape is checked against it before anything
+is written. Weights and moments go through torchtitan's mapping inverted (`plans/interop/
+torchtitan.py`), a row band at a time (`row_bands.py`): each band reads just the rows it needs
+straight from the `.distcp` files into its buffer, so memory stays at a band or two whatever the
+model's size. The AdamW step comes from the optimizer's per-parameter `step` (all equal), else
+from `train_state.step`, else 0; moments absent from the checkpoint start at zero, as a fresh
+AdamW's do. The rest of the directory (param_groups, lr_scheduler, dataloader, train_state) is
+skipped by name and counted in the log.
+
+The writes go under a fresh attempt prefix of the run and the manifest commits them last, under
+the run's writer lease: any refusal (one line naming what) leaves nothing committed.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import fsspec
+import torch
+
+from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
+from rayshard.cluster.catalog import writer_lease
+from rayshard.cluster.checkpoint.dcp_metadata import DcpContents, DcpTensor, read_dcp_metadata
+from rayshard.cluster.checkpoint.dcp_records import ChunkBytes, locate_chunk, read_plain_value
+from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, Buffers, bands, fill_band, one_torch_thread, row_origins
+from rayshard.cluster.progress import advance, set_total
+from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
+from rayshard.plans.checkpoint.reshard import check_chunks_disjoint_and_complete
+from rayshard.plans.checkpoint.safetensors_layout import ITEMSIZE
+from rayshard.plans.errors import CheckpointError
+from rayshard.plans.interop.torchtitan import STEP, classify_key, is_auxiliary, torchtitan_mapping
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
+from rayshard.plans.transforms.mapping import Meta
+
+IMPORT_FILE_BYTES = 2 * 2**30
+MOMENTS = (EXP_AVG, EXP_AVG_SQ)
+FLOATING = ("float32", "bfloat16", "float16", "float64")
+OPEN_FILES = 64  # .distcp handles kept open at once (a checkpoint of 16k ranks has 16k files)
+
+
+class DcpReader:
+    """Row ranges of DCP tensors read straight into caller buffers, from located chunk bytes."""
+
+    def __init__(self, fs, base: str, directory: str, located: dict[tuple[str, tuple], ChunkBytes]):
+        self.fs, self.base, self.directory, self.located = fs, base, directory, located
+        self.handles: OrderedDict[str, object] = OrderedDict()
+        self.bytes_read = 0
+
+    def handle(self, file: str):
+        if file in self.handles:
+            self.handles.move_to_end(file)
+            return self.handles[file]
+        if len(self.handles) >= OPEN_FILES:
+            self.handles.popitem(last=False)[1].close()
+        self.handles[file] = self.fs.open(f"{self.base}/{file}", "rb")
+        return self.handles[file]
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.close()
+        self.handles.clear()
+
+    def read_into(self, file: str, start: int, into: torch.Tensor) -> None:
+        view = memoryview(into.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        handle = self.handle(file)
+        handle.seek(start)
+        filled = 0
+        while filled < len(view):
+            count = handle.readinto(view[filled:])
+            if not count:
+                raise CheckpointError(f"{self.directory}/{file}: ends before byte {start + len(view)}; the file is "
+                                      "truncated. Fix: import a checkpoint whose save finished")
+            filled += count
+        self.bytes_read += filled
+
+    def read_rows(self, tensor: DcpTensor, first: int, end: int, into: torch.Tensor) -> None:
+        """Rows [first, end) of `tensor` (its whole value if 0-d) into `into`."""
+        itemsize = ITEMSIZE[tensor.dtype]
+        if not tensor.shape:
+            located = self.located[(tensor.key, ())]
+            self.read_into(located.file, located.start, into)
+            return
+        for chunk in tensor.chunks:
+            low, high = max(first, chunk.offsets[0]), min(end, chunk.offsets[0] + chunk.sizes[0])
+            if low >= high:
+                continue
+            located = self.located[(tensor.key, chunk.offsets)]
+            row_bytes = itemsize
+            for extent in chunk.sizes[1:]:
+                row_bytes *= extent
+            start = located.start + (low - chunk.offsets[0]) * row_bytes
+            target = into[low - first:high - first]
+            if tuple(chunk.sizes[1:]) == tuple(tensor.shape[1:]):  # whole rows: straight into place
+                self.read_into(located.file, start, target)
+            else:  # a block of columns too (tp's rowwise shards): its rows, then into their columns
+                block = torch.empty((high - low, *chunk.sizes[1:]), dtype=into.dtype)
+                self.read_into(located.file, start, block)
+                target[(slice(None), *(slice(o, o + s) for o, s in zip(chunk.offsets[1:], chunk.sizes[1:])))] = block
+
+
+@dataclass
+class _Found:
+    """The DCP tensors that are the model's: (torchtitan name, kind) -> tensor; step tensors by name."""
+
+    states: dict[tuple[str, str], DcpTensor]
+    steps: dict[str, DcpTensor]
+    skipped: list[str]
+
+
+def _classify(contents: DcpContents, shapes: dict[str, tuple[int, ...]], directory: str, source: str) -> _Found:
+    found = _Found({}, {}, [])
+    names = set(shapes)
+    prefixes: dict[tuple[str, str], str] = {}
+    for key, tensor in contents.tensors.items():
+        match = classify_key(key, names)
+        if match is None:
+            if is_auxiliary(key):
+                found.skipped.append(key)
+                continue
+            example = next(iter(sorted(names)))
+            raise CheckpointError(f"{directory}: tensor {key} {list(tensor.shape)} has no place in torchtitan's Llama of "
+                                  f"{source} (whose tensors are named like {example}, under model. or optimizer.state. "
+                                  "for AdamW's exp_avg/exp_avg_sq/step). Fix: pass the model configuration the "
+                                  "checkpoint was trained with; rayshard imports torchtitan's Llama with AdamW")
+        name, kind, prefix = match
+        if kind == STEP:
+            found.steps[name] = tensor
+            continue
+        if (name, kind) in found.states:
+            raise CheckpointError(f"{directory}: holds {name} ({kind}) twice, as {state_name(prefixes[(name, kind)], name, kind)} "
+                                  f"and {key}; rayshard cannot tell which to import. Fix: import a checkpoint of one model")
+        found.states[(name, kind)] = tensor
+        prefixes[(name, kind)] = prefix
+    found.skipped += sorted(contents.values)
+    return found
+
+
+def state_name(prefix: str, name: str, kind: str) -> str:
+    return f"{prefix}{name}" if kind == PARAM else f"{prefix}state.{name}.{kind}"
+
+
+def _check_shapes(found: _Found, shapes: dict[str, tuple[int, ...]], directory: str, source: str) -> list[str]:
+    """Every weight present and shaped as the model says; moments all present or all absent.
+    Returns the kinds to import from the checkpoint."""
+    missing = sorted(name for name in shapes if (name, PARAM) not in found.states)
+    if missing:
+        raise CheckpointError(f"{directory}: lacks {len(missing)} of the model's {len(shapes)} weights, e.g. {missing[0]} "
+                              f"(torchtitan name); it is not a checkpoint of {source}. Fix: pass the model configuration "
+                              "the checkpoint was trained with")
+    for (name, kind), tensor in sorted(found.states.items()):
+        if tensor.shape != tuple(shapes[name]):
+            raise CheckpointError(f"{directory}: {tensor.key} has shape {list(tensor.shape)} but {source} needs "
+                                  f"{list(shapes[name])} for it. Fix: pass the model configuration the checkpoint was "
+                                  "trained with (--hf-config, --model or --config)")
+        if tensor.dtype not in FLOATING:
+            raise CheckpointError(f"{directory}: {tensor.key} is {tensor.dtype}; rayshard imports floating-point weights "
+                                  f"and moments ({', '.join(FLOATING)})")
+    kinds = [PARAM]
+    for kind in MOMENTS:
+        present = [name for name in shapes if (name, kind) in found.states]
+        if present and len(present) != len(shapes):
+            absent = sorted(set(shapes) - set(present))
+            raise CheckpointError(f"{directory}: holds AdamW {kind} for {len(present)} of the model's {len(shapes)} "
+                                  f"parameters but not for {absent[0]}; a partial optimizer state cannot resume. Fix: "
+                                  "import a checkpoint saved with the whole optimizer state, or without it")
+        if present:
+            kinds.append(kind)
+    if len(kinds) == 2:
+        raise CheckpointError(f"{directory}: holds AdamW {kinds[1]} but not its other moment. Fix: import a checkpoint "
+                              "saved with the whole optimizer state, or without it")
+    return kinds
+
+
+def _check_tiling(found: _Found, directory: str) -> None:
+    """Each tensor's chunks cover it exactly once (the band reader fills buffers from them)."""
+    chunks = [Chunk(tensor.key, kind, tensor.dtype, tensor.shape, chunk.offsets, chunk.sizes, chunk.file, 0, 0, "")
+              for (_, kind), tensor in found.states.items() for chunk in tensor.chunks]
+    try:
+        check_chunks_disjoint_and_complete(chunks)
+    except CheckpointError as error:
+        raise CheckpointError(f"{directory}: its .metadata does not tile every tensor: {str(error).splitlines()[0]}") from None
+
+
+def _locate(fs, base: str, directory: str, tensors: list[DcpTensor]) -> dict[tuple[str, tuple], ChunkBytes]:
+    """Every chunk's data bytes in its file, checked before anything is written."""
+    by_file: dict[str, list] = {}
+    for tensor in tensors:
+        for chunk in tensor.chunks:
+            by_file.setdefault(chunk.file, []).append((tensor, chunk))
+    located = {}
+    for file, members in sorted(by_file.items()):
+        path = f"{base}/{file}"
+        if not fs.exists(path):
+            raise CheckpointError(f"{directory}/{file}: missing, though .metadata lists {len(members)} item(s) in it. "
+                                  "Fix: copy the whole checkpoint directory")
+        size = fs.size(path)
+        with fs.open(path, "rb") as handle:
+            for tensor, chunk in members:
+                if chunk.start + chunk.length > size:
+                    raise CheckpointError(f"{directory}/{file}: has {size} bytes but .metadata places {tensor.key} at "
+                                          f"bytes {chunk.start}+{chunk.length}; the file is truncated. Fix: import a "
+                                          "checkpoint whose save finished")
+                where = f"{directory}/{file} ({tensor.key} at {list(chunk.offsets)})"
+                located[(tensor.key, chunk.offsets)] = locate_chunk(handle, chunk, tensor.dtype, where)
+    return located
+
+
+def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: str, directory: str, log) -> int:
+    """AdamW's step count: the same in every parameter's state; else train_state.step; else 0."""
+    values = {}
+    for name, tensor in found.steps.items():
+        if tensor.shape != ():
+            raise CheckpointError(f"{directory}: {tensor.key} has shape {list(tensor.shape)}; AdamW's step is a number")
+        value = torch.empty((), dtype=getattr(torch, tensor.dtype))
+        reader.read_rows(tensor, 0, 1, value)
+        values[name] = value.item()
+    if values:
+        distinct = sorted(set(values.values()))
+        if len(distinct) != 1 or distinct[0] != int(distinct[0]) or distinct[0] < 0:
+            raise CheckpointError(f"{directory}: AdamW's step differs between parameters or is not a whole number "
+                                  f"({distinct[:4]}); rayshard keeps one step per checkpoint. Fix: import a checkpoint "
+                                  "whose parameters were all stepped together")
+        return int(distinct[0])
+    for prefix in ("train_state.step", "model.train_state.step"):
+        if prefix in contents.values:
+            item = contents.values[prefix]
+            with fs.open(f"{base}/{item.file}", "rb") as handle:
+                handle.seek(item.start)
+                value = read_plain_value(handle.read(item.length))
+            if isinstance(value.value, int) and not isinstance(value.value, bool) and value.value >= 0:
+                return value.value
+    log(f"note: {directory} holds no AdamW step and no train_state.step; the import is step 0")
+    return 0
+
+
+@dataclass
+class _Prepared:
+    """A DCP directory read and checked against the model: everything but the writing."""
+
+    contents: DcpContents
+    found: _Found
+    kinds: list[str]
+    reader: DcpReader
+    step: int
+
+
+def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str, dtype: str = "float32",
+               model_preset: str | None = None, file_bytes: int = IMPORT_FILE_BYTES, band_bytes: int = BAND_BYTES,
+               log=print, progress=None) -> str:
+    """Write a rayshard checkpoint (run@step) from a DCP directory of torchtitan's Llama; commit it.
+    model: its configuration (`source` says where it came from, for messages). The directory is
+    read and checked whole first, so a refusal leaves the store untouched; the writing holds the
+    run's writer lease, as every writer of a run does."""
+    started = time.perf_counter()
+    mapping = torchtitan_mapping(model)
+    ours = parameter_shapes(model)
+    prepared = _prepare(directory, model, source, mapping, ours, dtype, log)
+    try:
+        with writer_lease.holding(store, run), one_torch_thread():
+            committed = _write(prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes,
+                               band_bytes, progress)
+    finally:
+        prepared.reader.close()
+    found, kinds = prepared.found, prepared.kinds
+    skipped = (f"; skipped {len(found.skipped)} entries that are not weights or AdamW moments "
+               f"({', '.join(sorted({k.split('.')[0] for k in found.skipped})[:6])})" if found.skipped else "")
+    log(f"imported {directory} as {run}@{prepared.step}: {committed} ({prepared.reader.bytes_read / 2**20:.1f} MiB read in "
+        f"{time.perf_counter() - started:.1f}s; AdamW moments {'imported' if len(kinds) > 1 else 'absent: zeros'}{skipped})")
+    return committed
+
+
+def _prepare(directory, model, source, mapping, ours, dtype, log) -> _Prepared:
+    fs, base = fsspec.core.url_to_fs(directory)
+    base = base.rstrip("/")
+    contents = read_dcp_metadata(fs, base, directory)
+    export_plan = mapping.plan({name: Meta(tuple(shape), dtype) for name, shape in ours.items()})
+    shapes = {name: meta.shape for name, meta in export_plan.outputs.items()}  # torchtitan's names and shapes
+    found = _classify(contents, shapes, directory, source)
+    kinds = _check_shapes(found, shapes, directory, source)
+    _check_tiling(found, directory)
+    located = _locate(fs, base, directory, list(found.states.values()) + list(found.steps.values()))
+    reader = DcpReader(fs, base, directory, located)
+    try:
+        step = _step_of(found, contents, reader, fs, base, directory, log)
+    except BaseException:
+        reader.close()
+        raise
+    return _Prepared(contents, found, kinds, reader, step)
+
+
+def _write(prepared: _Prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes, band_bytes,
+           progress) -> str:
+    pieces = _pieces(prepared.found, prepared.kinds, mapping, ours, dtype, prepared.reader, band_bytes, progress)
+    set_total(progress, sum(_piece_bytes(piece) for piece in pieces))
+    pending = store.begin(run, prepared.step)
+    target_fs, target_base = fsspec.core.url_to_fs(pending.url)
+    chunks = []
+    for number, members in enumerate(_files(pieces, file_bytes)):
+        chunks += write_shard(target_fs, target_base, pending.file_for(number, stem="import"), members)
+    metadata = {"run": run, "step": prepared.step, "model": model.to_dict(), "model_preset": model_preset,
+                "layout": ParallelLayout().to_dict(), "parent": None, "imported_from": directory,
+                "imported_format": {"format": "torch.distributed.checkpoint", "dcp_version": prepared.contents.version,
+                                    "names": "torchtitan llama", "read_by_torch": torch.__version__,
+                                    "optimizer_state": ("imported" if len(prepared.kinds) > 1
+                                                        else "zeros (none in the checkpoint)")},
+                "created_unix": time.time()}
+    return pending.commit(chunks, metadata)
+
+
+def _piece_bytes(piece: Piece) -> int:
+    count = ITEMSIZE[str(piece.tensor.dtype).removeprefix("torch.")]
+    for extent in piece.tensor.shape:
+        count *= extent
+    return count
+
+
+def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, reader: DcpReader, band_bytes: int,
+            progress) -> list[Piece]:
+    """One lazily filled piece per row band of every rayshard tensor and kind, in mapping order."""
+    target = getattr(torch, dtype)
+    itemsize = ITEMSIZE[dtype]
+    pieces = []
+    inverse = mapping.inverse()
+    # The writer finishes a piece before it loads the next, so every band can reuse one buffer.
+    buffers = Buffers()
+    for kind in (PARAM, *MOMENTS):
+        if kind not in kinds:  # no moments in the checkpoint: a fresh AdamW's zeros
+            for name, shape in ours.items():
+                for first, end in bands(tuple(shape), itemsize, band_bytes):
+                    band = (end - first, *shape[1:])
+                    pieces.append(Piece(name, kind, LazyTensor(target, band, _counted(
+                        lambda band=band: buffers.take("band", band, target).zero_(), progress)), tuple(shape),
+                                        (first,) + (0,) * (len(shape) - 1)))
+            continue
+        sources = {name: tensor for (name, k), tensor in found.states.items() if k == kind}
+        metas = {name: Meta(tensor.shape, tensor.dtype) for name, tensor in sources.items()}
+        plan = inverse.plan(metas)
+        for group in plan.groups:
+            origins = row_origins(group, metas)
+            source_shapes = {name: metas[name].shape for name in group.sources}
+            source_dtypes = {name: getattr(torch, metas[name].dtype) for name in group.sources}
+
+            def read_rows(name, first, end, into, sources=sources):
+                reader.read_rows(sources[name], first, end, into)
+            for name in group.outputs:
+                shape = tuple(ours[name])
+                for first, end in bands(shape, itemsize, band_bytes):
+                    band = (end - first, *shape[1:]) if shape else ()
+
+                    def load(origin=origins[name], first=first, end=end, band=band, source_shapes=source_shapes,
+                             source_dtypes=source_dtypes, read_rows=read_rows):
+                        return fill_band(origin, first, end, buffers.take("band", band, target), source_shapes,
+                                         source_dtypes, read_rows, buffers.take)
+                    pieces.append(Piece(name, kind, LazyTensor(target, band, _counted(load, progress)), shape,
+                                        (first,) + (0,) * (len(shape) - 1) if shape else ()))
+    return pieces
+
+
+def _counted(load, progress):
+    def counted() -> torch.Tensor:
+        tensor = load()
+        advance(progress, tensor.numel() * tensor.element_size())
+        return tensor
+    return counted
+
+
+def _files(pieces: list[Piece], limit: int):
+    group, size = [], 0
+    for piece in pieces:
+        if group and size + _piece_bytes(piece) > limit:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += _piece_bytes(piece)
+    if group:
+        yield group
