@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.state_dict_keys import column_of
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 
@@ -55,3 +56,31 @@ def check_against_own_model(chunks: ChunkTable | list[Chunk], metadata: dict, wh
                         "the manifest lost or gained rows, or its `model` metadata is not the model that wrote it; "
                         "use another checkpoint of the run (`rayshard ckpt ls`)")
     return model
+
+
+def check_state_dict_matches(tensors: dict[str, tuple[tuple[int, ...], str]], value_keys, stored: dict, stored_values,
+                             where: str) -> None:
+    """A state dict a load fills against the checkpoint, in one line naming the first key that
+    differs (and how many more do). tensors: key -> (global shape, dtype) of each tensor to fill;
+    value_keys: its non-tensor keys; stored: (name, kind) -> (global shape, dtype) of every stored
+    tensor; stored_values: the keys of the stored non-tensor values. Stored tensors and values the
+    state dict does not ask for are left alone (a partial load, as with DCP)."""
+    problems = []
+    for key, (shape, dtype) in tensors.items():
+        found = stored.get(column_of(key))
+        if found is None:
+            problems.append(f"{key!r} is a value in the checkpoint, not a tensor" if key in stored_values else
+                            f"{key!r} is not in the checkpoint")
+        elif (tuple(found[0]), found[1]) != (tuple(shape), dtype):
+            problems.append(f"{key!r} is {found[1]}{list(found[0])} in the checkpoint but {dtype}{list(shape)} in the "
+                            "state dict")
+    for key in value_keys:
+        if key not in stored_values:
+            problems.append(f"{key!r} is a tensor in the checkpoint, not a value" if column_of(key) in stored else
+                            f"{key!r} is not in the checkpoint")
+    if problems:
+        more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])}{' ...' if len(problems) > 4 else ''})" \
+            if len(problems) > 1 else ""
+        raise CheckpointError(f"{where}: the state dict does not match the checkpoint: {problems[0]}{more}. Fix: build "
+                              "the model and optimizer the checkpoint was saved from (any layout), or load a "
+                              "checkpoint of this model")
