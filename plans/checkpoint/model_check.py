@@ -33,14 +33,27 @@ def raise_if_mismatched(expected: dict, found: dict, possible: set, where: str,
         raise CheckpointError("\n".join(lines))
 
 
+def require_model_record(metadata: dict, where: str) -> dict:
+    """The checkpoint's `model` metadata; a checkpoint `rayshard.checkpoint` saved from a training
+    loop's state dict has none, and is refused in one line saying what to do instead."""
+    if "model" not in metadata and metadata.get("writer") == "rayshard.checkpoint":
+        raise CheckpointError(
+            f"checkpoint {where} was saved by rayshard.checkpoint from a training loop's state dict and records no model "
+            "configuration, which this command needs (each tensor's role and shape for a layout or a Hugging Face "
+            "mapping). Fix: load it with rayshard.checkpoint.load into your model on the new layout (any layout loads "
+            "it, no reshard needed); `ckpt ls/verify/digest/diff` work on it as it is")
+    return metadata["model"]
+
+
 def check_against_own_model(chunks: ChunkTable | list[Chunk], metadata: dict, where: str) -> ModelConfig:
     """The manifest against the model its metadata records: every parameter, and every kind of
     state the checkpoint holds for any parameter (AdamW moments), with the recorded shapes and one
     dtype per kind. Offline tools (plan, reshard, export) read whole tensors by name; a manifest
     that lost rows would otherwise fail at the first one missing, or be copied incomplete.
     Returns the model, for the caller to plan with."""
+    record = require_model_record(metadata, where)
     try:
-        model = ModelConfig.from_dict(metadata["model"])
+        model = ModelConfig.from_dict(record)
         shapes = parameter_shapes(model)
     except Exception as error:  # a damaged entry fails in many ways (wrong types, zero heads, ...)
         raise CheckpointError(f"checkpoint {where}: its `model` metadata does not describe a model "
@@ -69,7 +82,9 @@ def check_state_dict_matches(tensors: dict[str, tuple[tuple[int, ...], str]], va
     for key, (shape, dtype) in tensors.items():
         found = stored.get(column_of(key))
         if found is None:
+            inside = next((value for value in stored_values if key.startswith(value + ".")), None)
             problems.append(f"{key!r} is a value in the checkpoint, not a tensor" if key in stored_values else
+                            f"{key!r} is inside the value {inside!r} in the checkpoint, not a tensor" if inside else
                             f"{key!r} is not in the checkpoint")
         elif (tuple(found[0]), found[1]) != (tuple(shape), dtype):
             problems.append(f"{key!r} is {found[1]}{list(found[0])} in the checkpoint but {dtype}{list(shape)} in the "
