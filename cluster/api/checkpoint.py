@@ -212,6 +212,11 @@ class _FirstRank:
     def __init__(self, location: RunLocation | None, step: int):
         self.location, self.step = location, step
         self.pending: PendingCheckpoint | None = None
+        self.error: BaseException | None = None  # its own failure while planning or committing, raised as is
+
+    def failed(self, error: BaseException, coordination: Coordination) -> list[Failure]:
+        self.error = error
+        return [Failure.of(coordination.rank, error)]
 
 
 def _save(coordination: Coordination, where: str, step: int, snapshot: _Snapshot, own: BaseException | None) -> CheckpointRef:
@@ -231,7 +236,7 @@ def _save(coordination: Coordination, where: str, step: int, snapshot: _Snapshot
         share = coordination.scatter("sending each rank its share of the writing",
                                      _plan_save(listed, first, held_by_first, coordination) if first else None)
         if isinstance(share, list):  # failures: the save stops before anything is written
-            coordination.raise_failures(share, own)
+            coordination.raise_failures(share, own or (first and first.error))
         written = None
         try:
             written = _write_share(share, snapshot)
@@ -241,7 +246,7 @@ def _save(coordination: Coordination, where: str, step: int, snapshot: _Snapshot
         outcome = coordination.broadcast("publishing the commit",
                                          _commit(gathered, first, snapshot, coordination) if first else None)
     if isinstance(outcome, list):
-        coordination.raise_failures(outcome, own)
+        coordination.raise_failures(outcome, own or (first and first.error))
     return CheckpointRef(outcome, location.run, step)
 
 
@@ -273,7 +278,7 @@ def _plan_save(listed: list, first: _FirstRank, held_by_first: contextlib.ExitSt
         first.pending = store.begin(run, first.step)
         return [_Assignment(first.pending.url, first.pending.file_for(rank), indices) for rank, indices in enumerate(writers)]
     except Exception as error:
-        return [[Failure.of(coordination.rank, error)]] * coordination.size
+        return [first.failed(error, coordination)] * coordination.size
 
 
 def _write_share(share: _Assignment, snapshot: _Snapshot) -> ChunkTable:
@@ -301,7 +306,7 @@ def _commit(gathered: list, first: _FirstRank, snapshot: _Snapshot, coordination
                     "parent": parent, "created_unix": time.time()}
         return first.pending.commit(ChunkTable.concat(gathered), metadata)
     except Exception as error:
-        return [Failure.of(coordination.rank, error)]
+        return first.failed(error, coordination)
 
 
 # ---- load and plan ------------------------------------------------------------------------------
@@ -343,10 +348,11 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
         except Exception as error:
             own = error
         gathered = coordination.gather("collecting what each rank read", _record(coordination, own, stats))
+        verified = _verify_parts(gathered, opened) if coordination.is_root else None
         outcome = coordination.broadcast("verifying the chunks read in parts",
-                                         _verify_parts(gathered, opened, coordination) if coordination.is_root else None)
+                                         [Failure.of(0, verified)] if isinstance(verified, BaseException) else verified)
     if isinstance(outcome, list):
-        coordination.raise_failures(outcome, own)
+        coordination.raise_failures(outcome, own or (verified if isinstance(verified, BaseException) else None))
     fill_values(flat, metadata.get("state") or {})
     return LoadedCheckpoint(opened.url, opened.run, opened.step, metadata.get("metadata"))
 
@@ -411,8 +417,9 @@ def _check(flat: FlatState, opened: _Opened, what: str) -> tuple[StoredCheckpoin
     return StoredCheckpoint(opened.url, chunks, metadata, keys_checked=True), metadata
 
 
-def _verify_parts(gathered: list, opened: _Opened, coordination: Coordination):
-    """On the first rank: True, or the failures (a rank's, or chunks whose parts do not match)."""
+def _verify_parts(gathered: list, opened: _Opened):
+    """On the first rank: True, the ranks' failures, or its own error (chunks whose parts, read
+    by several ranks, do not combine to their checksum)."""
     failures = _failures(gathered)
     if failures:
         return failures
@@ -422,4 +429,4 @@ def _verify_parts(gathered: list, opened: _Opened, coordination: Coordination):
                                                                  keys_checked=True))
         return True
     except Exception as error:
-        return [Failure.of(coordination.rank, error)]
+        return error

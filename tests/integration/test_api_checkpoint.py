@@ -230,3 +230,49 @@ def test_fsdp2_ranks_save_to_s3_and_one_process_loads_it(s3_store, tmp_path):
     assert resumed["loaded_step"] == 2
     _equal(saved[0]["refs"][0], resumed["resaved"])
     _close(resumed["losses"], saved[0]["losses"])
+
+
+def _load_rows(rank: int, init_method: str, world_size: int, results, where: str) -> None:
+    """Load a (8, 6) tensor as a DTensor sharded by rows over the ranks, after a plan of it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        weight = distribute_tensor(torch.zeros(8, 6), init_device_mesh("cpu", (world_size,), mesh_dim_names=("rows",)),
+                                   [Shard(0)])
+        state = {"model": {"w": weight}}
+        report = {"plan": [(r.rank, r.bytes_needed) for r in ckpt.plan(state, where).ranks]}
+        try:
+            ckpt.load(state, where)
+            report["local"] = weight.to_local().tolist()
+        except CheckpointError as error:
+            report["error"] = f"{type(error).__name__}: {error}"
+        results[rank] = report
+    finally:
+        dist.destroy_process_group()
+
+
+def test_chunks_read_in_parts_by_several_ranks_are_verified_together(tmp_path):
+    """One stored chunk, two ranks each reading half of it: neither can check its half alone, so
+    the first rank combines both halves' checksums; a flipped byte fails every rank."""
+    where = str(tmp_path / "runs" / "r")
+    whole = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    ref = ckpt.save({"model": {"w": whole}}, where, step=1)
+    good = [run_ranks(_load_rows, 2, where)[rank] for rank in range(2)]
+    assert [report["local"] for report in good] == [whole[:4].tolist(), whole[4:].tolist()]
+    assert good[0]["plan"] == good[1]["plan"] == [(0, 96), (1, 96)]
+
+    (chunk,) = read_manifest(ref.url)[0]
+    path = f"{ref.url}/{chunk.file}"
+    with open(path, "r+b") as handle:  # one byte of the second half's first row
+        handle.seek(chunk.byte_start + 4 * 6 * 4 + 1)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    bad = [run_ranks(_load_rows, 2, where)[rank] for rank in range(2)]
+    assert bad[0]["error"].startswith("CheckpointError: ") and "checksum mismatch" in bad[0]["error"]
+    assert bad[1]["error"].startswith(f"RanksFailed: load of {where} failed on rank 0: CheckpointError: ")
+    assert "checksum mismatch" in bad[1]["error"] and "\n" not in bad[1]["error"]
