@@ -318,7 +318,7 @@ class _Opened:
 
     url: str
     run: str | None
-    step: int
+    step: int | None  # as resolved; a checkpoint named by its directory has it in its manifest only
     manifest: bytes
 
 
@@ -354,7 +354,12 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
     if isinstance(outcome, list):
         coordination.raise_failures(outcome, own or (verified if isinstance(verified, BaseException) else None))
     fill_values(flat, metadata.get("state") or {})
-    return LoadedCheckpoint(opened.url, opened.run, opened.step, metadata.get("metadata"))
+    return LoadedCheckpoint(opened.url, opened.run, _step_of(opened, metadata), metadata.get("metadata"))
+
+
+def _step_of(opened: _Opened, metadata: dict) -> int:
+    step = metadata.get("step", opened.step)
+    return int(step) if isinstance(step, int) else int(opened.step or 0)
 
 
 def plan(state_dict: Mapping, what: str, *, process_group=None) -> LoadPlan:
@@ -362,7 +367,7 @@ def plan(state_dict: Mapping, what: str, *, process_group=None) -> LoadPlan:
     Reads the manifest only; checks the state dict against it as `load` does."""
     _wait_for_async_save()
     coordination = Coordination(process_group, f"plan of a load of {what}")
-    flat, own = None, None
+    flat, own, metadata = None, None, {}
     try:
         flat = flatten(state_dict)
     except Exception as error:
@@ -373,7 +378,7 @@ def plan(state_dict: Mapping, what: str, *, process_group=None) -> LoadPlan:
         try:
             if own is not None:
                 raise own
-            stored, _ = _check(flat, opened, what)
+            stored, metadata = _check(flat, opened, what)
             read = stored.plan(destinations(flat))
             mine = RankPlan(coordination.rank, len(flat.pieces), read.bytes_needed, read.bytes_read,
                             len(read.requests), read.files)
@@ -386,7 +391,7 @@ def plan(state_dict: Mapping, what: str, *, process_group=None) -> LoadPlan:
     failures = _failures(ranks)
     if failures or own is not None:
         coordination.raise_failures(failures, own)
-    return LoadPlan(opened.url, opened.step, ranks)
+    return LoadPlan(opened.url, _step_of(opened, metadata), ranks)
 
 
 def _open(coordination: Coordination, what: str, held_by_first: contextlib.ExitStack) -> _Opened:
@@ -397,9 +402,8 @@ def _open(coordination: Coordination, what: str, held_by_first: contextlib.ExitS
         try:
             store, ref = resolve_checkpoint(what)
             held_by_first.enter_context(leases.reading(store, ref))
-            data = manifest_bytes(ref.url)
-            step = read_manifest(ref.url, data)[1].get("step", ref.step)
-            opened = _Opened(ref.url, ref.run, int(step or 0), data)
+            # Its bytes once, decoded by each rank (which needs its chunks anyway): no second decode here.
+            opened = _Opened(ref.url, ref.run, ref.step, manifest_bytes(ref.url))
         except Exception as error:
             own, opened = error, [Failure.of(coordination.rank, error)]
     opened = coordination.broadcast("finding the checkpoint", opened)
