@@ -28,14 +28,17 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     if not isinstance(tensor, DTensor):
         return (0,) * tensor.dim(), tuple(tensor.shape)
     mesh, depends_on = tensor.device_mesh, (tuple(tensor.shape), tuple(tensor.placements))
-    remembered = getattr(tensor, _REGION, None)
+    # Kept on the local shard, which outlives the DTensor wrapping it when a caller wraps it anew
+    # each time (get_state_dict's optimizer states: every save and load of rayshard.checkpoint).
+    holder = tensor._local_tensor
+    remembered = getattr(holder, _REGION, None)
     # The mesh is compared by identity, not id(): a copied or unpickled tensor carries the
     # attribute, and an id can be reused once its object is gone.
     if remembered is not None and remembered[0] is mesh and remembered[1] == depends_on:
         return remembered[2]
     sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
     region = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
-    setattr(tensor, _REGION, (mesh, depends_on, region))
+    setattr(holder, _REGION, (mesh, depends_on, region))
     return region
 
 

@@ -8,6 +8,7 @@ tests/integration/test_api_checkpoint_torchrun.py (slow).
 """
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 import time
@@ -206,7 +207,6 @@ def test_plain_tensors_and_values_round_trip_and_mismatches_are_refused_in_one_l
     with pytest.raises(ConfigError, match=r"names a run, not a checkpoint"):
         ckpt.save(state, f"{where}@2", step=2)
     with pytest.raises(CheckpointError, match=r"entry 'config': config.when is a datetime.datetime, neither a tensor nor a JSON value"):
-        import datetime
         ckpt.save({"model": {"w": torch.zeros(1)}, "config": {"when": datetime.datetime.now()}}, where, step=2)
     with pytest.raises(CheckpointError, match=r"run 'nope' has no committed checkpoint"):
         ckpt.load(fresh, str(tmp_path / "runs" / "nope"))
