@@ -139,6 +139,23 @@ def _api_load(trainer, root: str, repeat: int, run: str = "api"):
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def _time_commits() -> list[float]:
+    """Seconds of each commit this process makes (create-only manifest, fsynced; LATEST swap)."""
+    from rayshard.cluster.catalog.pending import PendingCheckpoint
+
+    seconds, commit = [], PendingCheckpoint.commit_manifest
+
+    def timed(self, manifest):
+        started = time.perf_counter()
+        try:
+            return commit(self, manifest)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    PendingCheckpoint.commit_manifest = timed
+    return seconds
+
+
 def _state_dict_round(trainer):
     """What DCP's and the API's loads both spend outside the checkpoint: get_state_dict, then
     set_state_dict of what it returned (no read)."""
@@ -238,8 +255,9 @@ def _phase_a(rank, config, port, root, repeats, queue):
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
     trainer.train_step()
-    # Untimed, once: what a process pays on its first save and load only (the API's gloo group,
-    # DCP's planner caches, lazy imports), which a training loop pays once, not per checkpoint.
+    commits = _time_commits()  # the API's commit on the first rank, inside its save's time
+    # Untimed, once: what a process pays on its first save and load only (the API's gloo group and
+    # writer lease, DCP's planner caches, lazy imports), which a loop pays once, not per checkpoint.
     _api_save(trainer, root, 0, run="warm")
     _api_load(trainer, root, 0, run="warm")
     _dcp_save(trainer, f"{root}/dcp-warm")
@@ -267,6 +285,7 @@ def _phase_a(rank, config, port, root, repeats, queue):
             seconds, extra = _timed(load)
             results[f"load/{method}"].append(seconds)
             memory[f"load/{method}"].append(extra)
+    results["save/api-commit"] = commits[-repeats:] if rank == 0 else []
     shard_bytes = sum(len(b) for b in _raw_bytes(trainer))
     queue.put((rank, results, memory, shard_bytes, _peak_rss()))
     trainer.shutdown()
@@ -350,6 +369,9 @@ def main() -> None:
         goal = "goal >= 2" if key == "save" else "goal >= 6"
         print(f"  {title:<32}API {api:.3f}s  DCP {dcp:.3f}s  DCP/API {dcp / api:5.2f}  ({goal}; trainer path DCP/ours "
               f"{dcp / medians[f'{key}/rayshard']:.2f})")
+        if key == "save":
+            print(f"  {'':<32}of which its commit on the first rank (create-only manifest with fsync, LATEST swap) "
+                  f"{medians['save/api-commit']:.3f}s; the trainer path's row writes its manifest with neither")
         if key != "save":  # both loads include get_state_dict + set_state_dict; without it:
             state_dict = medians[f"{key}/sd"]
             print(f"  {'':<32}of which get/set_state_dict {state_dict:.3f}s; without it DCP/API "

@@ -20,6 +20,7 @@ No Ray anywhere.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import threading
@@ -232,19 +233,18 @@ def _save(coordination: Coordination, where: str, step: int, snapshot: _Snapshot
             own = error
     listed = coordination.gather("listing what each rank holds", _record(coordination, own, snapshot.held))
     first = _FirstRank(location, step) if coordination.is_root else None
-    with contextlib.ExitStack() as held_by_first:  # the first rank's writer lease, until the commit is published
-        share = coordination.scatter("sending each rank its share of the writing",
-                                     _plan_save(listed, first, held_by_first, coordination) if first else None)
-        if isinstance(share, list):  # failures: the save stops before anything is written
-            coordination.raise_failures(share, own or (first and first.error))
-        written = None
-        try:
-            written = _write_share(share, snapshot)
-        except Exception as error:
-            own = error
-        gathered = coordination.gather("collecting the chunks each rank wrote", _record(coordination, own, written))
-        outcome = coordination.broadcast("publishing the commit",
-                                         _commit(gathered, first, snapshot, coordination) if first else None)
+    share = coordination.scatter("sending each rank its share of the writing",
+                                 _plan_save(listed, first, coordination) if first else None)
+    if isinstance(share, list):  # failures: the save stops before anything is written
+        coordination.raise_failures(share, own or (first and first.error))
+    written = None
+    try:
+        written = _write_share(share, snapshot)
+    except Exception as error:
+        own = error
+    gathered = coordination.gather("collecting the chunks each rank wrote", _record(coordination, own, written))
+    outcome = coordination.broadcast("publishing the commit",
+                                     _commit(gathered, first, snapshot, coordination) if first else None)
     if isinstance(outcome, list):
         coordination.raise_failures(outcome, own or (first and first.error))
     return CheckpointRef(outcome, location.run, step)
@@ -255,19 +255,49 @@ def _record(coordination: Coordination, own: BaseException | None, answer):
     return Failure.of(coordination.rank, own) if own is not None else answer
 
 
+# The runs this process writes, each with its writer lease (decision 97): taken by the first rank
+# at its first save into the run, renewed in the background, released when the process exits, as
+# the trainer holds its run's for as long as it trains. A second program saving into the run is
+# refused in one line naming this one; a lease another writer took meanwhile fails the next save.
+_LEASES: dict[tuple[str, str], writer_lease.WriterLease] = {}
+
+
+def _writer_lease(store, run: str) -> writer_lease.WriterLease:
+    lease = _LEASES.get((store.url, run))
+    if lease is not None:
+        try:
+            lease.check()
+            return lease
+        finally:
+            if lease.lost is not None:
+                _LEASES.pop((store.url, run), None)  # the save after this one tries to take it again
+    lease = writer_lease.WriterLease(store, run, writer_lease.DEFAULT_TTL_S)
+    lease.acquire()
+    lease.start_renewing()
+    _LEASES[(store.url, run)] = lease
+    return lease
+
+
+@atexit.register
+def _release_leases() -> None:
+    for lease in list(_LEASES.values()):
+        with contextlib.suppress(Exception):
+            lease.release()
+    _LEASES.clear()
+
+
 def _failures(records: list) -> list[Failure]:
     return [record for record in records if isinstance(record, Failure)]
 
 
-def _plan_save(listed: list, first: _FirstRank, held_by_first: contextlib.ExitStack,
-               coordination: Coordination) -> list:
+def _plan_save(listed: list, first: _FirstRank, coordination: Coordination) -> list:
     """On the first rank: each rank's `_Assignment`, or for every rank the list of failures."""
     failures = _failures(listed)
     if failures:
         return [failures] * coordination.size
     try:
         store, run = first.location.store, first.location.run
-        held_by_first.enter_context(writer_lease.holding(store, run))
+        _writer_lease(store, run)
         if first.step in store.committed_steps(run):
             raise CheckpointError(f"{run}@{first.step} is already committed in {store.url}; a checkpoint is never "
                                   "overwritten. Fix: save under a new step, or into another run")
@@ -304,6 +334,7 @@ def _commit(gathered: list, first: _FirstRank, snapshot: _Snapshot, coordination
                     "layout": {"world_size": coordination.size, "mesh": snapshot.mesh},
                     "state": json.loads(snapshot.values), "metadata": json.loads(snapshot.user),
                     "parent": parent, "created_unix": time.time()}
+        _writer_lease(store, run)  # still this process's (renewed meanwhile): nobody else wrote the run since
         return first.pending.commit(ChunkTable.concat(gathered), metadata)
     except Exception as error:
         return first.failed(error, coordination)
