@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -276,6 +277,9 @@ def _writer_lease(store, run: str) -> writer_lease.WriterLease:
     lease.start_renewing()
     _LEASES[(store.url, run)] = lease
     return lease
+
+
+os.register_at_fork(after_in_child=_LEASES.clear)  # a forked process holds no lease of its parent's
 
 
 @atexit.register

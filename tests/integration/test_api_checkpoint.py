@@ -276,3 +276,27 @@ def test_chunks_read_in_parts_by_several_ranks_are_verified_together(tmp_path):
     assert bad[0]["error"].startswith("CheckpointError: ") and "checksum mismatch" in bad[0]["error"]
     assert bad[1]["error"].startswith(f"RanksFailed: load of {where} failed on rank 0: CheckpointError: ")
     assert "checksum mismatch" in bad[1]["error"] and "\n" not in bad[1]["error"]
+
+
+def _save_small(rank: int, init_method: str, world_size: int, results, where: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        ckpt.save({"model": {"w": torch.ones(3)}}, where, step=2)
+        results[rank] = "saved"
+    except CheckpointError as error:
+        results[rank] = f"{type(error).__name__}: {error}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_second_program_saving_into_a_run_being_written_is_refused(tmp_path):
+    """This process saved into run r and keeps its writer lease; another process (forked from
+    it, holding nothing of it) is refused in one line naming this one, and commits nothing."""
+    where = str(tmp_path / "runs" / "r")
+    ckpt.save({"model": {"w": torch.zeros(3)}}, where, step=1)
+    (answer,) = run_ranks(_save_small, 1, where).values()
+    assert answer.startswith("RunBusy: run 'r' is being trained by pid ") and f"pid {os.getpid()} " in answer
+    assert "\n" not in answer and Store(str(tmp_path / "runs")).committed_steps("r") == [1]
+    assert ckpt.save({"model": {"w": torch.zeros(3)}}, where, step=3).step == 3  # this process still holds it
