@@ -3,7 +3,7 @@ loop (2x2 mesh, `_StridedShard` and uneven shards) saves with the API (one save 
 async); 2-rank loops on other layouts (fsdp2, tp2) load them. Every tensor and moment is bit for
 bit the same (`ckpt diff` of the checkpoint and one saved right after loading it; equal digests),
 and training continues within 2.5e-6 relative per step of the uninterrupted 4-rank run for 10
-steps. Slow (three torchrun jobs, ~1-3 min on two busy cores):
+steps. Slow (three torchrun jobs: 20 s on an idle 2-core machine, 80-90 s when other suites share it):
 
     .venv/bin/python -m pytest -m slow tests/integration/test_api_checkpoint_torchrun.py
 """
