@@ -10,7 +10,11 @@ then, repeatedly and in rotating order:
   raw (plain reads of exactly the byte ranges rayshard's load reads, each into its own place in one
   pre-touched buffer), checked (the raw reads plus the checksum of every chunk or part rayshard reads).
 Then four fresh ranks on layout B (fsdp4) load what A saved: rayshard, DCP, raw and checked reads of
-exactly the byte ranges rayshard's plan reads. An operation's time is the slowest rank's; the
+exactly the byte ranges rayshard's plan reads. "api" is `rayshard.checkpoint` (issue 38) on DCP's own
+state dict (`get_state_dict` of the same model and optimizer, then `set_state_dict` after a load, as
+DCP's path does): `save` into a run (writer lease, attempt, create-only manifest, LATEST) and
+`load`, on both layouts; its ratios against DCP are printed apart. The API and DCP each save and
+load once, untimed, before the repeats (first-call costs: the API's gloo group, DCP's caches). An operation's time is the slowest rank's; the
 figure is the median over repeats. No fsync anywhere (DCP's sync_files=False), so every method
 measures the same page-cache path. Peak RSS above the rank's baseline during each operation is
 sampled every 2 ms.
@@ -40,7 +44,8 @@ from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
 LAYOUT_A = ParallelLayout(dp=2, tp=2)
 LAYOUT_B = ParallelLayout(fsdp=4)
 MiB = 2**20
-LOAD_METHODS = ("rayshard", "dcp", "raw", "checked")
+LOAD_METHODS = ("rayshard", "dcp", "raw", "checked", "api", "sd")
+SAVE_METHODS = ("rayshard", "dcp", "raw", "api")
 
 
 class PeakRSS:
@@ -116,6 +121,47 @@ def _dcp_load(trainer, path: str):
 
     state = _dcp_state(trainer)
     dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _api_save(trainer, root: str, repeat: int, run: str = "api"):
+    import rayshard.checkpoint as ckpt
+
+    ckpt.save(_dcp_state(trainer), f"{root}/api-store/{run}", step=repeat)
+
+
+def _api_load(trainer, root: str, repeat: int, run: str = "api"):
+    import rayshard.checkpoint as ckpt
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(trainer)
+    ckpt.load(state, f"{root}/api-store/{run}@{repeat}")
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _time_commits() -> list[float]:
+    """Seconds of each commit this process makes (create-only manifest, fsynced; LATEST swap)."""
+    from rayshard.cluster.catalog.pending import PendingCheckpoint
+
+    seconds, commit = [], PendingCheckpoint.commit_manifest
+
+    def timed(self, manifest):
+        started = time.perf_counter()
+        try:
+            return commit(self, manifest)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    PendingCheckpoint.commit_manifest = timed
+    return seconds
+
+
+def _state_dict_round(trainer):
+    """What DCP's and the API's loads both spend outside the checkpoint: get_state_dict, then
+    set_state_dict of what it returned (no read)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(trainer)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -209,16 +255,23 @@ def _phase_a(rank, config, port, root, repeats, queue):
 
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}")
     trainer.train_step()
-    results = {key: [] for key in ("save/rayshard", "save/dcp", "save/raw", *(f"load/{m}" for m in LOAD_METHODS))}
+    commits = _time_commits()  # the API's commit on the first rank, inside its save's time
+    # Untimed, once: what a process pays on its first save and load only (the API's gloo group and
+    # writer lease, DCP's planner caches, lazy imports), which a loop pays once, not per checkpoint.
+    _api_save(trainer, root, 0, run="warm")
+    _api_load(trainer, root, 0, run="warm")
+    _dcp_save(trainer, f"{root}/dcp-warm")
+    _dcp_load(trainer, f"{root}/dcp-warm")
+    results = {key: [] for key in (*(f"save/{m}" for m in SAVE_METHODS), *(f"load/{m}" for m in LOAD_METHODS))}
     memory = {key: [] for key in results}
     for repeat in range(repeats):
-        for method in _rotated(("rayshard", "dcp", "raw"), repeat):
+        for method in _rotated(SAVE_METHODS, repeat):
             where = f"{root}/{method}-{repeat}"
             raw_file = f"{where}/rank-{rank:05d}.raw"
             if method == "raw":
                 os.makedirs(where, exist_ok=True)
             save = {"rayshard": lambda: _our_save(trainer, where), "dcp": lambda: _dcp_save(trainer, where),
-                    "raw": lambda: _raw_save(trainer, raw_file)}[method]
+                    "raw": lambda: _raw_save(trainer, raw_file), "api": lambda: _api_save(trainer, root, repeat)}[method]
             seconds, extra = _timed(save)
             results[f"save/{method}"].append(seconds)
             memory[f"save/{method}"].append(extra)
@@ -227,10 +280,12 @@ def _phase_a(rank, config, port, root, repeats, queue):
         for method in _rotated(LOAD_METHODS, repeat):
             where = f"{root}/{method}-{repeat}"
             load = {"rayshard": lambda: _our_load(trainer, where), "dcp": lambda: _dcp_load(trainer, where),
-                    "raw": lambda: _raw_ranges(ranges, buffer), "checked": lambda: _checked_raw_ranges(ranges, buffer)}[method]
+                    "raw": lambda: _raw_ranges(ranges, buffer), "checked": lambda: _checked_raw_ranges(ranges, buffer),
+                    "api": lambda: _api_load(trainer, root, repeat), "sd": lambda: _state_dict_round(trainer)}[method]
             seconds, extra = _timed(load)
             results[f"load/{method}"].append(seconds)
             memory[f"load/{method}"].append(extra)
+    results["save/api-commit"] = commits[-repeats:] if rank == 0 else []
     shard_bytes = sum(len(b) for b in _raw_bytes(trainer))
     queue.put((rank, results, memory, shard_bytes, _peak_rss()))
     trainer.shutdown()
@@ -244,13 +299,16 @@ def _phase_b(rank, config, port, root, repeats, queue):
     memory = {key: [] for key in results}
     stats = {}
     _our_load(trainer, f"{root}/rayshard-0")  # untimed: creates the AdamW state every method then fills
+    _api_load(trainer, root, 0)  # untimed, as in phase A: first-call costs
+    _dcp_load(trainer, f"{root}/dcp-0")
     for repeat in range(repeats):
         ranges = _planned_ranges(trainer, f"{root}/rayshard-{repeat}")
         buffer = _read_buffer(ranges)
         for method in _rotated(LOAD_METHODS, repeat):
             load = {"rayshard": lambda: stats.update(_our_load(trainer, f"{root}/rayshard-{repeat}")),
                     "dcp": lambda: _dcp_load(trainer, f"{root}/dcp-{repeat}"),
-                    "raw": lambda: _raw_ranges(ranges, buffer), "checked": lambda: _checked_raw_ranges(ranges, buffer)}[method]
+                    "raw": lambda: _raw_ranges(ranges, buffer), "checked": lambda: _checked_raw_ranges(ranges, buffer),
+                    "api": lambda: _api_load(trainer, root, repeat), "sd": lambda: _state_dict_round(trainer)}[method]
             seconds, extra = _timed(load)
             results[f"reshard/{method}"].append(seconds)
             memory[f"reshard/{method}"].append(extra)
@@ -308,6 +366,19 @@ def main() -> None:
     print("  (DCP/ours > 1: rayshard faster than DCP; raw/ours is the fraction of raw bandwidth reached, goal >= 0.8;\n"
           "   checked: the raw reads plus the checksum of everything rayshard verifies, no planning or placement, so\n"
           "   raw/checked is what verification alone costs and chk/ours what is left to rayshard's own work)")
+    print("rayshard.checkpoint (the API, on get_state_dict's state dict) against DCP on the same state and ranks:")
+    for title, key in (("save, dp2 x tp2", "save"), ("load, same layout", "load"), ("load, resharded to fsdp4", "reshard")):
+        api, dcp = medians[f"{key}/api"], medians[f"{key}/dcp"]
+        goal = "goal >= 2" if key == "save" else "goal >= 6"
+        print(f"  {title:<32}API {api:.3f}s  DCP {dcp:.3f}s  DCP/API {dcp / api:5.2f}  ({goal}; trainer path DCP/ours "
+              f"{dcp / medians[f'{key}/rayshard']:.2f})")
+        if key == "save":
+            print(f"  {'':<32}of which its commit on the first rank (create-only manifest with fsync, LATEST swap) "
+                  f"{medians['save/api-commit']:.3f}s; the trainer path's row writes its manifest with neither")
+        if key != "save":  # both loads include get_state_dict + set_state_dict; without it:
+            state_dict = medians[f"{key}/sd"]
+            print(f"  {'':<32}of which get/set_state_dict {state_dict:.3f}s; without it DCP/API "
+                  f"{(dcp - state_dict) / max(1e-9, api - state_dict):5.2f}")
     read = sum(item[3]["bytes_read"] for item in phase_b)
     needed = sum(item[3]["bytes_needed"] for item in phase_b)
     print(f"resharded load to {args.layout_b.describe()}: rayshard read {read / MiB:.2f} MiB for {needed / MiB:.2f} MiB its "
@@ -316,7 +387,7 @@ def main() -> None:
     print("extra RSS above each rank's baseline during the operation, max over ranks and repeats (MiB):")
     for key in ("save", "load", "reshard"):
         phase = phase_a if key != "reshard" else phase_b
-        cells = [f"{m} {max(max(item[2][f'{key}/{m}']) for item in phase) / MiB:7.1f}" for m in ("rayshard", "dcp", "raw")]
+        cells = [f"{m} {max(max(item[2][f'{key}/{m}']) for item in phase) / MiB:7.1f}" for m in ("rayshard", "dcp", "raw", "api")]
         print(f"  {key:<8} " + "   ".join(cells))
     print("peak RSS per rank over the whole run (MiB): layout A " + ", ".join(f"{item[4] / MiB:.0f}" for item in phase_a)
           + "; layout B " + ", ".join(f"{item[4] / MiB:.0f}" for item in phase_b))

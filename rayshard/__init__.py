@@ -1,8 +1,9 @@
 """rayshard: distributed training on Ray, and checkpoints that any layout can resume.
 
-The public API is what `__all__` names here (docs/api.md); everything else (`rayshard.plans`,
-`rayshard.storage`, `rayshard.actors`, `rayshard.cluster`) is internal and may change between
-releases. Importing this package costs nothing: each public name is imported the first time it is
+The public API is what `__all__` names here, and the module `rayshard.checkpoint` (a DCP-shaped
+`save` / `async_save` / `load` / `plan` for any training loop); docs/api.md lists both. Everything
+else (`rayshard.plans`, `rayshard.storage`, `rayshard.actors`, `rayshard.cluster`) is internal and
+may change between releases. Importing this package costs nothing: each public name is imported the first time it is
 used (PEP 562), because every Ray worker and every `rayshard` command imports this package first,
 and the catalog alone would bring pyarrow's dataset module (half a second) into each of them.
 """
@@ -38,7 +39,13 @@ _PUBLIC = {
 __all__ = list(_PUBLIC)
 
 
+# Public modules: `rayshard.checkpoint` imports torch, so it is loaded when first named.
+_PUBLIC_MODULES = ("checkpoint",)
+
+
 def __getattr__(name: str):
+    if name in _PUBLIC_MODULES:
+        return _importlib.import_module(f"rayshard.{name}")
     if name not in _PUBLIC:
         raise AttributeError(f"module 'rayshard' has no attribute {name!r}")
     value = getattr(_importlib.import_module(_PUBLIC[name]), name)

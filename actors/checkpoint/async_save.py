@@ -20,10 +20,10 @@ import threading
 import time
 
 import fsspec
-import torch
 
 from rayshard.actors.checkpoint.save import pieces_to_write
 from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
+from rayshard.actors.checkpoint.staging import HostStaging
 from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 
@@ -33,7 +33,7 @@ class AsyncSaver:
     (reused across saves) and the save still running. The trainer holds one for its lifetime."""
 
     def __init__(self):
-        self._staging: dict[tuple, torch.Tensor] = {}  # (name, kind, offsets) -> host buffer
+        self.staging = HostStaging()  # (name, kind, offsets) -> host buffer
         self._previous: BackgroundSave | None = None
 
     def start(self, model, optimizer, checkpoint_url: str, file: str, rank: int,
@@ -44,17 +44,6 @@ class AsyncSaver:
             self._previous.hook.remove()  # (removed here, not inside the hook: step() is iterating hooks then)
         self._previous = BackgroundSave(self, model, optimizer, checkpoint_url, file, rank, copies)
         return self._previous
-
-    def _host_buffer(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
-        buffer = self._staging.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
-            self._staging[key] = buffer
-        return buffer
-
-    def _forget_except(self, keys: list[tuple]) -> None:
-        for stale in set(self._staging) - set(keys):  # another model or layout since the last save
-            del self._staging[stale]
 
 
 class BackgroundSave:
@@ -67,7 +56,7 @@ class BackgroundSave:
         self.where = f"rank {rank} ({checkpoint_url}/{file})"
         live = pieces_to_write(model, optimizer, copies)  # references to the live tensors, no bytes yet
         keys = [(piece.name, piece.kind, tuple(piece.offsets)) for piece in live]
-        saver._forget_except(keys)
+        saver.staging.keep_only(keys)
         self.rows: ChunkTable | None = None  # the manifest rows written, as columns
         self.error: str | None = None
         self.copy_seconds = self.upload_seconds = None
@@ -107,23 +96,8 @@ class BackgroundSave:
             self._done.set()
 
     def _copy(self, live: list[Piece], keys: list[tuple]) -> list[Piece]:
-        devices = {piece.tensor.device for piece in live if piece.tensor.is_cuda}
-        streams = {device: torch.cuda.Stream(device) for device in devices}
-        for device, stream in streams.items():  # the copy reads what the last optimizer step wrote
-            stream.wait_stream(torch.cuda.default_stream(device))
-        pieces = []
-        for key, piece in zip(keys, live):
-            tensor = piece.tensor
-            buffer = self.saver._host_buffer(key, tensor)
-            if tensor.is_cuda:
-                with torch.cuda.stream(streams[tensor.device]):
-                    buffer.copy_(tensor.detach(), non_blocking=True)
-            else:
-                buffer.copy_(tensor.detach())
-            pieces.append(Piece(piece.name, piece.kind, buffer, piece.global_shape, piece.offsets))
-        for stream in streams.values():
-            stream.synchronize()
-        return pieces
+        copies = self.saver.staging.copy(keys, [piece.tensor for piece in live])
+        return [Piece(piece.name, piece.kind, copy, piece.global_shape, piece.offsets) for piece, copy in zip(live, copies)]
 
     def status(self, wait: bool = False) -> dict:
         """{"done", "rows" (a `ChunkTable`), "error", timings}; wait=True blocks until the upload ends."""

@@ -18,24 +18,26 @@ from rayshard.plans.layout.parallel_layout import STAGE_MESH_DIMS
 
 # DTensor's computation costs ~0.5 ms a call (it builds small tensors); a load or save asks for
 # every parameter and moment several times, which on the small preset was half the load time.
-# Remembered on the tensor object (it lives as long as the tensor), and checked against what the
-# answer depends on, so a tensor whose placement or mesh changes is computed afresh.
-_REGION = "_rayshard_local_region"
+# Remembered by what the answer depends on (global shape, placements, mesh, this process's rank),
+# not on the tensor object: `get_state_dict` wraps parameters and optimizer states in fresh
+# DTensors at every call, so a memo on the object missed every save of rayshard.checkpoint.
+_REGIONS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+_REGIONS_KEPT = 8192
 
 
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offsets, local sizes) of this rank's piece."""
     if not isinstance(tensor, DTensor):
         return (0,) * tensor.dim(), tuple(tensor.shape)
-    mesh, depends_on = tensor.device_mesh, (tuple(tensor.shape), tuple(tensor.placements))
-    remembered = getattr(tensor, _REGION, None)
-    # The mesh is compared by identity, not id(): a copied or unpickled tensor carries the
-    # attribute, and an id can be reused once its object is gone.
-    if remembered is not None and remembered[0] is mesh and remembered[1] == depends_on:
-        return remembered[2]
-    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
-    region = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
-    setattr(tensor, _REGION, (mesh, depends_on, region))
+    mesh = tensor.device_mesh
+    key = (tuple(tensor.shape), tuple(tensor.placements), mesh, mesh.get_rank())
+    region = _REGIONS.get(key)
+    if region is None:
+        sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
+        region = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+        if len(_REGIONS) >= _REGIONS_KEPT:  # a process that builds model after model: start afresh
+            _REGIONS.clear()
+        _REGIONS[key] = region
     return region
 
 

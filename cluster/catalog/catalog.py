@@ -141,6 +141,8 @@ class Catalog:
             world = 1
             for dim in PARALLEL_DEGREES:
                 world *= int(layout.get(dim, 1)) if isinstance(layout, dict) else 1
+            if isinstance(layout, dict) and isinstance(layout.get("world_size"), int):  # rayshard.checkpoint's record
+                world = layout["world_size"]
             size = files[MANIFEST]["size"] + sum(files[f]["size"] for f in needed if f in files)
             entries.append(CheckpointEntry(
                 run, step, url, status, step == latest, _describe_layout(layout), world,
@@ -233,6 +235,9 @@ def _file_status(needed: dict[str, int], sizes: dict[str, int]) -> str:
 def _describe_layout(layout) -> str:
     if not isinstance(layout, dict):
         return str(layout)
+    if isinstance(layout.get("mesh"), dict):  # rayshard.checkpoint's record: the mesh dims of any program
+        parts = [f"{name}{size}" for name, size in layout["mesh"].items()]
+        return "x".join(parts) or ("single" if layout.get("world_size", 1) == 1 else f"{layout['world_size']} ranks")
     parts = [f"{dim}{layout[dim]}" for dim in LAYOUT_DEGREES if int(layout.get(dim, 1)) > 1]
     return "x".join(parts) or "single"
 

@@ -32,7 +32,7 @@ from rayshard.storage.options import apply_conf
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.checkpoint.model_check import check_against_own_model
+from rayshard.plans.checkpoint.model_check import check_against_own_model, require_model_record
 from rayshard.plans.training.model_spec import ModelConfig
 from rayshard.plans.checkpoint.reshard import Target
 from rayshard.plans.checkpoint.writers import PlannedPiece, predicted_writes
@@ -75,7 +75,7 @@ def target_partition(metadata: dict, layout: ParallelLayout, schedule: str | Non
         schedule = pipeline.get("schedule", "1f1b")  # pipeline_partition moves it to one that fits layout.vpp
     if stage_layout is None and pipeline.get("stage_layout") and metadata.get("layout") == layout.to_dict():
         stage_layout = list(pipeline["stage_layout"])  # the same layout: keep the checkpoint's own cut
-    model = ModelConfig.from_dict(metadata["model"])
+    model = ModelConfig.from_dict(require_model_record(metadata, metadata.get("run", "to partition")))
     return pipeline_partition(model, layout, schedule, stage_layout)
 
 

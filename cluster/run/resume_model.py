@@ -12,6 +12,7 @@ from dataclasses import replace
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.catalog.store import Store
 from rayshard.plans.config import ModelChoice, TrainConfig
+from rayshard.plans.checkpoint.model_check import require_model_record
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.training.model_spec import ModelConfig, model_differences
 
@@ -26,7 +27,7 @@ def checkpoint_model(config: TrainConfig, ref: str) -> tuple[str | None, ModelCo
         ref = "latest"
     checkpoint = store.resolve(ref, current_run=config.run)
     metadata = read_manifest(checkpoint.url)[1]
-    return metadata.get("model_preset"), ModelConfig.from_dict(metadata["model"]).validate()
+    return metadata.get("model_preset"), ModelConfig.from_dict(require_model_record(metadata, checkpoint.url)).validate()
 
 
 def with_resumed_model(config: TrainConfig, named: bool) -> TrainConfig:

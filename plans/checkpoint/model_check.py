@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.checkpoint.state_dict_keys import column_of
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 
@@ -32,14 +33,27 @@ def raise_if_mismatched(expected: dict, found: dict, possible: set, where: str,
         raise CheckpointError("\n".join(lines))
 
 
+def require_model_record(metadata: dict, where: str) -> dict:
+    """The checkpoint's `model` metadata; a checkpoint `rayshard.checkpoint` saved from a training
+    loop's state dict has none, and is refused in one line saying what to do instead."""
+    if "model" not in metadata and metadata.get("writer") == "rayshard.checkpoint":
+        raise CheckpointError(
+            f"checkpoint {where} was saved by rayshard.checkpoint from a training loop's state dict and records no model "
+            "configuration, which this command needs (each tensor's role and shape for a layout or a Hugging Face "
+            "mapping). Fix: load it with rayshard.checkpoint.load into your model on the new layout (any layout loads "
+            "it, no reshard needed); `ckpt ls/verify/digest/diff` work on it as it is")
+    return metadata["model"]
+
+
 def check_against_own_model(chunks: ChunkTable | list[Chunk], metadata: dict, where: str) -> ModelConfig:
     """The manifest against the model its metadata records: every parameter, and every kind of
     state the checkpoint holds for any parameter (AdamW moments), with the recorded shapes and one
     dtype per kind. Offline tools (plan, reshard, export) read whole tensors by name; a manifest
     that lost rows would otherwise fail at the first one missing, or be copied incomplete.
     Returns the model, for the caller to plan with."""
+    record = require_model_record(metadata, where)
     try:
-        model = ModelConfig.from_dict(metadata["model"])
+        model = ModelConfig.from_dict(record)
         shapes = parameter_shapes(model)
     except Exception as error:  # a damaged entry fails in many ways (wrong types, zero heads, ...)
         raise CheckpointError(f"checkpoint {where}: its `model` metadata does not describe a model "
@@ -55,3 +69,33 @@ def check_against_own_model(chunks: ChunkTable | list[Chunk], metadata: dict, wh
                         "the manifest lost or gained rows, or its `model` metadata is not the model that wrote it; "
                         "use another checkpoint of the run (`rayshard ckpt ls`)")
     return model
+
+
+def check_state_dict_matches(tensors: dict[str, tuple[tuple[int, ...], str]], value_keys, stored: dict, stored_values,
+                             where: str) -> None:
+    """A state dict a load fills against the checkpoint, in one line naming the first key that
+    differs (and how many more do). tensors: key -> (global shape, dtype) of each tensor to fill;
+    value_keys: its non-tensor keys; stored: (name, kind) -> (global shape, dtype) of every stored
+    tensor; stored_values: the keys of the stored non-tensor values. Stored tensors and values the
+    state dict does not ask for are left alone (a partial load, as with DCP)."""
+    problems = []
+    for key, (shape, dtype) in tensors.items():
+        found = stored.get(column_of(key))
+        if found is None:
+            inside = next((value for value in stored_values if key.startswith(value + ".")), None)
+            problems.append(f"{key!r} is a value in the checkpoint, not a tensor" if key in stored_values else
+                            f"{key!r} is inside the value {inside!r} in the checkpoint, not a tensor" if inside else
+                            f"{key!r} is not in the checkpoint")
+        elif (tuple(found[0]), found[1]) != (tuple(shape), dtype):
+            problems.append(f"{key!r} is {found[1]}{list(found[0])} in the checkpoint but {dtype}{list(shape)} in the "
+                            "state dict")
+    for key in value_keys:
+        if key not in stored_values:
+            problems.append(f"{key!r} is a tensor in the checkpoint, not a value" if column_of(key) in stored else
+                            f"{key!r} is not in the checkpoint")
+    if problems:
+        more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])}{' ...' if len(problems) > 4 else ''})" \
+            if len(problems) > 1 else ""
+        raise CheckpointError(f"{where}: the state dict does not match the checkpoint: {problems[0]}{more}. Fix: build "
+                              "the model and optimizer the checkpoint was saved from (any layout), or load a "
+                              "checkpoint of this model")

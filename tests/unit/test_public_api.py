@@ -58,3 +58,13 @@ def test_public_errors_share_one_base():
     assert issubclass(rayshard.CheckpointError, rayshard.RayshardError)
     with pytest.raises(rayshard.ConfigError):
         rayshard.ParallelLayout(dp=0)
+
+
+def test_the_checkpoint_module_is_public_and_loaded_only_when_named():
+    probe = ("import sys, rayshard\nassert 'rayshard.checkpoint' not in sys.modules\n"
+             "module = rayshard.checkpoint\nprint(sorted(module.__all__))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(sorted(["save", "async_save", "load", "plan", "LoadedCheckpoint", "LoadPlan", "RankPlan"]))
+    documented = (REPO / "docs" / "api.md").read_text()
+    assert all(f"`{name}(" in documented for name in ("save", "async_save", "load", "plan"))

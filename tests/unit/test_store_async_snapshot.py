@@ -28,14 +28,14 @@ def test_the_next_optimizer_step_waits_for_a_slow_snapshot(tmp_path, monkeypatch
     expected = {(name, kind): checksum(t.detach().contiguous().numpy().tobytes()) for name, kind, t in state_tensors(model, optimizer)}
     release, copy_held = threading.Event(), threading.Event()
     saver = async_save.AsyncSaver()
-    real_buffer = saver._host_buffer
+    real_buffer = saver.staging._buffer
 
     def slow_buffer(key, tensor):
         copy_held.set()
         release.wait(timeout=60)  # the copy cannot go on until the test says so
         return real_buffer(key, tensor)
 
-    monkeypatch.setattr(saver, "_host_buffer", slow_buffer)
+    monkeypatch.setattr(saver.staging, "_buffer", slow_buffer)
     # Pre-hooks run in the order registered: one before the saver's, one after it (which runs
     # only once the saver's hook lets the step through).
     step_started, step_let_through = threading.Event(), threading.Event()
