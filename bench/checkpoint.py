@@ -29,7 +29,6 @@ import shutil
 import socket
 import statistics
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from rayshard.actors.training.device_memory import peak_memory_bytes, resident_memory_bytes  # noqa: E402
+from bench.peak_rss import PeakRSS  # noqa: E402
+from rayshard.actors.training.device_memory import peak_memory_bytes  # noqa: E402
 from rayshard.plans.config import DataConfig, ModelChoice, TrainConfig  # noqa: E402
 from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
 
@@ -46,27 +46,6 @@ LAYOUT_B = ParallelLayout(fsdp=4)
 MiB = 2**20
 LOAD_METHODS = ("rayshard", "dcp", "raw", "checked", "api", "sd")
 SAVE_METHODS = ("rayshard", "dcp", "raw", "api")
-
-
-class PeakRSS:
-    """Largest resident set above the starting one while the block runs (sampled every 2 ms)."""
-
-    def __enter__(self):
-        self.base = self.peak = resident_memory_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, resident_memory_bytes())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, resident_memory_bytes())
-        self.extra = self.peak - self.base
 
 
 def _timed(operation):
@@ -79,7 +58,7 @@ def _timed(operation):
         operation()
         elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed), rss.extra
+    return float(elapsed), rss.above_base
 
 
 def _our_save(trainer, url: str):

@@ -27,7 +27,6 @@ import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from rayshard.actors.training.device_memory import resident_memory_bytes  # noqa: E402
+from bench.peak_rss import PeakRSS  # noqa: E402
 from rayshard.cluster.catalog.store import Store  # noqa: E402
 from rayshard.cluster.checkpoint.dcp_import import import_dcp  # noqa: E402
 from rayshard.cluster.checkpoint.row_bands import BAND_BYTES  # noqa: E402
@@ -45,30 +44,6 @@ from rayshard.plans.transforms.mapping import Meta  # noqa: E402
 
 MiB = 2**20
 READ_BLOCK = 64 * MiB
-
-
-class PeakRSS:
-    """Largest resident set above the starting one while the block runs (sampled every 2 ms)."""
-
-    def __enter__(self):
-        self.base = self.peak = resident_memory_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, resident_memory_bytes())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, resident_memory_bytes())
-
-    @property
-    def above_base(self) -> int:
-        return self.peak - self.base
 
 
 def save_dcp(model_name: str, directory: str) -> int:
