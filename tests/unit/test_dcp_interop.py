@@ -3,7 +3,7 @@
 `dcp.load` reads back, and every refusal in one line with nothing committed.
 
 The multi-process case (FSDP2 x TP save, `train --resume`, loads on 1, 2 and 4 ranks) is
-tests/integration/test_dcp_interop.py."""
+tests/integration/test_dcp_interop_distributed.py."""
 from __future__ import annotations
 
 import io
