@@ -27,7 +27,7 @@ import torch
 from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.dcp_metadata import DcpContents, DcpTensor, read_dcp_metadata
-from rayshard.cluster.checkpoint.dcp_records import ChunkBytes, locate_chunk, read_plain_value
+from rayshard.cluster.checkpoint.dcp_records import MAX_VALUE_BYTES, ChunkBytes, locate_chunk, read_plain_value
 from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, Buffers, bands, fill_band, one_torch_thread, row_origins
 from rayshard.cluster.progress import advance, set_total
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
@@ -231,6 +231,8 @@ def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: 
     for prefix in ("train_state.step", "model.train_state.step"):
         if prefix in contents.values:
             item = contents.values[prefix]
+            if item.length > MAX_VALUE_BYTES:  # .metadata says how long; a step is a few bytes
+                continue
             with fs.open(f"{base}/{item.file}", "rb") as handle:
                 handle.seek(item.start)
                 value = read_plain_value(handle.read(item.length))

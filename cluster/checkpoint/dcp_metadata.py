@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pathlib
 import pickle
+import pickletools
 import re
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if name in _ADMITTED.get(module, ()):
             return getattr(pathlib if module.startswith("pathlib") else _module(module), name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if module == "torch" and isinstance(torch.__dict__.get(name), torch.dtype):  # no lazy submodule import
             return getattr(torch, name)
         raise CheckpointError(f"{self.where}: names {module}.{name}, which is not one of DCP's metadata classes; the file "
                               "is not a DCP checkpoint's .metadata (or was tampered with), and rayshard does not unpickle "
@@ -119,14 +120,42 @@ def read_dcp_metadata(fs, base: str, directory: str) -> DcpContents:
                               f"({MAX_METADATA_BYTES}); it is not DCP's. Fix: import the directory dcp.save wrote")
     with fs.open(path, "rb") as handle:
         try:
-            metadata = _MetadataUnpickler(handle, where).load()
+            _scan(handle, size, where)
+            handle.seek(0)
+            return _checked(_MetadataUnpickler(handle, where).load(), where, directory)
         except CheckpointError:
             raise
         except Exception as error:  # truncated or garbled: EOFError, UnpicklingError, a bad record's TypeError, ...
             raise CheckpointError(f"{where}: cannot be read as DCP metadata ({type(error).__name__}: "
                                   f"{str(error)[:120] or 'no detail'}); it is truncated or damaged. Fix: import a "
                                   "checkpoint whose save finished, or save it again") from None
-    return _checked(metadata, where, directory)
+
+
+# A crafted pickle is refused before it builds anything. A pickle can turn each byte into an
+# object (EMPTY_DICT is one byte for a 64-byte dict), and dict keys that are multiples of
+# 2**61 - 1 all hash alike, so one dict of them takes quadratic time to build. DCP's own metadata
+# spends well over a hundred bytes per chunk on a few containers and records, and its integers
+# (offsets, sizes, byte ranges) stay far below 2**61. So: at most one container or object
+# construction per 16 bytes of file (memory then stays within a few times the file's size), no
+# integer of 2**61 or more.
+BYTES_PER_OBJECT = 16
+LARGEST_INTEGER = 2**61
+_BUILDS = {"EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "EMPTY_SET", "DICT", "LIST", "TUPLE", "TUPLE1", "TUPLE2",
+           "TUPLE3", "FROZENSET", "NEWOBJ", "NEWOBJ_EX", "REDUCE", "BUILD", "OBJ", "INST"}
+
+
+def _scan(handle, size: int, where: str) -> None:
+    budget, built = 10_000 + size // BYTES_PER_OBJECT, 0
+    for opcode, argument, _ in pickletools.genops(handle):
+        built += opcode.name in _BUILDS
+        if built > budget:
+            raise CheckpointError(f"{where}: builds more than {budget} objects in its {size} bytes, more than DCP's "
+                                  "metadata ever does; rayshard does not unpickle it. Fix: import a directory written "
+                                  "by torch.distributed.checkpoint.save")
+        if isinstance(argument, int) and not isinstance(argument, bool) and abs(argument) >= LARGEST_INTEGER:
+            raise CheckpointError(f"{where}: holds the integer {argument}, larger than any offset or size DCP writes; "
+                                  "rayshard does not unpickle it. Fix: import a directory written by "
+                                  "torch.distributed.checkpoint.save")
 
 
 def _checked(metadata, where: str, directory: str) -> DcpContents:

@@ -38,6 +38,28 @@ STORAGE_DTYPES = {"FloatStorage": "float32", "DoubleStorage": "float64", "HalfSt
                   "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
                   "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
 MAX_VALUE_BYTES = 1 * 2**20  # non-tensor items larger than this are not read (a value worth importing is tiny)
+# A torch.save record holds data.pkl, byteorder, version and its storages: a handful of entries.
+# More is not torch's, and a central directory of millions would cost gigabytes to list.
+MAX_RECORD_ENTRIES = 64
+ZIP_END = struct.Struct("<4s4H2LH")  # end of central directory: signature, disks, entries here, entries, ...
+
+
+def _small_zip(source) -> zipfile.ZipFile:
+    """A torch.save record opened as a zip only after its end record says it lists few entries;
+    every entry must then be stored (torch.save never compresses), so nothing read from it can
+    decompress to more than its declared size."""
+    source.seek(0, io.SEEK_END)
+    size = source.tell()
+    source.seek(max(0, size - ZIP_END.size))
+    tail = source.read(ZIP_END.size)
+    # A record with a zip comment or zip64 directory is not torch's: the end record is the last 22 bytes.
+    if len(tail) != ZIP_END.size or tail[:4] != b"PK\x05\x06" or ZIP_END.unpack(tail)[4] > MAX_RECORD_ENTRIES:
+        raise zipfile.BadZipFile("not a small torch.save record")
+    source.seek(0)
+    archive = zipfile.ZipFile(source)
+    if any(info.compress_type != zipfile.ZIP_STORED for info in archive.infolist()):
+        raise zipfile.BadZipFile("a compressed entry")
+    return archive
 ZIP_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
 
@@ -139,13 +161,14 @@ def locate_chunk(handle, chunk: DcpChunk, dtype: str, where: str) -> ChunkBytes:
                                "with FileSystemWriter's default torch.save serialization, whose save finished")
     view = _Slice(handle, chunk.start, chunk.length)
     try:
-        archive = zipfile.ZipFile(view)
+        archive = _small_zip(view)
         names = archive.namelist()
         pickles = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pickles) != 1:
             raise refuse(f"its item holds {len(pickles)} tensor records, not one")
         prefix = pickles[0][:-len("data.pkl")]
-        if prefix + "byteorder" in names and archive.read(prefix + "byteorder") != b"little":
+        if prefix + "byteorder" in names and (archive.getinfo(prefix + "byteorder").file_size > 16
+                                              or archive.read(prefix + "byteorder") != b"little"):
             raise refuse("its item was saved big-endian")
         info = archive.getinfo(pickles[0])
         if info.file_size > MAX_VALUE_BYTES:
@@ -160,6 +183,10 @@ def locate_chunk(handle, chunk: DcpChunk, dtype: str, where: str) -> ChunkBytes:
     if not isinstance(record, _TensorRecord):
         raise refuse(f"its item holds a {type(record).__name__}, not a tensor")
     storage = record.storage
+    if (not isinstance(storage, _StorageRef) or not isinstance(record.offset, int) or isinstance(record.offset, bool)
+            or record.offset < 0
+            or not all(isinstance(n, int) for n in (*record.size, *record.stride))):
+        raise refuse(f"its item's tensor record is damaged (offset {record.offset!r})")
     if storage.dtype != dtype:
         raise refuse(f"its item holds {storage.dtype} data but .metadata says {dtype}")
     if record.size != chunk.sizes:
@@ -213,10 +240,12 @@ def read_plain_value(data: bytes) -> PlainValue:
     if len(data) > MAX_VALUE_BYTES:
         return PlainValue(skipped=f"{len(data)} bytes")
     try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
+        archive = _small_zip(io.BytesIO(data))
         pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
         if len(pickles) != 1:
             return PlainValue(skipped="not one torch.save record")
+        if archive.getinfo(pickles[0]).file_size > MAX_VALUE_BYTES:
+            return PlainValue(skipped=f"a record of {archive.getinfo(pickles[0]).file_size} bytes")
         return PlainValue(_PlainValueReader(io.BytesIO(archive.read(pickles[0]))).load())
     except _NotPlain as what:
         return PlainValue(skipped=f"holds {what}")

@@ -290,3 +290,43 @@ def test_non_tensor_items_are_read_only_as_plain_values(tmp_path):
     buffer = io.BytesIO()
     torch.save({"step": 7, "lr": 0.5, "name": "x"}, buffer)
     assert read_plain_value(buffer.getvalue()).value == {"step": 7, "lr": 0.5, "name": "x"}
+
+
+@pytest.mark.parametrize("crafted", ["objects", "colliding-keys"])
+def test_a_metadata_crafted_to_exhaust_memory_or_time_is_refused_before_it_is_built(source, tmp_path, capsys, crafted):
+    """Only admitted classes are no bound on what a pickle builds: a list of a million empty
+    dicts (about a byte each in the file, 64 bytes each in memory) or dict keys that all hash
+    alike (quadratic to insert) is refused by the scan before anything is unpickled."""
+    copy = _copy(source[2]["torchtitan"], tmp_path)
+    if crafted == "objects":
+        body = pickle.PROTO + bytes([4]) + pickle.EMPTY_LIST + pickle.MARK + pickle.EMPTY_DICT * 1_000_000 + pickle.APPENDS
+    else:
+        keys = b"".join(pickle.dumps(k * (2**61 - 1), protocol=4)[2:-1] + pickle.NONE for k in range(1, 200))
+        body = pickle.PROTO + bytes([4]) + pickle.EMPTY_DICT + pickle.MARK + keys + pickle.SETITEMS
+    with open(os.path.join(copy, ".metadata"), "wb") as handle:
+        handle.write(body + pickle.STOP)
+    store = str(tmp_path / "store")
+    error = _refused(capsys, _import(copy, store), store)
+    assert ("builds more than" in error) if crafted == "objects" else ("larger than any offset" in error), error
+
+
+def test_a_tensor_record_that_is_compressed_or_lists_many_entries_is_refused(tmp_path):
+    """torch.save never compresses and writes a handful of entries: anything else could inflate
+    or list without bound, so it is refused before any entry is read."""
+    import io
+    import zipfile
+
+    from rayshard.cluster.checkpoint.dcp_metadata import DcpChunk
+    from rayshard.cluster.checkpoint.dcp_records import locate_chunk, read_plain_value
+    from rayshard.plans.errors import CheckpointError
+
+    for name, make in [("compressed", lambda z: z.writestr(zipfile.ZipInfo("a/data.pkl"), b"x" * 1000,
+                                                           compress_type=zipfile.ZIP_DEFLATED)),
+                       ("many", lambda z: [z.writestr(f"a/{i}", b"") for i in range(200)])]:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            make(archive)
+        data = buffer.getvalue()
+        assert read_plain_value(data).skipped.startswith("unreadable"), name
+        with pytest.raises(CheckpointError, match="is not a torch.save record"):
+            locate_chunk(io.BytesIO(data), DcpChunk((0,), (4,), "f", 0, len(data)), "float32", name)
