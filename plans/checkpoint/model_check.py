@@ -42,6 +42,10 @@ def require_model_record(metadata: dict, where: str) -> dict:
             "configuration, which this command needs (each tensor's role and shape for a layout or a Hugging Face "
             "mapping). Fix: load it with rayshard.checkpoint.load into your model on the new layout (any layout loads "
             "it, no reshard needed); `ckpt ls/verify/digest/diff` work on it as it is")
+    if "model" not in metadata:
+        raise CheckpointError(f"checkpoint {where}: its manifest's metadata has no `model` entry, so the manifest is "
+                              "damaged (every trainer, import and reshard records one). Fix: restore the manifest, or "
+                              "use an earlier checkpoint")
     return metadata["model"]
 
 

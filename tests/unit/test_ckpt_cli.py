@@ -137,3 +137,16 @@ def test_offline_reshard_workers_are_capped_to_what_the_ray_cluster_holds():
         _workers_that_fit(2, 4.0, 2.0, said.append)
     # Asked for by number: kept, for an autoscaling cluster to grow into, and said.
     assert _workers_that_fit(4, 1.0, 2.0, said.append, asked=True) == 4 and "start as it grows" in said[-1]
+
+
+@pytest.mark.parametrize("argv", [["ckpt", "import", "{url}", "--run", "r"], ["ckpt", "import", "{url}", "--run", "r",
+                                   "--format", "dcp", "--model", "tiny"], ["ckpt", "export", "r@1", "--out", "{url}"]])
+def test_an_import_source_or_export_target_with_credentials_is_refused_unechoed(argv, tmp_path, capsys):
+    """Import records its source URL in the checkpoint and a DCP export names its target in
+    .metadata: a URL carrying credentials would put them on disk, where no redaction reaches."""
+    secret = "wJalrXUtn/FEMI+K7MDENG=bPxRfiCY"
+    url = f"s3://AKIAEXAMPLE:{secret}@bucket/dir"
+    assert main([part.replace("{url}", url) for part in argv] + ["--store", str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot carry credentials" in err and secret not in err and "AKIAEXAMPLE" not in err
+    assert not (tmp_path / "store" / "r").exists()

@@ -19,7 +19,7 @@ from rayshard.cluster.checkpoint.reshard_report import build_plan, format_plan
 from rayshard.cluster.cli.commands.checkpoint_refs import reading, resolve_checkpoint
 from rayshard.cluster.pictures.resume_plot import plot_resume
 from rayshard.cluster.progress import byte_bar
-from rayshard.cluster.catalog.store import Store
+from rayshard.cluster.catalog.store import Store, refuse_credentials
 from rayshard.cluster.cli.config_file import read_config_file
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.errors import ConfigError
@@ -95,6 +95,7 @@ def _refuse_options(args: argparse.Namespace, options, fmt: str) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     _refuse_options(args, DCP_ONLY_EXPORT if args.format == "hf" else HF_ONLY_EXPORT, args.format)
+    refuse_credentials(args.out, "--out")  # it is written into the export (DCP's .metadata names it)
     with reading(args) as (_, [ref]), byte_bar(args, "export") as bar:
         if args.format == "dcp":
             export_dcp(ref.url, args.out, workers=args.workers or 1, log=bar.write, progress=bar)
@@ -112,6 +113,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
+    # The source's URL is recorded in the checkpoint (imported_from): never with credentials in it.
+    refuse_credentials(args.directory, "DIRECTORY")
+    if getattr(args, "hf_config", None):
+        refuse_credentials(args.hf_config, "--hf-config")
     if args.format == "hf":
         _refuse_options(args, DCP_MODEL_SOURCES, "hf")
         with byte_bar(args, "import") as bar:
