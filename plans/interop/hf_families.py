@@ -254,7 +254,11 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
         # smaller vocabulary: a model that names no pad id says so.
         if config.get("pad_token_id") is None and model.vocab_size <= 32000:
             config["pad_token_id"] = None
-        config.update(original_max_position_embeddings=model.max_seq_len, resid_pdrop=0.0, embd_pdrop=0.0)
+        # transformers gives the top-level original_max_position_embeddings priority over the
+        # scaling's own (llama3/yarn): with scaling, it must be the scaling's, not max_seq_len.
+        scaled = model.rope_scaling is not None and model.rope_scaling.original_max_position_embeddings is not None
+        config.update(original_max_position_embeddings=(model.rope_scaling.original_max_position_embeddings if scaled
+                                                        else model.max_seq_len), resid_pdrop=0.0, embd_pdrop=0.0)
     if model.family == "mixtral":
         config.update(num_local_experts=model.n_experts, num_experts_per_tok=model.experts_per_token,
                       intermediate_size=model.expert_ffn_dim, router_aux_loss_coef=model.aux_loss_coef,
