@@ -264,18 +264,21 @@ _LEASES: dict[tuple[str, str], writer_lease.WriterLease] = {}
 
 
 def _writer_lease(store, run: str) -> writer_lease.WriterLease:
-    lease = _LEASES.get((store.url, run))
+    key = (store.backend.url(f"{store.root}/{run}"), run)  # ./runs/a and /abs/runs/a are one run
+    lease = _LEASES.get(key)
     if lease is not None:
         try:
             lease.check()
             return lease
         finally:
             if lease.lost is not None:
-                _LEASES.pop((store.url, run), None)  # the save after this one tries to take it again
+                _LEASES.pop(key, None)  # the save after this one tries to take it again
     lease = writer_lease.WriterLease(store, run, writer_lease.DEFAULT_TTL_S)
-    lease.acquire()
+    # A training loop restarted by its launcher (torchrun, Ray Train) on another host meets its
+    # killed predecessor's lease still looking alive: wait for it to lapse rather than refuse.
+    lease.acquire(wait_s=writer_lease.DEFAULT_TTL_S + 10)
     lease.start_renewing()
-    _LEASES[(store.url, run)] = lease
+    _LEASES[key] = lease
     return lease
 
 

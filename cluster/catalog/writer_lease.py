@@ -84,17 +84,30 @@ class WriterLease:
         return json.dumps({**_this_holder(), "token": self.token, "expires_unix": expires,
                            "renewed_unix": time.time()}, sort_keys=True).encode()
 
-    def acquire(self, attempts: int = 5) -> None:
+    def acquire(self, attempts: int = 5, wait_s: float = 0.0) -> None:
         """Take the lease, or raise RunBusy naming its live holder. A holder that has stopped
         renewing (missed two renewals: killed on another host) is waited out, at most until its
-        lease lapses, saying so, rather than refused: a resubmit must not fail for a dead trainer."""
+        lease lapses, saying so, rather than refused: a resubmit must not fail for a dead trainer.
+        wait_s: how long a holder that still looks alive is waited for before RunBusy (0 for a
+        trainer, which should hear at once; a library restarted by its own launcher on another
+        host finds its dead predecessor's lease looking alive for up to two renewal periods)."""
         backend = self.store.backend
         backend.make_directory(self.path.rsplit("/", 1)[0])
-        tries = 0
+        tries, deadline, said = 0, time.time() + wait_s, False
         while tries < attempts:
             data, version = backend.read_versioned(self.path)
             record = _parse(data)
             if data is not None and not self._takeable(record):
+                elsewhere = (record.get("host") != socket.gethostname()
+                             or record.get("pid_namespace", "") != _pid_namespace())  # here, alive is known
+                if elsewhere and time.time() < deadline and not self._wait_if_lapsing(record):
+                    if not said:
+                        print(f"rayshard: run {self.run!r}: its writer lease is held by "
+                              f"{record.get('holder', 'another process')}; waiting up to {wait_s:.0f} s for it to be "
+                              "released or to lapse", file=sys.stderr, flush=True)
+                        said = True
+                    time.sleep(min(self.ttl_s / 8, max(0.0, deadline - time.time())) or 0.1)
+                    continue
                 if not self._wait_if_lapsing(record):
                     left = record["expires_unix"] - time.time()
                     raise RunBusy(

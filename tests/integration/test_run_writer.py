@@ -183,3 +183,18 @@ def test_offline_writers_into_a_held_run_are_refused_in_one_line(tmp_path, capsy
     assert main(commands[0]) == 0
     assert Store(store_url).committed_steps("r") == [2]
     assert WriterLease(Store(store_url), "r", 30)._takeable(json.loads((tmp_path / "store/r/WRITER").read_text()))
+
+
+def test_a_library_save_waits_out_a_lease_from_another_host_that_lapses(tmp_path, capfd):
+    """A training loop restarted by its launcher on another host meets its killed predecessor's
+    lease still looking alive: `rayshard.checkpoint` waits for it to lapse (saying so) instead of
+    refusing; a trainer (wait_s=0) is still refused at once."""
+    store = Store(str(tmp_path / "store"))
+    _foreign_lease(store, time.time() + 3)
+    with pytest.raises(RunBusy):
+        WriterLease(store, "r", 30).acquire()
+    started = time.time()
+    lease = WriterLease(store, "r", 30)
+    lease.acquire(wait_s=60)
+    assert time.time() - started >= 2 and "waiting up to 60 s" in capfd.readouterr().err
+    lease.release()
