@@ -369,11 +369,7 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
     `set_state_dict(model, optimizer, ...)` applies what was loaded, as after DCP's load."""
     _wait_for_async_save()
     coordination = Coordination(process_group, f"load of {what}")
-    flat, own, metadata = None, None, {}
-    try:
-        flat = flatten(state_dict)
-    except Exception as error:
-        own = error
+    (flat, own), metadata = _flattened(state_dict), {}
     with contextlib.ExitStack() as held_by_first:  # the first rank's reader lease
         opened = _open(coordination, what, held_by_first)
         stats = None
@@ -395,6 +391,15 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
     return LoadedCheckpoint(opened.url, opened.run, _step_of(opened, metadata), metadata.get("metadata"))
 
 
+
+def _flattened(state_dict: Mapping) -> tuple[dict | None, Exception | None]:
+    """The state dict flattened, or why it cannot be: a rank's own error is kept, not raised, so
+    it reaches the other ranks at the next exchange instead of leaving them waiting."""
+    try:
+        return flatten(state_dict), None
+    except Exception as error:
+        return None, error
+
 def _step_of(opened: _Opened, metadata: dict) -> int:
     step = metadata.get("step", opened.step)
     return int(step) if isinstance(step, int) else int(opened.step or 0)
@@ -405,11 +410,7 @@ def plan(state_dict: Mapping, what: str, *, process_group=None) -> LoadPlan:
     Reads the manifest only; checks the state dict against it as `load` does."""
     _wait_for_async_save()
     coordination = Coordination(process_group, f"plan of a load of {what}")
-    flat, own, metadata = None, None, {}
-    try:
-        flat = flatten(state_dict)
-    except Exception as error:
-        own = error
+    (flat, own), metadata = _flattened(state_dict), {}
     with contextlib.ExitStack() as held_by_first:
         opened = _open(coordination, what, held_by_first)
         mine = None
