@@ -391,7 +391,6 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
     return LoadedCheckpoint(opened.url, opened.run, _step_of(opened, metadata), metadata.get("metadata"))
 
 
-
 def _flattened(state_dict: Mapping) -> tuple[dict | None, Exception | None]:
     """The state dict flattened, or why it cannot be: a rank's own error is kept, not raised, so
     it reaches the other ranks at the next exchange instead of leaving them waiting."""
@@ -399,6 +398,7 @@ def _flattened(state_dict: Mapping) -> tuple[dict | None, Exception | None]:
         return flatten(state_dict), None
     except Exception as error:
         return None, error
+
 
 def _step_of(opened: _Opened, metadata: dict) -> int:
     step = metadata.get("step", opened.step)
