@@ -15,6 +15,7 @@ name that leaves the directory, planner or storage data of an unexpected shape.
 """
 from __future__ import annotations
 
+import io
 import pathlib
 import pickle
 import pickletools
@@ -119,16 +120,16 @@ def read_dcp_metadata(fs, base: str, directory: str) -> DcpContents:
         raise CheckpointError(f"{where}: is {size} bytes, more than any DCP .metadata rayshard reads "
                               f"({MAX_METADATA_BYTES}); it is not DCP's. Fix: import the directory dcp.save wrote")
     with fs.open(path, "rb") as handle:
-        try:
-            _scan(handle, size, where)
-            handle.seek(0)
-            return _checked(_MetadataUnpickler(handle, where).load(), where, directory)
-        except CheckpointError:
-            raise
-        except Exception as error:  # truncated or garbled: EOFError, UnpicklingError, a bad record's TypeError, ...
-            raise CheckpointError(f"{where}: cannot be read as DCP metadata ({type(error).__name__}: "
-                                  f"{str(error)[:120] or 'no detail'}); it is truncated or damaged. Fix: import a "
-                                  "checkpoint whose save finished, or save it again") from None
+        data = handle.read()  # once: the scan and the unpickler read the same bytes (one GET on a store)
+    try:
+        _scan(io.BytesIO(data), len(data), where)
+        return _checked(_MetadataUnpickler(io.BytesIO(data), where).load(), where, directory)
+    except CheckpointError:
+        raise
+    except Exception as error:  # truncated or garbled: EOFError, UnpicklingError, a bad record's TypeError, ...
+        raise CheckpointError(f"{where}: cannot be read as DCP metadata ({type(error).__name__}: "
+                              f"{str(error)[:120] or 'no detail'}); it is truncated or damaged. Fix: import a "
+                              "checkpoint whose save finished, or save it again") from None
 
 
 # A crafted pickle is refused before it builds anything. A pickle can turn each byte into an
