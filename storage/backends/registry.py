@@ -10,21 +10,29 @@ from __future__ import annotations
 import fsspec
 from fsspec import AbstractFileSystem
 
-from rayshard.storage.backends.azure import AzureBackend
-from rayshard.storage.backends.fsspec_generic import FsspecBackend
-from rayshard.storage.backends.local import LocalBackend
-from rayshard.storage.backends.protocol import Backend
-from rayshard.storage.backends.s3 import S3Backend
+import importlib
 
-BACKENDS: dict[str, type[FsspecBackend]] = {
-    "file": LocalBackend,
-    "local": LocalBackend,
-    "s3": S3Backend,
-    "s3a": S3Backend,
-    "az": AzureBackend,
-    "abfs": AzureBackend,
-    "abfss": AzureBackend,
+from rayshard.storage.backends.fsspec_generic import FsspecBackend
+from rayshard.storage.backends.protocol import Backend
+
+# Module and class per scheme, imported when a URL of that scheme is first opened: a machine
+# without the Azure SDK (or s3fs) still reads and writes local stores (the lent GPU image has
+# neither, and a rank on it imports this module through every checkpoint path).
+BACKEND_CLASSES: dict[str, tuple[str, str]] = {
+    "file": ("rayshard.storage.backends.local", "LocalBackend"),
+    "local": ("rayshard.storage.backends.local", "LocalBackend"),
+    "s3": ("rayshard.storage.backends.s3", "S3Backend"),
+    "s3a": ("rayshard.storage.backends.s3", "S3Backend"),
+    "az": ("rayshard.storage.backends.azure", "AzureBackend"),
+    "abfs": ("rayshard.storage.backends.azure", "AzureBackend"),
+    "abfss": ("rayshard.storage.backends.azure", "AzureBackend"),
 }
+
+
+def backend_class(scheme: str) -> type[FsspecBackend]:
+    """The backend class registered for scheme (KeyError if none), imported on first use."""
+    module, name = BACKEND_CLASSES[scheme]
+    return getattr(importlib.import_module(module), name)
 
 
 def scheme_of(fs: AbstractFileSystem) -> str:
@@ -35,8 +43,8 @@ def scheme_of(fs: AbstractFileSystem) -> str:
 def backend_for(fs: AbstractFileSystem) -> Backend:
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
     for protocol in protocols:
-        if protocol in BACKENDS:
-            return BACKENDS[protocol](fs)
+        if protocol in BACKEND_CLASSES:
+            return backend_class(protocol)(fs)
     backend = FsspecBackend(fs)
     backend.scheme = scheme_of(fs)
     return backend
