@@ -8,8 +8,10 @@ data and computes regions with plain integers. They are the rules the actors app
 
 Rules, in the order the actors apply them:
 - tp: the split dimension comes from the TP plan both sides read (`plans/training/tp_plan.py`):
-  fused qkv, gate_up, the embedding and the LM head are split by rows (dim 0) into tp equal
-  blocks; wo and down by columns (dim 1); norm weights are copied on every tp rank.
+  fused qkv, gate_up, the embedding and the LM head are split by rows (dim 0) into tp blocks
+  with torch.chunk's sizes, as DTensor's Shard cuts them (equal, except a vocabulary tp does not
+  divide: the last ranks hold fewer rows, docs/decisions.md 118); wo and down by columns (dim 1);
+  norm weights are copied on every tp rank.
 - fsdp: the (tp-local) piece is then cut along dim 0 into fsdp chunks with torch.chunk's sizes
   (ceil(n / fsdp) each, the last ones shorter or empty); dp replicas hold identical copies.
 - pp: a rank holds the layers of its stages; the first stage's rank holds the embedding, the last
@@ -123,8 +125,8 @@ def tensor_region(name: str, shape: tuple[int, ...], layout: ParallelLayout, coo
     offsets, sizes = [0] * len(shape), list(shape)
     split = split_dim_under(name, tp_styles or ModelConfig().tp_styles) if layout.tp > 1 else None
     if split is not None:
-        block = shape[split] // layout.tp
-        offsets[split], sizes[split] = coords.tp * block, block
+        start, stop = chunk_bounds(shape[split], layout.tp, coords.tp)
+        offsets[split], sizes[split] = start, stop - start
     if layout.data_parallel_size > 1 and shape:
         # FSDP2 cuts the tp-local piece along dim 0 (a strided shard when tp also split dim 0).
         start, stop = chunk_bounds(sizes[0], layout.fsdp, coords.fsdp)
@@ -251,9 +253,10 @@ def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout, wid
     sizes[:, :, :len(shape)] = shape
     split = split_dim_under(name, tp_styles) if layout.tp > 1 else None
     if split is not None:
-        block = shape[split] // layout.tp
-        offsets[:, :, split] = np.arange(layout.tp)[None, :] * block
-        sizes[:, :, split] = block
+        block = -(-shape[split] // layout.tp)  # torch.chunk's cut, as DTensor's Shard (`chunk_bounds`)
+        start = np.minimum(shape[split], block * np.arange(layout.tp))
+        offsets[:, :, split] = start[None, :]
+        sizes[:, :, split] = (np.minimum(shape[split], start + block) - start)[None, :]
     if layout.data_parallel_size > 1 and shape:
         length = sizes[:, :, 0].copy()  # torch.chunk's cut of the tp-local piece (`chunk_bounds`)
         size = -(-length // layout.fsdp)
@@ -266,7 +269,7 @@ def _grid_regions(name: str, shape: tuple[int, ...], layout: ParallelLayout, wid
 
 def check_layout_fits(model: ModelConfig, layout: ParallelLayout) -> None:
     """The model-shape constraints a layout must meet to hold this model (the same ones training checks)."""
-    check_tp_fits(model, layout.tp, "tp", "tp", training=False)  # a user model: each parameter tp splits, from its record
+    check_tp_fits(model, layout.tp, "tp", "tp")  # a user model: each parameter tp splits, from its record
     check_experts_fit(model, layout)
     if layout.pp * layout.vpp > model.n_layers:
         raise ConfigError("pp", layout.pp, f"pp*vpp = {layout.pp * layout.vpp} stages exceed the model's {model.n_layers} layers",

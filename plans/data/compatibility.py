@@ -10,7 +10,7 @@ def check_vocab_fits(model_vocab_size: int, tokenizer_vocab_size: int, dataset_u
     if model_vocab_size < tokenizer_vocab_size:
         raise ConfigError("model.vocab_size", model_vocab_size,
                           f"is smaller than the tokenizer's vocabulary ({tokenizer_vocab_size}) of dataset {dataset_url}",
-                          f"pass --vocab-size {tokenizer_vocab_size} or more (a multiple of tp), or leave it out "
+                          f"pass --vocab-size {tokenizer_vocab_size} or more, or leave it out "
                           "(a preset then takes the tokenizer's), or prepare the data with a smaller tokenizer")
 
 

@@ -2,7 +2,8 @@
 
 Used by elastic recovery (whatever ranks remain after a failure) and by `rayshard plan layout`.
 Rules, in order of preference:
-1. Every hard constraint holds: tp divides the kv heads, ffn and vocabulary and fits in a node
+1. Every hard constraint holds: tp divides the kv heads and ffn (not the vocabulary, which
+   shards unevenly: docs/decisions.md 118) and fits in a node
    (its collectives are per layer and want the fast intra-node links); pp * vpp stages fit the
    layers; data ranks (dp * fsdp) divide the global batch into whole microbatches.
 2. The estimated memory per rank fits the budget.
@@ -89,6 +90,8 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
     outputs (about 5 dim + 2 ffn) plus the block input. Then the microbatches in flight (up to
     pp for 1F1B-like schedules) over the layers a stage holds, and the last stage's logits
     (float32 for the loss, plus their gradient).
+    The vocabulary counts as the fullest tp rank holds it: ceil(vocab / tp) rows of the
+    embedding, head and logits where tp does not divide it (decision 118).
 
     Mixture of experts (`plans/layout/experts.py`): the stacked experts of the fullest stage's
     MoE layers are E * 3 * expert_ffn * dim / (tp * fsdp) parameters of state per rank under
@@ -105,7 +108,8 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
     params = parameter_count(model)
     experts = ExpertFootprint.of(model, layout)
     other_shard = (params - expert_parameters_per_layer(model) * len(model.moe_layers)) / (layout.tp * layout.pp)
-    root = (model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) + model.dim) / layout.tp
+    vocab_rows = -(-model.vocab_size // layout.tp)  # the first tp ranks' share, torch.chunk's cut
+    root = vocab_rows * model.dim * (1 if model.tie_embeddings else 2) + model.dim / layout.tp
     if model.is_moe:
         block = largest_block(model, with_experts=layout.ep == 1) / layout.tp
     else:  # a user model's blocks need not be named layers.N; every block is alike
@@ -121,9 +125,9 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
         gathered += itemsize * experts.local_per_layer * (experts.layers * in_flight if work.ac == "none" else 1)
     model_state = BYTES_PER_PARAM_STATE * (other_shard / layout.fsdp + experts.state) + gathered
     kept = _activations_kept(model, layout, work.ac, itemsize * tokens, in_flight, experts.layers)
-    logits = (itemsize + 4 + 4) * tokens * model.vocab_size / layout.tp  # logits, their float32 copy for the loss, gradient
+    logits = (itemsize + 4 + 4) * tokens * vocab_rows  # logits, their float32 copy for the loss, gradient
     if work.precision != "bf16":
-        logits = 8 * tokens * model.vocab_size / layout.tp  # the float32 logits are the copy
+        logits = 8 * tokens * vocab_rows  # the float32 logits are the copy
     recompute = {"none": "no activation recomputation", "full": "full activation checkpointing",
                  "selective": "selective activation checkpointing"}[work.ac]
     routing = ", balanced routing" if model.is_moe else ""
@@ -162,7 +166,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_candidates(model: ModelConfig, ranks_per_node: int) -> list[int]:
-    # Every size tp splits (heads, hidden units, experts', the vocabulary), and within a node.
+    # Every size tp must divide (heads, hidden units, experts'), and within a node.
     return [t for t in fitting_tp(model) if t <= ranks_per_node]
 
 

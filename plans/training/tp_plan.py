@@ -32,6 +32,10 @@ VOCAB_HEAD_FROM_SEQUENCE = "vocab_head_from_sequence"      # gathers the sequenc
 SEQUENCE_PARALLEL = "sequence_parallel"                    # a norm computed on the sequence shard
 GATHER_SEQUENCE = "gather_sequence"                        # a module whose input is gathered from sequence shards
 
+# The styles that split the vocabulary: the only splits tp need not divide (their DTensors shard
+# unevenly, `plans/training/tp_fit.py`).
+VOCAB_STYLES = frozenset({VOCAB_EMBEDDING, VOCAB_HEAD, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD_FROM_SEQUENCE})
+
 # Which weight dimension each style splits; a parameter under no pattern is copied on every tp rank.
 WEIGHT_SPLIT_DIM = {COLWISE: 0, ROWWISE: 1, VOCAB_EMBEDDING: 0, VOCAB_HEAD: 0, EXPERT_COLWISE: 1, EXPERT_ROWWISE: 2,
                     ROWWISE_TO_SEQUENCE: 1, VOCAB_EMBEDDING_TO_SEQUENCE: 0, VOCAB_HEAD_FROM_SEQUENCE: 0}

@@ -31,7 +31,8 @@ def _names_and_shapes(module):
 
 
 def _odd_gpt2() -> FactoryModel:
-    """Heads of 6 and a vocabulary of 250: q/k/v rows (48) and the vocabulary split by 2, not by 4 or 5."""
+    """Heads of 6 and a vocabulary of 250: q/k/v rows (48) split by 2 and 4, not by 5; the vocabulary
+    by any tp (unevenly, decision 118)."""
     return FactoryModel(GPT2(vocab=250, dim=48, layers=2, heads=8, max_seq_len=64), gpt2_plan(48, 250, 64))
 
 
@@ -74,8 +75,10 @@ def test_a_parameter_tp_cannot_split_is_refused_naming_it_and_its_shape(monkeypa
     monkeypatch.setattr(example, "odd_gpt2", _odd_gpt2, raising=False)
     model = describe_factory("examples.gpt2.model:odd_gpt2")
     check_tp_fits(model, 2)
-    with pytest.raises(ConfigError, match=r"layout.tp=4: cannot split parameter wte.weight of shape \[250, 48\] along dim 0"):
-        TrainConfig(model=ModelChoice(spec=model), layout=ParallelLayout(tp=4), global_batch=8, seq_len=32).validate()
+    check_tp_fits(model, 4)  # 250 rows of wte and lm_head over 4 ranks: 63, 63, 62, 62
+    with pytest.raises(ConfigError, match=r"layout.tp=5: cannot split parameter blocks.0.attn.q.weight of shape \[48, 48\] "
+                                          r"along dim 0"):
+        TrainConfig(model=ModelChoice(spec=model), layout=ParallelLayout(tp=5), global_batch=8, seq_len=30).validate()
 
 
 def test_a_factory_that_cannot_be_found_is_named():

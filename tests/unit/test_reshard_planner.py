@@ -192,9 +192,7 @@ def test_a_same_layout_read_once_load_reads_back_what_each_replica_wrote(layout)
 @pytest.mark.parametrize("changes, layout, message", [
     ({}, ParallelLayout(tp=4), "tp=4: must divide the number of kv heads (2). Fix: use tp in [1, 2]"),
     ({"ffn_dim": 165}, ParallelLayout(tp=2),
-     "tp=2: must divide model.ffn_dim (165). Fix: use tp in [1]"),  # also dividing the 2 kv heads and vocab 256
-    ({"vocab_size": 255}, ParallelLayout(tp=2),
-     "tp=2: must divide model.vocab_size (255) for the vocab-parallel embedding. Fix: use tp in [1]"),
+     "tp=2: must divide model.ffn_dim (165). Fix: use tp in [1]"),  # also dividing the 2 kv heads
     ({}, ParallelLayout(pp=5), "pp=5: pp*vpp = 5 stages exceed the model's 4 layers. Fix: lower pp or vpp"),
     ({}, ParallelLayout(pp=3, vpp=2), "pp=3: pp*vpp = 6 stages exceed the model's 4 layers. Fix: lower pp or vpp"),
 ])
@@ -208,6 +206,7 @@ def test_a_layout_that_cannot_hold_the_model_is_refused_with_the_divisors_to_use
 def test_a_layout_that_holds_the_model_passes_the_fit_check():
     for layout in (ParallelLayout(tp=2, pp=2, vpp=2), ParallelLayout(pp=4), ParallelLayout(dp=8)):
         check_layout_fits(preset("tiny"), layout)  # 4 stages of 4 layers: one layer each
+    check_layout_fits(preset("tiny", vocab_size=255), ParallelLayout(tp=2))  # an uneven vocabulary (decision 118)
 
 
 # ---- regions worked by hand: a user model's records, tp = 1 / dp = 1, pipeline cuts ------------
@@ -238,10 +237,11 @@ def test_a_user_model_is_fitted_by_its_parameters_splits_not_by_the_reference_fi
     user = _user_model()
     check_layout_fits(user, ParallelLayout(tp=2, fsdp=3))  # 1 kv head and ffn 3 would refuse tp = 2
     check_layout_fits(user, ParallelLayout(pp=2))
+    check_layout_fits(user, ParallelLayout(tp=3))  # the vocabulary of 10 unevenly (decision 118), up's 6 rows evenly
     with pytest.raises(ConfigError) as refused:
-        check_layout_fits(user, ParallelLayout(tp=3))  # divides the 6 rows of up, not the vocabulary of 10
-    assert str(refused.value) == ("tp=3: cannot split parameter emb.weight of shape [10, 4] along dim 0. "
-                                  "Fix: use tp in [1, 2], or leave its module out of the plan's tp_styles")
+        check_layout_fits(user, ParallelLayout(tp=4))
+    assert str(refused.value) == ("tp=4: cannot split parameter blocks.0.up.weight of shape [6, 4] along dim 0. "
+                                  "Fix: use tp in [1, 2, 3, 6], or leave its module out of the plan's tp_styles")
     with pytest.raises(ConfigError) as refused:
         check_layout_fits(user, ParallelLayout(pp=3))
     assert str(refused.value) == "pp=3: pp*vpp = 3 stages exceed the model's 2 layers. Fix: lower pp or vpp"
@@ -356,14 +356,16 @@ def test_a_stage_that_holds_no_parameter_is_skipped_and_the_next_stage_still_lis
 
 def test_the_columns_and_the_records_agree_even_where_tp_does_not_divide_a_split_dim():
     """tp = 3 on the user model's 8-wide up projections: the fit check refuses it, but both
-    functions cut it alike, in floor blocks of 2 at rows 0, 2, 4."""
+    functions cut it alike, as DTensor's Shard does (torch.chunk's blocks of 3, 3 and 2 rows, as an
+    uneven vocabulary is cut: decision 118)."""
     user = _user_model(parameters=(("blocks.0.up.weight", (8, 4), 0), ("blocks.1.up.weight", (6, 4), 0)))
     layout = ParallelLayout(tp=3)
     with pytest.raises(ConfigError, match="cannot split parameter blocks.0.up.weight of shape \\[8, 4\\] along dim 0"):
         check_layout_fits(user, layout)
     records = layout_targets(user, layout, ("param",))
     assert [[(t.name, t.offsets, t.sizes) for t in rank] for rank in records] == [
-        [("blocks.0.up.weight", (2 * tp, 0), (2, 4)), ("blocks.1.up.weight", (2 * tp, 0), (2, 4))] for tp in range(3)]
+        [("blocks.0.up.weight", (3 * tp, 0), (3 if tp < 2 else 2, 4)), ("blocks.1.up.weight", (2 * tp, 0), (2, 4))]
+        for tp in range(3)]
     assert layout_target_table(user, layout, ("param",)).as_lists() == records
 
 
