@@ -3,7 +3,7 @@ piece on this rank (where it sits in the global tensor), and the non-tensor valu
 
 A DTensor of any mesh and placements (FSDP2, TP, their `_StridedShard` mix, uneven shards) is
 placed by DTensor's own `compute_local_shape_and_global_offset` (`local_region`, which the trainer
-uses too); a plain tensor is the whole tensor, held alike by every rank that has it. Non-tensor
+uses too, and which computes FSDP2's cut of an uneven tp piece itself: decision 118); a plain tensor is the whole tensor, held alike by every rank that has it. Non-tensor
 leaves, and any subtree without a tensor in it (an optimizer's `param_groups`), are values kept
 as JSON. `fill_values` puts loaded values back into the very containers they came from, so a
 load fills the caller's state dict in place, as DCP's does.

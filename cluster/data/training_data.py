@@ -49,8 +49,8 @@ def check_training_data(config: TrainConfig, resumed_metadata: dict | None, chec
 def with_dataset_vocabulary(config: TrainConfig, note=None) -> TrainConfig:
     """A built-in model whose vocabulary nobody set (no model.vocab_size in the file, no
     --vocab-size) trained on a prepared dataset takes its tokenizer's vocabulary, rounded up to a
-    multiple of what the model's other tp splits share, so the vocabulary never limits tp (the
-    extra rows are ids no sample holds). note: told the size chosen, in one line."""
+    multiple of what the model's tp splits share, so every tp it allows cuts the vocabulary into
+    equal shards (any vocabulary runs on any tp, decision 118; the extra rows are ids no sample holds). note: told the size chosen, in one line."""
     url = prepared_dataset_url(config)
     model = config.model
     if url is None or model.vocab_size is not None or model.spec.user is not None:
@@ -61,7 +61,7 @@ def with_dataset_vocabulary(config: TrainConfig, note=None) -> TrainConfig:
     if rounded == model.spec.vocab_size:
         return config
     if note is not None:
-        rounding = f", rounded up to a multiple of {multiple} so that tp can split it" if rounded != tokenizer_vocab else ""
+        rounding = f", rounded up to a multiple of {multiple} so that tp splits it evenly" if rounded != tokenizer_vocab else ""
         note(f"model.vocab_size={rounded}: the tokenizer of {url} has {tokenizer_vocab} ids{rounding} "
              "(--vocab-size N sets another)")
     return replace(config, model=replace(model, spec=replace(model.spec, vocab_size=rounded)))
