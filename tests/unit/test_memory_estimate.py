@@ -34,6 +34,19 @@ def test_activation_bytes_by_hand_for_the_tiny_model():
         "fp32, no activation recomputation", "bf16, no activation recomputation", "fp32, full activation checkpointing")
 
 
+def test_a_vocabulary_tp_does_not_divide_counts_the_fullest_ranks_rows():
+    """1001 ids on tp4 are cut 251 + 251 + 251 + 248 (decision 118): the estimate is the first
+    rank's, 251 rows of logits (and their gradient), not 1001 / 4."""
+    tokens, layout = 8 * 32, ParallelLayout(tp=4)
+    odd, even = preset("tiny", vocab_size=1001), preset("tiny", vocab_size=1004)  # 1004 = 4 x 251
+    assert estimate_memory(odd, layout, Workload(8, 32)).activations == \
+        estimate_memory(even, layout, Workload(8, 32)).activations
+    assert estimate_memory(odd, layout, Workload(8, 32, precision="bf16")).activations == \
+        estimate_memory(even, layout, Workload(8, 32, precision="bf16")).activations
+    assert (estimate_memory(odd, layout, Workload(8, 32)).activations
+            - estimate_memory(preset("tiny", vocab_size=1000), layout, Workload(8, 32)).activations) == 8 * tokens * 1
+
+
 def test_model_state_by_hand_for_the_tiny_model():
     # 205,376 parameters; the root (embedding 16,384 + head 16,384 + final norm 64) is 32,832,
     # each of the 4 blocks 43,136.
