@@ -1,7 +1,8 @@
 """A Llama 3.1-style model (llama3 RoPE scaling) imported from transformers trains on dp2 x tp2
 following one rank within 1e-5, on sequences longer than its original context, so the scaled
 tables are the ones every rank uses; the trained export keeps the scaling and the special tokens
-and computes rayshard's logits in transformers. Vocabulary 1000 (not 1001): tp must divide it."""
+and computes rayshard's logits in transformers. (Vocabulary 1000 was chosen when tp had to divide it;
+since decision 118 any vocabulary trains on tp.)"""
 from __future__ import annotations
 
 import json
