@@ -49,7 +49,7 @@ import math
 from rayshard.plans.transforms.codec import decode_mapping
 from rayshard.plans.transforms.mapping import Alias, Cast, ConcatRows, Mapping, Rename, SplitRows, Unstack
 from rayshard.plans.errors import CheckpointError, ConfigError
-from rayshard.plans.interop.hf_gpt2 import gpt2_config, gpt2_mapping, gpt2_model_fields
+from rayshard.plans.interop.hf_gpt2 import gpt2_config, gpt2_hub_name, gpt2_mapping, gpt2_model_fields
 from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
 from rayshard.plans.training.rope_scaling import FIELDS_OF, ROPE_TYPES, RopeScaling
 from rayshard.plans.training.special_tokens import SpecialTokens
@@ -209,6 +209,15 @@ def refuse_unexportable_moe(model: ModelConfig) -> None:
         if wrong:
             raise CheckpointError(f"cannot export this {family} model: model.{setting} is not what {ARCHITECTURES[family]} "
                                   f"computes. Fix: {fix}")
+
+
+def hub_names(model: ModelConfig, tensors: dict) -> dict:
+    """A directory's tensors under the names today's save_pretrained writes, without the buffers
+    older files carry (GPT-2's Hub files: no `transformer.` prefix, the causal masks `attn.bias`).
+    Other families' names are taken as they are."""
+    if model.family != "gpt2":
+        return tensors
+    return {hub: tensor for name, tensor in tensors.items() if (hub := gpt2_hub_name(name)) is not None}
 
 
 def export_mapping(model: ModelConfig, dtype: str | None = None, source_dtype: str = "float32") -> Mapping:

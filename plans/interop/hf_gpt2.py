@@ -21,6 +21,7 @@ the GELUs (`gelu_new`, `gelu_pytorch_tanh`: the tanh approximation; `gelu`: exac
 from __future__ import annotations
 
 import math
+import re
 
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.transforms.mapping import Alias, Cast, ConcatRows, Mapping, Rename, SplitRows, Transpose
@@ -34,6 +35,18 @@ EXPORTED_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 _EXPECTED = (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
              ("scale_attn_weights", True), ("add_cross_attention", False))
 _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# The causal mask (and older transformers' masked-attention fill value) that GPT-2 files on the
+# Hub still carry as tensors: buffers derived from n_positions, no weights.
+_MASK_BUFFER = re.compile(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)\Z")
+
+
+def gpt2_hub_name(name: str) -> str | None:
+    """A tensor of a GPT-2 file under the name save_pretrained of transformers 5 writes (the Hub's
+    openai-community/gpt2 was saved from the base model: `wte.weight`, `h.0.attn.c_attn.weight`,
+    no `transformer.` prefix); None for a mask buffer, which the import leaves out."""
+    if _MASK_BUFFER.match(name):
+        return None
+    return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
 
 
 def gpt2_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:

@@ -124,3 +124,26 @@ def test_a_llama_with_gpt2_switches_is_not_exported_as_llama():
     with pytest.raises(CheckpointError, match="model.n_kv_heads=2 is not what GPT2LMHeadModel computes"):
         hf_mapping(preset("tiny", family="gpt2", position_embedding="learned", norm="layernorm", mlp="gelu_tanh",
                           qkv_bias=True, wo_bias=True, mlp_bias=True))
+
+
+def test_a_hub_gpt2_file_without_the_transformer_prefix_and_with_mask_buffers_imports(tmp_path):
+    """openai-community/gpt2's model.safetensors was saved from the base model (`wte.weight`,
+    `h.0.attn.c_attn.weight`) with each layer's causal mask `h.N.attn.bias` as a tensor."""
+    from safetensors.torch import save_file
+
+    reference = gpt2_model(tied=True)
+    reference.save_pretrained(str(tmp_path / "hf"))
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    hub = {name.removeprefix("transformer."): value for name, value in written.items()}
+    mask = torch.tril(torch.ones(SIZES["n_positions"], SIZES["n_positions"])).view(1, 1, SIZES["n_positions"], -1)
+    hub.update({f"h.{layer}.attn.bias": mask.clone() for layer in range(SIZES["n_layer"])})
+    save_file(hub, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+
+    url = import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "imported", log=lambda *_: None)
+    _, ours = ours_from(url)
+    tokens = torch.randint(0, SIZES["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (ours(tokens) - reference(tokens).logits).abs().max().item() <= 1e-5
+    export_hf(url, str(tmp_path / "again"), include_optimizer=False, log=lambda *_: None)
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(again) == set(written) and all(torch.equal(again[name], written[name]) for name in written)
