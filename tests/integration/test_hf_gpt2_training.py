@@ -72,7 +72,7 @@ def test_an_imported_gpt2_follows_one_rank_on_pp2_and_tp2_pp2_and_resumes_across
     one = run_training(_config(store, "one", "imported@0", 10))
     piped = run_training(_config(store, "piped", "imported@0", 10, "--pp", "2", "--microbatches", "2"))
     _follows(piped, one, range(1, 11))
-    both = run_training(_config(store, "both", "imported@0", 10, "--tp", "2", "--pp", "2", "--microbatches", "2"))
+    both = run_training(_config(store, "both", "imported@0", 10, "--tp", "2", "--pp", "2", "--microbatches", "2", "--sp"))
     _follows(both, one, range(1, 11))
     resumed = run_training(_config(store, "resumed", "piped@5", 10, "--dp", "2", "--tp", "2"))
     _follows(resumed, one, range(6, 11))
