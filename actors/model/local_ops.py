@@ -35,3 +35,17 @@ rms_norm = local_map(
     in_grad_placements=((Shard(1),), (Partial(),), None),
     redistribute_inputs=True,
 )
+
+
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+# LayerNorm (GPT-2's): as rms_norm, with a bias that is replicated and whose gradient is partial too.
+layer_norm = local_map(
+    _layer_norm,
+    out_placements=[Shard(1)],
+    in_placements=((Shard(1),), (Replicate(),), (Replicate(),), None),
+    in_grad_placements=((Shard(1),), (Partial(),), (Partial(),), None),
+    redistribute_inputs=True,
+)

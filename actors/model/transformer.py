@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayshard.actors.model.feed_forward import FeedForward
+from rayshard.actors.model.gelu_mlp import GeluFeedForward
 from rayshard.actors.model.local_ops import rms_norm
 from rayshard.actors.model.moe import MoEFeedForward
+from rayshard.actors.model.norms import LayerNorm
 from rayshard.actors.model.rope import apply_rope, rope_tables
 from rayshard.plans.training.model_spec import ModelConfig
 
@@ -29,6 +31,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The norm around each sublayer and at the end: RMSNorm, or GPT-2's LayerNorm with a bias."""
+    return LayerNorm(config.dim, config.norm_eps) if config.norm == "layernorm" else RMSNorm(config.dim, config.norm_eps)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -40,7 +47,7 @@ class Attention(nn.Module):
         # Qwen3: each query and key head is RMS-normalised over head_dim before RoPE.
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.wo_bias)  # GPT-2's c_proj bias
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -52,7 +59,8 @@ class Attention(nn.Module):
         q, k, v = q.reshape(batch, seq, -1, self.head_dim), k.squeeze(-2), v.squeeze(-2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:  # None: learned positions (GPT-2), added to the embedding instead
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.sliding_window is not None and seq > self.sliding_window:
             mask = sliding_window_mask(seq, self.sliding_window, x.device)
@@ -73,11 +81,12 @@ def sliding_window_mask(seq: int, window: int, device) -> torch.Tensor:
 class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention_norm = make_norm(config)
         self.attention = Attention(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = make_norm(config)
         self.feed_forward = (MoEFeedForward(config) if config.is_moe_layer(layer)
-                             else FeedForward(config.dim, config.ffn_dim))
+                             else FeedForward(config.dim, config.ffn_dim) if config.mlp == "swiglu"
+                             else GeluFeedForward(config.dim, config.ffn_dim, config.mlp, config.mlp_bias))
 
     def forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -89,10 +98,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # GPT-2's learned absolute positions, added to the token embedding (no RoPE then).
+        self.pos_embeddings = (nn.Embedding(config.max_seq_len, config.dim) if config.position_embedding == "learned"
+                               else None)
         # A ModuleDict keyed by the global layer index keeps parameter names global when a
         # pipeline stage holds only some layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = make_norm(config)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -106,9 +118,13 @@ class Transformer(nn.Module):
         returns the residual stream)."""
         seq = inputs.shape[1] if self.tok_embeddings is not None else inputs.shape[1] * self.sequence_shards
         config = self.config
-        cos, sin = rope_tables(seq, config.head_dim, config.rope_theta, inputs.device, config.rope_scaling,
-                               config.max_seq_len)
+        cos, sin = (rope_tables(seq, config.head_dim, config.rope_theta, inputs.device, config.rope_scaling,
+                                config.max_seq_len) if config.position_embedding == "rope" else (None, None))
         h = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
+        if self.pos_embeddings is not None:  # the first stage's, like the token embedding
+            # Positions of the whole sequence; under sequence parallelism the table's style keeps
+            # this rank's rows (actors/parallel/parallelize.py, PositionsToSequence).
+            h = h + self.pos_embeddings(torch.arange(inputs.shape[1], device=inputs.device))
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.output is None:

@@ -27,8 +27,8 @@ from rayshard.actors.parallel.precision import compute_dtype, fsdp_policy, uses_
 from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS
 from rayshard.plans.training.model_plan import ModelPlan
 from rayshard.plans.training.model_spec import REFERENCE_PLAN
-from rayshard.plans.training.tp_plan import (COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE,
-                                    SEQUENCE_PARALLEL, VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
+from rayshard.plans.training.tp_plan import (COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE, POSITIONS_TO_SEQUENCE,
+                                    ROWWISE, ROWWISE_TO_SEQUENCE, SEQUENCE_PARALLEL, VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
                                     VOCAB_HEAD_FROM_SEQUENCE, with_sequence_parallel)
 
 class GatherSequence(ParallelStyle):
@@ -63,6 +63,28 @@ class VocabEmbeddingParallel(RowwiseParallel):
         return output.clone() if use_local_output else output
 
 
+class PositionsToSequence(ParallelStyle):
+    """Learned positions under sequence parallelism (GPT-2): the table is a Replicate DTensor on
+    the tp mesh (as sequence-parallel norm weights are), the whole sequence's rows are looked up,
+    and each rank keeps its sequence shard's (Shard(0) of [seq, dim]) as a plain tensor to add to
+    its shard of the token embedding. The backward of that redistribution gathers the shards'
+    gradients, so every tp rank computes the table's whole gradient: it stays one replicated
+    parameter with no partial sum to add."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Replicate()]))
+
+        def positions_in(module, args):
+            return (DTensor.from_local(args[0], device_mesh, (Replicate(),), run_check=False),)
+
+        def shard_out(module, args, output):
+            return output.redistribute(device_mesh, (Shard(0),)).to_local()
+
+        module.register_forward_pre_hook(positions_in)
+        module.register_forward_hook(shard_out)
+        return module
+
+
 class StackedShard(ParallelStyle):
     """Stacked expert weights [experts, out, in] split along `dim` over tp (each expert's hidden
     units); the MoE layer computes on the local piece (`actors/model/moe.py`), and its dispatch
@@ -90,6 +112,7 @@ TORCH_STYLES: dict[str, ParallelStyle] = {
     VOCAB_HEAD_FROM_SEQUENCE: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     SEQUENCE_PARALLEL: SequenceParallel(),
     GATHER_SEQUENCE: GatherSequence(),
+    POSITIONS_TO_SEQUENCE: PositionsToSequence(),
     EXPERT_COLWISE: StackedShard(1),
     EXPERT_ROWWISE: StackedShard(2),
 }

@@ -40,7 +40,7 @@ from rayshard.plans.checkpoint.model_check import check_against_own_model, raise
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 from rayshard.plans.training.special_tokens import SpecialTokens
 from rayshard.plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
-from rayshard.plans.interop.hf_families import export_config, export_mapping, model_config_from_hf
+from rayshard.plans.interop.hf_families import export_config, export_mapping, hub_names, model_config_from_hf
 from rayshard.plans.transforms.mapping import Cast, Mapping, MappingPlan, Meta
 
 CONFIG = "config.json"
@@ -304,7 +304,7 @@ def _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, pro
         raise CheckpointError(f"{base}/{RUN_METADATA}: its metadata is not a JSON object. Fix: restore the file, or "
                               "delete it to import the weights alone")
     model = _model_of(read_json_object(fs, config_path), config_path, saved)
-    weights = read_safetensors_index(fs, base, WEIGHTS)
+    weights = hub_names(model, read_safetensors_index(fs, base, WEIGHTS))
     if not weights:
         raise CheckpointError(f"{directory}: no {WEIGHTS}.safetensors or {WEIGHTS}.safetensors.index.json")
     if model.n_layers > len(weights):  # before listing the model's tensors: a damaged count may say billions

@@ -1,6 +1,6 @@
 """Hugging Face model families: our parameter names <-> theirs, and our ModelConfig <-> config.json.
 
-One decoder (`plans/training/model_spec.py`) expresses eight families; each differs from Llama by
+One decoder (`plans/training/model_spec.py`) expresses nine families; each differs from Llama by
 what transformers' class computes:
 
 - llama (`LlamaForCausalLM`): the base.
@@ -17,6 +17,9 @@ what transformers' class computes:
   fused tensors in the Hub: `qkv_proj` is [all q heads; all k heads; all v heads] and
   `gate_up_proj` is [all gate rows; all up rows] (transformers chunks it in two), so the mapping
   splits ours (grouped per kv head, interleaved per hidden unit) and concatenates the parts.
+- gpt2 (`GPT2LMHeadModel`): the decoder's GPT-2 switches (learned positions, LayerNorm, GELU
+  MLP, biases everywhere) with transposed Conv1D weights and q|k|v fused by columns
+  (`plans/interop/hf_gpt2.py`).
 - mixtral (`MixtralForCausalLM`): Mistral's attention, every layer a mixture of experts with no
   shared expert, routed by softmax top-k with the k weights always renormalised (our norm_topk);
   experts live in `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down), each expert
@@ -46,13 +49,14 @@ import math
 from rayshard.plans.transforms.codec import decode_mapping
 from rayshard.plans.transforms.mapping import Alias, Cast, ConcatRows, Mapping, Rename, SplitRows, Unstack
 from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.interop.hf_gpt2 import gpt2_config, gpt2_hub_name, gpt2_mapping, gpt2_model_fields
 from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
 from rayshard.plans.training.rope_scaling import FIELDS_OF, ROPE_TYPES, RopeScaling
 from rayshard.plans.training.special_tokens import SpecialTokens
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
 # Families whose class computes a sliding window where config.json's sliding_window is set.
 SLIDING_WINDOW_FAMILIES = ("mistral", "phi3", "mixtral")
 # Hub families rayshard does not compute, each with what its class computes that ours does not:
@@ -63,9 +67,6 @@ NOT_COMPUTED = {
     "gemma3_text": "Gemma3's scaled embedding, (1 + weight) RMSNorms, per-head q/k norms and local/global RoPE bases "
                    "on alternating sliding-window layers",
     "gemma3": "Gemma3's vision tower and its text model's local/global RoPE on alternating sliding-window layers",
-    "gpt2": "GPT-2's learned absolute positions, LayerNorms with bias, GELU MLP, biased Conv1D projections and tied "
-            "head (examples/gpt2/model.py computes them as a user model, whose own export imports back through its "
-            "rayshard.json)",
 }
 
 
@@ -79,6 +80,9 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     rotate-half convention transformers uses, so q and k rows need no permutation.
     An MoE layer's stacked experts unstack into the Hub's per-expert tensors (`moe_rules`).
     """
+    if model.family == "gpt2":  # plans/interop/hf_gpt2.py
+        return gpt2_mapping(model, dtype)
+    refuse_gpt2_switches(model)
     if model.family in MOE_FAMILIES:
         refuse_unexportable_moe(model)
     if model.family == "phi3" and (model.qkv_bias or model.qk_norm):
@@ -116,6 +120,16 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     if dtype and dtype != "float32":
         rules.append(Cast("*", to=dtype, source="float32"))
     return Mapping(tuple(rules))
+
+
+def refuse_gpt2_switches(model: ModelConfig) -> None:
+    """GPT-2's switches (decision 132) are no part of what the Llama-like classes compute."""
+    switched = [f"{name}={getattr(model, name)!r}" for name, default in
+                (("position_embedding", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("wo_bias", False),
+                 ("mlp_bias", False)) if getattr(model, name) != default]
+    if switched:
+        raise CheckpointError(f"cannot export this {model.family} model: model.{', '.join(switched)} is not what "
+                              f"{ARCHITECTURES[model.family]} computes. Fix: train with family gpt2, or without them")
 
 
 def phi3_fusion_rules(model: ModelConfig) -> list:
@@ -197,6 +211,15 @@ def refuse_unexportable_moe(model: ModelConfig) -> None:
                                   f"computes. Fix: {fix}")
 
 
+def hub_names(model: ModelConfig, tensors: dict) -> dict:
+    """A directory's tensors under the names today's save_pretrained writes, without the buffers
+    older files carry (GPT-2's Hub files: no `transformer.` prefix, the causal masks `attn.bias`).
+    Other families' names are taken as they are."""
+    if model.family != "gpt2":
+        return tensors
+    return {hub: tensor for name, tensor in tensors.items() if (hub := gpt2_hub_name(name)) is not None}
+
+
 def export_mapping(model: ModelConfig, dtype: str | None = None, source_dtype: str = "float32") -> Mapping:
     """The export mapping of a built-in family or of a user's plan (cast to `dtype` if given)."""
     if model.user is None:
@@ -225,6 +248,8 @@ def _user_plan_for_export(model: ModelConfig):
 
 def hf_config(model: ModelConfig, dtype: str) -> dict:
     """config.json for the model's family."""
+    if model.family == "gpt2":
+        return gpt2_config(model, dtype)
     config = {
         "architectures": [ARCHITECTURES[model.family]], "model_type": model.family,
         "vocab_size": model.vocab_size, "hidden_size": model.dim, "intermediate_size": model.ffn_dim,
@@ -288,6 +313,8 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     if family not in ARCHITECTURES:
         raise CheckpointError(f"{where}: model_type {family!r} is not one rayshard computes; supported: "
                               f"{', '.join(sorted(ARCHITECTURES))}")
+    if family == "gpt2":  # GPT2Config's own field names (plans/interop/hf_gpt2.py)
+        return ModelConfig(**gpt2_model_fields(config, where), special_tokens=special_tokens_from_hf(config, where)).validate()
     _check_numbers(config, family, where)
     unsupported = [f"{key}={config[key]!r}" for key, fine in _EXPECTED[family] if key in config and config[key] != fine]
     heads = config["num_attention_heads"]

@@ -49,6 +49,8 @@ def refuse_untranslatable(model: ModelConfig) -> None:
                 (model.is_moe, f"a mixture of experts ({model.n_experts} experts)"),
                 (model.qkv_bias, "q/k/v biases (qkv_bias)"),
                 (model.qk_norm, "per-head q/k norms (qk_norm)"),
+                ((model.position_embedding, model.norm, model.mlp, model.wo_bias, model.mlp_bias) !=
+                 ("rope", "rmsnorm", "swiglu", False, False), "GPT-2's learned positions, LayerNorm, GELU MLP or biases"),
                 (model.sliding_window is not None, f"sliding-window attention ({model.sliding_window})"),
                 (model.tie_embeddings, "a tied output embedding (tie_embeddings)"))
     for wrong, what in problems:

@@ -42,7 +42,8 @@ def active_parameters(model: ModelConfig) -> float:
 
 
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    embedding = model.vocab_size * model.dim
+    # Lookups, not matmuls: the token embedding, and GPT-2's learned positions.
+    embedding = model.vocab_size * model.dim + (model.max_seq_len * model.dim if model.position_embedding == "learned" else 0)
     return 6.0 * (active_parameters(model) - embedding) + 12.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
 
 

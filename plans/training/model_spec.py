@@ -23,9 +23,14 @@ from rayshard.plans.training.special_tokens import SpecialTokens
 from rayshard.plans.training.tp_plan import DEFAULT_TP_STYLES, SEQUENCE_PARALLEL_ADDITIONS
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt2")
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")  # families whose Hugging Face class has mixture-of-experts layers
 ROUTER_SCORES = ("softmax", "sigmoid")
+# The decoder's switches beyond Llama's (GPT-2's; decision 132): where positions come from, which
+# norm wraps each sublayer, which feed-forward the dense layers run.
+POSITION_EMBEDDINGS = ("rope", "learned")
+NORMS = ("rmsnorm", "layernorm")
+MLPS = ("swiglu", "gelu_tanh", "gelu")
 USER_FAMILY = "user"  # a model built by the user's factory (`--model-factory`); see plans/training/model_plan.py
 
 
@@ -71,6 +76,16 @@ class ModelConfig:
     # bos / eos / pad ids as the model's users know them (plans/training/special_tokens.py): what
     # an export writes into config.json and generation_config.json; nothing computes with them.
     special_tokens: SpecialTokens | None = None
+    # GPT-2's switches (decision 132). position_embedding "learned": a [max_seq_len, dim] table
+    # (pos_embeddings) added to the token embedding, no RoPE. norm "layernorm": LayerNorm with a
+    # bias everywhere RMSNorm would be. mlp "gelu_tanh" / "gelu": up (dim -> ffn_dim), GELU (tanh
+    # approximation, GPT-2's gelu_new, or exact), down; no gate. wo_bias: the attention output
+    # projection's bias; mlp_bias: up's and down's (GELU MLPs only).
+    position_embedding: str = "rope"
+    norm: str = "rmsnorm"
+    mlp: str = "swiglu"
+    wo_bias: bool = False
+    mlp_bias: bool = False
     # A user's model (family "user"): its factory, plan and recorded parameters. The sizes above
     # then say only what the rest of rayshard asks of any model: vocab_size, dim (what pipeline
     # stages exchange), n_layers (blocks) and max_seq_len; the attention fields are unused.
@@ -130,6 +145,7 @@ class ModelConfig:
             raise ConfigError("model.family", self.family, f"must be one of {list(FAMILIES)}",
                               "pick the family whose Hugging Face class computes this model")
         self._validate_experts()
+        self._validate_switches()
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError("model.sliding_window", self.sliding_window, "must be positive (or unset)",
                               "set it to the number of keys a query sees, or leave it unset")
@@ -139,7 +155,7 @@ class ModelConfig:
         if self.head_size is None and self.dim % self.n_heads:
             raise ConfigError("model.n_heads", self.n_heads, f"must divide model.dim={self.dim}",
                               "choose n_heads so that dim / n_heads is a whole head size")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.position_embedding == "rope":
             raise ConfigError("model.dim", self.dim, f"head_dim={self.head_dim} must be even for RoPE",
                               "choose dim and n_heads so dim / n_heads is even")
         if self.n_heads % self.n_kv_heads:
@@ -151,6 +167,21 @@ class ModelConfig:
         if self.special_tokens is not None:
             self.special_tokens.validate()
         return self
+
+    def _validate_switches(self) -> None:
+        for field, known in (("position_embedding", POSITION_EMBEDDINGS), ("norm", NORMS), ("mlp", MLPS)):
+            if getattr(self, field) not in known:
+                raise ConfigError(f"model.{field}", getattr(self, field), f"must be one of {list(known)}",
+                                  f"pick one of {list(known)}")
+        if self.mlp_bias and self.mlp == "swiglu":
+            raise ConfigError("model.mlp_bias", True, "is for the GELU feed-forward (the fused SwiGLU has no bias)",
+                              "set model.mlp to gelu_tanh or gelu, or drop mlp_bias")
+        if self.is_moe and self.mlp != "swiglu":
+            raise ConfigError("model.mlp", self.mlp, "mixture-of-experts layers are SwiGLU experts",
+                              "set model.mlp to swiglu, or n_experts to 0")
+        if self.rope_scaling is not None and self.position_embedding != "rope":
+            raise ConfigError("model.rope_scaling", self.rope_scaling.rope_type, "scales RoPE, which learned positions do "
+                              "not use", "drop rope_scaling, or set position_embedding to rope")
 
     def _validate_experts(self) -> None:
         if self.family in MOE_FAMILIES and not self.is_moe:
@@ -186,7 +217,7 @@ class ModelConfig:
 
 # The built-in families' plan, the same record a user's factory returns (sizes come from the config).
 REFERENCE_PLAN = ModelPlan(tp_styles=DEFAULT_TP_STYLES, sequence_parallel=SEQUENCE_PARALLEL_ADDITIONS, blocks="layers",
-                           first_stage=("tok_embeddings",), last_stage=("norm", "output"),
+                           first_stage=("tok_embeddings", "pos_embeddings"), last_stage=("norm", "output"),
                            # Qwen3: one q and one k norm weight serve every head; a tp rank holds some heads.
                            tp_partial_gradients=("layers.*.attention.q_norm.weight", "layers.*.attention.k_norm.weight"))
 
@@ -268,9 +299,12 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         return config.user.shapes
     hd, qkv_rows = config.head_dim, (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
+    if config.position_embedding == "learned":
+        shapes["pos_embeddings.weight"] = (config.max_seq_len, config.dim)
+    norm_shapes = {"weight": (config.dim,), **({"bias": (config.dim,)} if config.norm == "layernorm" else {})}
     for layer in range(config.n_layers):
         prefix = f"layers.{layer}."
-        shapes[prefix + "attention_norm.weight"] = (config.dim,)
+        shapes.update({prefix + f"attention_norm.{leaf}": shape for leaf, shape in norm_shapes.items()})
         shapes[prefix + "attention.qkv.weight"] = (qkv_rows, config.dim)
         if config.qkv_bias:
             shapes[prefix + "attention.qkv.bias"] = (qkv_rows,)
@@ -278,13 +312,23 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[prefix + "attention.q_norm.weight"] = (hd,)
             shapes[prefix + "attention.k_norm.weight"] = (hd,)
         shapes[prefix + "attention.wo.weight"] = (config.dim, config.n_heads * hd)
-        shapes[prefix + "ffn_norm.weight"] = (config.dim,)
+        if config.wo_bias:
+            shapes[prefix + "attention.wo.bias"] = (config.dim,)
+        shapes.update({prefix + f"ffn_norm.{leaf}": shape for leaf, shape in norm_shapes.items()})
         if config.is_moe_layer(layer):
             shapes.update(moe_shapes(config, prefix + "feed_forward."))
             continue
+        if config.mlp != "swiglu":  # actors/model/gelu_mlp.py
+            shapes[prefix + "feed_forward.up.weight"] = (config.ffn_dim, config.dim)
+            if config.mlp_bias:
+                shapes[prefix + "feed_forward.up.bias"] = (config.ffn_dim,)
+            shapes[prefix + "feed_forward.down.weight"] = (config.dim, config.ffn_dim)
+            if config.mlp_bias:
+                shapes[prefix + "feed_forward.down.bias"] = (config.dim,)
+            continue
         shapes[prefix + "feed_forward.gate_up.weight"] = (2 * config.ffn_dim, config.dim)
         shapes[prefix + "feed_forward.down.weight"] = (config.dim, config.ffn_dim)
-    shapes["norm.weight"] = (config.dim,)
+    shapes.update({f"norm.{leaf}": shape for leaf, shape in norm_shapes.items()})
     if not config.tie_embeddings:
         shapes["output.weight"] = (config.vocab_size, config.dim)
     return shapes

@@ -31,6 +31,9 @@ VOCAB_EMBEDDING_TO_SEQUENCE = "vocab_embedding_to_sequence"
 VOCAB_HEAD_FROM_SEQUENCE = "vocab_head_from_sequence"      # gathers the sequence before the head
 SEQUENCE_PARALLEL = "sequence_parallel"                    # a norm computed on the sequence shard
 GATHER_SEQUENCE = "gather_sequence"                        # a module whose input is gathered from sequence shards
+# Learned positions under sequence parallelism (GPT-2, decision 132): the table is copied on every
+# tp rank, looked up for the whole sequence, and each rank keeps its sequence shard's rows.
+POSITIONS_TO_SEQUENCE = "positions_to_sequence"
 
 # The styles that split the vocabulary: the only splits tp need not divide (their DTensors shard
 # unevenly, `plans/training/tp_fit.py`).
@@ -46,6 +49,7 @@ DEFAULT_TP_STYLES: dict[str, str] = {
     "layers.*.attention.wo": ROWWISE,
     "layers.*.feed_forward.gate_up": COLWISE,
     "layers.*.feed_forward.down": ROWWISE,
+    "layers.*.feed_forward.up": COLWISE,  # the GELU feed-forward's (actors/model/gelu_mlp.py)
     # Mixture-of-experts layers: the stacked experts, and the shared expert as a dense feed-forward.
     "layers.*.feed_forward.experts.gate_up": EXPERT_COLWISE,
     "layers.*.feed_forward.experts.down": EXPERT_ROWWISE,
@@ -66,6 +70,7 @@ SEQUENCE_PARALLEL_ADDITIONS: dict[str, str] = {
     "norm": SEQUENCE_PARALLEL,
     "layers.*.attention": GATHER_SEQUENCE,
     "layers.*.feed_forward": GATHER_SEQUENCE,
+    "pos_embeddings": POSITIONS_TO_SEQUENCE,
 }
 
 
@@ -87,7 +92,7 @@ def module_style(module_name: str, plan: dict[str, str] = DEFAULT_TP_STYLES) -> 
 
 
 ALL_STYLES = frozenset({COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, EXPERT_COLWISE, EXPERT_ROWWISE, ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING_TO_SEQUENCE,
-                        VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, GATHER_SEQUENCE})
+                        VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, GATHER_SEQUENCE, POSITIONS_TO_SEQUENCE})
 
 
 def tp_split_dim(parameter_name: str) -> int | None:

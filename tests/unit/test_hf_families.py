@@ -112,7 +112,6 @@ def test_import_computes_transformers_logits_and_exports_bit_identical(tmp_path,
                                   "long_factor": [1.0] * 4}}, "rope_parameters.rope_type='longrope'"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("gemma3_text", {}, "model_type 'gemma3_text' is not one rayshard computes yet: it would need .*local/global RoPE"),
-    ("gpt2", {}, "model_type 'gpt2' is not one rayshard computes yet: it would need GPT-2's learned absolute positions"),
 ])
 def test_a_config_rayshard_would_approximate_is_refused_naming_the_field(tmp_path, family, change, field):
     base = family if family in FAMILIES else "llama"

@@ -117,11 +117,26 @@ def test_import_of_the_export_is_the_same_checkpoint_through_the_recorded_plan(w
     assert digest_checkpoint(imported) == digest_checkpoint(url)  # weights and both moments, bit for bit
 
 
-def test_a_gpt2_directory_without_rayshard_metadata_is_refused_naming_its_model_type(written, tmp_path):
-    _, _, _, out, store = written
+def test_a_gpt2_directory_without_rayshard_metadata_imports_as_the_built_in_gpt2_family(written, tmp_path):
+    """Without the record naming the factory, the example's export is a plain GPT-2 directory: the
+    built-in decoder's gpt2 family (decision 132) imports it, untied, and computes its logits."""
+    from rayshard.actors.checkpoint.stored import StoredCheckpoint
+    from rayshard.actors.model.transformer import Transformer
+    from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
+
+    _, model, _, out, store = written
     bare = tmp_path / "bare"
     bare.mkdir()
-    for file in ("config.json", *json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()):
+    files = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()
+    for file in ("config.json", "model.safetensors.index.json", *set(files)):
         (bare / file).write_bytes((out / file).read_bytes())
-    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not one rayshard computes"):
-        import_hf(str(bare), Store(store), "bare", log=lambda *_: None)
+    stored = StoredCheckpoint(import_hf(str(bare), Store(store), "bare", log=lambda *_: None))
+    config = ModelConfig.from_dict(stored.metadata["model"])
+    assert (config.family, config.user, config.tie_embeddings) == ("gpt2", None, False)
+    built = Transformer(config)
+    built.load_state_dict({name: stored.read_region(name, "param", (0,) * len(shape), shape)
+                           for name, shape in parameter_shapes(config).items()})
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(12))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(built.eval()(tokens), model(tokens), rtol=0, atol=1e-5)
