@@ -132,6 +132,12 @@ class RankActor:
     def save_shard(self, checkpoint_url: str, file: str) -> ChunkTable:
         return self.trainer.save_shard(checkpoint_url, file)
 
+    def save_snapshot_shard(self, checkpoint_url: str, file: str) -> ChunkTable:
+        """save_shard to the snapshot keepers. Its own I/O only, no collective: a snapshot that
+        fails here (a keeper lost with its node) is skipped by the driver while this rank and its
+        group train on, so the group is not left as a failed step's is."""
+        return self.trainer.save_shard(checkpoint_url, file)
+
     @leaves_its_group_on_failure
     def stage_save(self, checkpoint_url: str, file: str) -> dict:
         """Async save: copy this rank's share of the state to CPU (all a training step waits for),

@@ -20,12 +20,13 @@ from rayshard.cluster.run.async_save import AsyncCheckpointer
 from rayshard.cluster.ray_connection import connect_ray
 from rayshard.cluster.run.rank_group import RankGroup
 from rayshard.cluster.run.resume_check import verify_resumed_state
+from rayshard.cluster.run.snapshots import Snapshots, snapshot_failure
 from rayshard.cluster.data.training_data import check_training_data, dataset_record, step_batch_hash, with_resolved_dataset
 from rayshard.cluster.run.metrics_sinks import check_sinks, open_sinks
 from rayshard.cluster.catalog.store import CheckpointRef, Store
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.config import TrainConfig
-from rayshard.plans.errors import ConfigError
+from rayshard.plans.errors import CheckpointError, ConfigError
 from rayshard.plans.training.flops import throughput
 
 
@@ -58,6 +59,8 @@ class StartPoint:
     manifest: bytes | None = None
     parent: str | None = None  # the checkpoint the run's next save descends from
     lease: writer_lease.WriterLease | None = None  # the run's writer lease, held while it trains
+    snapshots: Snapshots | None = None  # --snapshot-every: the run's snapshots in the nodes' memory
+    from_memory: bool = False  # the resume reads a snapshot, not the store
 
 
 def train(config: TrainConfig, actors: list | None = None,
@@ -72,8 +75,14 @@ def train(config: TrainConfig, actors: list | None = None,
     store = Store(config.store)
     # One trainer per run: a second one is refused here, before any rank starts (writer_lease.py).
     with writer_lease.holding(store, config.run, config.checkpoint.writer_lease_s) as lease:
-        point = resolve_start(config, store)
+        snapshots = None
+        if config.checkpoint.snapshot_every:
+            connect_ray(config.resources.start_timeout_s)  # the keepers are actors
+            snapshots = Snapshots(config.store, config.run, config.checkpoint.snapshot_every)
+        point = resolve_start(config, store, snapshots)
         point.lease = lease
+        if snapshots is not None:
+            snapshots.forget_after(point.step)  # the steps after it are redone, and snapshotted again
         if point.step >= point.config.steps:
             _log(f"nothing to do: the checkpoint is at step {point.step} and --steps is {point.config.steps}")
             return TrainResult(point.config.run, point.step, resumed_from=point.parent)
@@ -81,10 +90,12 @@ def train(config: TrainConfig, actors: list | None = None,
         return run_steps(group, point, stop_after_checkpoint)
 
 
-def resolve_start(config: TrainConfig, store: Store) -> StartPoint:
+def resolve_start(config: TrainConfig, store: Store, snapshots: Snapshots | None = None) -> StartPoint:
     """Find the checkpoint to resume from (if any) and check the data and metric sinks against
     it: everything that can refuse the (validated) run before a rank starts. The caller holds the
-    run's writer lease, so a commit of this run that LATEST does not name is a dead trainer's."""
+    run's writer lease, so a commit of this run that LATEST does not name is a dead trainer's.
+    With snapshots, a continuing run resumes from the newest whole snapshot in memory when it is
+    newer than the checkpoint LATEST names."""
     requested = config.checkpoint.resume
     if requested == "auto":  # resubmitting a run by name continues it; a new name starts fresh
         requested = "latest" if store.committed_steps(config.run) else None
@@ -95,18 +106,26 @@ def resolve_start(config: TrainConfig, store: Store) -> StartPoint:
         raise ConfigError("run", config.run,
                           f"already has checkpoints in {config.store} (steps {store.committed_steps(config.run)})",
                           "pass --resume latest (or auto) to continue it, or choose a new --run name")
-    point, metadata = StartPoint(config, store, resume=resume), None
+    point, metadata = StartPoint(config, store, resume=resume, snapshots=snapshots), None
+    if snapshots is not None and config.checkpoint.resume in ("auto", "latest", config.run):
+        choice = snapshots.choose(resume.step if resume is not None else None)
+        point.resume, point.from_memory = (choice.ref, True) if choice.ref is not None else (resume, False)
+        if choice.ref is not None or "no snapshot" not in choice.why:
+            _log(f"recovery: {choice.why}; resuming from "
+                 + ("memory" if point.from_memory else (resume.url if resume is not None else "the start")))
+        resume = point.resume
     if resume is not None:
         point.manifest = manifest_bytes(resume.url)
         metadata = read_manifest(resume.url, point.manifest)[1]
-        point.step, point.parent = int(metadata["step"]), resume.url
+        # A snapshot's own URL is not durable: the next checkpoint descends from the one it did.
+        point.step, point.parent = int(metadata["step"]), (metadata.get("parent") if point.from_memory else resume.url)
         _log(f"resuming from {resume.url} (step {point.step}, written by layout {metadata['layout']})")
         _warn_if_schedule_changed(metadata, config)
         if resume.run == config.run and metadata.get("run") not in (None, config.run):
             _log(f"note: {resume.url} sits in run {config.run!r} but was written by run {metadata['run']!r} (copied "
                  "in?); resuming from it as asked. To branch from another run, resume it by its own name "
                  f"(--resume {metadata['run']}@{point.step}) under a new --run")
-        if resume.run == config.run:
+        if resume.run == config.run and not point.from_memory:
             commit_window.refuse_rewrites(store, config.run, point.step)
     check_training_data(config, metadata, point.parent)  # before any rank starts
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
@@ -144,6 +163,9 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
     sinks = open_sinks(config, store, point.step)
     _log("metrics: " + ", ".join(sink.where for sink in sinks))
     saves = Saves(group, point, result, sinks)
+    if point.snapshots is not None and saves.background is None:  # one background save per rank at a time
+        point.snapshots.in_background(group, config.layout.world_size,
+                                      lambda step, parent: checkpoint_metadata(config, step, parent, saves.fingerprint))
     timings = PipelineTimings(config)
     try:
         if point.resume is not None:
@@ -155,15 +177,23 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
             per_rank = group.call_reporting_failures("train_step")
             seconds = time.perf_counter() - tick
             timings.add(per_rank, seconds)
-            done = report_step(config, per_rank, seconds, result, sinks)
+            done = report_step(config, per_rank, seconds, result, sinks,
+                               point.snapshots.describe() if point.snapshots is not None else None)
             saves.poll()
-            if done == config.steps or (config.checkpoint.every and done % config.checkpoint.every == 0):
+            durable = done == config.steps or (config.checkpoint.every and done % config.checkpoint.every == 0)
+            if point.snapshots is not None:
+                point.snapshots.poll()
+                if point.snapshots.due(done) and not (durable and saves.background is None):
+                    take_snapshot(group, point.snapshots, config, done, saves)
+            if durable:
                 saves.save(done, wait=done == config.steps or stop_after_checkpoint is not None)
                 if done < config.steps and stop_after_checkpoint is not None and stop_after_checkpoint(done):
                     result.stopped_early = True
                     _log(f"stopping after the checkpoint at step {done} as asked (resize)")
                     break
     finally:
+        if point.snapshots is not None:
+            point.snapshots.settle()
         if saves.background is not None:
             saves.background.settle()  # a commit in flight ends before the lease is released
         finish(group, store, sinks, timings, lost_run=point.lease is not None and point.lease.lost is not None)
@@ -187,21 +217,47 @@ def load_resumed(group: RankGroup, point: StartPoint) -> None:
     """Every rank reads its part of the checkpoint (and, with checkpoint.verify_resume, the loaded
     state is proved equal to it) while a lease keeps `ckpt gc` from removing it."""
     config, store, resume = point.config, point.store, point.resume
-    with leases.reading(store, resume):
+    home = point.snapshots.store if point.from_memory else store  # the lease goes beside what it keeps
+    started = time.perf_counter()
+    with leases.reading(home, resume):
         loaded = group.call("load", resume.url, ray.put(point.manifest))
         # A chunk the new layout cut across ranks was read in parts that no rank could check
         # alone: their checksums, combined, must give the chunk's before anything trains on it.
         in_parts = check_loaded_parts(resume.url, loaded, point.manifest)
-    _log(f"loaded step {point.step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over "
-         f"{len(loaded)} ranks" + (f"; {in_parts} chunks read in parts verified together" if in_parts else ""))
+    _log(f"loaded step {point.step}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read "
+         f"{'from the snapshot in memory' if point.from_memory else 'from storage'} over {len(loaded)} ranks in "
+         f"{time.perf_counter() - started:.2f} s" + (f"; {in_parts} chunks read in parts verified together" if in_parts else ""))
     if config.checkpoint.verify_resume:
-        with leases.reading(store, resume):
+        with leases.reading(home, resume):
             check = verify_resumed_state(group, store, config.run, point.step, resume.url, str(config.layout))
         _log(f"resumed state verified: {check.tensors} tensors, digests equal to the checkpoint's "
              f"({check.digest[:19]}...)")
 
 
-def report_step(config: TrainConfig, per_rank: list, seconds: float, result: TrainResult, sinks: list) -> int:
+def take_snapshot(group: RankGroup, snapshots: Snapshots, config: TrainConfig, step: int, saves: "Saves") -> None:
+    """Every rank saves its share to the keepers (the same save as a checkpoint's, to memory). A
+    snapshot that fails (a keeper lost) is skipped with one line: the last checkpoint still covers
+    a failure, and the failure that lost the keeper ends this attempt by itself if it took a rank."""
+    if snapshots.background is not None:
+        try:
+            snapshots.start(step, saves.parent)
+        except CheckpointError as error:  # the previous snapshot's failure, reported as it is waited for
+            _log(f"snapshot not taken: {str(error).splitlines()[0][:300]}; training goes on")
+        return
+    started = time.perf_counter()
+    try:
+        save_checkpoint(group, snapshots.store, config, step, saves.parent, saves.fingerprint, "save_snapshot_shard")
+    except Exception as error:  # noqa: BLE001 - only a snapshot's own failures are swallowed
+        why = snapshot_failure(error)
+        if why is None:
+            raise
+        _log(f"snapshot of step {step} not taken: {why}; training goes on")
+        return
+    snapshots.taken(step, time.perf_counter() - started)
+
+
+def report_step(config: TrainConfig, per_rank: list, seconds: float, result: TrainResult, sinks: list,
+                snapshot: dict | None = None) -> int:
     """Record one finished step (result, sinks, console); returns the step's number."""
     metrics = per_rank[0]
     done = metrics.step
@@ -218,7 +274,7 @@ def report_step(config: TrainConfig, per_rank: list, seconds: float, result: Tra
               "tflops_per_rank": speed.tflops_per_rank, "mfu": speed.mfu, "device": metrics.device_name,
               "peak_memory_gib": max(peaks) / 2**30, "peak_memory_bytes_per_rank": peaks,
               "step_s": seconds, "layout": str(config.layout), "precision": config.numerics.precision,
-              "time": time.time(), "batch_hash": step_batch_hash(per_rank, config.layout)}
+              "time": time.time(), "batch_hash": step_batch_hash(per_rank, config.layout), **(snapshot or {})}
     moe = ""
     if metrics.expert_tokens is not None:
         result.expert_tokens[done] = metrics.expert_tokens
@@ -278,13 +334,13 @@ def load_imbalance(expert_tokens: dict[int, list[int]]) -> float:
 
 
 def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: int, parent: str | None,
-                    data_fingerprint: str) -> str:
+                    data_fingerprint: str, rank_method: str = "save_shard") -> str:
     """Every rank writes its chunks under a fresh attempt prefix; the manifest commits them."""
     pending = store.begin(config.run, step)
     calls = [(pending.url, pending.file_for(rank)) for rank in range(config.layout.world_size)]
     # Each rank answers with its rows as columns (a ChunkTable); concatenating columns keeps the
     # driver free of a record per chunk (826k at 16k FSDP ranks: gather + check + encode ~1.7 s).
-    chunks = ChunkTable.concat(group.call_each("save_shard", calls))
+    chunks = ChunkTable.concat(group.call_each(rank_method, calls))
     return pending.commit(chunks, checkpoint_metadata(config, step, parent, data_fingerprint))
 
 

@@ -19,6 +19,9 @@ class CheckpointConfig:
     (cluster/run/async_save.py). writer_lease_s: how long the run's writer lease outlives its last
     renewal (renewed every quarter of it): the longest a trainer killed with -9 on another host
     keeps a resubmitted one waiting (on the same host a dead holder is seen at once).
+    snapshot_every: every K steps the ranks also save to the snapshot keepers' host memory
+    (`rayshard-snapshot://`, two copies on two nodes; never durable, never moves LATEST); a
+    restart resumes from the newest whole snapshot when it is newer than LATEST (issue 41).
     """
 
     every: int = option(0, flag="--ckpt-every", metavar="N", help="commit a checkpoint every N steps (0: at the end only)")
@@ -30,6 +33,11 @@ class CheckpointConfig:
     async_save: bool = option(False, help="checkpoints block training only while ranks copy state to CPU; uploads run "
                                           "in the background")
 
+    snapshot_every: int = option(0, metavar="K",
+                                 help="every K steps, also keep a snapshot of the state in the nodes' host memory, "
+                                      "replicated to another node: a failure then resumes from it (at most K steps "
+                                      "redone) instead of from the last checkpoint; 0: off")
+
     writer_lease_s: float = option(120.0, metavar="SECONDS",
                                    help="a run has one trainer at a time: its writer lease lapses this long after the "
                                         "trainer stops renewing it (a killed trainer on another host)")
@@ -38,5 +46,8 @@ class CheckpointConfig:
         if not self.writer_lease_s > 0:
             raise ConfigError("writer_lease_s", self.writer_lease_s, "must be > 0",
                               "set --writer-lease-s to a number of seconds, e.g. 120")
+        if self.snapshot_every < 0:
+            raise ConfigError("snapshot_every", self.snapshot_every, "must be >= 0 (0: no snapshots)",
+                              "set --snapshot-every 0 or more, e.g. 1")
         if self.every < 0:
             raise ConfigError("ckpt_every", self.every, "must be >= 0 (0 saves only at the end)", "set --ckpt-every 0 or more")

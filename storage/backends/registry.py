@@ -29,6 +29,13 @@ BACKEND_CLASSES: dict[str, tuple[str, str]] = {
 }
 
 
+def register_backend(scheme: str, module: str, name: str) -> None:
+    """Serve scheme with module's class `name`: for a filesystem defined outside the storage
+    layer (the snapshot keepers' `rayshard-snapshot://`, which needs Ray), registered when fsspec
+    imports its module."""
+    BACKEND_CLASSES[scheme] = (module, name)
+
+
 def backend_class(scheme: str) -> type[FsspecBackend]:
     """The backend class registered for scheme (KeyError if none), imported on first use."""
     module, name = BACKEND_CLASSES[scheme]

@@ -1,0 +1,294 @@
+"""`rayshard-snapshot://`: an fsspec filesystem whose files live in the nodes' snapshot keepers.
+
+A snapshot is an ordinary rayshard checkpoint (manifest, safetensors shards, checksums, LATEST)
+written here instead of to a store, so the save, the reshard planner and the verified reads are the
+same code as for a durable checkpoint: recovery from memory is `load` from a URL of this scheme.
+Each file written goes to two keepers on different nodes (`snapshot_holders`): the writer's own and
+the next one in the ring. A read asks the keepers that hold the file, first the one on the reader's
+node; a keeper that does not answer within RAYSHARD_SNAPSHOT_TIMEOUT_S is taken as lost, and the
+read moves to the next copy or fails naming every keeper it tried.
+
+Registered with fsspec through the `fsspec.specs` entry point (pyproject.toml), so any process of
+the job (driver, rank, a Ray task) opens these URLs; it needs a connected Ray with keepers started
+(`keepers.start_keepers`).
+"""
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+
+import ray
+from fsspec.spec import AbstractFileSystem
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from rayshard.actors.snapshot.keeper import KEEPER_PREFIX, PreconditionFailedHere, keeper_name
+from rayshard.plans.checkpoint.snapshot_holders import snapshot_holders
+from rayshard.storage.backends.fsspec_generic import FsspecBackend
+from rayshard.storage.backends.protocol import PreconditionFailed
+from rayshard.storage.backends.registry import register_backend
+
+PROTOCOL = "rayshard-snapshot"
+KEEPER_LOST = (GetTimeoutError, RayActorError)
+
+
+def timeout_s() -> float:
+    """How long one keeper may take to answer before it counts as lost."""
+    return float(os.environ.get("RAYSHARD_SNAPSHOT_TIMEOUT_S", "60"))
+
+
+class SnapshotKeeperLost(OSError):
+    """No keeper holding a file answered: every copy of it is gone (or unreachable)."""
+
+
+class SnapshotFileSystem(AbstractFileSystem):
+    protocol = PROTOCOL
+    root_marker = ""
+    cachable = False  # the keepers change as nodes come and go: look them up per instance
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._keepers: dict[str, object] = {}  # node id -> actor handle
+        self._where: dict[str, list[str]] = {}  # path -> node ids whose keeper has it
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        path = path[len(PROTOCOL) + 3:] if path.startswith(f"{PROTOCOL}://") else path
+        return path.rstrip("/")
+
+    # ---- keepers ------------------------------------------------------------------------------
+
+    def keepers(self) -> dict[str, object]:
+        """The live keepers by node id, looked up once per instance (and again after a loss)."""
+        if not ray.is_initialized():  # never let a call below start a Ray of its own (Ray's auto-init)
+            raise SnapshotKeeperLost(f"{PROTOCOL}:// needs the job's Ray: connect to it (ray.init) before reading "
+                                     "or writing snapshots")
+        if not self._keepers:
+            names = [name for name in ray.util.list_named_actors() if name.startswith(KEEPER_PREFIX)]
+            self._keepers = {name[len(KEEPER_PREFIX):]: ray.get_actor(name) for name in names}
+            if not self._keepers:
+                raise SnapshotKeeperLost("no snapshot keeper runs in this Ray namespace: start them with "
+                                         "rayshard.actors.snapshot.keepers.start_keepers()")
+        return self._keepers
+
+    def _forget(self, node: str) -> None:
+        self._keepers.pop(node, None)
+        for holders in self._where.values():
+            if node in holders:
+                holders.remove(node)
+
+    def _answers(self, calls: dict[str, object]) -> tuple[dict[str, object], dict[str, BaseException]]:
+        """Each keeper's answer to its call, within the bound; (answers, failures) by node."""
+        answers, failures = {}, {}
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s())
+        ready = set(ready)
+        for node, ref in calls.items():
+            if ref not in ready:
+                failures[node] = GetTimeoutError(f"snapshot keeper on node {node[:12]} did not answer in {timeout_s():.0f} s")
+                continue
+            try:
+                answers[node] = ray.get(ref)
+            except Exception as error:  # noqa: BLE001 - handed back per node
+                failures[node] = error
+        return answers, failures
+
+    def _holders_of(self, path: str) -> list[str]:
+        """Nodes whose keeper has path, the reader's own first."""
+        if path not in self._where:
+            directory = posixpath.dirname(path)
+            answers, lost = self._answers({node: keeper.listing.remote(directory + "/")
+                                           for node, keeper in self.keepers().items()})
+            for node in lost:
+                self._forget(node)
+            for name in {name for listing in answers.values() for name in listing}:
+                self._where[name] = sorted((node for node, listing in answers.items() if name in listing),
+                                           key=lambda node: node != _this_node())
+        return list(self._where.get(path, []))
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        path = self._strip_protocol(path)
+        self._write(path, bytes(value), lambda keeper: keeper.put.remote(path, value))
+
+    def _write(self, path: str, data: bytes, call) -> None:
+        keepers = self.keepers()  # first: it refuses when Ray is not connected
+        holders = snapshot_holders(_this_node(), list(keepers))
+        answers, failures = self._answers({node: call(self.keepers()[node]) for node in holders})
+        for node, error in failures.items():
+            if isinstance(error, (FileExistsError, PreconditionFailedHere)) or isinstance(
+                    getattr(error, "cause", None), (FileExistsError, PreconditionFailedHere)):
+                raise _cause(error)
+            self._forget(node)
+        if failures:
+            raise SnapshotKeeperLost(f"{PROTOCOL}://{path}: the keeper(s) on node(s) "
+                                     f"{', '.join(n[:12] for n in failures)} did not take it ({_first(failures)}); "
+                                     "the snapshot is incomplete and will not be used")
+        self._where[path] = sorted(answers, key=lambda node: node != _this_node())
+
+    def create_only(self, path: str, data: bytes) -> None:
+        self._write(path, data, lambda keeper: keeper.create_only.remote(path, data))
+
+    def replace_if(self, path: str, data: bytes, expected: bytes | None) -> None:
+        self._write(path, data, lambda keeper: keeper.replace_if.remote(path, data, expected))
+
+    def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
+        path = self._strip_protocol(path)
+        if "r" in mode:
+            return io.BytesIO(self.cat_file(path))
+        return _WriteOnClose(self, path)
+
+    def mkdir(self, path, create_parents=True, **kwargs):
+        """Directories exist only as the prefixes of files."""
+
+    def makedirs(self, path, exist_ok=False):
+        """Directories exist only as the prefixes of files."""
+
+    def rm_file(self, path):
+        self.rm(path)
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        for one in path if isinstance(path, list) else [path]:
+            one = self._strip_protocol(one)
+            prefix = one + "/" if recursive else one
+            answers, lost = self._answers({node: keeper.remove.remote(prefix)
+                                           for node, keeper in self.keepers().items()})
+            for node in lost:
+                self._forget(node)
+            for name in [name for name in self._where if name == one or name.startswith(one + "/")]:
+                del self._where[name]
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        path = self._strip_protocol(path)
+        return self._read_many([(path, start, end)])[0]
+
+    def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
+        requests = [(self._strip_protocol(p), s, e) for p, s, e in zip(paths, starts, ends)]
+        if on_error == "return":
+            return self._read_many(requests, raise_errors=False)
+        return self._read_many(requests)
+
+    def _read_many(self, requests, raise_errors: bool = True) -> list:
+        """Ranged reads, all in flight at once; a read whose keeper is lost tries the next copy."""
+        results: list = [None] * len(requests)
+        tried: list[list[str]] = [[] for _ in requests]
+        pending = list(range(len(requests)))
+        while pending:
+            calls, unheld = {}, []
+            for index in pending:
+                path, start, end = requests[index]
+                holders = [node for node in self._holders_of(path) if node not in tried[index]]
+                if not holders:
+                    unheld.append(index)
+                    continue
+                tried[index].append(holders[0])
+                calls[index] = (holders[0], self.keepers()[holders[0]].read.remote(path, start, end))
+            for index in unheld:
+                path = requests[index][0]
+                results[index] = (SnapshotKeeperLost(f"{PROTOCOL}://{path}: no surviving snapshot keeper holds it "
+                                                     f"(tried {', '.join(n[:12] for n in tried[index]) or 'none'})")
+                                  if tried[index] else FileNotFoundError(path))
+            answers, failures = self._answers({index: ref for index, (_, ref) in calls.items()})
+            for index, data in answers.items():
+                results[index] = data
+            pending = []
+            for index, error in failures.items():
+                cause = _cause(error)
+                if isinstance(cause, FileNotFoundError):
+                    results[index] = cause
+                    continue
+                self._forget(calls[index][0])
+                pending.append(index)
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if raise_errors and errors:
+            raise errors[0]
+        return results
+
+    def info(self, path, **kwargs):
+        path = self._strip_protocol(path)
+        sizes = self._listing(path)
+        if path in sizes:
+            return {"name": path, "size": sizes[path], "type": "file"}
+        if any(name.startswith(path + "/") for name in sizes):
+            return {"name": path, "size": 0, "type": "directory"}
+        raise FileNotFoundError(path)
+
+    def _listing(self, prefix: str) -> dict[str, int]:
+        """Every file under prefix that a live keeper holds, with its size."""
+        answers, lost = self._answers({node: keeper.listing.remote(prefix) for node, keeper in self.keepers().items()})
+        for node in lost:
+            self._forget(node)
+        return {name: size for listing in answers.values() for name, size in listing.items()}
+
+    def ls(self, path, detail=True, **kwargs):
+        path = self._strip_protocol(path)
+        prefix = path + "/" if path else ""
+        sizes = self._listing(prefix)
+        entries: dict[str, dict] = {}
+        for name, size in sizes.items():
+            child = name[len(prefix):].split("/", 1)
+            full = prefix + child[0]
+            entries[full] = ({"name": full, "size": size, "type": "file"} if len(child) == 1
+                             else {"name": full, "size": 0, "type": "directory"})
+        if not entries and path:
+            exact = self._listing(path)
+            if path in exact:
+                entries[path] = {"name": path, "size": exact[path], "type": "file"}
+        listed = sorted(entries.values(), key=lambda entry: entry["name"])
+        return listed if detail else [entry["name"] for entry in listed]
+
+
+class _WriteOnClose(io.BytesIO):
+    """A file opened for writing: its bytes go to the keepers when it is closed without an error."""
+
+    def __init__(self, fs: SnapshotFileSystem, path: str):
+        super().__init__()
+        self.fs, self.path = fs, path
+
+    def __exit__(self, kind, error, trace):
+        if kind is None:
+            self.fs.pipe_file(self.path, self.getvalue())
+        super().close()
+        return False
+
+    def close(self):
+        if not self.closed:
+            self.fs.pipe_file(self.path, self.getvalue())
+        super().close()
+
+
+class SnapshotBackend(FsspecBackend):
+    """The storage backend for snapshot URLs: create-only and compare-and-swap run inside each
+    keeper (one actor, one lock), so they hold across the job's processes."""
+
+    scheme = PROTOCOL
+
+    def create_only(self, path: str, data: bytes) -> None:
+        self.fs.create_only(path, data)
+
+    def replace_if(self, path: str, data: bytes, token: str | None) -> None:
+        expected = bytes.fromhex(token) if token is not None else None
+        try:
+            self.fs.replace_if(path, data, expected)
+        except PreconditionFailedHere as error:
+            raise PreconditionFailed(path) from error
+
+
+register_backend(PROTOCOL, __name__, "SnapshotBackend")
+
+
+def _this_node() -> str:
+    return ray.get_runtime_context().get_node_id()  # keepers() has checked Ray is connected
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The keeper's own exception inside Ray's wrapper."""
+    return getattr(error, "cause", None) or error
+
+
+def _first(failures: dict) -> str:
+    return str(next(iter(failures.values()))).strip().splitlines()[0][:200]

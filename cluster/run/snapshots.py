@@ -1,0 +1,156 @@
+"""Snapshots in the nodes' memory: taken every `--snapshot-every` steps, resumed from on a restart.
+
+A snapshot is an ordinary checkpoint of the run, committed to the snapshot keepers' filesystem
+(`rayshard-snapshot://`, actors/snapshot/) instead of the store: the same ranks' `save_shard`, the
+same manifest, checksums and commit, two copies of every file on two nodes. So a recovery from
+memory is the same resharded, verified load as a recovery from storage, from another URL, onto
+whatever layout the elastic controller chose. Snapshots never touch the store: the durable LATEST
+moves only with `--ckpt-every` checkpoints.
+
+On a restart the newest snapshot is used only if it is newer than the durable LATEST and every
+file its manifest names is still held whole by a live keeper; otherwise the whole recovery reads
+the durable checkpoint, and one line says why. Never a mix of two steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from dataclasses import dataclass
+
+from rayshard.actors.snapshot.filesystem import SnapshotKeeperLost
+from rayshard.actors.snapshot.keepers import start_keepers
+from rayshard.cluster.catalog.store import CheckpointRef, Store
+from rayshard.cluster.run.async_save import AsyncCheckpointer
+from rayshard.plans.errors import CheckpointError
+from rayshard.storage.manifest_io import read_manifest
+
+
+def snapshot_store_url(store_url: str) -> str:
+    """Where a store's runs keep their snapshots: one root per durable store, so two jobs that
+    share a Ray namespace but not a store never see each other's snapshots."""
+    return f"rayshard-snapshot://{hashlib.sha256(store_url.encode()).hexdigest()[:16]}"
+
+
+@dataclass(frozen=True)
+class SnapshotChoice:
+    """What a restart resumes from, as far as snapshots go: the snapshot (None: use the durable
+    checkpoint) and the line that says why."""
+
+    ref: CheckpointRef | None
+    why: str
+
+
+# The newest snapshot this driver process committed, per (snapshot store, run): a restart that
+# finds it gone says so, rather than silently resuming from storage.
+_TAKEN: dict[tuple[str, str], int] = {}
+
+
+class Snapshots:
+    """A run's snapshots on the driver: start the keepers, take one when due, keep only the newest."""
+
+    def __init__(self, store_url: str, run: str, every: int):
+        self.run, self.every = run, every
+        start_keepers()  # idempotent: a node added since the last attempt gets its keeper here
+        self.store = Store(snapshot_store_url(store_url))
+        self.latest: tuple[int, float, float] | None = None  # (step, wall time taken, seconds it blocked)
+        self.background: AsyncCheckpointer | None = None  # `in_background`: the ranks' async save path
+        self.blocked_s: dict[int, float] = {}  # step -> the driver's wait to start its snapshot
+
+    def in_background(self, group, world_size: int, metadata_for) -> None:
+        """Take snapshots as async saves are taken: ranks copy to host memory (training waits only
+        for that) and write to the keepers in a background thread; the driver commits once all are
+        done, at a later step. Only while durable checkpoints are synchronous: a rank has one
+        background save at a time."""
+        self.background = AsyncCheckpointer(group, self.store, self.run, world_size, metadata_for, self._committed)
+
+    def _committed(self, step: int, url: str) -> None:
+        waits = [s.optimizer_wait_seconds for s in self.background.last_statuses]
+        self.taken(step, self.blocked_s.pop(step, 0.0) + max(waits, default=0.0))
+
+    def start(self, step: int, parent: str | None) -> None:
+        """Start the background snapshot of `step` (the previous one is committed first)."""
+        started = time.perf_counter()
+        self.background.start(step, parent)
+        self.blocked_s[step] = time.perf_counter() - started
+
+    def poll(self) -> None:
+        """After each step: commit a finished background snapshot. A failed one is skipped with one
+        line (the last checkpoint still covers a failure)."""
+        if self.background is None:
+            return
+        try:
+            self.background.poll()
+        except CheckpointError as error:
+            print(f"snapshot not taken: {_first_line(error)}; training goes on", flush=True)
+
+    def settle(self) -> None:
+        """The run is ending: let a snapshot in flight finish (or fail) quietly."""
+        if self.background is not None:
+            with contextlib.suppress(Exception):
+                self.background.wait()
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def taken(self, step: int, blocked_s: float) -> None:
+        """Record a committed snapshot and drop every older one (each is a whole state in memory)."""
+        self.latest = (step, time.time(), blocked_s)
+        _TAKEN[(self.store.url, self.run)] = step
+        for older in self.store.committed_steps(self.run):
+            if older < step:
+                self.store.fs.rm(f"{self.store.root}/{self.run}/checkpoints/step-{older:08d}", recursive=True)
+
+    def forget_after(self, step: int) -> None:
+        """A resume at `step` redoes the steps after it: their snapshots (from the failed attempt)
+        would collide with the new ones' create-only commits."""
+        for newer in self.store.committed_steps(self.run):
+            if newer > step:
+                self.store.fs.rm(f"{self.store.root}/{self.run}/checkpoints/step-{newer:08d}", recursive=True)
+
+    def choose(self, durable_step: int | None) -> SnapshotChoice:
+        """The newest snapshot if it is newer than the durable checkpoint and whole."""
+        steps = self.store.committed_steps(self.run)
+        taken = _TAKEN.get((self.store.url, self.run))
+        if not steps:
+            return SnapshotChoice(None, "no snapshot in memory" if taken is None else
+                                  f"the snapshot of step {taken} was lost with its keepers (no copy survives)")
+        step = steps[-1]
+        if durable_step is not None and step <= durable_step:
+            return SnapshotChoice(None, f"the snapshot (step {step}) is not newer than the checkpoint (step {durable_step})")
+        ref = CheckpointRef(self.store.checkpoint_url(self.run, step), self.run, step)
+        try:
+            chunks, _ = read_manifest(ref.url)
+        except (OSError, CheckpointError) as error:
+            return SnapshotChoice(None, f"the snapshot of step {step} lost its manifest ({_first_line(error)})")
+        directory = f"{self.store.root}/{self.run}/checkpoints/step-{step:08d}"
+        sizes = {path[len(directory) + 1:]: info["size"]
+                 for path, info in self.store.fs.find(directory, detail=True).items()}
+        for file, extent in chunks.file_extents().items():
+            if sizes.get(file, -1) < extent:
+                return SnapshotChoice(None, f"the snapshot of step {step} has no surviving copy of {file}")
+        return SnapshotChoice(ref, f"the snapshot of step {step} is whole in memory")
+
+    def describe(self) -> dict:
+        """For the metrics: the snapshot's step, age and the nodes keeping it."""
+        if self.latest is None:
+            return {}
+        step, at, blocked_s = self.latest
+        return {"snapshot_step": step, "snapshot_age_s": round(time.time() - at, 3),
+                "snapshot_blocked_s": round(blocked_s, 4), "snapshot_nodes": sorted(n[:12] for n in self.keeper_nodes())}
+
+    def keeper_nodes(self) -> list[str]:
+        return list(self.store.fs.keepers())
+
+
+def snapshot_failure(error: BaseException) -> str | None:
+    """Why a snapshot failed when the failure is the snapshot's own (a keeper lost, a write
+    refused), else None: a rank that died saving is the attempt's failure, not the snapshot's."""
+    cause = getattr(error, "cause", None) or error
+    if isinstance(cause, (SnapshotKeeperLost, CheckpointError)):
+        return _first_line(cause)
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]

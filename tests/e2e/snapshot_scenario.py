@@ -1,0 +1,158 @@
+"""Recovery from snapshots in memory on a multi-node local Ray cluster (issue 41).
+
+    python tests/e2e/snapshot_scenario.py OUT.json --fault rank|node|both-holders [--steps N]
+
+A ray.cluster_utils.Cluster (a head with 2 logical CPUs and two worker nodes with 1 each, one
+rank per CPU) runs elastic training of the tiny preset on 4 ranks with a snapshot every step and
+a durable checkpoint only at the end, so a failure can only be recovered from memory or from the
+start. The fault lands once step KILL_AT's snapshot is committed, mid-step:
+
+- rank: one rank actor's process is SIGKILLed (layout pinned to dp2 x tp2); the run resumes on
+  the same cluster and layout.
+- node: a worker node is removed (its rank, its keeper and the copies it held); the run resumes
+  on the 3 ranks left, another layout, resharded from the surviving copies.
+- both-holders: the two keepers holding both copies of rank 0's snapshot file are killed with
+  the rank: the snapshot is no longer whole, so the recovery falls back (to the start: there is
+  no durable checkpoint yet) and says so.
+
+Then the same config trains uninterrupted on the first attempt's layout (a fresh run name) as
+the reference. Writes the controller's history, both runs' losses, the metrics' snapshot fields
+and the driver's console lines to OUT.json.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.state import list_actors  # noqa: E402
+
+from rayshard.cluster.catalog.store import Store  # noqa: E402
+from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
+from rayshard.cluster.run.train import train  # noqa: E402
+from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
+from rayshard.cluster.run.metrics_sinks import read_metrics  # noqa: E402
+from rayshard.cluster.run.snapshots import snapshot_store_url  # noqa: E402
+from rayshard.plans.config import CheckpointConfig, DataConfig, ModelChoice, OptimizerConfig, TrainConfig  # noqa: E402
+from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
+
+RUN, KILL_AT = "hot", 4
+
+
+def config_for(store: str, steps: int) -> TrainConfig:
+    return TrainConfig(model=ModelChoice.named("tiny"), steps=steps, global_batch=12, seq_len=32, seed=11,
+                       optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2),
+                       data=DataConfig(max_bytes=1_000_000), store=store, run=RUN,
+                       checkpoint=CheckpointConfig(every=0, resume="auto", snapshot_every=1))
+
+
+def snapshot_step(store: str) -> int:
+    """The newest committed snapshot's step (0 if none yet), read through the keepers."""
+    snapshots = Store(snapshot_store_url(store))
+    steps = snapshots.committed_steps(RUN)
+    return steps[-1] if steps else 0
+
+
+def rank_pids() -> list[tuple[int, str]]:
+    actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                         filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
+    return sorted((a.pid, a.node_id) for a in actors)
+
+
+def holders_of_rank_zero(step: int) -> list[str]:
+    """The keepers (by actor name) holding rank 0's shard of the snapshot of `step`."""
+    from rayshard.actors.snapshot.keeper import KEEPER_PREFIX
+    found = []
+    for name in [n for n in ray.util.list_named_actors() if n.startswith(KEEPER_PREFIX)]:
+        try:
+            listing = ray.get(ray.get_actor(name).listing.remote(""), timeout=30)
+        except Exception:  # noqa: BLE001 - a killed keeper
+            continue
+        if any(f"step-{step:08d}/" in path and path.endswith("rank-00000.safetensors") for path in listing):
+            found.append(name)
+    return found
+
+
+class Tee(io.TextIOBase):
+    """The driver's console, kept: the recovery lines are part of what the test checks."""
+
+    def __init__(self, stream):
+        self.stream, self.lines = stream, []
+
+    def write(self, text):
+        self.lines.append(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--fault", choices=("rank", "node", "both-holders"), default="rank")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    workers = [cluster.add_node(num_cpus=1, num_gpus=0) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    store = tempfile.mkdtemp(prefix="rayshard-hot-")
+    config = config_for(store, args.steps)
+    outcome, events = {}, []
+    tee = Tee(sys.stdout)
+
+    def run():
+        with contextlib.redirect_stdout(tee):
+            outcome.update(zip(("controller", "state"), train_elastic(
+                config, {"dp": 2, "tp": 2} if args.fault == "rank" else {},
+                ScalingPolicy(min_ranks=2), FailurePolicy(max_failures=3, backoff_s=0.0), cpus_per_rank=1.0)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while snapshot_step(store) < KILL_AT and time.time() < deadline and thread.is_alive():
+        time.sleep(0.05)
+    events.append({"event": args.fault, "snapshot_step": snapshot_step(store), "at": time.time()})
+    if args.fault == "node":
+        cluster.remove_node(workers[0])
+    else:
+        if args.fault == "both-holders":
+            doomed = holders_of_rank_zero(KILL_AT)
+            for name in doomed:
+                ray.kill(ray.get_actor(name))
+            events[-1]["killed_keepers"] = len(doomed)
+        os.kill(rank_pids()[-1][0], signal.SIGKILL)
+    thread.join(timeout=900)
+    metrics = read_metrics(Store(store), RUN)
+    history = [{"state": t.state.value, "detail": t.detail, "at": t.at_wall} for t in outcome["controller"].history]
+    first_layout = ParallelLayout.parse(metrics[0]["layout"])
+    with contextlib.redirect_stdout(tee):
+        reference = train(replace(config, run="reference", layout=first_layout,
+                                  checkpoint=replace(config.checkpoint, resume=None, snapshot_every=0),
+                                  resources=replace(config.resources, cpus_per_rank=0.5)))
+    json.dump({"state": outcome.get("state"), "history": history, "events": events,
+               "losses": {m["step"]: m["loss"] for m in metrics}, "layouts": {m["step"]: m["layout"] for m in metrics},
+               "reference": reference.losses,
+               "snapshot_steps": {m["step"]: m.get("snapshot_step") for m in metrics},
+               "log": "".join(tee.lines).splitlines()}, open(args.out, "w"), indent=1, default=str)
+    ray.shutdown()
+    with contextlib.suppress(Exception):
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The snapshot keepers and `rayshard-snapshot://` on the session's Ray (issue 41).
+
+Two keepers stand for two nodes (named as keepers of node-a and node-b); every file a process
+writes goes to both. A rayshard checkpoint saved there with `rayshard.checkpoint.save` loads back
+bit for bit; with one keeper killed or silenced (SIGSTOP) the other copy serves; with both gone
+nothing is read and the error says so. The multi-node cluster cases are tests/e2e/test_snapshot_recovery.py.
+"""
+import os
+import signal
+import uuid
+
+import pytest
+import torch
+
+from rayshard.plans.errors import CheckpointError
+
+
+@pytest.fixture
+def two_keepers(ray_session):
+    from rayshard.actors.snapshot.keeper import SnapshotKeeper, keeper_name
+
+    ray = ray_session
+    tag = uuid.uuid4().hex[:6]
+    nodes = [f"node-a-{tag}", f"node-b-{tag}"]
+    keepers = {node: ray.remote(SnapshotKeeper).options(name=keeper_name(node), num_cpus=0, max_concurrency=4).remote(node)
+               for node in nodes}
+    pids = {node: ray.get(keeper.__ray_call__.remote(lambda self: os.getpid()), timeout=60) for node, keeper in keepers.items()}
+    yield keepers, pids
+    for keeper in keepers.values():
+        ray.kill(keeper)
+
+
+def _state(seed: int = 3) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"model": {"layers.0.w": torch.randn(37, 11, generator=generator),  # odd, asymmetric shapes
+                      "norm": torch.arange(13.0) * 1.5 - 4},
+            "optim": {"state": {"layers.0.w": {"exp_avg": torch.randn(37, 11, generator=generator)}}},
+            "note": "kept as JSON"}
+
+
+def _zeros_like(state: dict) -> dict:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "optim": {"state": {"layers.0.w": {"exp_avg": torch.zeros(37, 11)}}}}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return (all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+            and torch.equal(a["optim"]["state"]["layers.0.w"]["exp_avg"], b["optim"]["state"]["layers.0.w"]["exp_avg"]))
+
+
+def _url() -> str:
+    return f"rayshard-snapshot://test-{uuid.uuid4().hex[:8]}/run"
+
+
+def _holders_of(keepers, suffix: str) -> list[str]:
+    import ray
+
+    return [node for node, keeper in keepers.items()
+            if any(path.endswith(suffix) for path in ray.get(keeper.listing.remote(""), timeout=60))]
+
+
+def test_a_checkpoint_saved_to_memory_loads_back_bit_for_bit_and_lives_on_two_keepers(two_keepers):
+    import rayshard.checkpoint as api
+
+    keepers, _ = two_keepers
+    url = _url()
+    ref = api.save(_state(), url, step=7)
+    assert ref.step == 7 and ref.url.startswith("rayshard-snapshot://")
+    target = _zeros_like(_state())
+    api.load(target, url)
+    assert _equal(target, _state())
+    assert len(_holders_of(keepers, "/manifest.parquet")) == 2 and len(_holders_of(keepers, ".safetensors")) == 2
+
+
+def test_a_killed_keeper_leaves_the_other_copy_to_read(two_keepers, ray_session):
+    import rayshard.checkpoint as api
+
+    keepers, _ = two_keepers
+    url = _url()
+    api.save(_state(), url, step=2)
+    ray_session.kill(keepers[sorted(keepers)[0]])
+    target = _zeros_like(_state())
+    api.load(target, url)
+    assert _equal(target, _state())
+
+
+def test_a_silent_keeper_is_taken_as_lost_within_its_bound(two_keepers, monkeypatch):
+    import rayshard.checkpoint as api
+
+    keepers, pids = two_keepers
+    url = _url()
+    api.save(_state(), url, step=2)
+    monkeypatch.setenv("RAYSHARD_SNAPSHOT_TIMEOUT_S", "3")
+    silent = sorted(keepers)[0]
+    os.kill(pids[silent], signal.SIGSTOP)
+    try:
+        target = _zeros_like(_state())
+        api.load(target, url)  # the stopped keeper is skipped after 3 s; the other answers
+        assert _equal(target, _state())
+    finally:
+        os.kill(pids[silent], signal.SIGCONT)
+
+
+def test_with_both_keepers_gone_nothing_is_read_and_the_error_says_so(two_keepers, ray_session):
+    import rayshard.checkpoint as api
+
+    keepers, _ = two_keepers
+    url = _url()
+    api.save(_state(), url, step=2)
+    for keeper in keepers.values():
+        ray_session.kill(keeper)
+    target = _zeros_like(_state())
+    with pytest.raises((CheckpointError, OSError)) as refused:
+        api.load(target, url)
+    assert "no committed checkpoint" in str(refused.value) or "no surviving snapshot keeper" in str(refused.value)
+    assert torch.count_nonzero(target["model"]["layers.0.w"]) == 0
+
+
+def test_conditional_writes_hold_inside_the_keepers(two_keepers):
+    import fsspec
+
+    from rayshard.storage.backends.protocol import PreconditionFailed
+    from rayshard.storage.backends.registry import open_url
+
+    backend, root = open_url(f"{_url()}")
+    backend.create_only(f"{root}/MANIFEST", b"first")
+    backend.create_only(f"{root}/MANIFEST", b"first")  # a retry whose first try landed counts as ours
+    with pytest.raises(FileExistsError):
+        backend.create_only(f"{root}/MANIFEST", b"second")
+    data, token = backend.read_versioned(f"{root}/LATEST")
+    assert (data, token) == (None, None)
+    backend.replace_if(f"{root}/LATEST", b"step-1", None)
+    _, token = backend.read_versioned(f"{root}/LATEST")
+    with pytest.raises(PreconditionFailed):
+        backend.replace_if(f"{root}/LATEST", b"step-2", None)
+    backend.replace_if(f"{root}/LATEST", b"step-2", token)
+    fs = fsspec.filesystem("rayshard-snapshot")
+    assert fs.cat_file(f"{root}/LATEST") == b"step-2" and fs.cat_file(f"{root}/MANIFEST", 1, 4) == b"irs"
+    assert type(backend).__name__ == "SnapshotBackend"
+
+
+def test_a_restart_uses_a_whole_snapshot_and_refuses_one_missing_a_file(two_keepers, ray_session):
+    import rayshard.checkpoint as api
+    from rayshard.cluster.run.snapshots import Snapshots, snapshot_store_url
+
+    keepers, _ = two_keepers
+    store_url = f"/tmp/durable-{uuid.uuid4().hex[:8]}"
+    snapshots = Snapshots(store_url, "run", every=1)
+    api.save(_state(), f"{snapshot_store_url(store_url)}/run", step=5)
+    assert snapshots.choose(durable_step=3).ref.step == 5
+    assert snapshots.choose(durable_step=5).ref is None  # not newer than the durable checkpoint
+    shard = next(path for keeper in keepers.values()
+                 for path in ray_session.get(keeper.listing.remote(snapshots.store.root + "/"))
+                 if path.endswith(".safetensors"))
+    for keeper in list(keepers.values()) + list(snapshots.store.fs.keepers().values()):
+        ray_session.get(keeper.remove.remote(shard))
+    choice = snapshots.choose(durable_step=3)
+    assert choice.ref is None
+    assert choice.why == f"the snapshot of step 5 has no surviving copy of {shard.split('/step-00000005/')[1]}"
