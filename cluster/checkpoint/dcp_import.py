@@ -42,6 +42,8 @@ from rayshard.plans.transforms.mapping import Meta
 IMPORT_FILE_BYTES = 2 * 2**30
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 FLOATING = ("float32", "bfloat16", "float16", "float64")
+STEP_DTYPES = ("int32", "int64", "int16", "float32", "float64")
+TRAIN_STEP_KEYS = ("train_state.step", "model.train_state.step")
 OPEN_FILES = 64  # .distcp handles kept open at once (a checkpoint of 16k ranks has 16k files)
 
 
@@ -112,6 +114,7 @@ class _Found:
     states: dict[tuple[str, str], DcpTensor]
     steps: dict[str, DcpTensor]
     skipped: list[str]
+    train_step: DcpTensor | None = None  # torchtitan's train_state.step when saved as a tensor (a 0-d int32)
 
 
 def _classify(contents: DcpContents, shapes: dict[str, tuple[int, ...]], directory: str, source: str) -> _Found:
@@ -121,6 +124,8 @@ def _classify(contents: DcpContents, shapes: dict[str, tuple[int, ...]], directo
     for key, tensor in contents.tensors.items():
         match = classify_key(key, names)
         if match is None:
+            if key in TRAIN_STEP_KEYS:
+                found.train_step = tensor
             if is_auxiliary(key):
                 found.skipped.append(key)
                 continue
@@ -213,7 +218,10 @@ def _locate(fs, base: str, directory: str, tensors: list[DcpTensor]) -> dict[tup
 
 
 def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: str, directory: str, log) -> int:
-    """AdamW's step count: the same in every parameter's state; else train_state.step; else 0."""
+    """AdamW's step count: the same in every parameter's state; else train_state.step (a number,
+    or the 0-d tensor torchtitan's TrainState saves); else 0. AdamW's count decides the bias
+    correction a resume continues with, so it wins where both are present (a difference is noted)."""
+    train_step = _train_step(found, contents, reader, fs, base, directory)
     values = {}
     for name, tensor in found.steps.items():
         if tensor.shape != ():
@@ -227,8 +235,33 @@ def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: 
             raise CheckpointError(f"{directory}: AdamW's step differs between parameters or is not a whole number "
                                   f"({distinct[:4]}); rayshard keeps one step per checkpoint. Fix: import a checkpoint "
                                   "whose parameters were all stepped together")
+        if train_step is not None and train_step != int(distinct[0]):
+            log(f"note: {directory} holds train_state.step {train_step} but AdamW's step {int(distinct[0])}; the import "
+                "is AdamW's step (its bias correction continues from it)")
         return int(distinct[0])
-    for prefix in ("train_state.step", "model.train_state.step"):
+    if train_step is not None:
+        return train_step
+    log(f"note: {directory} holds no AdamW step and no train_state.step; the import is step 0")
+    return 0
+
+
+def _train_step(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: str, directory: str) -> int | None:
+    """torchtitan's train_state.step: a 0-d integer tensor (its TrainState saves
+    `torch.tensor(step, dtype=torch.int32)`) or a plain number; None when absent."""
+    tensor = found.train_step
+    if tensor is not None:
+        if tensor.shape != () or tensor.dtype not in STEP_DTYPES:
+            raise CheckpointError(f"{directory}: {tensor.key} is {tensor.dtype}{list(tensor.shape)}; a training step is a "
+                                  "number (a 0-d integer or float tensor). Fix: import a checkpoint whose train_state "
+                                  "is torchtitan's")
+        value = torch.empty((), dtype=getattr(torch, tensor.dtype))
+        reader.read_rows(tensor, 0, 1, value)
+        number = value.item()
+        if number != int(number) or number < 0:
+            raise CheckpointError(f"{directory}: {tensor.key} is {number}, not a whole number of steps >= 0. Fix: import "
+                                  "a checkpoint whose train_state is torchtitan's")
+        return int(number)
+    for prefix in TRAIN_STEP_KEYS:
         if prefix in contents.values:
             item = contents.values[prefix]
             if item.length > MAX_VALUE_BYTES:  # .metadata says how long; a step is a few bytes
@@ -238,8 +271,7 @@ def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: 
                 value = read_plain_value(handle.read(item.length))
             if isinstance(value.value, int) and not isinstance(value.value, bool) and value.value >= 0:
                 return value.value
-    log(f"note: {directory} holds no AdamW step and no train_state.step; the import is step 0")
-    return 0
+    return None
 
 
 @dataclass
@@ -287,7 +319,8 @@ def _prepare(directory, model, source, mapping, ours, dtype, log) -> _Prepared:
     found = _classify(contents, shapes, directory, source)
     kinds = _check_shapes(found, shapes, directory, source)
     _check_tiling(found, directory)
-    located = _locate(fs, base, directory, list(found.states.values()) + list(found.steps.values()))
+    located = _locate(fs, base, directory, list(found.states.values()) + list(found.steps.values())
+                      + ([found.train_step] if found.train_step is not None else []))
     reader = DcpReader(fs, base, directory, located)
     try:
         step = _step_of(found, contents, reader, fs, base, directory, log)

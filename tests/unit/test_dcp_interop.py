@@ -155,9 +155,14 @@ def test_the_export_loads_with_dcp_as_torchtitan_named_the_source(source, tmp_pa
     dcp.load(loaded, checkpoint_id=out, no_dist=True)
     flat = {**{k: v for k, v in expected.items() if k not in ("optimizer", "train_state")},
             **{f"optimizer.{k}": v for k, v in expected["optimizer"].items() if not k.startswith("param_groups")}}
+    # torchtitan's TrainState step too, as it saves it: a 0-d int32 tensor its loader reads with .item().
+    flat["train_state.step"] = torch.tensor(2, dtype=torch.int32)
     assert loaded.keys() == flat.keys()
     for key, tensor in flat.items():
-        assert torch.equal(loaded[key], tensor), key
+        assert torch.equal(loaded[key], tensor) and loaded[key].dtype == tensor.dtype, key
+    train_state = {"train_state": {"step": torch.tensor(0, dtype=torch.int32)}}  # TrainState.state_dict()'s shape
+    dcp.load(train_state, checkpoint_id=out, no_dist=True)
+    assert train_state["train_state"]["step"].item() == 2
     # And it imports back to the same checkpoint.
     target = str(tmp_path / "back")
     assert main(["ckpt", "import", out, "--format", "dcp", "--model", "tiny", "--run", "back", "--store", target,
@@ -181,6 +186,29 @@ def test_an_export_killed_midway_leaves_no_directory(source, tmp_path):
     finally:
         child.wait(timeout=30)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("adamw", [False, True])
+def test_torchtitans_train_state_step_as_a_0d_tensor_is_the_step(source, adamw, tmp_path, capsys):
+    """torchtitan's TrainState saves `torch.tensor(step, dtype=torch.int32)`: the step of a
+    model-only checkpoint; where AdamW's own step is there too and differs, AdamW's (noted)."""
+    store, url, _ = source
+    state = _dcp_state(url, 2, "torchtitan")
+    if not adamw:
+        state = {key: value for key, value in state.items() if key != "optimizer"}
+    state["train_state"] = {"step": torch.tensor(7, dtype=torch.int32)}
+    directory = str(tmp_path / "dcp")
+    dcp.save(state, checkpoint_id=directory, no_dist=True)
+    target = str(tmp_path / "store")
+    assert main(["ckpt", "import", directory, "--format", "dcp", "--model", "tiny", "--run", "titan", "--store", target]) == 0
+    assert Store(target).committed_steps("titan") == [2 if adamw else 7]
+    out = capsys.readouterr().out
+    assert ("train_state.step 7 but AdamW's step 2" in out) == adamw
+    state["train_state"] = {"step": torch.tensor([1, 2], dtype=torch.int32)}  # not a number: refused, nothing committed
+    other = str(tmp_path / "dcp-2")
+    dcp.save(state, checkpoint_id=other, no_dist=True)
+    error = _refused(capsys, _import(other, target), target)
+    assert "train_state.step is int32[2]" in error
 
 
 def _refused(capsys, argv, store) -> str:
