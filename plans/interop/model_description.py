@@ -138,3 +138,17 @@ def check_shapes(description: ModelDescription, found: dict[tuple[str, str], tup
                               "the checkpoint was saved from (--model, --hf-config or --config) and its naming (--names "
                               f"{'/'.join(NAMES)})")
     return kinds
+
+
+def check_recorded_description(chunks, metadata: dict, where: str) -> None:
+    """A `rayshard.checkpoint` manifest against the model description it recorded at save (what
+    `ckpt verify` checks, as it checks a trainer's manifest against its `model`); nothing for a
+    checkpoint that recorded none."""
+    if "model" in metadata or MANIFEST_KEY not in metadata:
+        return
+    description = ModelDescription.from_record(metadata[MANIFEST_KEY], where)
+    shapes = description.shapes()
+    # One record per tensor (a ChunkTable answers column-wise), not per chunk.
+    firsts = chunks.first_of_each_tensor().values() if hasattr(chunks, "first_of_each_tensor") else chunks
+    found = {(c.name, c.kind): (tuple(c.global_shape), c.dtype) for c in firsts if selected(c.name, c.kind, shapes)}
+    check_shapes(description, found, where)

@@ -15,15 +15,20 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 import rayshard.checkpoint as ckpt
+from rayshard.actors.checkpoint.save import save_rank_shard
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.catalog.store import Store
-from rayshard.cluster.cli.main import main
+from rayshard.cluster.cli.commands.train import config_from_args
+from rayshard.cluster.cli.main import build_parser, main
+from rayshard.cluster.run.resume_model import checkpoint_model
+from rayshard.plans.checkpoint.chunks import Chunk
+from rayshard.plans.errors import CheckpointError
 from rayshard.plans.training.model_spec import parameter_shapes, preset
 from rayshard.storage.manifest_io import read_manifest
 from tests.forked_ranks import run_ranks
 from tests.integration.reshard_helpers import digests
 from tests.torchtitan_llama import torchtitan_from_ours
-from tests.unit.checkpoint_factory import write_checkpoint
+from tests.unit.checkpoint_factory import trained_model, write_checkpoint
 
 CONFIG = preset("tiny")
 STEP = 2
@@ -216,3 +221,50 @@ def test_ls_verify_digest_and_diff_read_api_checkpoints(saved, capsys):
     assert code == 1 and all(line.startswith("only in b") for line in out[:-1]), out
     assert {line.split()[3] for line in out[:-1]} == {"step", "tensor"}
     assert out[-1].startswith(f"{3 * len(parameter_shapes(CONFIG))} of ")
+
+
+def _described(store: str, run: str, model: str) -> str:
+    """A checkpoint as rayshard.checkpoint commits one, recording `model` as its description
+    (written by the rank save path under our names: a manifest a save could not have checked)."""
+    model_, optimizer = trained_model(CONFIG, STEP)
+    pending = Store(store).begin(run, STEP)
+    rows = save_rank_shard(model_, optimizer, {}, pending.url, pending.file_for(0))
+    metadata = {"run": run, "step": STEP, "writer": "rayshard.checkpoint", "layout": {"world_size": 1, "mesh": {}},
+                "state": {}, "metadata": None, "model_description": {"model": preset(model).to_dict(), "names": "rayshard"}}
+    return pending.commit([Chunk.from_row(row) for row in rows], metadata)
+
+
+def test_verify_checks_an_api_manifest_against_the_model_it_recorded(saved, capsys):
+    store, _ = saved
+    _described(store, "recorded-tiny", "tiny")
+    _described(store, "recorded-small", "small")
+    assert _cli(capsys, "ckpt", "verify", f"recorded-tiny@{STEP}", "--store", store)[0] == 0
+    code, out, err = _cli(capsys, "ckpt", "verify", f"recorded-small@{STEP}", "--store", store)
+    text = " ".join(out + err)
+    assert code != 0 and "does not hold llama (recorded at save)" in text and "shape mismatches" in text
+    # The recorded model is what reshard and export use when no flag is given.
+    assert _cli(capsys, "ckpt", "reshard", f"recorded-tiny@{STEP}", "--to", "fsdp=2", "--run", "recorded-copy", "--local",
+                "--store", store, "--quiet")[0] == 0
+
+
+def _train_config(store: str, run: str, steps: int, *extra: str):
+    args = build_parser().parse_args(["train", "--store", store, "--run", run, "--steps", str(steps), "--global-batch", "4",
+                                      "--seq-len", "32", "--seed", "3", "--model", "tiny", *extra])
+    return config_from_args(args)
+
+
+@pytest.mark.slow  # its reshard is the default suite's; the resume is the DCP import's (test_dcp_interop_distributed)
+def test_train_resumes_a_resharded_api_checkpoint_as_its_source(saved, run_training, capsys):
+    """`train --resume` refuses an API checkpoint in one line naming `ckpt reshard`; the reshard's
+    copy (torchtitan's names -> ours, onto tp=2) then resumes step for step as the source does."""
+    store, _ = saved
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint_model(_train_config(store, "from-api", 5, "--resume", f"api-torchtitan@{STEP}"), f"api-torchtitan@{STEP}")
+    assert "\n" not in str(refused.value) and "Fix: `rayshard ckpt reshard` it" in str(refused.value)
+    assert _cli(capsys, "ckpt", "reshard", f"api-torchtitan@{STEP}", "--to", "tp=2", "--run", "resumable", "--local",
+                "--model", "tiny", "--names", "torchtitan", "--store", store, "--quiet")[0] == 0
+    with capsys.disabled():
+        from_api = run_training(_train_config(store, "from-api", 5, "--resume", f"resumable@{STEP}", "--tp", "2"))
+        direct = run_training(_train_config(store, "direct", 5, "--resume", f"src@{STEP}", "--tp", "2"))
+    assert sorted(from_api.losses) == [3, 4, 5]
+    assert from_api.losses == direct.losses  # step for step, exactly
