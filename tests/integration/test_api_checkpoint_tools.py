@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from safetensors.torch import load_file
 
 import rayshard.checkpoint as ckpt
@@ -206,6 +207,15 @@ def test_a_dcp_export_is_the_state_dict_as_saved_without_a_model_and_imports_as_
     assert _cli(capsys, "ckpt", "import", plain, "--format", "dcp", "--model", "tiny", "--run", "back", "--store", target,
                 "--quiet")[0] == 0
     assert digests(Store(target).resolve("back").url) == digests(source)
+    # Given the model, the export is torchtitan's layout (model at the top, `optimizer.`), as of the source.
+    titan = str(tmp_path / "dcp-titan")
+    assert _cli(capsys, "ckpt", "export", f"api-torchtitan@{STEP}", "--format", "dcp", "--out", titan, "--model", "tiny",
+                "--names", "torchtitan", "--store", store, "--quiet")[0] == 0
+    keys = set(FileSystemReader(titan).read_metadata().state_dict_metadata)
+    assert "layers.0.attention.wq.weight" in keys and "optimizer.state.norm.weight.exp_avg" in keys
+    assert _cli(capsys, "ckpt", "import", titan, "--format", "dcp", "--model", "tiny", "--run", "titan", "--store", target,
+                "--quiet")[0] == 0
+    assert digests(Store(target).resolve("titan").url) == digests(source)
 
 
 def test_ls_verify_digest_and_diff_read_api_checkpoints(saved, capsys):
