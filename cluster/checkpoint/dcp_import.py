@@ -17,12 +17,16 @@ the run's writer lease: any refusal (one line naming what) leaves nothing commit
 """
 from __future__ import annotations
 
+import mmap
+import os
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 from rayshard.cluster.catalog import writer_lease
@@ -44,16 +48,57 @@ MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 FLOATING = ("float32", "bfloat16", "float16", "float64")
 STEP_DTYPES = ("int32", "int64", "int16", "float32", "float64")
 TRAIN_STEP_KEYS = ("train_state.step", "model.train_state.step")
-OPEN_FILES = 64  # .distcp handles kept open at once (a checkpoint of 16k ranks has 16k files)
+OPEN_FILES = 64
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault a band's pages in with the map, not one by one
+# Bands from memory maps of the .distcp pages (one copy per byte) rather than reads into buffers
+# (two or three): decision 131. RAYSHARD_DCP_IMPORT_VIEWS=0 reads as before (the bench compares both).
+VIEWS_DEFAULT = os.environ.get("RAYSHARD_DCP_IMPORT_VIEWS", "1") != "0"  # .distcp handles kept open at once (a checkpoint of 16k ranks has 16k files)
 
 
 class DcpReader:
-    """Row ranges of DCP tensors read straight into caller buffers, from located chunk bytes."""
+    """Row ranges of DCP tensors read straight into caller buffers, from located chunk bytes; on a
+    local file system also handed out as views of the files' own pages (`row_view`)."""
 
     def __init__(self, fs, base: str, directory: str, located: dict[tuple[str, tuple], ChunkBytes]):
         self.fs, self.base, self.directory, self.located = fs, base, directory, located
         self.handles: OrderedDict[str, object] = OrderedDict()
         self.bytes_read = 0
+        self.mappable = isinstance(fs, LocalFileSystem) and hasattr(mmap, "MAP_PRIVATE")
+
+    def row_view(self, tensor: DcpTensor, first: int, end: int) -> torch.Tensor | None:
+        """Rows [first, end) of `tensor` as uint8 rows over a read-only memory map of its `.distcp`
+        bytes (the page cache, no copy), when they lie in one chunk of whole rows on a local file
+        system; else None. The map lives as long as the tensor (unmapped when it is freed), so a
+        band's pages are mapped only while it is written. The byte range was checked against the
+        file's size when the chunk was located."""
+        if not self.mappable or not tensor.shape or end <= first:
+            return None
+        itemsize = ITEMSIZE[tensor.dtype]
+        row_bytes = itemsize
+        for extent in tensor.shape[1:]:
+            row_bytes *= extent
+        for chunk in tensor.chunks:
+            if chunk.offsets[0] <= first and end <= chunk.offsets[0] + chunk.sizes[0]:
+                if tuple(chunk.sizes[1:]) != tuple(tensor.shape[1:]):
+                    return None  # a block of columns: its rows are not whole rows of the tensor
+                located = self.located[(tensor.key, chunk.offsets)]
+                start = located.start + (first - chunk.offsets[0]) * row_bytes
+                length = (end - first) * row_bytes
+                base = start - start % mmap.ALLOCATIONGRANULARITY
+                descriptor = os.open(f"{self.base}/{located.file}", os.O_RDONLY)
+                try:  # read-only: a writable private map would be populated by copy-on-write faults, a copy per page
+                    pages = mmap.mmap(descriptor, start + length - base, flags=mmap.MAP_SHARED | MAP_POPULATE,
+                                      prot=mmap.PROT_READ, offset=base)
+                finally:
+                    os.close(descriptor)
+                self.bytes_read += length
+                with warnings.catch_warnings():  # torch warns that the buffer is read-only; only reads touch it
+                    warnings.simplefilter("ignore", UserWarning)
+                    # Bytes, not the dtype: an item sits at any offset of its .distcp file, so its data need
+                    # not be aligned to the element size; rows of bytes are copied alike.
+                    rows = torch.frombuffer(pages, dtype=torch.uint8, count=length, offset=start - base)
+                return rows.reshape(end - first, row_bytes)
+        return None
 
     def handle(self, file: str):
         if file in self.handles:
@@ -287,11 +332,12 @@ class _Prepared:
 
 def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str, dtype: str = "float32",
                model_preset: str | None = None, file_bytes: int = IMPORT_FILE_BYTES, band_bytes: int = BAND_BYTES,
-               log=print, progress=None) -> str:
+               log=print, progress=None, views: bool | None = None) -> str:
     """Write a rayshard checkpoint (run@step) from a DCP directory of torchtitan's Llama; commit it.
     model: its configuration (`source` says where it came from, for messages). The directory is
     read and checked whole first, so a refusal leaves the store untouched; the writing holds the
-    run's writer lease, as every writer of a run does."""
+    run's writer lease, as every writer of a run does. views: bands from memory maps of a local
+    directory's pages (decision 131; default on, RAYSHARD_DCP_IMPORT_VIEWS=0 turns it off)."""
     started = time.perf_counter()
     mapping = torchtitan_mapping(model)
     ours = parameter_shapes(model)
@@ -299,7 +345,7 @@ def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str,
     try:
         with writer_lease.holding(store, run), one_torch_thread():
             committed = _write(prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes,
-                               band_bytes, progress)
+                               band_bytes, progress, VIEWS_DEFAULT if views is None else views)
     finally:
         prepared.reader.close()
     found, kinds = prepared.found, prepared.kinds
@@ -331,8 +377,8 @@ def _prepare(directory, model, source, mapping, ours, dtype, log) -> _Prepared:
 
 
 def _write(prepared: _Prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes, band_bytes,
-           progress) -> str:
-    pieces = _pieces(prepared.found, prepared.kinds, mapping, ours, dtype, prepared.reader, band_bytes, progress)
+           progress, views: bool) -> str:
+    pieces = _pieces(prepared.found, prepared.kinds, mapping, ours, dtype, prepared.reader, band_bytes, progress, views)
     set_total(progress, sum(_piece_bytes(piece) for piece in pieces))
     pending = store.begin(run, prepared.step)
     target_fs, target_base = fsspec.core.url_to_fs(pending.url)
@@ -357,7 +403,7 @@ def _piece_bytes(piece: Piece) -> int:
 
 
 def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, reader: DcpReader, band_bytes: int,
-            progress) -> list[Piece]:
+            progress, views: bool = True) -> list[Piece]:
     """One lazily filled piece per row band of every rayshard tensor and kind, in mapping order."""
     target = getattr(torch, dtype)
     itemsize = ITEMSIZE[dtype]
@@ -384,15 +430,18 @@ def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, re
 
             def read_rows(name, first, end, into, sources=sources):
                 reader.read_rows(sources[name], first, end, into)
+
+            def row_view(name, first, end, sources=sources):
+                return reader.row_view(sources[name], first, end) if views else None
             for name in group.outputs:
                 shape = tuple(ours[name])
                 for first, end in bands(shape, itemsize, band_bytes):
                     band = (end - first, *shape[1:]) if shape else ()
 
                     def load(origin=origins[name], first=first, end=end, band=band, source_shapes=source_shapes,
-                             source_dtypes=source_dtypes, read_rows=read_rows):
+                             source_dtypes=source_dtypes, read_rows=read_rows, row_view=row_view):
                         return fill_band(origin, first, end, buffers.take("band", band, target), source_shapes,
-                                         source_dtypes, read_rows, buffers.take)
+                                         source_dtypes, read_rows, buffers.take, row_view)
                     pieces.append(Piece(name, kind, LazyTensor(target, band, _counted(load, progress)), shape,
                                         (first,) + (0,) * (len(shape) - 1) if shape else ()))
     return pieces

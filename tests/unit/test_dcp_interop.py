@@ -128,6 +128,30 @@ def test_a_dcp_save_imports_as_the_source_checkpoint(source, layout, tmp_path, c
     assert "skipped" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("views", [True, False])
+def test_bands_from_memory_maps_and_from_reads_import_alike(source, views, tmp_path, monkeypatch):
+    """Decision 131: bands taken from read-only maps of the .distcp pages (a renamed band is the
+    map itself, qkv and gate_up gathered straight from it) and bands read into buffers give the
+    same checkpoint, bit for bit; the maps are used (none is left mapped afterwards)."""
+    from rayshard.cluster.checkpoint import dcp_import, row_bands
+
+    taken = []  # whether each band came from maps (not the band itself: it would keep its map alive)
+
+    def from_views(*args):
+        band = original(*args)
+        taken.append(band is not None)
+        return band
+    original = row_bands._from_views
+    monkeypatch.setattr(row_bands, "_from_views", from_views)
+    store, url, directories = source
+    target = str(tmp_path / "store")
+    dcp_import.import_dcp(directories["torchtitan"], Store(target), "mapped", CONFIG, "--model tiny", log=lambda *_: None,
+                          views=views)
+    assert digests(Store(target).resolve("mapped").url) == digests(url)
+    assert (len(taken) > 0 and all(taken)) == views
+    assert not [line for line in open("/proc/self/maps") if ".distcp" in line]
+
+
 @pytest.mark.parametrize("given", ["--hf-config", "--config"])
 def test_the_model_configuration_may_come_from_a_config_json_or_a_train_config(source, given, tmp_path):
     store, url, directories = source
