@@ -5,9 +5,12 @@ Nothing in the directory is unpickled beyond DCP's metadata records (`dcp_metada
 records that locate each tensor chunk's bytes (`dcp_records.py`). The model configuration comes
 from the caller (DCP carries none) and every tensor's shape is checked against it before anything
 is written. Weights and moments go through torchtitan's mapping inverted (`plans/interop/
-torchtitan.py`), a row band at a time (`row_bands.py`): each band reads just the rows it needs
-straight from the `.distcp` files into its buffer, so memory stays at a band or two whatever the
-model's size. The AdamW step comes from the optimizer's per-parameter `step` (all equal), else
+torchtitan.py`), a row band at a time (`row_bands.py`): each band takes just the rows it needs
+from the `.distcp` files, so memory stays at a band or two whatever the model's size. On a local
+file system a band is taken from a read-only memory map of those rows (a renamed band is the map
+itself, written from the page cache; qkv and gate_up are gathered straight from the maps), one
+copy per byte instead of a read into a buffer and a gather (decision 131); elsewhere, and for rows
+a map cannot give (a band across chunks, a tp shard's column block), they are read into buffers. The AdamW step comes from the optimizer's per-parameter `step` (all equal), else
 from `train_state.step`, else 0; moments absent from the checkpoint start at zero, as a fresh
 AdamW's do. The rest of the directory (param_groups, lr_scheduler, dataloader, train_state) is
 skipped by name and counted in the log.
