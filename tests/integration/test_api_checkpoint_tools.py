@@ -19,11 +19,14 @@ import rayshard.checkpoint as ckpt
 from rayshard.actors.checkpoint.save import save_rank_shard
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.catalog.store import Store
+from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
 from rayshard.cluster.cli.commands.train import config_from_args
 from rayshard.cluster.cli.main import build_parser, main
 from rayshard.cluster.run.resume_model import checkpoint_model
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.errors import CheckpointError
+from rayshard.plans.interop.model_description import ModelDescription
+from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_spec import parameter_shapes, preset
 from rayshard.storage.manifest_io import read_manifest
 from tests.forked_ranks import run_ranks
@@ -278,3 +281,15 @@ def test_train_resumes_a_resharded_api_checkpoint_as_its_source(saved, run_train
         direct = run_training(_train_config(store, "direct", 5, "--resume", f"src@{STEP}", "--tp", "2"))
     assert sorted(from_api.losses) == [3, 4, 5]
     assert from_api.losses == direct.losses  # step for step, exactly
+
+
+def test_ray_actors_reshard_a_torchtitan_named_api_checkpoint(saved, ray_session):
+    """The description travels to the Ray workers, each of which reads through the mapping."""
+    store, source = saved
+    description = ModelDescription(preset("tiny"), "torchtitan", "tiny", "--model tiny")
+    # num_cpus=0: the session's rank pool holds every logical CPU; the workers only do I/O here.
+    result = reshard_checkpoint(Store(store).resolve(f"api-torchtitan@{STEP}").url, ParallelLayout(fsdp=2, tp=2),
+                                Store(store), "ray-copy", workers=2, num_cpus=0, log=lambda *_: None,
+                                description=description)
+    assert result.workers == 2 and result.ranks == 4
+    assert digests(result.url) == digests(source)
