@@ -9,7 +9,9 @@ chunk). Then, repeatedly and in alternating order:
   of any importer that writes what it reads: not the goal's anchor, shown for scale);
 - import: `import_dcp` of the directory into a fresh store (`rayshard ckpt import --format dcp`:
   restricted metadata read, chunk location, row bands through the torchtitan mapping, safetensors
-  written with checksums, manifest commit).
+  written with checksums, manifest commit), its bands taken from memory maps of the `.distcp`
+  pages (decision 131);
+- import (reads): the same with the bands read into buffers first, as before decision 131.
 Throughput is the `.distcp` bytes over the wall time of each; the figure is the median over
 repeats. Both read from the page cache (the first raw read warms it); the import's store is on
 tmpfs by default (`--store-root`), so the figure is the importer's own cost, not a shared disk's
@@ -104,27 +106,33 @@ def main() -> None:
     buffer = bytearray(READ_BLOCK)
     raw_read(files, buffer)  # warm the page cache
     raw_times, copy_times, import_times, peaks = [], [], [], []
+    read_times, read_peaks = [], []
     os.makedirs(args.store_root, exist_ok=True)
     model = preset(args.model)
     for repeat in range(args.repeats):
         store = os.path.join(args.store_root, f"store-{repeat}")
 
-        def run_import():
+        def run_import(views=True):
+            times, memory = (import_times, peaks) if views else (read_times, read_peaks)
             with PeakRSS() as rss:
                 started = time.perf_counter()
-                import_dcp(directory, Store(store), "imported", model, f"--model {args.model}", log=lambda *_: None)
-                import_times.append(time.perf_counter() - started)
-            peaks.append(rss.above_base)
+                import_dcp(directory, Store(store), "imported", model, f"--model {args.model}", log=lambda *_: None,
+                           views=views)
+                times.append(time.perf_counter() - started)
+            memory.append(rss.above_base)
+            shutil.rmtree(store)
         if repeat % 2:
             run_import()
+            run_import(views=False)
             copy_times.append(raw_copy(files, buffer, os.path.join(args.store_root, "copy")))
             raw_times.append(raw_read(files, buffer))
         else:
             raw_times.append(raw_read(files, buffer))
             copy_times.append(raw_copy(files, buffer, os.path.join(args.store_root, "copy")))
+            run_import(views=False)
             run_import()
-        shutil.rmtree(store)
     raw, copied, imported = statistics.median(raw_times), statistics.median(copy_times), statistics.median(import_times)
+    read_first = statistics.median(read_times)
     print(f"model {args.model}: {len(files)} .distcp file(s), {total / MiB:.1f} MiB; largest chunk {largest / MiB:.1f} MiB; "
           f"band {BAND_BYTES // MiB} MiB; store {args.store_root}; torch {torch.__version__}; median of {args.repeats}; "
           f"load average {os.getloadavg()[0]:.0f} on {os.cpu_count()} CPUs")
@@ -132,8 +140,11 @@ def main() -> None:
     print(f"  raw copy      {total / MiB / copied:8.1f} MiB/s  ({copied:.2f} s)")
     print(f"  rayshard import {total / MiB / imported:6.1f} MiB/s  ({imported:.2f} s)  = {raw / imported:.2f}x raw read "
           f"(goal >= 0.8x), {copied / imported:.2f}x raw copy")
+    print(f"  import (reads)  {total / MiB / read_first:6.1f} MiB/s  ({read_first:.2f} s)  = {raw / read_first:.2f}x raw read, "
+          f"{copied / read_first:.2f}x raw copy; memory-mapped bands take {imported / read_first:.2f}x its time")
     print(f"  import peak RSS above base: median {statistics.median(peaks) / MiB:.0f} MiB, max {max(peaks) / MiB:.0f} MiB "
-          f"(goal <= largest chunk + 256 MiB = {(largest + 256 * MiB) / MiB:.0f} MiB)")
+          f"(goal <= largest chunk + 256 MiB = {(largest + 256 * MiB) / MiB:.0f} MiB); with reads: median "
+          f"{statistics.median(read_peaks) / MiB:.0f}, max {max(read_peaks) / MiB:.0f} MiB")
     shutil.rmtree(args.root, ignore_errors=True)
     shutil.rmtree(args.store_root, ignore_errors=True)
 

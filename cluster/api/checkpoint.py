@@ -44,6 +44,8 @@ from rayshard.cluster.catalog.pending import PendingCheckpoint
 from rayshard.cluster.catalog.store import CheckpointRef
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.model_check import check_state_dict_matches
+from rayshard.plans.interop.model_description import MANIFEST_KEY as MODEL_DESCRIPTION
+from rayshard.plans.interop.model_description import ModelDescription, check_shapes, describe, selected
 from rayshard.plans.checkpoint.save_plan import HeldPiece, choose_writers
 from rayshard.plans.checkpoint.state_dict_keys import check_json_value
 from rayshard.plans.errors import CheckpointError, ConfigError
@@ -118,26 +120,33 @@ class _Snapshot:
     values: str = "{}"
     user: str = "null"
     mesh: dict = field(default_factory=dict)
+    model: ModelDescription | None = None  # what `model=` described, checked and recorded by the first rank
 
 
 def save(state_dict: Mapping, where: str, *, step: int, metadata: dict | None = None,
-         process_group=None) -> CheckpointRef:
+         process_group=None, model: dict | None = None) -> CheckpointRef:
     """Save `state_dict` as checkpoint `step` of the run `where` (a URL or path; its parent is the
     store) and return the committed reference. A collective: every rank of `process_group` calls
     it. Nothing is visible until the first rank's commit; a process killed meanwhile leaves no
-    checkpoint (`rayshard ckpt gc` removes its files)."""
+    checkpoint (`rayshard ckpt gc` removes its files).
+
+    model: optionally, the model the state dict holds, so `rayshard ckpt reshard/export/plan` need
+    no flag: `{"preset": "tiny"}`, `{"hf_config": <config.json's contents>}` or `{"config":
+    <ModelConfig fields>}`, with `"names": "torchtitan"` when the module names are torchtitan's
+    Llama (default "rayshard"). Every parameter's shape is checked against it before anything is
+    written; it is kept in the manifest as JSON."""
     _wait_for_async_save()
     coordination = Coordination(process_group, _save_name(where, step))
     own, snapshot = None, _Snapshot()
     try:
-        snapshot = _snapshot(state_dict, metadata, step, staging=None)
+        snapshot = _snapshot(state_dict, metadata, step, staging=None, model=model)
     except Exception as error:  # reported to every rank at the first exchange
         own = error
     return _save(coordination, where, step, snapshot, own)
 
 
 def async_save(state_dict: Mapping, where: str, *, step: int, metadata: dict | None = None,
-               process_group=None) -> Future:
+               process_group=None, model: dict | None = None) -> Future:
     """`save` in the background: returns once this rank's state is copied to host memory (later
     changes to the tensors are not saved); the future's result is the committed `CheckpointRef`,
     or its exception the save's failure. One async save runs at a time per process: a second one
@@ -147,7 +156,7 @@ def async_save(state_dict: Mapping, where: str, *, step: int, metadata: dict | N
     coordination = Coordination(process_group, _save_name(where, step))  # made here: it may be a collective
     own, snapshot = None, _Snapshot()
     try:
-        snapshot = _snapshot(state_dict, metadata, step, staging=_STAGING)
+        snapshot = _snapshot(state_dict, metadata, step, staging=_STAGING, model=model)
     except Exception as error:
         own = error
     global _IN_FLIGHT
@@ -178,9 +187,10 @@ def _save_name(where, step) -> str:
     return f"save of {where}@{step}"
 
 
-def _snapshot(state_dict: Mapping, metadata, step, staging: HostStaging | None) -> _Snapshot:
+def _snapshot(state_dict: Mapping, metadata, step, staging: HostStaging | None, model: dict | None = None) -> _Snapshot:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ConfigError("step", step, "must be a whole number >= 0", "pass the optimizer steps completed, e.g. step=20")
+    description = describe(model) if model is not None else None  # before any copy: a wrong one costs nothing
     if metadata is not None:
         if not isinstance(metadata, dict):
             raise ConfigError("metadata", type(metadata).__name__, "must be a dict (kept as JSON)", "pass a dict or None")
@@ -193,7 +203,7 @@ def _snapshot(state_dict: Mapping, metadata, step, staging: HostStaging | None) 
         staging.keep_only(keys)
     # JSON text now: a value the caller changes after an async save returns is not saved.
     return _Snapshot([piece.held for piece in flat.pieces], tensors, json.dumps(flat.values), json.dumps(metadata),
-                     _mesh_of(flat))
+                     _mesh_of(flat), description)
 
 
 def _mesh_of(flat: FlatState) -> dict:
@@ -211,8 +221,8 @@ def _mesh_of(flat: FlatState) -> dict:
 class _FirstRank:
     """What only the first rank keeps during a save: the run's writer lease and the attempt."""
 
-    def __init__(self, location: RunLocation | None, step: int):
-        self.location, self.step = location, step
+    def __init__(self, location: RunLocation | None, step: int, model: ModelDescription | None = None):
+        self.location, self.step, self.model = location, step, model
         self.pending: PendingCheckpoint | None = None
         self.error: BaseException | None = None  # its own failure while planning or committing, raised as is
 
@@ -233,7 +243,7 @@ def _save(coordination: Coordination, where: str, step: int, snapshot: _Snapshot
         except Exception as error:
             own = error
     listed = coordination.gather("listing what each rank holds", _record(coordination, own, snapshot.held))
-    first = _FirstRank(location, step) if coordination.is_root else None
+    first = _FirstRank(location, step, snapshot.model) if coordination.is_root else None
     share = coordination.scatter("sending each rank its share of the writing",
                                  _plan_save(listed, first, coordination) if first else None)
     if isinstance(share, list):  # failures: the save stops before anything is written
@@ -312,6 +322,11 @@ def _plan_save(listed: list, first: _FirstRank, coordination: Coordination) -> l
             raise CheckpointError("the state dict holds no tensor on any rank; a checkpoint holds at least one. "
                                   "Fix: pass the model's and optimizer's state (get_state_dict)")
         writers = choose_writers(listed)
+        if first.model is not None:  # every parameter against the model described, before anything is written
+            shapes = first.model.shapes()
+            check_shapes(first.model, {(held.name, held.kind): (held.global_shape, held.dtype) for pieces in listed
+                                       for held in pieces if selected(held.name, held.kind, shapes)},
+                         f"{run}@{first.step} (model=...)")
         first.pending = store.begin(run, first.step)
         return [_Assignment(first.pending.url, first.pending.file_for(rank), indices) for rank, indices in enumerate(writers)]
     except Exception as error:
@@ -341,6 +356,8 @@ def _commit(gathered: list, first: _FirstRank, snapshot: _Snapshot, coordination
                     "layout": {"world_size": coordination.size, "mesh": snapshot.mesh},
                     "state": json.loads(snapshot.values), "metadata": json.loads(snapshot.user),
                     "parent": parent, "created_unix": time.time()}
+        if first.model is not None:
+            metadata[MODEL_DESCRIPTION] = first.model.record()
         _writer_lease(store, run)  # still this process's (renewed meanwhile): nobody else wrote the run since
         return first.pending.commit(ChunkTable.concat(gathered), metadata)
     except Exception as error:

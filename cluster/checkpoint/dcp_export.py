@@ -37,11 +37,15 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.cluster.checkpoint.described_source import is_api_checkpoint, open_source, reopened
 from rayshard.cluster.checkpoint.dcp_metadata import METADATA_FILE
 from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, RowOrigins, bands, fill_band, one_torch_thread, row_origins
 from rayshard.cluster.progress import advance, set_total
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
 from rayshard.plans.checkpoint.model_check import check_against_own_model
+from rayshard.plans.interop.model_description import ModelDescription
+from rayshard.plans.checkpoint.state_dict_keys import OTHER_KIND, column_of, key_of
+from rayshard.storage.manifest_io import read_manifest
 from rayshard.plans.checkpoint.reshard import Target
 from rayshard.plans.checkpoint.safetensors_layout import ITEMSIZE
 from rayshard.plans.errors import CheckpointError
@@ -51,6 +55,7 @@ from rayshard.plans.transforms.mapping import Meta
 
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 OPTIMIZER = "optimizer"
+TRAIN_STEP = "train_state.step"
 
 
 @dataclass(frozen=True)
@@ -95,15 +100,60 @@ class DcpExportResult:
 
 
 def export_dcp(checkpoint_url: str, directory: str, workers: int = 1, band_bytes: int = BAND_BYTES, log=print,
-               progress=None) -> DcpExportResult:
+               progress=None, description: ModelDescription | None = None) -> DcpExportResult:
+    """A rayshard checkpoint as a DCP directory: torchtitan's Llama layout for a checkpoint that
+    records its model (or a `rayshard.checkpoint` one given a `description`); a
+    `rayshard.checkpoint` checkpoint otherwise under its own state-dict keys, needing no model
+    (`_as_saved`, decision 130)."""
     started = time.perf_counter()
     if not directory.strip():
         raise CheckpointError("export --out is empty. Fix: name a new directory, e.g. --out ./dcp-export")
     fs, out = fsspec.core.url_to_fs(directory)
     out = out.rstrip("/")
     _refuse_non_empty(fs, out, directory)
-    stored = StoredCheckpoint(checkpoint_url)
-    model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
+    chunks, manifest_metadata = read_manifest(checkpoint_url)
+    as_saved = description is None and is_api_checkpoint(manifest_metadata)
+    if as_saved:
+        stored = StoredCheckpoint(checkpoint_url, chunks, manifest_metadata, keys_checked=True)
+        items, values = _as_saved(stored, band_bytes)
+        path_of, names_said = _saved_path, "the state dict's own keys"
+    else:
+        stored = open_source(checkpoint_url, description, chunks, manifest_metadata)
+        items, values = _torchtitan_layout(stored, band_bytes)
+        path_of, names_said = _path, "torchtitan Llama names"
+    set_total(progress, sum(item.nbytes for item in items))
+    staging = f"{out}.partial-{uuid.uuid4().hex[:8]}" if isinstance(fs, LocalFileSystem) else out
+    fs.makedirs(staging, exist_ok=True)
+    assigned = _assign(items, max(1, workers))
+    files = [f"__{w}_0.distcp" for w in range(len(assigned))]
+    try:
+        with one_torch_thread(), ThreadPoolExecutor(max_workers=len(assigned), thread_name_prefix="dcp-export") as pool:
+            futures = [pool.submit(_write_file, fs, f"{staging}/{file}", file, members, values if w == 0 else {},
+                                   stored if w == 0 else reopened(stored), progress)
+                       for w, (file, members) in enumerate(zip(files, assigned))]
+            written = [entry for future in futures for entry in future.result()]
+        metadata = _metadata(written, directory, path_of)
+        with fs.open(f"{staging}/{METADATA_FILE}", "wb") as handle:  # last: what makes it a checkpoint
+            pickle.dump(metadata, handle)
+        if staging != out:
+            _publish(fs, staging, out, directory)
+    except BaseException:
+        if staging != out:
+            fs.rm(staging, recursive=True)
+        raise
+    result = DcpExportResult(directory, files + [METADATA_FILE], len(metadata.state_dict_metadata),
+                             sum(1 for entry in written if entry.band.kind != "value"),
+                             sum(entry.length for entry in written), time.perf_counter() - started)
+    log(f"exported {checkpoint_url} to {directory} as torch.distributed.checkpoint ({names_said}, DCP "
+        f"{metadata.version}, torch {torch.__version__}): {result.tensors} entries in {len(files)} file(s), "
+        f"{result.bytes_written / 2**20:.1f} MiB in {result.seconds:.1f}s")
+    return result
+
+
+def _torchtitan_layout(stored, band_bytes: int) -> tuple[list[_Band], dict]:
+    """Bands of torchtitan's names (model at the top, the optimizer under `optimizer.`), AdamW's
+    per-parameter steps and settings, and torchtitan's `train_state.step`."""
+    model = check_against_own_model(stored.chunks, stored.metadata, stored.url)
     mapping = torchtitan_mapping(model)
     step = int(stored.metadata.get("step", 0))
     stored_kinds = {kind for _, kind in stored.index}
@@ -130,33 +180,23 @@ def export_dcp(checkpoint_url: str, directory: str, workers: int = 1, band_bytes
                                torch.tensor(float(step), dtype=torch.float32)))
         settings = adamw_settings(stored.metadata, step)
         values = {param_group_key(name, setting): value for name in names for setting, value in settings.items()}
-    set_total(progress, sum(item.nbytes for item in items))
-    staging = f"{out}.partial-{uuid.uuid4().hex[:8]}" if isinstance(fs, LocalFileSystem) else out
-    fs.makedirs(staging, exist_ok=True)
-    assigned = _assign(items, max(1, workers))
-    files = [f"__{w}_0.distcp" for w in range(len(assigned))]
-    try:
-        with one_torch_thread(), ThreadPoolExecutor(max_workers=len(assigned), thread_name_prefix="dcp-export") as pool:
-            futures = [pool.submit(_write_file, fs, f"{staging}/{file}", file, members, values if w == 0 else {},
-                                   checkpoint_url, stored, progress)
-                       for w, (file, members) in enumerate(zip(files, assigned))]
-            written = [entry for future in futures for entry in future.result()]
-        metadata = _metadata(written, values, directory)
-        with fs.open(f"{staging}/{METADATA_FILE}", "wb") as handle:  # last: what makes it a checkpoint
-            pickle.dump(metadata, handle)
-        if staging != out:
-            _publish(fs, staging, out, directory)
-    except BaseException:
-        if staging != out:
-            fs.rm(staging, recursive=True)
-        raise
-    result = DcpExportResult(directory, files + [METADATA_FILE], len(metadata.state_dict_metadata),
-                             sum(1 for entry in written if entry.band.origins is not None),
-                             sum(entry.length for entry in written), time.perf_counter() - started)
-    log(f"exported {checkpoint_url} to {directory} as torch.distributed.checkpoint (torchtitan Llama names, DCP "
-        f"{metadata.version}, torch {torch.__version__}): {result.tensors} entries in {len(files)} file(s), "
-        f"{result.bytes_written / 2**20:.1f} MiB in {result.seconds:.1f}s")
-    return result
+    # torchtitan's TrainState saves its step as a 0-d int32 tensor and reads it back with .item().
+    items.append(_Band(TRAIN_STEP, "", "train_state", (), "int32", 0, 1, None, {}, torch.tensor(step, dtype=torch.int32)))
+    return items, values
+
+
+def _as_saved(stored: StoredCheckpoint, band_bytes: int) -> tuple[list[_Band], dict]:
+    """A `rayshard.checkpoint` checkpoint as the state dict it was saved from: every tensor under
+    its flattened key (decision 106's inverse: `model.<fqn>`, `optim.state.<fqn>.<state>`, ...),
+    cut in row bands read straight from the stored chunks, and every JSON value (param_groups, a
+    loader's position) as the plain object DCP saves a non-tensor leaf as. No model is needed."""
+    items = []
+    for (name, kind), chunks in sorted(stored.tensors().items()):
+        shape, dtype = tuple(chunks[0].global_shape), chunks[0].dtype
+        for first, end in bands(shape, ITEMSIZE[dtype], band_bytes):
+            items.append(_Band(key_of(name, kind), name, kind, shape, dtype, first, end, None, {}))
+    values = stored.metadata.get("state") or {}
+    return items, dict(values) if isinstance(values, dict) else {}
 
 
 def _refuse_non_empty(fs, out: str, directory: str) -> None:
@@ -207,10 +247,9 @@ def _assign(items: list[_Band], workers: int) -> list[list[_Band]]:
     return assigned
 
 
-def _write_file(fs, path: str, file: str, members: list[_Band], values: dict, checkpoint_url: str,
-                shared: StoredCheckpoint, progress) -> list[_Written]:
-    """One writer: its bands (then, for writer 0, the settings) as torch.save items of one file."""
-    stored = StoredCheckpoint(checkpoint_url, shared.chunks, shared.metadata, keys_checked=True)  # reads are per writer
+def _write_file(fs, path: str, file: str, members: list[_Band], values: dict, stored, progress) -> list[_Written]:
+    """One writer: its bands (then, for writer 0, the settings) as torch.save items of one file.
+    `stored`: this writer's own reader (partial reads are per reader)."""
 
     def read_rows(name: str, first: int, end: int, into: torch.Tensor, kind: str) -> None:
         offsets = (first,) + (0,) * (into.dim() - 1) if into.dim() else ()
@@ -220,6 +259,10 @@ def _write_file(fs, path: str, file: str, members: list[_Band], values: dict, ch
         for band in members:
             if band.value is not None:
                 tensor = band.value
+            elif band.origins is None:  # a stored tensor under its own name: its rows as they are
+                tensor = torch.empty((band.end - band.first, *band.shape[1:]) if band.shape else (),
+                                     dtype=getattr(torch, band.dtype))
+                read_rows(band.name, band.first, band.end, tensor, band.kind)
             else:
                 shape = (band.end - band.first, *band.shape[1:]) if band.shape else ()
                 tensor = fill_band(band.origins, band.first, band.end, torch.empty(shape, dtype=getattr(torch, band.dtype)),
@@ -238,7 +281,7 @@ def _write_file(fs, path: str, file: str, members: list[_Band], values: dict, ch
     return written
 
 
-def _metadata(written: list[_Written], values: dict, directory: str) -> dcp_metadata.Metadata:
+def _metadata(written: list[_Written], directory: str, path_of) -> dcp_metadata.Metadata:
     """DCP's own records for what the writers wrote."""
     tensors: dict[str, list[_Written]] = {}
     for entry in written:
@@ -259,13 +302,13 @@ def _metadata(written: list[_Written], values: dict, directory: str) -> dcp_meta
         state[key] = dcp_metadata.TensorStorageMetadata(
             properties=dcp_metadata.TensorProperties(dtype=getattr(torch, band.dtype)), size=torch.Size(band.shape),
             chunks=chunks)
-        planner[key] = _path(key)
+        planner[key] = path_of(key)
     for entry in written:
         if entry.band.kind == "value":
             state[entry.band.key] = dcp_metadata.BytesStorageMetadata()
             storage[dcp_metadata.MetadataIndex(entry.band.key)] = dcp_filesystem._StorageInfo(entry.file, entry.start,
                                                                                              entry.length)
-            planner[entry.band.key] = _path(entry.band.key)
+            planner[entry.band.key] = path_of(entry.band.key)
     return dcp_metadata.Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
                                  storage_meta=dcp_metadata.StorageMeta(checkpoint_id=directory, save_id=uuid.uuid4().hex),
                                  version=dcp_filesystem.CURRENT_DCP_VERSION)
@@ -275,4 +318,21 @@ def _path(key: str) -> tuple[str, ...]:
     """The key's place in the nested state dict torchtitan saves (DCP's planner_data)."""
     if key.startswith(OPTIMIZER + "."):
         return (OPTIMIZER, key[len(OPTIMIZER) + 1:])
+    if key == TRAIN_STEP:
+        return ("train_state", "step")
+    return (key,)
+
+
+def _saved_path(key: str) -> tuple[str, ...]:
+    """The key's place in the state dict a `rayshard.checkpoint` save was given, as far as its
+    flattened key tells: `{"model": {fqn: ...}, "optim": {"state": {fqn: {state: ...}}, ...}}` as
+    `get_state_dict` gives; anything else one key at the top (DCP's planner_data; a load that
+    brings its own state dict does not use it)."""
+    name, kind = column_of(key)
+    if kind == PARAM:
+        return ("model", name)
+    if kind != OTHER_KIND:
+        return ("optim", "state", name, kind)
+    if key.startswith("optim."):
+        return ("optim", key[len("optim."):])
     return (key,)

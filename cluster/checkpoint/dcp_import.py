@@ -5,9 +5,12 @@ Nothing in the directory is unpickled beyond DCP's metadata records (`dcp_metada
 records that locate each tensor chunk's bytes (`dcp_records.py`). The model configuration comes
 from the caller (DCP carries none) and every tensor's shape is checked against it before anything
 is written. Weights and moments go through torchtitan's mapping inverted (`plans/interop/
-torchtitan.py`), a row band at a time (`row_bands.py`): each band reads just the rows it needs
-straight from the `.distcp` files into its buffer, so memory stays at a band or two whatever the
-model's size. The AdamW step comes from the optimizer's per-parameter `step` (all equal), else
+torchtitan.py`), a row band at a time (`row_bands.py`): each band takes just the rows it needs
+from the `.distcp` files, so memory stays at a band or two whatever the model's size. On a local
+file system a band is taken from a read-only memory map of those rows (a renamed band is the map
+itself, written from the page cache; qkv and gate_up are gathered straight from the maps), one
+copy per byte instead of a read into a buffer and a gather (decision 131); elsewhere, and for rows
+a map cannot give (a band across chunks, a tp shard's column block), they are read into buffers. The AdamW step comes from the optimizer's per-parameter `step` (all equal), else
 from `train_state.step`, else 0; moments absent from the checkpoint start at zero, as a fresh
 AdamW's do. The rest of the directory (param_groups, lr_scheduler, dataloader, train_state) is
 skipped by name and counted in the log.
@@ -17,12 +20,16 @@ the run's writer lease: any refusal (one line naming what) leaves nothing commit
 """
 from __future__ import annotations
 
+import mmap
+import os
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 from rayshard.cluster.catalog import writer_lease
@@ -42,16 +49,59 @@ from rayshard.plans.transforms.mapping import Meta
 IMPORT_FILE_BYTES = 2 * 2**30
 MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 FLOATING = ("float32", "bfloat16", "float16", "float64")
-OPEN_FILES = 64  # .distcp handles kept open at once (a checkpoint of 16k ranks has 16k files)
+STEP_DTYPES = ("int32", "int64", "int16", "float32", "float64")
+TRAIN_STEP_KEYS = ("train_state.step", "model.train_state.step")
+OPEN_FILES = 64
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault a band's pages in with the map, not one by one
+# Bands from memory maps of the .distcp pages (one copy per byte) rather than reads into buffers
+# (two or three): decision 131. RAYSHARD_DCP_IMPORT_VIEWS=0 reads as before (the bench compares both).
+VIEWS_DEFAULT = os.environ.get("RAYSHARD_DCP_IMPORT_VIEWS", "1") != "0"  # .distcp handles kept open at once (a checkpoint of 16k ranks has 16k files)
 
 
 class DcpReader:
-    """Row ranges of DCP tensors read straight into caller buffers, from located chunk bytes."""
+    """Row ranges of DCP tensors read straight into caller buffers, from located chunk bytes; on a
+    local file system also handed out as views of the files' own pages (`row_view`)."""
 
     def __init__(self, fs, base: str, directory: str, located: dict[tuple[str, tuple], ChunkBytes]):
         self.fs, self.base, self.directory, self.located = fs, base, directory, located
         self.handles: OrderedDict[str, object] = OrderedDict()
         self.bytes_read = 0
+        self.mappable = isinstance(fs, LocalFileSystem) and hasattr(mmap, "MAP_PRIVATE")
+
+    def row_view(self, tensor: DcpTensor, first: int, end: int) -> torch.Tensor | None:
+        """Rows [first, end) of `tensor` as uint8 rows over a read-only memory map of its `.distcp`
+        bytes (the page cache, no copy), when they lie in one chunk of whole rows on a local file
+        system; else None. The map lives as long as the tensor (unmapped when it is freed), so a
+        band's pages are mapped only while it is written. The byte range was checked against the
+        file's size when the chunk was located."""
+        if not self.mappable or not tensor.shape or end <= first:
+            return None
+        itemsize = ITEMSIZE[tensor.dtype]
+        row_bytes = itemsize
+        for extent in tensor.shape[1:]:
+            row_bytes *= extent
+        for chunk in tensor.chunks:
+            if chunk.offsets[0] <= first and end <= chunk.offsets[0] + chunk.sizes[0]:
+                if tuple(chunk.sizes[1:]) != tuple(tensor.shape[1:]):
+                    return None  # a block of columns: its rows are not whole rows of the tensor
+                located = self.located[(tensor.key, chunk.offsets)]
+                start = located.start + (first - chunk.offsets[0]) * row_bytes
+                length = (end - first) * row_bytes
+                base = start - start % mmap.ALLOCATIONGRANULARITY
+                descriptor = os.open(f"{self.base}/{located.file}", os.O_RDONLY)
+                try:  # read-only: a writable private map would be populated by copy-on-write faults, a copy per page
+                    pages = mmap.mmap(descriptor, start + length - base, flags=mmap.MAP_SHARED | MAP_POPULATE,
+                                      prot=mmap.PROT_READ, offset=base)
+                finally:
+                    os.close(descriptor)
+                self.bytes_read += length
+                with warnings.catch_warnings():  # torch warns that the buffer is read-only; only reads touch it
+                    warnings.simplefilter("ignore", UserWarning)
+                    # Bytes, not the dtype: an item sits at any offset of its .distcp file, so its data need
+                    # not be aligned to the element size; rows of bytes are copied alike.
+                    rows = torch.frombuffer(pages, dtype=torch.uint8, count=length, offset=start - base)
+                return rows.reshape(end - first, row_bytes)
+        return None
 
     def handle(self, file: str):
         if file in self.handles:
@@ -112,6 +162,7 @@ class _Found:
     states: dict[tuple[str, str], DcpTensor]
     steps: dict[str, DcpTensor]
     skipped: list[str]
+    train_step: DcpTensor | None = None  # torchtitan's train_state.step when saved as a tensor (a 0-d int32)
 
 
 def _classify(contents: DcpContents, shapes: dict[str, tuple[int, ...]], directory: str, source: str) -> _Found:
@@ -121,6 +172,8 @@ def _classify(contents: DcpContents, shapes: dict[str, tuple[int, ...]], directo
     for key, tensor in contents.tensors.items():
         match = classify_key(key, names)
         if match is None:
+            if key in TRAIN_STEP_KEYS:
+                found.train_step = tensor
             if is_auxiliary(key):
                 found.skipped.append(key)
                 continue
@@ -213,7 +266,10 @@ def _locate(fs, base: str, directory: str, tensors: list[DcpTensor]) -> dict[tup
 
 
 def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: str, directory: str, log) -> int:
-    """AdamW's step count: the same in every parameter's state; else train_state.step; else 0."""
+    """AdamW's step count: the same in every parameter's state; else train_state.step (a number,
+    or the 0-d tensor torchtitan's TrainState saves); else 0. AdamW's count decides the bias
+    correction a resume continues with, so it wins where both are present (a difference is noted)."""
+    train_step = _train_step(found, contents, reader, fs, base, directory)
     values = {}
     for name, tensor in found.steps.items():
         if tensor.shape != ():
@@ -227,8 +283,33 @@ def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: 
             raise CheckpointError(f"{directory}: AdamW's step differs between parameters or is not a whole number "
                                   f"({distinct[:4]}); rayshard keeps one step per checkpoint. Fix: import a checkpoint "
                                   "whose parameters were all stepped together")
+        if train_step is not None and train_step != int(distinct[0]):
+            log(f"note: {directory} holds train_state.step {train_step} but AdamW's step {int(distinct[0])}; the import "
+                "is AdamW's step (its bias correction continues from it)")
         return int(distinct[0])
-    for prefix in ("train_state.step", "model.train_state.step"):
+    if train_step is not None:
+        return train_step
+    log(f"note: {directory} holds no AdamW step and no train_state.step; the import is step 0")
+    return 0
+
+
+def _train_step(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: str, directory: str) -> int | None:
+    """torchtitan's train_state.step: a 0-d integer tensor (its TrainState saves
+    `torch.tensor(step, dtype=torch.int32)`) or a plain number; None when absent."""
+    tensor = found.train_step
+    if tensor is not None:
+        if tensor.shape != () or tensor.dtype not in STEP_DTYPES:
+            raise CheckpointError(f"{directory}: {tensor.key} is {tensor.dtype}{list(tensor.shape)}; a training step is a "
+                                  "number (a 0-d integer or float tensor). Fix: import a checkpoint whose train_state "
+                                  "is torchtitan's")
+        value = torch.empty((), dtype=getattr(torch, tensor.dtype))
+        reader.read_rows(tensor, 0, 1, value)
+        number = value.item()
+        if number != int(number) or number < 0:
+            raise CheckpointError(f"{directory}: {tensor.key} is {number}, not a whole number of steps >= 0. Fix: import "
+                                  "a checkpoint whose train_state is torchtitan's")
+        return int(number)
+    for prefix in TRAIN_STEP_KEYS:
         if prefix in contents.values:
             item = contents.values[prefix]
             if item.length > MAX_VALUE_BYTES:  # .metadata says how long; a step is a few bytes
@@ -238,8 +319,7 @@ def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: 
                 value = read_plain_value(handle.read(item.length))
             if isinstance(value.value, int) and not isinstance(value.value, bool) and value.value >= 0:
                 return value.value
-    log(f"note: {directory} holds no AdamW step and no train_state.step; the import is step 0")
-    return 0
+    return None
 
 
 @dataclass
@@ -255,11 +335,12 @@ class _Prepared:
 
 def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str, dtype: str = "float32",
                model_preset: str | None = None, file_bytes: int = IMPORT_FILE_BYTES, band_bytes: int = BAND_BYTES,
-               log=print, progress=None) -> str:
+               log=print, progress=None, views: bool | None = None) -> str:
     """Write a rayshard checkpoint (run@step) from a DCP directory of torchtitan's Llama; commit it.
     model: its configuration (`source` says where it came from, for messages). The directory is
     read and checked whole first, so a refusal leaves the store untouched; the writing holds the
-    run's writer lease, as every writer of a run does."""
+    run's writer lease, as every writer of a run does. views: bands from memory maps of a local
+    directory's pages (decision 131; default on, RAYSHARD_DCP_IMPORT_VIEWS=0 turns it off)."""
     started = time.perf_counter()
     mapping = torchtitan_mapping(model)
     ours = parameter_shapes(model)
@@ -267,7 +348,7 @@ def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str,
     try:
         with writer_lease.holding(store, run), one_torch_thread():
             committed = _write(prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes,
-                               band_bytes, progress)
+                               band_bytes, progress, VIEWS_DEFAULT if views is None else views)
     finally:
         prepared.reader.close()
     found, kinds = prepared.found, prepared.kinds
@@ -287,7 +368,8 @@ def _prepare(directory, model, source, mapping, ours, dtype, log) -> _Prepared:
     found = _classify(contents, shapes, directory, source)
     kinds = _check_shapes(found, shapes, directory, source)
     _check_tiling(found, directory)
-    located = _locate(fs, base, directory, list(found.states.values()) + list(found.steps.values()))
+    located = _locate(fs, base, directory, list(found.states.values()) + list(found.steps.values())
+                      + ([found.train_step] if found.train_step is not None else []))
     reader = DcpReader(fs, base, directory, located)
     try:
         step = _step_of(found, contents, reader, fs, base, directory, log)
@@ -298,8 +380,8 @@ def _prepare(directory, model, source, mapping, ours, dtype, log) -> _Prepared:
 
 
 def _write(prepared: _Prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes, band_bytes,
-           progress) -> str:
-    pieces = _pieces(prepared.found, prepared.kinds, mapping, ours, dtype, prepared.reader, band_bytes, progress)
+           progress, views: bool) -> str:
+    pieces = _pieces(prepared.found, prepared.kinds, mapping, ours, dtype, prepared.reader, band_bytes, progress, views)
     set_total(progress, sum(_piece_bytes(piece) for piece in pieces))
     pending = store.begin(run, prepared.step)
     target_fs, target_base = fsspec.core.url_to_fs(pending.url)
@@ -324,7 +406,7 @@ def _piece_bytes(piece: Piece) -> int:
 
 
 def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, reader: DcpReader, band_bytes: int,
-            progress) -> list[Piece]:
+            progress, views: bool = True) -> list[Piece]:
     """One lazily filled piece per row band of every rayshard tensor and kind, in mapping order."""
     target = getattr(torch, dtype)
     itemsize = ITEMSIZE[dtype]
@@ -351,15 +433,18 @@ def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, re
 
             def read_rows(name, first, end, into, sources=sources):
                 reader.read_rows(sources[name], first, end, into)
+
+            def row_view(name, first, end, sources=sources):
+                return reader.row_view(sources[name], first, end) if views else None
             for name in group.outputs:
                 shape = tuple(ours[name])
                 for first, end in bands(shape, itemsize, band_bytes):
                     band = (end - first, *shape[1:]) if shape else ()
 
                     def load(origin=origins[name], first=first, end=end, band=band, source_shapes=source_shapes,
-                             source_dtypes=source_dtypes, read_rows=read_rows):
+                             source_dtypes=source_dtypes, read_rows=read_rows, row_view=row_view):
                         return fill_band(origin, first, end, buffers.take("band", band, target), source_shapes,
-                                         source_dtypes, read_rows, buffers.take)
+                                         source_dtypes, read_rows, buffers.take, row_view)
                     pieces.append(Piece(name, kind, LazyTensor(target, band, _counted(load, progress)), shape,
                                         (first,) + (0,) * (len(shape) - 1) if shape else ()))
     return pieces

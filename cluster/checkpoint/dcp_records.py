@@ -65,10 +65,16 @@ ZIP_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
 class _Slice(io.RawIOBase):
     """A read-only view of bytes [start, start + length) of an open file: what zipfile needs
-    (seek, tell, read), reading only what it asks for."""
+    (seek, tell, read). Everything zipfile reads of a torch.save record but the storage itself
+    lies in its first few hundred bytes (data.pkl, byteorder, the storage's local header) and its
+    last (the central directory): both ends are read once, `EDGE_BYTES` each, and its some
+    fifteen small reads served from them; anything else is read from the file as asked."""
+
+    EDGE_BYTES = 16 * 2**10
 
     def __init__(self, handle, start: int, length: int):
         self.handle, self.start, self.length, self.position = handle, start, length, 0
+        self.edges: list[tuple[int, bytes]] = []  # (offset in the slice, bytes), read on first use
 
     def readable(self) -> bool:
         return True
@@ -84,10 +90,27 @@ class _Slice(io.RawIOBase):
         self.position = max(0, min(self.length, base + offset))
         return self.position
 
+    def _edges(self) -> list[tuple[int, bytes]]:
+        if not self.edges:
+            head = min(self.length, self.EDGE_BYTES)
+            self.handle.seek(self.start)
+            self.edges.append((0, self.handle.read(head)))
+            tail_start = max(head, self.length - self.EDGE_BYTES)
+            if tail_start < self.length:
+                self.handle.seek(self.start + tail_start)
+                self.edges.append((tail_start, self.handle.read(self.length - tail_start)))
+        return self.edges
+
     def readinto(self, buffer) -> int:
         count = min(len(buffer), self.length - self.position)
         if count <= 0:
             return 0
+        for offset, data in self._edges():
+            if offset <= self.position and self.position + count <= offset + len(data):
+                within = self.position - offset
+                buffer[:count] = data[within:within + count]
+                self.position += count
+                return count
         self.handle.seek(self.start + self.position)
         data = self.handle.read(count)
         buffer[:len(data)] = data

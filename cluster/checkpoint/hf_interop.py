@@ -27,7 +27,7 @@ import torch
 
 from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 
-from rayshard.actors.checkpoint.stored import StoredCheckpoint
+from rayshard.cluster.checkpoint.described_source import open_source
 from rayshard.cluster.progress import advance, set_total
 from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.transform_exec import run_group
@@ -37,6 +37,7 @@ from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
 from rayshard.plans.errors import CheckpointError, RayshardError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
+from rayshard.plans.interop.model_description import ModelDescription
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 from rayshard.plans.training.special_tokens import SpecialTokens
 from rayshard.plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
@@ -117,8 +118,11 @@ class ExportResult:
 
 
 def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              include_optimizer: bool = True, log=print, progress=None) -> ExportResult:
-    """progress: a bar (cluster/progress.py) advanced by the bytes of each tensor written."""
+              include_optimizer: bool = True, log=print, progress=None,
+              description: ModelDescription | None = None) -> ExportResult:
+    """progress: a bar (cluster/progress.py) advanced by the bytes of each tensor written.
+    description: the model a `rayshard.checkpoint` checkpoint holds, and its naming
+    (`described_source.py`); else the one it recorded at save."""
     started = time.perf_counter()
     fs, base = fsspec.core.url_to_fs(directory) if directory.strip() else (None, "")
     if fs is None:
@@ -130,7 +134,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         raise CheckpointError(f"{directory}: already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
                               "an export into it would mix with those files. Fix: export to a new or empty directory, "
                               "or remove it first")
-    stored = StoredCheckpoint(checkpoint_url)
+    stored = open_source(checkpoint_url, description)
     model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
     stored_kinds = {kind for _, kind in stored.index}
     kinds = [PARAM] + ([k for k in MOMENTS if k in stored_kinds] if include_optimizer else [])

@@ -22,9 +22,9 @@ from rayshard.actors.checkpoint.read_executor import WINDOW_BYTES, Destination
 
 from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 
-from rayshard.storage.manifest_io import read_manifest
 from rayshard.storage.partial_reads import PartialRead
 from rayshard.actors.checkpoint.stored import StoredCheckpoint, verify_parts
+from rayshard.cluster.checkpoint.described_source import open_source
 from rayshard.cluster.progress import advance, set_total
 from rayshard.cluster.ray_connection import connect_ray
 from rayshard.cluster.catalog import writer_lease
@@ -33,6 +33,7 @@ from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.checkpoint.model_check import check_against_own_model, require_model_record
+from rayshard.plans.interop.model_description import MANIFEST_KEY, ModelDescription
 from rayshard.plans.training.model_spec import ModelConfig
 from rayshard.plans.checkpoint.reshard import Target
 from rayshard.plans.checkpoint.writers import PlannedPiece, predicted_writes
@@ -146,15 +147,16 @@ class ReshardWorker:
     """Plays target ranks, one call per rank; opens the source once, on its first rank. A Ray
     actor (one per worker) or, with local=True, a plain object in the driver."""
 
-    def __init__(self, source_url: str, storage_conf: dict | None = None):
+    def __init__(self, source_url: str, storage_conf: dict | None = None, description: ModelDescription | None = None):
         self.source_url, self.storage_conf, self.source = source_url, storage_conf, None
+        self.description = description  # a rayshard.checkpoint checkpoint's model (described_source.py)
 
     def rank(self, pieces: list[PlannedPiece], target_url: str, file: str) -> RankWritten:
         if self.source is None:
             torch.set_num_threads(1)
             if self.storage_conf:  # reach the store with the driver's endpoint, retry and timeout policy
                 apply_conf(self.storage_conf)
-            self.source = StoredCheckpoint(self.source_url)
+            self.source = open_source(self.source_url, self.description)
         return write_rank(self.source, pieces, target_url, file)
 
 
@@ -191,21 +193,25 @@ def _workers_that_fit(workers: int, cpus_per_worker: float, cluster_cpus: float,
 
 def reshard_checkpoint(source_url: str, layout: ParallelLayout, store, run: str, workers: int | None = None,
                        num_cpus: float = 1.0, local: bool = False, schedule: str | None = None,
-                       stage_layout: list[int] | None = None, log=print, progress=None) -> ReshardResult:
+                       stage_layout: list[int] | None = None, log=print, progress=None,
+                       description: ModelDescription | None = None) -> ReshardResult:
     """Write and commit `run`@step: the checkpoint at source_url laid out for `layout`.
     local=True plays every rank in this process (same code, no Ray; for tests and small models).
     progress: a bar (cluster/progress.py) advanced by each rank's planned bytes when it finishes.
     It writes into `run` as a trainer does, so it holds the run's writer lease while it works:
-    a trainer (or another reshard) on the same run is refused in one line, not raced."""
+    a trainer (or another reshard) on the same run is refused in one line, not raced.
+    description: the model a `rayshard.checkpoint` checkpoint holds, and its naming; else the one
+    it recorded at save (`described_source.py`). The copy has rayshard's names and records its model."""
+    source = open_source(source_url, description)  # checked before the lease: a refusal leaves the run alone
     with writer_lease.holding(store, run):
-        return _reshard_holding_the_lease(source_url, layout, store, run, workers, num_cpus, local, schedule,
-                                          stage_layout, log, progress)
+        return _reshard_holding_the_lease(source_url, source, description, layout, store, run, workers, num_cpus, local,
+                                          schedule, stage_layout, log, progress)
 
 
-def _reshard_holding_the_lease(source_url, layout, store, run, workers, num_cpus, local, schedule, stage_layout,
-                               log, progress) -> ReshardResult:
+def _reshard_holding_the_lease(source_url, source, description, layout, store, run, workers, num_cpus, local, schedule,
+                               stage_layout, log, progress) -> ReshardResult:
     started = time.perf_counter()
-    chunks, metadata = read_manifest(source_url)
+    chunks, metadata = source.chunks, source.metadata
     step = int(metadata["step"])
     plans = planned_writes(chunks, metadata, layout, schedule, stage_layout)
     copy = store.begin(run, step)
@@ -221,13 +227,13 @@ def _reshard_holding_the_lease(source_url, layout, store, run, workers, num_cpus
     set_total(progress, sum(planned))
     results: list[RankWritten | None] = [None] * len(jobs)
     if local:
-        players = [ReshardWorker(source_url) for _ in range(workers)]
+        players = [ReshardWorker(source_url, None, description) for _ in range(workers)]
         for rank, job in enumerate(jobs):
             results[rank] = players[rank % workers].rank(*job)
             advance(progress, planned[rank])
     else:
         actor_class = ray.remote(num_cpus=num_cpus)(ReshardWorker)
-        actors = [actor_class.remote(source_url, getattr(store, "storage_conf", None)) for _ in range(workers)]
+        actors = [actor_class.remote(source_url, getattr(store, "storage_conf", None), description) for _ in range(workers)]
         try:
             # Rank r goes to actor r % workers; an actor plays its ranks in order. One future per
             # rank, so the driver sees (and the bar shows) each rank as it finishes.
@@ -242,14 +248,15 @@ def _reshard_holding_the_lease(source_url, layout, store, run, workers, num_cpus
             for actor in actors:
                 ray.kill(actor)
     verified_in_parts = verify_parts([read for result in results for read in result.partial_reads], source_url,
-                                     lambda: StoredCheckpoint(source_url, chunks, metadata, keys_checked=True))
+                                     lambda: getattr(source, "stored", source))  # the stored chunks, as named there
     new_chunks = [chunk for result in results for chunk in result.chunks]
     if {(c.name, c.kind) for c in new_chunks} != {(c.name, c.kind) for c in chunks}:
         raise CheckpointError("the resharded copy does not hold the same tensors as its source; nothing was committed")
     new_metadata = dict(metadata, run=run, layout=layout.to_dict(), parent=source_url,
                         resharded_from={"url": source_url, "layout": metadata.get("layout")},
                         created_unix=time.time())
-    new_metadata.pop("format_version", None)
+    for stale in ("format_version", "writer", "model_names", MANIFEST_KEY):  # the copy: rayshard's names, its own model
+        new_metadata.pop(stale, None)
     if layout.pp > 1:
         partition = target_partition(metadata, layout, schedule, stage_layout)
         new_metadata["stage_layers"] = [[r.start, r.stop] for r in partition.stage_layers]

@@ -71,6 +71,11 @@ def bands(shape: tuple[int, ...], itemsize: int, band_bytes: int = BAND_BYTES) -
 
 
 ReadRows = Callable[[str, int, int, torch.Tensor], None]  # (source, first row, end row, into) fills `into`
+# (source, first row, end row) -> those rows' bytes, uint8 [rows, row bytes], over the source's own
+# storage (a memory map of the file's page cache), or None where the reader cannot (rows across
+# chunks, an object store).
+RowView = Callable[[str, int, int], "torch.Tensor | None"]
+MAX_SEGMENTS = 4096  # per source and band: past it, per-segment copies cost more than a second copy
 
 
 @contextlib.contextmanager
@@ -108,12 +113,19 @@ def _fresh(slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
 
 
 def fill_band(origins: RowOrigins, first: int, end: int, out: torch.Tensor, source_shapes: dict[str, tuple],
-              source_dtypes: dict[str, torch.dtype], read_rows: ReadRows, scratch=_fresh) -> torch.Tensor:
-    """Output rows [first, end) into `out` (shape [end - first, *row shape], or 0-d for a 0-d tensor).
+              source_dtypes: dict[str, torch.dtype], read_rows: ReadRows, scratch=_fresh,
+              row_view: RowView | None = None) -> torch.Tensor:
+    """Output rows [first, end) (shape [end - first, *row shape], or 0-d for a 0-d tensor): `out`
+    filled, or with `row_view`, possibly a view of the source's own bytes instead.
 
     A band that is one run of consecutive rows of one source of the same dtype is read straight into
-    `out`; otherwise runs of nearby source rows are read into one buffer and gathered into `out`."""
+    `out`, or is that run's view; otherwise runs of nearby source rows are read into one buffer and
+    gathered into `out` (with views: gathered from the views, one copy per byte)."""
     which, rows = origins.source_of_row[first:end], origins.row_in_source[first:end]
+    if row_view is not None and out.dim() > 0 and end > first:
+        viewed = _from_views(origins, which, rows, out, source_dtypes, row_view)
+        if viewed is not None:
+            return viewed
     if out.dim() == 0:
         source = origins.sources[int(which[0])]
         if source_dtypes[source] == out.dtype:
@@ -164,4 +176,54 @@ def fill_band(origins: RowOrigins, first: int, end: int, out: torch.Tensor, sour
         gather[positions] = wanted - low + base
         base += high - low
     torch.index_select(buffer, 0, gather, out=out)
+    return out
+
+
+def _from_views(origins: RowOrigins, which: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                source_dtypes: dict[str, torch.dtype], row_view: RowView) -> torch.Tensor | None:
+    """The band from views of its sources' rows, copying each byte once (a read into a buffer and
+    a gather copy it twice): a band that is one run of one source is the run's view itself (no
+    copy: the writer writes from the page cache); otherwise, per source, consecutive source rows
+    going to evenly spaced output rows are one strided copy (gate_up's interleave), and rows going
+    to consecutive output rows are gathered straight into them (`index_select(out=...)`, per
+    segment: qkv's blocks). None where a view is not to be had, a dtype differs, or the rows are
+    scattered otherwise: the caller reads as before. (Byte rows: `index_copy_` on uint8 runs
+    element by element, 40x slower than a copy, so it is not used.)"""
+    count = len(rows)
+    copies = []
+    for index in torch.unique(which).tolist():
+        source = origins.sources[index]
+        if source_dtypes[source] != out.dtype:
+            return None
+        positions = torch.nonzero(which == index).reshape(-1)
+        wanted = rows[positions]
+        low, high = int(wanted.min()), int(wanted.max()) + 1
+        if high - low > 2 * count:  # a view far wider than the band: its pages would be mapped for nothing
+            return None
+        steps = positions.diff()
+        consecutive = bool((wanted.diff() == 1).all())
+        if consecutive and (len(positions) == 1 or bool((steps == steps[0]).all())):
+            step = int(steps[0]) if len(positions) > 1 else 1
+            copies.append((source, low, high, "strided", (int(positions[0]), step)))
+            continue
+        breaks = (torch.nonzero(steps != 1).reshape(-1) + 1).tolist()
+        if len(breaks) + 1 > MAX_SEGMENTS:
+            return None
+        segments = [(int(positions[a]), wanted[a:b] - low) for a, b in zip([0, *breaks], [*breaks, len(positions)])]
+        copies.append((source, low, high, "segments", segments))
+    if len(copies) == 1 and copies[0][3] == "strided" and copies[0][4][1] == 1 and copies[0][2] - copies[0][1] == count:
+        source, low, high, _, _ = copies[0]
+        view = row_view(source, low, high)
+        return None if view is None else view.view(out.dtype).reshape(out.shape)  # no copy at all
+    views = [row_view(source, low, high) for source, low, high, _, _ in copies]
+    if any(view is None for view in views):
+        return None
+    out_rows = out.view(torch.uint8).reshape(count, -1)  # the band's rows as bytes, like the views
+    for view, (_, low, high, how, detail) in zip(views, copies):
+        if how == "strided":
+            place, step = detail
+            out_rows[place:place + step * (high - low - 1) + 1:step].copy_(view)
+            continue
+        for place, local in detail:
+            torch.index_select(view, 0, local, out=out_rows[place:place + len(local)])
     return out

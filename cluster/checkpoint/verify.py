@@ -19,6 +19,7 @@ from rayshard.storage.manifest_io import read_manifest
 from rayshard.storage.backends.registry import backend_for
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.checkpoint.model_check import check_against_own_model
+from rayshard.plans.interop.model_description import check_recorded_description
 from rayshard.plans.checkpoint.reshard import Request, check_chunks_disjoint_and_complete
 from rayshard.cluster.progress import advance, set_total
 
@@ -46,7 +47,8 @@ def verify(url: str, deep: bool = False, progress=None, window_bytes: int = WIND
     # The manifest itself: its chunks tile every tensor once, and it lists every tensor of the
     # model it records (a manifest that lost rows would otherwise verify "ok": what it lists is fine).
     for check in (lambda: check_chunks_disjoint_and_complete(chunks),
-                  lambda: check_against_own_model(chunks, metadata, url) if "model" in metadata else None):
+                  lambda: check_against_own_model(chunks, metadata, url) if "model" in metadata else None,
+                  lambda: check_recorded_description(chunks, metadata, url)):
         try:
             check()
         except CheckpointError as error:

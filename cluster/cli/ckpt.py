@@ -52,6 +52,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                            "requests); default: what a load from this store does (0 on local files: only the needed "
                            "columns; 256 on object stores, where each segment is a request)")
     plan.add_argument("--show-ranks", type=AT_LEAST_ZERO, default=16, metavar="N", help="list every rank up to N ranks (default 16)")
+    _model_arguments(plan)
     plan.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_plan")
 
     reshard = group.add_parser("reshard", help="write a copy laid out for another layout, as a new run (offline, on Ray)")
@@ -61,6 +62,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     reshard.add_argument("--workers", type=AT_LEAST_ONE, metavar="N", help="Ray actors playing the target ranks (default one per rank, at most as many as the cluster's CPUs hold)")
     reshard.add_argument("--cpus-per-worker", type=NON_NEGATIVE, default=1.0, metavar="F", help="CPUs each actor reserves (default 1)")
     reshard.add_argument("--local", action="store_true", help="play every rank in this process instead of Ray actors")
+    _model_arguments(reshard)
     progress.add_arguments(reshard)
     reshard.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_reshard")
 
@@ -91,6 +93,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--no-optimizer", action="store_true", help="hf: leave out the optimizer moments (rayshard-optimizer/)")
     export.add_argument("--workers", type=AT_LEAST_ONE, metavar="N",
                         help="dcp: writers, each filling its own __N_0.distcp file in parallel (default 1)")
+    _model_arguments(export, " (for --format dcp: writes torchtitan's layout instead of the state dict's own keys)")
     progress.add_arguments(export)
     export.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_export")
 
@@ -126,6 +129,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     plot.add_argument("--reference", type=run_name, metavar="NAME", help="the uninterrupted run to compare with")
     plot.add_argument("--out", type=png_path, default="resume.png", metavar="PNG")
     plot.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_plot_resume")
+
+
+def _model_arguments(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """The model of a checkpoint saved by rayshard.checkpoint that recorded none (decision 128)."""
+    group = parser.add_argument_group("model of a rayshard.checkpoint checkpoint",
+                                      "a checkpoint saved from a training loop's state dict without model=... names no "
+                                      "model: give it with one of these" + note)
+    group.add_argument("--hf-config", metavar="DIR", help="the model's Hugging Face config.json (or its directory)")
+    group.add_argument("--model", metavar="PRESET", help="the model is this preset (tiny, small, medium, 1b, ...)")
+    group.add_argument("--config", metavar="FILE", help="the model is this train config file's model section")
+    group.add_argument("--names", choices=["rayshard", "torchtitan"], default=None,
+                       help="the naming of the state dict's module names: rayshard's own (default) or torchtitan's Llama")
 
 
 def _target_arguments(parser: argparse.ArgumentParser) -> None:

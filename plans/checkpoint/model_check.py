@@ -38,10 +38,11 @@ def require_model_record(metadata: dict, where: str) -> dict:
     loop's state dict has none, and is refused in one line saying what to do instead."""
     if "model" not in metadata and metadata.get("writer") == "rayshard.checkpoint":
         raise CheckpointError(
-            f"checkpoint {where} was saved by rayshard.checkpoint from a training loop's state dict and records no model "
-            "configuration, which this command needs (each tensor's role and shape for a layout or a Hugging Face "
-            "mapping). Fix: load it with rayshard.checkpoint.load into your model on the new layout (any layout loads "
-            "it, no reshard needed); `ckpt ls/verify/digest/diff` work on it as it is")
+            f"checkpoint {where} was saved by rayshard.checkpoint from a training loop's state dict under the loop's own "
+            "names, which this command does not read (the trainer resumes checkpoints that record its model). Fix: "
+            "`rayshard ckpt reshard` it into a run of its own with --to LAYOUT --run NAME (and --model PRESET, --hf-config "
+            "DIR or --config FILE, plus --names torchtitan for torchtitan's names, unless it was saved with model=...) "
+            "and resume that run, or load it with rayshard.checkpoint.load into your model on any layout")
     if "model" not in metadata:
         raise CheckpointError(f"checkpoint {where}: its manifest's metadata has no `model` entry, so the manifest is "
                               "damaged (every trainer, import and reshard records one). Fix: restore the manifest, or "

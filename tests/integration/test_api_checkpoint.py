@@ -101,7 +101,8 @@ def test_uneven_fsdp2_shards_load_on_tp2_and_the_cli_reads_both(tmp_path, capsys
     for argv in (("ckpt", "reshard", "a@2", "--to", "fsdp=2", "--run", "c", "--local"),
                  ("ckpt", "export", "a@2", "--out", str(tmp_path / "hf")), ("ckpt", "plan", "a@2", "--to", "tp=2")):
         code, _, err = cli(*argv)
-        assert code == 2 and len(err) == 1 and "saved by rayshard.checkpoint" in err[0] and "Fix: load it with" in err[0]
+        assert code == 2 and len(err) == 1 and "saved by rayshard.checkpoint without a model" in err[0] \
+            and "Fix: pass the model it holds with --model PRESET" in err[0]
     assert Store(str(runs)).committed_steps("c") == []
 
 

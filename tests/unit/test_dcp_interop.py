@@ -128,6 +128,30 @@ def test_a_dcp_save_imports_as_the_source_checkpoint(source, layout, tmp_path, c
     assert "skipped" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("views", [True, False])
+def test_bands_from_memory_maps_and_from_reads_import_alike(source, views, tmp_path, monkeypatch):
+    """Decision 131: bands taken from read-only maps of the .distcp pages (a renamed band is the
+    map itself, qkv and gate_up gathered straight from it) and bands read into buffers give the
+    same checkpoint, bit for bit; the maps are used (none is left mapped afterwards)."""
+    from rayshard.cluster.checkpoint import dcp_import, row_bands
+
+    taken = []  # whether each band came from maps (not the band itself: it would keep its map alive)
+
+    def from_views(*args):
+        band = original(*args)
+        taken.append(band is not None)
+        return band
+    original = row_bands._from_views
+    monkeypatch.setattr(row_bands, "_from_views", from_views)
+    store, url, directories = source
+    target = str(tmp_path / "store")
+    dcp_import.import_dcp(directories["torchtitan"], Store(target), "mapped", CONFIG, "--model tiny", log=lambda *_: None,
+                          views=views)
+    assert digests(Store(target).resolve("mapped").url) == digests(url)
+    assert (len(taken) > 0 and all(taken)) == views
+    assert not [line for line in open("/proc/self/maps") if ".distcp" in line]
+
+
 @pytest.mark.parametrize("given", ["--hf-config", "--config"])
 def test_the_model_configuration_may_come_from_a_config_json_or_a_train_config(source, given, tmp_path):
     store, url, directories = source
@@ -155,9 +179,14 @@ def test_the_export_loads_with_dcp_as_torchtitan_named_the_source(source, tmp_pa
     dcp.load(loaded, checkpoint_id=out, no_dist=True)
     flat = {**{k: v for k, v in expected.items() if k not in ("optimizer", "train_state")},
             **{f"optimizer.{k}": v for k, v in expected["optimizer"].items() if not k.startswith("param_groups")}}
+    # torchtitan's TrainState step too, as it saves it: a 0-d int32 tensor its loader reads with .item().
+    flat["train_state.step"] = torch.tensor(2, dtype=torch.int32)
     assert loaded.keys() == flat.keys()
     for key, tensor in flat.items():
-        assert torch.equal(loaded[key], tensor), key
+        assert torch.equal(loaded[key], tensor) and loaded[key].dtype == tensor.dtype, key
+    train_state = {"train_state": {"step": torch.tensor(0, dtype=torch.int32)}}  # TrainState.state_dict()'s shape
+    dcp.load(train_state, checkpoint_id=out, no_dist=True)
+    assert train_state["train_state"]["step"].item() == 2
     # And it imports back to the same checkpoint.
     target = str(tmp_path / "back")
     assert main(["ckpt", "import", out, "--format", "dcp", "--model", "tiny", "--run", "back", "--store", target,
@@ -181,6 +210,29 @@ def test_an_export_killed_midway_leaves_no_directory(source, tmp_path):
     finally:
         child.wait(timeout=30)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("adamw", [False, True])
+def test_torchtitans_train_state_step_as_a_0d_tensor_is_the_step(source, adamw, tmp_path, capsys):
+    """torchtitan's TrainState saves `torch.tensor(step, dtype=torch.int32)`: the step of a
+    model-only checkpoint; where AdamW's own step is there too and differs, AdamW's (noted)."""
+    store, url, _ = source
+    state = _dcp_state(url, 2, "torchtitan")
+    if not adamw:
+        state = {key: value for key, value in state.items() if key != "optimizer"}
+    state["train_state"] = {"step": torch.tensor(7, dtype=torch.int32)}
+    directory = str(tmp_path / "dcp")
+    dcp.save(state, checkpoint_id=directory, no_dist=True)
+    target = str(tmp_path / "store")
+    assert main(["ckpt", "import", directory, "--format", "dcp", "--model", "tiny", "--run", "titan", "--store", target]) == 0
+    assert Store(target).committed_steps("titan") == [2 if adamw else 7]
+    out = capsys.readouterr().out
+    assert ("train_state.step 7 but AdamW's step 2" in out) == adamw
+    state["train_state"] = {"step": torch.tensor([1, 2], dtype=torch.int32)}  # not a number: refused, nothing committed
+    other = str(tmp_path / "dcp-2")
+    dcp.save(state, checkpoint_id=other, no_dist=True)
+    error = _refused(capsys, _import(other, target), target)
+    assert "train_state.step is int32[2]" in error
 
 
 def _refused(capsys, argv, store) -> str:

@@ -12,6 +12,7 @@ from rayshard.storage.manifest_io import read_manifest
 from rayshard.cluster.checkpoint.digest import checkpoint_digest, diff_checkpoints, digest_checkpoint
 from rayshard.cluster.checkpoint.hf_generate import generate_text  # imports transformers only when it runs
 from rayshard.cluster.checkpoint.dcp_export import export_dcp
+from rayshard.cluster.checkpoint.described_source import MappedCheckpoint, is_api_checkpoint, open_source
 from rayshard.cluster.checkpoint.dcp_import import import_dcp
 from rayshard.cluster.checkpoint.hf_interop import DEFAULT_SHARD_BYTES, export_hf, import_hf, read_json_object
 from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint, target_partition
@@ -22,7 +23,8 @@ from rayshard.cluster.progress import byte_bar
 from rayshard.cluster.catalog.store import Store, refuse_credentials
 from rayshard.cluster.cli.config_file import read_config_file
 from rayshard.plans.config import TrainConfig
-from rayshard.plans.errors import ConfigError
+from rayshard.plans.interop.model_description import ModelDescription
+from rayshard.plans.errors import CheckpointError, ConfigError
 from rayshard.plans.interop.hf_families import model_config_from_hf
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_spec import ModelConfig, preset
@@ -43,6 +45,14 @@ def _stage_layout(counts: tuple[int, ...] | None):
 def run_plan(args: argparse.Namespace) -> int:
     ref = resolve_checkpoint(args)  # a dry run reads the manifest only: no lease
     chunks, metadata = read_manifest(ref.url)
+    description = model_description(args)
+    if description is not None or is_api_checkpoint(metadata):
+        source = open_source(ref.url, description, chunks, metadata)
+        if isinstance(source, MappedCheckpoint):
+            raise CheckpointError(f"checkpoint {ref.url} holds torchtitan's names: a load onto a rayshard layout reads it "
+                                  "through the name mapping, row by row, which a plan of byte ranges does not describe. Fix: "
+                                  "`rayshard ckpt reshard` it (with the same --names/--model) and plan the copy")
+        chunks, metadata = source.chunks, source.metadata
     layout = _layout(args.to)
     partition = target_partition(metadata, layout, args.schedule, _stage_layout(args.stage_layout))
     min_segment = (min_segment_bytes_for(fsspec.core.url_to_fs(ref.url)[0]) if args.min_segment_kib is None
@@ -57,7 +67,8 @@ def run_reshard(args: argparse.Namespace) -> int:
     with reading(args) as (store, [ref]), byte_bar(args, "reshard") as bar:
         reshard_checkpoint(ref.url, _layout(args.to), store, args.run, workers=args.workers,
                            num_cpus=args.cpus_per_worker, local=args.local, schedule=args.schedule,
-                           stage_layout=_stage_layout(args.stage_layout), log=bar.write, progress=bar)
+                           stage_layout=_stage_layout(args.stage_layout), log=bar.write, progress=bar,
+                           description=model_description(args))
     return 0
 
 
@@ -96,13 +107,14 @@ def _refuse_options(args: argparse.Namespace, options, fmt: str) -> None:
 def run_export(args: argparse.Namespace) -> int:
     _refuse_options(args, DCP_ONLY_EXPORT if args.format == "hf" else HF_ONLY_EXPORT, args.format)
     refuse_credentials(args.out, "--out")  # it is written into the export (DCP's .metadata names it)
+    description = model_description(args)
     with reading(args) as (_, [ref]), byte_bar(args, "export") as bar:
         if args.format == "dcp":
-            export_dcp(ref.url, args.out, workers=args.workers or 1, log=bar.write, progress=bar)
+            export_dcp(ref.url, args.out, workers=args.workers or 1, log=bar.write, progress=bar, description=description)
             return 0
         max_shard_bytes = int(args.max_shard_mib * 2**20) if args.max_shard_mib else DEFAULT_SHARD_BYTES
         export_hf(ref.url, args.out, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
-                  include_optimizer=not args.no_optimizer, log=bar.write, progress=bar)
+                  include_optimizer=not args.no_optimizer, log=bar.write, progress=bar, description=description)
     return 0
 
 
@@ -129,15 +141,27 @@ def run_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def dcp_model(args: argparse.Namespace) -> tuple[ModelConfig, str, str | None]:
+def model_description(args: argparse.Namespace) -> ModelDescription | None:
+    """The model a rayshard.checkpoint checkpoint holds, from at most one of --hf-config, --model,
+    --config, with --names; None when none is given (the checkpoint's own record is used)."""
+    if not any(getattr(args, dest, None) for dest, _ in DCP_MODEL_SOURCES):
+        if getattr(args, "names", None):
+            raise ConfigError("--names", args.names, "names the naming of a model, and no model is given",
+                              "add --model PRESET, --hf-config DIR or --config FILE")
+        return None
+    model, source, preset_name = dcp_model(args, "a rayshard.checkpoint checkpoint that recorded no model")
+    return ModelDescription(model, args.names or "rayshard", preset_name, source)
+
+
+def dcp_model(args: argparse.Namespace, what: str = "a DCP checkpoint records no model configuration") \
+        -> tuple[ModelConfig, str, str | None]:
     """The model a DCP checkpoint holds, from exactly one of --hf-config, --model, --config:
     (its configuration, how the messages name it, its preset name if any)."""
     given = [(dest, flag) for dest, flag in DCP_MODEL_SOURCES if getattr(args, dest)]
     if len(given) != 1:
         raise ConfigError(", ".join(flag for _, flag in given) or "--hf-config/--model/--config",
                           [getattr(args, dest) for dest, _ in given] or None,
-                          "a DCP checkpoint records no model configuration: give exactly one of --hf-config DIR, "
-                          "--model PRESET, --config FILE", "name the configuration the checkpoint was trained with, "
+                          f"{what}: give exactly one of --hf-config DIR, --model PRESET, --config FILE", "name the configuration the checkpoint was trained with, "
                           "e.g. --hf-config ./Llama-3.2-1B or --model tiny")
     if args.model:
         return preset(args.model), f"--model {args.model}", args.model
