@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, replace
 from rayshard.plans.config.checkpoint import CheckpointConfig
 from rayshard.plans.config.data import DataConfig
 from rayshard.plans.config.flat_keys import sectioned
+from rayshard.plans.config.lora import LoraConfig
 from rayshard.plans.config.metrics import MetricsConfig
 from rayshard.plans.config.model import ModelChoice
 from rayshard.plans.config.numerics import NumericsConfig
@@ -52,6 +53,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "when to save, how, and what to resume from")
     resources: ResourcesConfig = section(ResourcesConfig, "what each rank asks of the cluster, and how long to wait")
     metrics: MetricsConfig = section(MetricsConfig, "where step metrics go besides metrics.jsonl")
+    lora: LoraConfig = section(LoraConfig, "low-rank adapters on a frozen base (--lora-rank > 0)")
 
     def __post_init__(self):
         if isinstance(self.model, ModelConfig):  # the shape alone, as TrainConfig took it before the sections
@@ -69,7 +71,20 @@ class TrainConfig:
         self.optimizer.validate()
         self.data.validate(self.seq_len)
         self.numerics.validate(self.model.spec, self.layout, self.seq_len)
+        self._validate_lora()
         return self
+
+    def _validate_lora(self) -> None:
+        """The adapters against the model, and what LoRA does not run on yet, in one line each."""
+        if not self.lora.enabled:
+            return
+        from rayshard.plans.training.lora import check_lora_fits  # lora.py imports the config's section
+
+        check_lora_fits(self.model.spec, self.lora)
+        for flag, on in (("--sp", self.numerics.sequence_parallel), ("--compile", self.numerics.compile)):
+            if on:
+                raise ConfigError("lora", f"rank {self.lora.rank}", f"LoRA with {flag} is not supported yet",
+                                  f"drop {flag}, or train without --lora-rank")
 
     def _tp_limits(self) -> tuple[TpSplit, ...]:
         """What the run asks of tp beyond the model: a tp hint lists only degrees that meet these too."""

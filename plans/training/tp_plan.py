@@ -31,6 +31,11 @@ VOCAB_EMBEDDING_TO_SEQUENCE = "vocab_embedding_to_sequence"
 VOCAB_HEAD_FROM_SEQUENCE = "vocab_head_from_sequence"      # gathers the sequence before the head
 SEQUENCE_PARALLEL = "sequence_parallel"                    # a norm computed on the sequence shard
 GATHER_SEQUENCE = "gather_sequence"                        # a module whose input is gathered from sequence shards
+# LoRA adapters (plans/training/lora.py): A [r, in] and B [out, r] beside a split base weight. Only
+# their parameters are placed; the adapter's forward computes on local pieces (actors/model/lora.py).
+LORA_COLWISE = "lora_colwise"    # beside a column-parallel base: B split by rows (the base's output), A copied
+LORA_ROWWISE = "lora_rowwise"    # beside a row-parallel base: A split by columns (the base's input), B copied
+ADAPTER_SPLIT = {LORA_COLWISE: ("b", 0), LORA_ROWWISE: ("a", 1)}  # style -> (the parameter split, its dim)
 
 # Which weight dimension each style splits; a parameter under no pattern is copied on every tp rank.
 WEIGHT_SPLIT_DIM = {COLWISE: 0, ROWWISE: 1, VOCAB_EMBEDDING: 0, VOCAB_HEAD: 0, EXPERT_COLWISE: 1, EXPERT_ROWWISE: 2,
@@ -83,7 +88,7 @@ def module_style(module_name: str, plan: dict[str, str] = DEFAULT_TP_STYLES) -> 
 
 
 ALL_STYLES = frozenset({COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, EXPERT_COLWISE, EXPERT_ROWWISE, ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING_TO_SEQUENCE,
-                        VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, GATHER_SEQUENCE})
+                        VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, GATHER_SEQUENCE, LORA_COLWISE, LORA_ROWWISE})
 
 
 def tp_split_dim(parameter_name: str) -> int | None:
@@ -102,6 +107,9 @@ def split_dim_under(parameter_name: str, styles: tuple[tuple[str, str], ...]) ->
     style = module_style(module, dict(styles))
     if style is None:
         return None
+    if style in ADAPTER_SPLIT:
+        split_leaf, dim = ADAPTER_SPLIT[style]
+        return dim if leaf == split_leaf else None
     if leaf == "weight":
         return WEIGHT_SPLIT_DIM.get(style)  # sequence-parallel styles split no weight
     # A column-parallel Linear's bias follows its output rows; a row-parallel one's is whole.
