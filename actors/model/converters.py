@@ -3,17 +3,15 @@
 Applied to the meta-device model (or pipeline stage) after it is built and carved, before tensor
 and data parallelism, so every converter's parameters are placed, materialised, initialised and
 checkpointed like the model's own. Its plan side (which parameters it adds, freezes and stores, and
-their tp styles) lives in plans/training (`parameter_roles.parameter_roles`); a new converter is a
+their tp styles) lives in plans/training (`converters.py`); a new converter is a
 file of each plus its line below.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import nn
 
 from rayshard.actors.model.lora import apply_lora
-from rayshard.plans.training.model_plan import ModelPlan
+from rayshard.plans.training.converters import run_plan  # noqa: F401  (the runners' one import for both sides)
 
 
 def convert_model(model: nn.Module, config) -> nn.Module:
@@ -22,13 +20,3 @@ def convert_model(model: nn.Module, config) -> nn.Module:
     if lora is not None and lora.enabled:
         apply_lora(model, config.model.spec, lora)
     return model
-
-
-def run_plan(config) -> ModelPlan:
-    """The model's parallelize plan with what the run's converters add (their parameters' tp styles)."""
-    plan, lora = config.model.spec.plan, getattr(config, "lora", None)
-    if lora is not None and lora.enabled:
-        from rayshard.plans.training.lora import lora_tp_styles
-
-        plan = replace(plan, tp_styles=plan.tp_styles + lora_tp_styles(lora))
-    return plan

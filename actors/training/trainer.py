@@ -36,7 +36,7 @@ from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.layout.parallel_layout import MESH_DIM_NAMES
 from rayshard.plans.training.lr_schedule import learning_rate
-from rayshard.plans.training.parameter_roles import run_roles
+from rayshard.plans.training.converters import run_roles
 from rayshard.plans.pipeline.plan import PipelinePlan, build_pipeline_plan
 
 # Given the rank's step runner and the rank, returns the runner the trainer drives: a generic hook

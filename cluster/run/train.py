@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from typing import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import ray
 
@@ -17,6 +17,7 @@ from rayshard.storage.manifest_io import manifest_bytes, read_manifest
 from rayshard.actors.checkpoint.stored import check_loaded_parts
 from rayshard.cluster.catalog import commit_window, leases, writer_lease
 from rayshard.cluster.run.async_save import AsyncCheckpointer
+from rayshard.cluster.run.lora_base import LoraBase, resolve_base, with_resumed_lora
 from rayshard.cluster.ray_connection import connect_ray
 from rayshard.cluster.run.rank_group import RankGroup
 from rayshard.cluster.run.resume_check import verify_resumed_state
@@ -58,6 +59,7 @@ class StartPoint:
     manifest: bytes | None = None
     parent: str | None = None  # the checkpoint the run's next save descends from
     lease: writer_lease.WriterLease | None = None  # the run's writer lease, held while it trains
+    lora_base: LoraBase | None = None  # a LoRA run's frozen weights (cluster/run/lora_base.py)
 
 
 def train(config: TrainConfig, actors: list | None = None,
@@ -109,6 +111,10 @@ def resolve_start(config: TrainConfig, store: Store) -> StartPoint:
         if resume.run == config.run:
             commit_window.refuse_rewrites(store, config.run, point.step)
     check_training_data(config, metadata, point.parent)  # before any rank starts
+    config = with_resumed_lora(config, metadata).validate()
+    point.lora_base = resolve_base(config, store, metadata)
+    if point.lora_base is not None:
+        _log(f"LoRA rank {config.lora.rank} on {config.lora.targets}; base: {point.lora_base.describe()}")
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
     check_sinks(point.config)
     return point
@@ -146,6 +152,8 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
     saves = Saves(group, point, result, sinks)
     timings = PipelineTimings(config)
     try:
+        if point.lora_base is not None and point.lora_base.url is not None:
+            load_base(group, point)
         if point.resume is not None:
             load_resumed(group, point)
         for _ in range(point.step, config.steps):
@@ -181,6 +189,15 @@ def finish(group: RankGroup, store: Store, sinks: list, timings: PipelineTimings
         timings.write(store)
     finally:
         group.shutdown()
+
+
+def load_base(group: RankGroup, point: StartPoint) -> None:
+    """Every rank reads its part of a LoRA run's frozen base weights (any layout wrote them)."""
+    base_ref = point.store.resolve(point.lora_base.url)
+    with leases.reading(point.store, base_ref):
+        loaded = group.call("load_base", base_ref.url)
+        check_loaded_parts(base_ref.url, loaded)
+    _log(f"loaded the LoRA base: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over {len(loaded)} ranks")
 
 
 def load_resumed(group: RankGroup, point: StartPoint) -> None:
@@ -241,10 +258,11 @@ class Saves:
     def __init__(self, group: RankGroup, point: StartPoint, result: TrainResult, sinks: list):
         self.group, self.store, self.config = group, point.store, point.config
         self.parent, self.result, self.sinks, self.lease = point.parent, result, sinks, point.lease
+        self.lora_base = point.lora_base
         self.fingerprint = group.setup_info[0].data_fingerprint
         self.background = (AsyncCheckpointer(group, self.store, self.config.run, self.config.layout.world_size,
                                              lambda step, parent: checkpoint_metadata(self.config, step, parent,
-                                                                                      self.fingerprint),
+                                                                                      self.fingerprint, self.lora_base),
                                              self.committed)
                            if self.config.checkpoint.async_save else None)
 
@@ -267,7 +285,8 @@ class Saves:
             if wait:
                 self.background.wait()
         else:
-            self.parent = save_checkpoint(self.group, self.store, self.config, step, self.parent, self.fingerprint)
+            self.parent = save_checkpoint(self.group, self.store, self.config, step, self.parent, self.fingerprint,
+                                          self.lora_base)
             self.committed(step, self.parent)
 
 
@@ -278,19 +297,22 @@ def load_imbalance(expert_tokens: dict[int, list[int]]) -> float:
 
 
 def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: int, parent: str | None,
-                    data_fingerprint: str) -> str:
+                    data_fingerprint: str, lora_base: LoraBase | None = None) -> str:
     """Every rank writes its chunks under a fresh attempt prefix; the manifest commits them."""
     pending = store.begin(config.run, step)
     calls = [(pending.url, pending.file_for(rank)) for rank in range(config.layout.world_size)]
     # Each rank answers with its rows as columns (a ChunkTable); concatenating columns keeps the
     # driver free of a record per chunk (826k at 16k FSDP ranks: gather + check + encode ~1.7 s).
     chunks = ChunkTable.concat(group.call_each("save_shard", calls))
-    return pending.commit(chunks, checkpoint_metadata(config, step, parent, data_fingerprint))
+    return pending.commit(chunks, checkpoint_metadata(config, step, parent, data_fingerprint, lora_base))
 
 
-def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data_fingerprint: str) -> dict:
-    """Run metadata stored in the manifest next to the chunk table."""
-    return {
+def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data_fingerprint: str,
+                        lora_base: LoraBase | None = None) -> dict:
+    """Run metadata stored in the manifest next to the chunk table; a LoRA run's names its adapters'
+    settings and its base (cluster/run/lora_base.py)."""
+    lora = {"lora": asdict(config.lora), "lora_base": lora_base.to_dict()} if lora_base is not None else {}
+    return {**lora,
         "run": config.run,
         "step": step,
         "layout": config.layout.to_dict(),

@@ -5,10 +5,7 @@ from dataclasses import dataclass
 
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.options import option
-
-# The logical projections an adapter can target, as people name them (q, k, v, o, gate, up, down),
-# even where the base fuses them (qkv, gate_up).
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+from rayshard.plans.training.lora import LORA_TARGETS
 
 
 @dataclass(frozen=True)

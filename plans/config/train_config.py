@@ -22,6 +22,7 @@ from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.options import option, section, sections
 from rayshard.plans.run_names import RUN_NAME, check_run_name
+from rayshard.plans.training.lora import check_lora_fits
 from rayshard.plans.training.model_spec import PRESETS, ModelConfig, preset
 from rayshard.plans.training.tp_fit import TpSplit
 
@@ -78,8 +79,6 @@ class TrainConfig:
         """The adapters against the model, and what LoRA does not run on yet, in one line each."""
         if not self.lora.enabled:
             return
-        from rayshard.plans.training.lora import check_lora_fits  # lora.py imports the config's section
-
         check_lora_fits(self.model.spec, self.lora)
         for flag, on in (("--sp", self.numerics.sequence_parallel), ("--compile", self.numerics.compile)):
             if on:

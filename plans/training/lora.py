@@ -10,15 +10,19 @@ q/k/v (gate/up) adapters do, and the stored tensors are the ones PEFT names per 
 Under tensor parallelism no full-size weight is gathered: for a column-parallel base (q, k, v,
 gate, up) B is split like the base's output rows and A is copied; for a row-parallel base (o, down)
 A is split like the base's input columns and B is copied (`tp_plan.LORA_COLWISE/ROWWISE`).
+
+`lora` below is the run's settings, `plans/config/lora.py`'s LoraConfig (the config imports this
+module, not the other way round).
 """
 from __future__ import annotations
 
-from rayshard.plans.config.lora import LoraConfig
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.training.model_spec import ModelConfig
 from rayshard.plans.training.parameter_roles import FROZEN, TRAINED, ParameterRoles
 from rayshard.plans.training.tp_plan import LORA_COLWISE, LORA_ROWWISE
 
+# The logical projections an adapter can target, as people name them, even where the base fuses them.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTION_TARGETS = ("q", "k", "v", "o")
 FEED_FORWARD_TARGETS = ("gate", "up", "down")
 ROW_PARALLEL_TARGETS = ("o", "down")  # the base splits their input; the others' output
@@ -37,7 +41,7 @@ def projection_dims(model: ModelConfig) -> dict[str, tuple[int, int]]:
             "o": (model.n_heads * hd, dim), "gate": (dim, ffn), "up": (dim, ffn), "down": (ffn, dim)}
 
 
-def check_lora_fits(model: ModelConfig, lora: LoraConfig) -> None:
+def check_lora_fits(model: ModelConfig, lora) -> None:
     """What the model must meet for these adapters, each refusal in one line."""
     if not lora.enabled:
         return
@@ -57,7 +61,7 @@ def check_lora_fits(model: ModelConfig, lora: LoraConfig) -> None:
                               f"or leave {target} out of --lora-targets")
 
 
-def adapter_shapes(model: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, ...]]:
+def adapter_shapes(model: ModelConfig, lora) -> dict[str, tuple[int, ...]]:
     """Global name -> shape of every adapter tensor, layer by layer, in the model's module order."""
     dims, shapes = projection_dims(model), {}
     for layer in range(model.n_layers):
@@ -70,13 +74,13 @@ def adapter_shapes(model: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int,
     return shapes
 
 
-def lora_tp_styles(lora: LoraConfig) -> tuple[tuple[str, str], ...]:
+def lora_tp_styles(lora) -> tuple[tuple[str, str], ...]:
     """The adapters' tp styles, added to the model plan's."""
     return tuple((f"layers.*.{'attention' if t in ATTENTION_TARGETS else 'feed_forward'}.lora.{t}",
                   LORA_ROWWISE if t in ROW_PARALLEL_TARGETS else LORA_COLWISE) for t in lora.target_list)
 
 
-def lora_roles(model: ModelConfig, lora: LoraConfig, base: ParameterRoles) -> ParameterRoles:
+def lora_roles(model: ModelConfig, lora, base: ParameterRoles) -> ParameterRoles:
     """The base frozen (read from the base, never stored by the run), every adapter trained and
     stored, after the base's parameters."""
     check_lora_fits(model, lora)

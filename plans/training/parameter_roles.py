@@ -1,7 +1,7 @@
 """Which parameters a run trains and which its checkpoints store: the parameter roles seam.
 
 Full training trains and stores every parameter of the model. A model converter (LoRA first,
-`plans/training/lora.py`) adds parameters and freezes others: the optimizer then holds only the
+`plans/training/lora.py`; the run's converters: `plans/training/converters.py`) adds parameters and freezes others: the optimizer then holds only the
 trained ones (no moments for the frozen), gradient clipping and reduction see only them, and a
 checkpoint stores only what its role says is stored, so its manifest, its model check and a load
 all read the same record instead of assuming that "trained", "stored" and "present" are one set.
@@ -78,19 +78,3 @@ class ParameterRoles:
 def full_training(model: ModelConfig) -> ParameterRoles:
     """Every parameter of the model trained and stored: what a run without a converter has."""
     return ParameterRoles(tuple((name, tuple(shape), TRAINED) for name, shape in parameter_shapes(model).items()))
-
-
-def parameter_roles(model: ModelConfig, lora=None) -> ParameterRoles:
-    """The roles of a run's parameters: the model's, as each enabled converter changes them.
-    lora: the run's `LoraConfig` (or None). A new converter adds its line here and its file
-    beside `lora.py`; its rank side registers in `actors/model/converters.py`."""
-    roles = full_training(model)
-    if lora is not None and lora.enabled:
-        from rayshard.plans.training.lora import lora_roles  # lora.py imports this module
-        roles = lora_roles(model, lora, roles)
-    return roles
-
-
-def run_roles(config) -> ParameterRoles:
-    """A TrainConfig's parameter roles."""
-    return parameter_roles(config.model.spec, getattr(config, "lora", None))
