@@ -66,3 +66,102 @@ def test_one_lora_step_matches_one_rank(rank_pool, tmp_path, single_rank, layout
     torch.testing.assert_close(torch.tensor(loss), torch.tensor(expected_loss), rtol=RTOL, atol=ATOL)
     for name, gradient in expected.items():
         torch.testing.assert_close(gradients[name], gradient, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+# ---- adapter checkpoints --------------------------------------------------------------------
+
+ADAPTER_NAMES = {f"layers.{i}.{part}.lora.{t}.{ab}" for i in range(4) for ab in "ab"
+                 for part, targets in (("attention", "qkvo"), ("feed_forward", ("gate", "up", "down"))) for t in targets}
+
+
+def test_base_stays_bit_identical_and_checkpoints_hold_only_adapters(run_training, rank_pool, tmp_path):
+    from dataclasses import replace
+
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.run.lora_base import base_digest
+    from rayshard.cluster.run.rank_group import RankGroup
+    from rayshard.cluster.run.train import checkpoint_metadata
+    from rayshard.plans.checkpoint.chunk_table import ChunkTable
+    from rayshard.plans.errors import CheckpointError
+    from rayshard.plans.training.converters import run_roles
+    from rayshard.storage.manifest_io import read_manifest
+    from tests.integration.lora_helpers import save_every_parameter
+    from tests.integration.reshard_helpers import digests
+
+    base = run_training(small_config(tmp_path, ParallelLayout(), run="base", steps=1, seq_len=16)).checkpoints[-1]
+    base_params = {name: digest for (name, kind), digest in digests(base).items() if kind == "param"}
+    layout = ParallelLayout(fsdp=2, tp=2)
+    config = _config(tmp_path, layout, run="adapt", lora=replace(LORA, base="base"))
+
+    # In memory: after LoRA steps every rank's frozen weights are the base's, bit for bit.
+    store = Store(config.store)
+    group = RankGroup(config, rank_pool)
+    try:
+        group.call("load_base", base)
+        for _ in range(3):
+            group.call("train_step")
+        pending = store.begin("everything", 3)
+        rows = group.call_each("__ray_call__", [(save_every_parameter, pending.url, pending.file_for(rank))
+                                                for rank in range(layout.world_size)])
+        everything = pending.commit(ChunkTable.concat(rows), checkpoint_metadata(config, 3, None, "-"))
+    finally:
+        group.shutdown()
+    after = digests(everything)
+    assert {name: after[(name, "param")] for name in base_params} == base_params
+    assert {name for name, kind in after if ".lora." in name} == ADAPTER_NAMES
+
+    # On storage: the run's checkpoints hold the adapters, their moments and the step, and name their base.
+    run = run_training(config)
+    chunks, metadata = read_manifest(run.checkpoints[-1])
+    assert {(c.name, c.kind) for c in chunks} == {(n, k) for n in ADAPTER_NAMES for k in ("param", "exp_avg", "exp_avg_sq")}
+    adapter_elements = run_roles(config).count(trained=True)
+    assert adapter_elements == 4 * 4 * (64 + 64 + 64 + 32 + 64 + 32 + 64 + 64 + 64 + 160 + 64 + 160 + 160 + 64)
+    assert sum(c.byte_end - c.byte_start for c in chunks) == 3 * 4 * adapter_elements  # float32, two moments each
+    assert metadata["step"] == 3 and metadata["lora"]["rank"] == 4
+    assert metadata["lora_base"] == {"url": base, "seed": config.seed, "digest": base_digest(base)}
+
+    # Resumed on tp2 (its adapter settings and base taken from the checkpoint), it continues the run.
+    uninterrupted = run_training(replace(config, run="whole", steps=5))
+    resumed = run_training(_config(tmp_path, ParallelLayout(tp=2), run="adapt", steps=5, resume="latest",
+                                   lora=LoraConfig()))
+    assert resumed.start_step == 3
+    for step in (4, 5):
+        assert abs(resumed.losses[step] - uninterrupted.losses[step]) <= 1e-5 * abs(uninterrupted.losses[step])
+
+    # Another base is refused in one line, before any rank starts.
+    with pytest.raises(CheckpointError) as refused:
+        run_training(_config(tmp_path, ParallelLayout(tp=2), run="adapt", steps=7, resume="latest",
+                             lora=replace(LORA, base=run.checkpoints[-1])))
+    message = str(refused.value)
+    assert "\n" not in message and "the adapters resumed were trained on" in message and f"--lora-base {base}" in message
+
+
+@pytest.mark.parametrize("targets", [{"tp2": ParallelLayout(tp=2), "single": ParallelLayout()},
+                                     pytest.param({"tp2xpp2": ParallelLayout(tp=2, pp=2)}, marks=pytest.mark.slow)],
+                         ids=lambda t: "+".join(t))
+def test_every_adapter_element_returns_where_it_was(rank_pool, tmp_path, targets):
+    from rayshard.actors.checkpoint.stored import StoredCheckpoint
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.run.rank_group import RankGroup
+    from rayshard.cluster.run.train import save_checkpoint
+    from tests.integration.lora_helpers import fill_with_rank
+    from tests.integration.reshard_helpers import digests, load_and_save
+
+    config = _config(tmp_path, ParallelLayout(fsdp=4), run="slices")
+    group = RankGroup(config, rank_pool)
+    try:
+        group.call("train_step")  # AdamW's moments exist after a step
+        assert sorted(group.call("__ray_call__", fill_with_rank)) == [0, 1, 2, 3]
+        saved = save_checkpoint(group, Store(config.store), config, 1, None, group.setup_info[0].data_fingerprint)
+    finally:
+        group.shutdown()
+    stored = StoredCheckpoint(saved)
+    b = stored.read_region("layers.2.attention.lora.q.b", "exp_avg", (0, 0), (64, 4))  # 16 rows per fsdp rank
+    assert torch.equal(b, torch.arange(4.0).repeat_interleave(16)[:, None].expand(64, 4))
+    a = stored.read_region("layers.2.feed_forward.lora.down.a", "param", (0, 0), (4, 160))  # one row per rank
+    assert torch.equal(a, torch.arange(4.0)[:, None].expand(4, 160))
+    expected = digests(saved)
+    assert {name for name, _ in expected} == ADAPTER_NAMES
+    for name, layout in targets.items():
+        again = load_and_save(_config(tmp_path, layout, run=f"on-{name}"), saved, rank_pool)
+        assert digests(again) == expected, name
