@@ -80,6 +80,10 @@ class TrainConfig:
         if not self.lora.enabled:
             return
         check_lora_fits(self.model.spec, self.lora)
+        if self.lora.dropout and self.layout.tp > 1:
+            # Each tp rank would draw its own mask for the input a whole A sees, and the copies of A diverge.
+            raise ConfigError("lora.dropout", self.lora.dropout, "LoRA dropout under tp > 1 is not supported yet",
+                              "set --lora-dropout 0, or train without --tp")
         for flag, on in (("--sp", self.numerics.sequence_parallel), ("--compile", self.numerics.compile)):
             if on:
                 raise ConfigError("lora", f"rank {self.lora.rank}", f"LoRA with {flag} is not supported yet",

@@ -165,3 +165,15 @@ def test_every_adapter_element_returns_where_it_was(rank_pool, tmp_path, targets
     for name, layout in targets.items():
         again = load_and_save(_config(tmp_path, layout, run=f"on-{name}"), saved, rank_pool)
         assert digests(again) == expected, name
+
+
+@pytest.mark.slow
+def test_lora_trains_in_bf16_with_activation_checkpointing(run_training, tmp_path):
+    """bf16 compute over FSDP2's mixed precision with a frozen base, and full AC, on fsdp2 x tp2: the
+    losses track the fp32 run's (bf16 rounding apart) and fall."""
+    fp32 = run_training(_config(tmp_path, ParallelLayout(fsdp=2, tp=2), run="fp32", steps=6)).losses
+    bf16 = run_training(_config(tmp_path, ParallelLayout(fsdp=2, tp=2), run="bf16", steps=6, precision="bf16",
+                                ac="full")).losses
+    assert bf16[6] < bf16[1] - 0.05
+    for step, loss in fp32.items():
+        assert abs(bf16[step] - loss) < 0.02 * loss, (step, bf16[step], loss)

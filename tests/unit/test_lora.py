@@ -130,3 +130,18 @@ def test_adapters_on_fused_weights_act_as_separate_projections():
     logits.square().mean().backward()
     assert all((param.grad is not None) == (".lora." in name) for name, param in adapted.named_parameters())
     assert all(torch.equal(param, base[name]) for name, param in adapted.named_parameters() if name in base)
+
+
+def test_memory_estimate_reads_the_roles():
+    """A frozen weight costs its float32 bytes alone; the adapters carry the gradient and moments."""
+    from rayshard.plans.layout.chooser import Workload, estimate_memory
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+    from rayshard.plans.training.model_spec import parameter_count
+
+    model, layout = preset("small"), ParallelLayout(fsdp=2, tp=2)
+    roles = parameter_roles(model, LoraConfig(rank=8))
+    full = estimate_memory(model, layout, Workload(8, 64))
+    lora = estimate_memory(model, layout, Workload(8, 64, trained_parameters=roles.count(trained=True)))
+    assert full.activations == lora.activations
+    params, adapters = parameter_count(model), roles.count(trained=True)
+    assert full.model_state - lora.model_state == pytest.approx((16 * params - 4 * params - 16 * adapters) / 4)  # over tp2 x fsdp2
