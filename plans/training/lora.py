@@ -61,17 +61,23 @@ def check_lora_fits(model: ModelConfig, lora) -> None:
                               f"or leave {target} out of --lora-targets")
 
 
-def adapter_shapes(model: ModelConfig, lora) -> dict[str, tuple[int, ...]]:
+def adapter_shapes(model: ModelConfig, rank: int, targets: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
     """Global name -> shape of every adapter tensor, layer by layer, in the model's module order."""
     dims, shapes = projection_dims(model), {}
     for layer in range(model.n_layers):
         for target in (*ATTENTION_TARGETS, *FEED_FORWARD_TARGETS):
-            if target in lora.target_list:
+            if target in targets:
                 features_in, features_out = dims[target]
                 module = adapter_module(layer, target)
-                shapes[module + ".a"] = (lora.rank, features_in)
-                shapes[module + ".b"] = (features_out, lora.rank)
+                shapes[module + ".a"] = (rank, features_in)
+                shapes[module + ".b"] = (features_out, rank)
     return shapes
+
+
+def recorded_adapter_shapes(model: ModelConfig, record: dict) -> dict[str, tuple[int, ...]]:
+    """The adapters a LoRA checkpoint holds, from its manifest's `lora` metadata (the run's settings)."""
+    targets = tuple(t.strip() for t in str(record["targets"]).split(",") if t.strip())
+    return adapter_shapes(model, int(record["rank"]), targets)
 
 
 def lora_tp_styles(lora) -> tuple[tuple[str, str], ...]:
@@ -85,4 +91,5 @@ def lora_roles(model: ModelConfig, lora, base: ParameterRoles) -> ParameterRoles
     stored, after the base's parameters."""
     check_lora_fits(model, lora)
     frozen = tuple((name, shape, FROZEN) for name, shape, _ in base.parameters)
-    return ParameterRoles(frozen + tuple((name, shape, TRAINED) for name, shape in adapter_shapes(model, lora).items()))
+    adapters = adapter_shapes(model, lora.rank, lora.target_list)
+    return ParameterRoles(frozen + tuple((name, shape, TRAINED) for name, shape in adapters.items()))

@@ -13,7 +13,6 @@ import torch
 
 from rayshard.plans.config import LoraConfig, TrainConfig
 from rayshard.plans.errors import ConfigError
-from rayshard.plans.training.lora import adapter_shapes
 from rayshard.plans.training.model_spec import parameter_shapes, preset
 from rayshard.plans.training.converters import parameter_roles, run_plan, run_roles
 from rayshard.plans.training.tp_plan import split_dim_under

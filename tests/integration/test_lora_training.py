@@ -78,6 +78,7 @@ def test_base_stays_bit_identical_and_checkpoints_hold_only_adapters(run_trainin
     from dataclasses import replace
 
     from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.checkpoint.verify import verify
     from rayshard.cluster.run.lora_base import base_digest
     from rayshard.cluster.run.rank_group import RankGroup
     from rayshard.cluster.run.train import checkpoint_metadata
@@ -119,6 +120,8 @@ def test_base_stays_bit_identical_and_checkpoints_hold_only_adapters(run_trainin
     assert sum(c.byte_end - c.byte_start for c in chunks) == 3 * 4 * adapter_elements  # float32, two moments each
     assert metadata["step"] == 3 and metadata["lora"]["rank"] == 4
     assert metadata["lora_base"] == {"url": base, "seed": config.seed, "digest": base_digest(base)}
+    report = verify(run.checkpoints[-1], deep=True)  # its model check reads the roles: adapters, not the base
+    assert report.ok, report.problems
 
     # Resumed on tp2 (its adapter settings and base taken from the checkpoint), it continues the run.
     uninterrupted = run_training(replace(config, run="whole", steps=5))
