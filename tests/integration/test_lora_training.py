@@ -51,12 +51,16 @@ def single_rank(rank_pool, tmp_path_factory):
     return _second_step_gradients(rank_pool, _config(tmp_path_factory.mktemp("one"), ParallelLayout()))
 
 
-@pytest.mark.parametrize("layout", [ParallelLayout(dp=2, tp=2),
-                                    pytest.param(ParallelLayout(fsdp=2, tp=2), marks=pytest.mark.slow),
-                                    pytest.param(ParallelLayout(tp=2, pp=2), marks=pytest.mark.slow)],
-                         ids=str)
-def test_one_lora_step_matches_one_rank(rank_pool, tmp_path, single_rank, layout):
-    loss, gradients = _second_step_gradients(rank_pool, _config(tmp_path, layout))
+@pytest.mark.parametrize("layout, pipeline", [
+    (ParallelLayout(dp=2, tp=2), {}),
+    pytest.param(ParallelLayout(fsdp=2, tp=2), {}, marks=pytest.mark.slow),
+    pytest.param(ParallelLayout(tp=2, pp=2), {}, marks=pytest.mark.slow),
+    # A split backward (I, then W from the graph's own weight leaves) over a frozen base.
+    pytest.param(ParallelLayout(fsdp=2, pp=2), {"schedule": "zbh1", "microbatches": 4}, marks=pytest.mark.slow),
+    pytest.param(ParallelLayout(pp=2, vpp=2), {"schedule": "interleaved1f1b", "microbatches": 4}, marks=pytest.mark.slow),
+], ids=lambda value: str(value) if isinstance(value, ParallelLayout) else "-".join(map(str, value.values())))
+def test_one_lora_step_matches_one_rank(rank_pool, tmp_path, single_rank, layout, pipeline):
+    loss, gradients = _second_step_gradients(rank_pool, _config(tmp_path, layout, **pipeline))
     expected_loss, expected = single_rank
     # Only adapters have gradients, every one of them, A's included (B moved off zero in step 1).
     assert expected and all(".lora." in name for name in expected)
