@@ -27,6 +27,7 @@ from rayshard.cluster.catalog.store import CheckpointRef, Store
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.errors import ConfigError
+from rayshard.plans.training.converters import run_roles
 from rayshard.plans.training.flops import throughput
 
 
@@ -227,8 +228,10 @@ def report_step(config: TrainConfig, per_rank: list, seconds: float, result: Tra
     # As the ranks counted them: a data rank's tp and pp peers count the same tokens.
     tokens = (sum(rank.tokens for rank in per_rank) // (config.layout.tp * config.layout.pp)
               or config.global_batch * config.seq_len)
+    roles = run_roles(config)
     speed = throughput(config.model.spec, config.seq_len, tokens, seconds, config.layout.world_size,
-                       metrics.device_name, config.numerics.precision)
+                       metrics.device_name, config.numerics.precision,
+                       roles.count(trained=True) if roles.has_frozen else None)
     peaks = [rank.peak_memory_bytes for rank in per_rank]
     record = {"step": done, "loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
               "tokens": tokens, "tokens_per_s": speed.tokens_per_s, "tokens_per_s_per_rank": speed.tokens_per_s_per_rank,

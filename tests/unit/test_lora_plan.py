@@ -144,3 +144,13 @@ def test_memory_estimate_reads_the_roles():
     assert full.activations == lora.activations
     params, adapters = parameter_count(model), roles.count(trained=True)
     assert full.model_state - lora.model_state == pytest.approx((16 * params - 4 * params - 16 * adapters) / 4)  # over tp2 x fsdp2
+
+
+def test_flops_read_the_roles():
+    """A frozen weight costs 4 FLOPs per token (forward, input gradient), a trained adapter 6."""
+    from rayshard.plans.training.flops import active_parameters, flops_per_token
+
+    model = preset("small")
+    adapters = parameter_roles(model, LoraConfig(rank=8)).count(trained=True)
+    weights = active_parameters(model) - model.vocab_size * model.dim
+    assert flops_per_token(model, 64) - flops_per_token(model, 64, adapters) == pytest.approx(2 * weights - 6 * adapters)
