@@ -128,7 +128,9 @@ def test_base_stays_bit_identical_and_checkpoints_hold_only_adapters(run_trainin
     assert report.ok, report.problems
 
     # Resumed on tp2 (its adapter settings and base taken from the checkpoint), it continues the run.
-    uninterrupted = run_training(replace(config, run="whole", steps=5))
+    # (Saved in the background, its checkpoint holds the same tensors: async saves read the roles too.)
+    uninterrupted = run_training(replace(config, run="whole", steps=5, checkpoint=replace(config.checkpoint, async_save=True)))
+    assert {(c.name, c.kind) for c in read_manifest(uninterrupted.checkpoints[-1])[0]} == {(c.name, c.kind) for c in chunks}
     resumed = run_training(_config(tmp_path, ParallelLayout(tp=2), run="adapt", steps=5, resume="latest",
                                    lora=LoraConfig()))
     assert resumed.start_step == 3

@@ -59,6 +59,13 @@ def test_bad_lora_input_is_one_line(lora, message):
     assert message in str(error.value) and "Fix:" in str(error.value) and "\n" not in str(error.value)
 
 
+def test_the_config_file_section():
+    config = TrainConfig.from_dict({"lora": {"rank": 8, "alpha": 32, "targets": "q,v", "base": "base@20"}}).validate()
+    assert (config.lora.rank, config.lora.scale, config.lora.target_list, config.lora.base) == (8, 4.0, ("q", "v"), "base@20")
+    with pytest.raises(ConfigError, match="lora"):
+        TrainConfig.from_dict({"lora": {"rnak": 8}})
+
+
 def test_lora_refuses_what_it_does_not_run_on_yet():
     from rayshard.plans.config import ModelChoice
 
