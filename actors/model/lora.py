@@ -32,6 +32,22 @@ from rayshard.plans.config.lora import LoraConfig
 from rayshard.plans.training.lora import ATTENTION_TARGETS, FEED_FORWARD_TARGETS, projection_dims
 
 
+def freeze(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Every parameter of `model` frozen, and stored in `dtype` if given (a parameter two modules
+    share stays one)."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if dtype is None or param.dtype == dtype:
+                param.requires_grad_(False)
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(param.to(dtype), requires_grad=False)
+            module._parameters[name] = replaced[id(param)]
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -133,10 +149,11 @@ class LoraFeedForward(FeedForward):
 
 
 @torch.no_grad()
-def apply_lora(model: nn.Module, spec, lora: LoraConfig) -> None:
-    """Freeze the base and add the adapters (on the meta device, before parallelize): the converter."""
-    for param in model.parameters():
-        param.requires_grad_(False)
+def apply_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:
+    """Freeze the base and add the adapters (on the meta device, before parallelize): the converter.
+    frozen_dtype: the base's dtype where it differs from float32 (bf16 in a bf16 run: compute reads
+    it in bf16 anyway, and nothing steps it, so no float32 master is kept)."""
+    freeze(model, frozen_dtype)
     dims, targets, scale = projection_dims(spec), lora.target_list, lora.scale
     layers = model.layers.values() if model.layers is not None else ()
     for layer in layers:

@@ -16,6 +16,7 @@ from torch.distributed.tensor._redistribute import clear_redistribute_planner_ca
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from rayshard.actors.checkpoint.async_save import AsyncSaver
+from rayshard.actors.checkpoint.cast_view import FloatView
 from rayshard.actors.checkpoint.load import HandoverGroups, load_rank_shard
 from rayshard.actors.checkpoint.save import save_rank_shard
 from rayshard.actors.parallel.gradient_norm import clip_grad_norm
@@ -171,6 +172,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         reset_peak_memory(self.device)
+        if config.lora.dropout:
+            # LoRA dropout's masks are drawn from (seed, step, rank): a rerun, or a resume on this
+            # layout, draws the same ones (other layouts draw others: decision 124).
+            torch.manual_seed((config.seed * 1_000_003 + self.step) * 65_537 + self.rank)
         total_loss, record = self._forward_backward()
         with self.runner.after_forward_backward():
             grad_norm = clip_grad_norm(self.trained_parameters(), opt.grad_clip, self.coord_map,
@@ -280,8 +285,10 @@ class Trainer:
         """The frozen parameters' values from the run's base checkpoint (weights only, any layout);
         the step and moments stay the run's own."""
         frozen = self.roles.frozen_names
-        result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(frozen), handover=self.handover_groups,
+        view = FloatView(self.model, frozen)  # a bf16 base is read as float32, then rounded (decision 126)
+        result = load_rank_shard(view, self.optimizer, checkpoint_url, set(frozen), handover=self.handover_groups,
                                  only=frozen, moments=False)
+        view.write_back()
         return {"bytes_read": result["bytes_read"], "seconds": result["seconds"], "partial_reads": result["partial_reads"]}
 
     def data_fingerprint(self) -> str:

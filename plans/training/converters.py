@@ -1,7 +1,7 @@
 """The run's model converters, plan side: how they change the parameters' roles and the tp plan.
 
 A converter (LoRA first) changes a built model before it is parallelized (its rank side:
-`actors/model/converters.py`); here is what planners need of it without building anything: the
+`actors/training/converters.py`); here is what planners need of it without building anything: the
 roles of the parameters it adds and freezes (`plans/training/parameter_roles.py`) and the tp
 styles of its parameters. A new converter is a file beside `lora.py` plus its lines here.
 """

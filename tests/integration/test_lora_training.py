@@ -186,3 +186,42 @@ def test_lora_trains_in_bf16_with_activation_checkpointing(run_training, tmp_pat
     assert bf16[6] < bf16[1] - 0.05
     for step, loss in fp32.items():
         assert abs(bf16[step] - loss) < 0.02 * loss, (step, bf16[step], loss)
+
+
+@pytest.mark.slow
+def test_a_bf16_run_keeps_its_frozen_base_in_bf16(run_training, rank_pool, tmp_path):
+    """In a bf16 run the base is held in bf16 (no float32 master: nothing steps it): loaded from the
+    float32 base checkpoint and rounded once, then untouched by the steps; the adapters stay float32."""
+    from dataclasses import replace
+
+    from rayshard.actors.checkpoint.stored import StoredCheckpoint
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.run.rank_group import RankGroup
+    from rayshard.cluster.run.train import checkpoint_metadata
+    from rayshard.plans.checkpoint.chunk_table import ChunkTable
+    from tests.integration.lora_helpers import save_every_parameter
+
+    base = run_training(small_config(tmp_path, ParallelLayout(), run="base", steps=1, seq_len=16)).checkpoints[-1]
+    layout = ParallelLayout(fsdp=2, tp=2)
+    config = _config(tmp_path, layout, run="adapt", lora=replace(LORA, base="base"), precision="bf16")
+    group = RankGroup(config, rank_pool)
+    try:
+        group.call("load_base", base)
+        for _ in range(2):
+            group.call("train_step")
+        pending = Store(config.store).begin("everything", 2)
+        rows = group.call_each("__ray_call__", [(save_every_parameter, pending.url, pending.file_for(rank))
+                                                for rank in range(layout.world_size)])
+        everything = pending.commit(ChunkTable.concat(rows), checkpoint_metadata(config, 2, None, "-"))
+    finally:
+        group.shutdown()
+    held, source = StoredCheckpoint(everything), StoredCheckpoint(base)
+    dtypes = {}
+    for (name, kind), tensor in held.index.items():
+        shape = tensor.table.chunks_at(tensor.rows[:1])[0].global_shape
+        value = held.read_region(name, kind, (0,) * len(shape), shape)
+        dtypes[name] = value.dtype
+        if ".lora." not in name:
+            assert torch.equal(value, source.read_region(name, "param", (0,) * len(shape), shape).to(torch.bfloat16)), name
+    assert {dtype for name, dtype in dtypes.items() if ".lora." not in name} == {torch.bfloat16}
+    assert {dtype for name, dtype in dtypes.items() if ".lora." in name} == {torch.float32}

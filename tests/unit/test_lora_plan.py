@@ -161,3 +161,16 @@ def test_flops_read_the_roles():
     adapters = parameter_roles(model, LoraConfig(rank=8)).count(trained=True)
     weights = active_parameters(model) - model.vocab_size * model.dim
     assert flops_per_token(model, 64) - flops_per_token(model, 64, adapters) == pytest.approx(2 * weights - 6 * adapters)
+
+
+def test_a_bf16_run_counts_its_frozen_weights_at_two_bytes():
+    from rayshard.plans.layout.chooser import Workload, estimate_memory
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+    from rayshard.plans.training.model_spec import parameter_count
+
+    model, layout = preset("small"), ParallelLayout()
+    adapters = parameter_roles(model, LoraConfig(rank=8)).count(trained=True)
+    fp32 = estimate_memory(model, layout, Workload(8, 64, precision="bf16", trained_parameters=adapters))
+    work = Workload(8, 64, precision="fp32", trained_parameters=adapters)
+    assert fp32.model_state < estimate_memory(model, layout, work).model_state
+    assert estimate_memory(model, layout, work).model_state == pytest.approx(4 * parameter_count(model) + 16 * adapters)

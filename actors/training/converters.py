@@ -11,12 +11,14 @@ from __future__ import annotations
 from torch import nn
 
 from rayshard.actors.model.lora import apply_lora
+from rayshard.actors.parallel.precision import compute_dtype
 from rayshard.plans.training.converters import run_plan  # noqa: F401  (the runners' one import for both sides)
 
 
 def convert_model(model: nn.Module, config) -> nn.Module:
     """`config`: the TrainConfig. Returns the model, changed in place."""
-    lora = getattr(config, "lora", None)
-    if lora is not None and lora.enabled:
-        apply_lora(model, config.model.spec, lora)
+    lora = config.lora
+    if lora.enabled:
+        precision = config.numerics.precision
+        apply_lora(model, config.model.spec, lora, compute_dtype(precision) if precision != "fp32" else None)
     return model
