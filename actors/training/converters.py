@@ -12,7 +12,6 @@ from torch import nn
 
 from rayshard.actors.model.lora import apply_lora
 from rayshard.actors.parallel.precision import compute_dtype
-from rayshard.plans.training.converters import run_plan  # noqa: F401  (the runners' one import for both sides)
 
 
 def convert_model(model: nn.Module, config) -> nn.Module:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rayshard.actors.parallel.init_weights import initialize_parameters
-from rayshard.actors.training.converters import convert_model, run_plan
+from rayshard.actors.training.converters import convert_model
+from rayshard.plans.training.converters import run_plan
 from rayshard.actors.model.moe import set_aux_loss_scale
 from rayshard.actors.parallel.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
 from rayshard.actors.parallel.precision import compute_dtype

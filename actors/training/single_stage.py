@@ -13,7 +13,8 @@ from rayshard.actors.parallel.init_weights import initialize_parameters
 from rayshard.actors.model.moe import set_aux_loss_scale
 from rayshard.actors.parallel.parallelize import parallelize
 from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES
-from rayshard.actors.training.converters import convert_model, run_plan
+from rayshard.actors.training.converters import convert_model
+from rayshard.plans.training.converters import run_plan
 from rayshard.actors.model.transformer import build_on_meta
 from rayshard.actors.model.user_model import Criterion, build_user_on_meta
 from rayshard.actors.training.step_runner import loss_context, microbatch_loss

@@ -2,9 +2,9 @@
 
 Full training trains and stores every parameter of the model. A model converter (LoRA first,
 `plans/training/lora.py`; the run's converters: `plans/training/converters.py`) adds parameters
-and freezes others: the optimizer then holds only the trained ones (no moments for the frozen), gradient clipping and reduction see only them, and a
-checkpoint stores only what its role says is stored, so its manifest, its model check and a load
-all read the same record instead of assuming that "trained", "stored" and "present" are one set.
+and freezes others: the optimizer then holds only the trained ones (no moments for the frozen),
+gradient clipping and reduction see only them, and a checkpoint stores only what its role says is
+stored, so its manifest, its model check and a load all read the same record instead of assuming that "trained", "stored" and "present" are one set.
 
 A frozen parameter is not stored in the run's checkpoints: it comes from the base (a checkpoint
 named by reference and digest, or the seeded initial weights), which the run never modifies.
