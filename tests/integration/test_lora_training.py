@@ -132,7 +132,7 @@ def test_base_stays_bit_identical_and_checkpoints_hold_only_adapters(run_trainin
     uninterrupted = run_training(replace(config, run="whole", steps=5, checkpoint=replace(config.checkpoint, async_save=True)))
     assert {(c.name, c.kind) for c in read_manifest(uninterrupted.checkpoints[-1])[0]} == {(c.name, c.kind) for c in chunks}
     resumed = run_training(_config(tmp_path, ParallelLayout(tp=2), run="adapt", steps=5, resume="latest",
-                                   lora=LoraConfig()))
+                                   verify_resume=True, lora=LoraConfig()))  # the loaded adapters' digests proved
     assert resumed.start_step == 3
     for step in (4, 5):
         assert abs(resumed.losses[step] - uninterrupted.losses[step]) <= 1e-5 * abs(uninterrupted.losses[step])
