@@ -30,6 +30,7 @@ from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS, STAGE_MESH_DIMS, ParallelLayout, RankCoords
 from rayshard.storage.backends.registry import open_url
 
+
 @dataclass(frozen=True)
 class LoadScope:
     """What a load fills: the parameters named in `only` (None: all) and, with `moments`, their
@@ -140,7 +141,7 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
 
 def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: set[str], manifest: bytes | None,
                   hands_over: bool, placement: tuple[ParallelLayout, RankCoords], seconds: dict,
-                  scope: "LoadScope | None" = None):
+                  scope: LoadScope | None = None):
     """The manifest, the model check, AdamW state ready to be filled, and what this rank reads."""
     started = time.perf_counter()
     chunks, metadata = read_manifest(checkpoint_url, manifest)
@@ -262,7 +263,7 @@ def read_once_for(checkpoint_url: str) -> bool:
     return not backend.local_paths
 
 
-def _fill_local_copies(model, optimizer, scope: "LoadScope | None" = None) -> None:
+def _fill_local_copies(model, optimizer, scope: LoadScope | None = None) -> None:
     """Tensors this rank holds twice under one name and region (with the V placement, rank 0
     runs both the first stage and the last one's tied copy): the copy takes the loaded values."""
     first: dict[tuple, torch.Tensor] = {}
@@ -277,7 +278,7 @@ def _fill_local_copies(model, optimizer, scope: "LoadScope | None" = None) -> No
 
 def load_destinations(model, optimizer, read_once: bool = True,
                       placement: tuple[ParallelLayout, RankCoords] | None = None,
-                      scope: "LoadScope | None" = None) -> LoadTargets:
+                      scope: LoadScope | None = None) -> LoadTargets:
     """What this rank fills on load, and which of it it reads itself.
 
     read_once: each replica group (`handover_dims`: dp, and tp or fsdp where a piece is copied
@@ -309,7 +310,7 @@ def load_destinations(model, optimizer, read_once: bool = True,
 
 
 def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str,
-                  scope: "LoadScope | None" = None) -> None:
+                  scope: LoadScope | None = None) -> None:
     """One error listing every missing key, unexpected key and shape or dtype mismatch."""
     scope = scope or LoadScope()
     kinds = (PARAM, *MOMENTS) if scope.moments else (PARAM,)

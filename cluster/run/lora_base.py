@@ -12,6 +12,7 @@ driver streams the base's weights once per start or resume to compute it.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, replace
 
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
@@ -20,8 +21,6 @@ from rayshard.cluster.checkpoint.digest import TensorDigest, _bytes, _tensors, c
 from rayshard.plans.checkpoint.chunks import PARAM
 from rayshard.plans.config import LoraConfig, TrainConfig
 from rayshard.plans.errors import CheckpointError, ConfigError
-
-import hashlib
 
 SEEDED = "seeded initial weights"
 # The settings that make two runs' adapters different tensors (dropout and the base ref do not).
@@ -71,7 +70,8 @@ def with_resumed_lora(config: TrainConfig, metadata: dict | None) -> TrainConfig
         return config
     saved = LoraConfig(**{k: v for k, v in saved.items() if k in LoraConfig.__dataclass_fields__})
     if not config.lora.enabled:
-        return replace(config, lora=replace(saved, base=config.lora.base or saved.base))
+        # The base is the recorded URL (`resolve_base`), not the ref first given: "RUN" may name a later checkpoint now.
+        return replace(config, lora=replace(saved, base=config.lora.base))
     differences = [f"{name} ({getattr(saved, name)!r} -> {getattr(config.lora, name)!r})" for name in ADAPTER_FIELDS
                    if getattr(saved, name) != getattr(config.lora, name)]
     if differences:

@@ -131,6 +131,8 @@ def test_base_stays_bit_identical_and_checkpoints_hold_only_adapters(run_trainin
     # (Saved in the background, its checkpoint holds the same tensors: async saves read the roles too.)
     uninterrupted = run_training(replace(config, run="whole", steps=5, checkpoint=replace(config.checkpoint, async_save=True)))
     assert {(c.name, c.kind) for c in read_manifest(uninterrupted.checkpoints[-1])[0]} == {(c.name, c.kind) for c in chunks}
+    # The base run moves on, so "base" names another checkpoint now; the adapters' base stays the recorded one.
+    run_training(small_config(tmp_path, ParallelLayout(), run="base", steps=2, seq_len=16, resume="latest"))
     resumed = run_training(_config(tmp_path, ParallelLayout(tp=2), run="adapt", steps=5, resume="latest",
                                    verify_resume=True, lora=LoraConfig()))  # the loaded adapters' digests proved
     assert resumed.start_step == 3
@@ -140,7 +142,7 @@ def test_base_stays_bit_identical_and_checkpoints_hold_only_adapters(run_trainin
     # Another base is refused in one line, before any rank starts.
     with pytest.raises(CheckpointError) as refused:
         run_training(_config(tmp_path, ParallelLayout(tp=2), run="adapt", steps=7, resume="latest",
-                             lora=replace(LORA, base=run.checkpoints[-1])))
+                             lora=replace(LORA, base="base")))
     message = str(refused.value)
     assert "\n" not in message and "the adapters resumed were trained on" in message and f"--lora-base {base}" in message
 
