@@ -145,6 +145,8 @@ class PipelinedRunner:
         original, copy = self.model.tied_original, self.model.tied_copy
         if original is None and copy is None:
             return
+        if not (original if original is not None else copy).requires_grad:
+            return  # frozen (a LoRA run's base): no gradient on either stage, the copies stay equal
         for param in (original, copy):
             if param is not None:
                 _place_grad_like_param(param)

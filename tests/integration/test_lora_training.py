@@ -243,3 +243,16 @@ def test_a_lora_run_resumed_on_tp2_x_pp2_continues_the_uninterrupted_run(run_tra
     _, full, resumed = resume_continuity(run_training, tmp_path, config, ParallelLayout(dp=2, tp=2),
                                          ParallelLayout(tp=2, pp=2), 4, 20, 2.5e-6)
     assert full.losses[24] < full.losses[1] - 0.2  # the adapters learn: equal losses are not a frozen model's
+
+
+@pytest.mark.slow
+def test_a_frozen_tied_embedding_across_pipeline_stages(run_training, tmp_path):
+    """Tied embeddings on pp2: the frozen embedding and its last-stage copy exchange no gradient,
+    and the losses are a single rank's."""
+    from rayshard.plans.config import ModelChoice
+
+    tied = ModelChoice.named("tiny", tie_embeddings=True)
+    single = run_training(_config(tmp_path, ParallelLayout(), run="one", model=tied)).losses
+    piped = run_training(_config(tmp_path, ParallelLayout(pp=2), run="pp", model=tied, microbatches=2)).losses
+    for step, loss in single.items():
+        assert abs(piped[step] - loss) <= 1e-5 * abs(loss), (step, piped[step], loss)
