@@ -121,6 +121,11 @@ class RankActor:
         return self.trainer.load(checkpoint_url, manifest)
 
     @leaves_its_group_on_failure
+    def load_base(self, checkpoint_url: str) -> dict:
+        """A LoRA run's frozen base weights, from the checkpoint the run names as its base."""
+        return self.trainer.load_base(checkpoint_url)
+
+    @leaves_its_group_on_failure
     def train_step(self) -> StepMetrics:
         return self.trainer.train_step()
 
@@ -144,7 +149,7 @@ class RankActor:
         then upload it in a background thread; the driver polls save_status."""
         trainer = self.trainer
         self.background_save = trainer.async_saver.start(trainer.model, trainer.optimizer, checkpoint_url, file,
-                                                         trainer.rank, trainer.pipeline_copies)
+                                                         trainer.rank, trainer.pipeline_copies, trainer.stored_names)
         return self.background_save.staged
 
     def save_status(self, wait: bool = False) -> dict:

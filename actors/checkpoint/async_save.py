@@ -37,12 +37,12 @@ class AsyncSaver:
         self._previous: BackgroundSave | None = None
 
     def start(self, model, optimizer, checkpoint_url: str, file: str, rank: int,
-              copies: PipelineCopies = NO_PIPELINE_COPIES) -> "BackgroundSave":
+              copies: PipelineCopies = NO_PIPELINE_COPIES, only: frozenset[str] | None = None) -> "BackgroundSave":
         """Begin a save of this rank's share of the state; return it (poll its `status`)."""
         if self._previous is not None:
             self._previous.status(wait=True)  # its upload reads the staging buffers about to be overwritten
             self._previous.hook.remove()  # (removed here, not inside the hook: step() is iterating hooks then)
-        self._previous = BackgroundSave(self, model, optimizer, checkpoint_url, file, rank, copies)
+        self._previous = BackgroundSave(self, model, optimizer, checkpoint_url, file, rank, copies, only)
         return self._previous
 
 
@@ -50,11 +50,11 @@ class BackgroundSave:
     """One save: made by `AsyncSaver.start`."""
 
     def __init__(self, saver: AsyncSaver, model, optimizer, checkpoint_url: str, file: str, rank: int,
-                 copies: PipelineCopies = NO_PIPELINE_COPIES):
+                 copies: PipelineCopies = NO_PIPELINE_COPIES, only: frozenset[str] | None = None):
         started = time.perf_counter()
         self.saver = saver
         self.where = f"rank {rank} ({checkpoint_url}/{file})"
-        live = pieces_to_write(model, optimizer, copies)  # references to the live tensors, no bytes yet
+        live = pieces_to_write(model, optimizer, copies, only)  # references to the live tensors, no bytes yet
         keys = [(piece.name, piece.kind, tuple(piece.offsets)) for piece in live]
         saver.staging.keep_only(keys)
         self.rows: ChunkTable | None = None  # the manifest rows written, as columns

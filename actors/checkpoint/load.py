@@ -30,6 +30,24 @@ from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS, STAGE_MESH_DIMS, ParallelLayout, RankCoords
 from rayshard.storage.backends.registry import open_url
 
+
+@dataclass(frozen=True)
+class LoadScope:
+    """What a load fills: the parameters named in `only` (None: all) and, with `moments`, their
+    AdamW moments."""
+
+    only: frozenset[str] | None = None
+    moments: bool = True
+
+    def fills(self, name: str) -> bool:
+        return self.only is None or name in self.only
+
+    def tensors(self, model, optimizer):
+        for name, kind, tensor in state_tensors(model, optimizer, only=self.only):
+            if kind == PARAM or self.moments:
+                yield name, kind, tensor
+
+
 # Replicas hand over read-once pieces in buckets this big: small enough that the first one goes
 # out early in a read, large enough that a load is a few dozen collectives, not hundreds.
 BROADCAST_BUCKET_BYTES = 16 * 2**20
@@ -74,11 +92,15 @@ def _collector_paused():
 @torch.no_grad()
 @_collector_paused()
 def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: set[str],
-                    manifest: bytes | None = None, handover: HandoverGroups | None = None) -> dict:
+                    manifest: bytes | None = None, handover: HandoverGroups | None = None,
+                    only: frozenset[str] | None = None, moments: bool = True) -> dict:
     """Fill this rank's params and AdamW state from a checkpoint written by any layout.
 
-    all_parameter_names: every parameter of the whole model (not only this rank's stage), so a
-    key is 'unexpected' only if no rank of the model could own it.
+    all_parameter_names: every parameter of the whole model the checkpoint should hold (not only
+    this rank's stage), so a key is 'unexpected' only if no rank of the model could own it.
+    only: the parameters this load fills (their role: the stored ones of a run's checkpoint, the
+    frozen ones from a LoRA run's base); None: every parameter. moments: fill AdamW moments too
+    (a base's weights are loaded without them).
     manifest: the manifest's bytes when the caller fetched them already (else read here).
     handover: the trainer's process groups for read-once hand-overs (made here if not given).
     """
@@ -88,9 +110,10 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     hands_over = read_once_for(checkpoint_url) and layout.dp > 1
     device = next((local_tensor(t).device for _, _, t in state_tensors(model, optimizer)), torch.device("cpu"))
     seconds: dict = {}
+    scope = LoadScope(only, moments)
     try:
         step, metadata, stored, targets = _prepare_load(
-            model, optimizer, checkpoint_url, all_parameter_names, manifest, hands_over, (layout, coords), seconds)
+            model, optimizer, checkpoint_url, all_parameter_names, manifest, hands_over, (layout, coords), seconds, scope)
     except Exception as error:
         if not hands_over:
             raise
@@ -109,7 +132,7 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
         stats = stored.read(targets.destinations)
         seconds["read"] = time.perf_counter() - started
     if ties_embeddings(model):  # only a tied embedding's copy can be held twice by one rank
-        _fill_local_copies(model, optimizer)
+        _fill_local_copies(model, optimizer, scope)
     # Parts of chunks this rank read but could not verify alone: the caller gathers every rank's
     # and checks them together (`check_loaded_parts`).
     return {"step": step, "metadata": metadata, "bytes_received": received, "seconds": seconds,
@@ -117,16 +140,20 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
 
 
 def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: set[str], manifest: bytes | None,
-                  hands_over: bool, placement: tuple[ParallelLayout, RankCoords], seconds: dict):
+                  hands_over: bool, placement: tuple[ParallelLayout, RankCoords], seconds: dict,
+                  scope: LoadScope | None = None):
     """The manifest, the model check, AdamW state ready to be filled, and what this rank reads."""
     started = time.perf_counter()
     chunks, metadata = read_manifest(checkpoint_url, manifest)
     seconds["manifest"] = time.perf_counter() - started
     # Column-wise (a ChunkTable): a record for each tensor's first chunk, not one per chunk.
     first_chunk: dict[tuple[str, str], Chunk] = chunks.first_of_each_tensor()
-    check_matches(model, first_chunk, all_parameter_names, checkpoint_url)
+    scope = scope or LoadScope()
+    check_matches(model, first_chunk, all_parameter_names, checkpoint_url, scope)
     step = int(metadata["step"])
-    for param in model.parameters():  # AdamW state must exist before it can be filled
+    for name, param in model.named_parameters():  # AdamW state must exist before it can be filled
+        if not scope.moments or not scope.fills(name):
+            continue
         state = optimizer.state.get(param, {})
         # Every element is overwritten (coverage is proven), so existing moments are reused and
         # new ones need no zero fill.
@@ -134,7 +161,7 @@ def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: se
                    else torch.empty_like(param) for kind in MOMENTS}
         # Fused AdamW keeps its step count on the parameter's device (a GPU's, for a GPU rank).
         optimizer.state[param] = {"step": torch.tensor(float(step), device=param.device), **moments}
-    targets = load_destinations(model, optimizer, hands_over, placement)
+    targets = load_destinations(model, optimizer, hands_over, placement, scope)
     stored = StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True)
     return step, metadata, stored, targets
 
@@ -236,11 +263,11 @@ def read_once_for(checkpoint_url: str) -> bool:
     return not backend.local_paths
 
 
-def _fill_local_copies(model, optimizer) -> None:
+def _fill_local_copies(model, optimizer, scope: LoadScope | None = None) -> None:
     """Tensors this rank holds twice under one name and region (with the V placement, rank 0
     runs both the first stage and the last one's tied copy): the copy takes the loaded values."""
     first: dict[tuple, torch.Tensor] = {}
-    for name, kind, tensor in state_tensors(model, optimizer):
+    for name, kind, tensor in (scope or LoadScope()).tensors(model, optimizer):
         key = (name, kind, local_region(tensor))
         if key in first:
             if tensor is not first[key]:
@@ -250,7 +277,8 @@ def _fill_local_copies(model, optimizer) -> None:
 
 
 def load_destinations(model, optimizer, read_once: bool = True,
-                      placement: tuple[ParallelLayout, RankCoords] | None = None) -> LoadTargets:
+                      placement: tuple[ParallelLayout, RankCoords] | None = None,
+                      scope: LoadScope | None = None) -> LoadTargets:
     """What this rank fills on load, and which of it it reads itself.
 
     read_once: each replica group (`handover_dims`: dp, and tp or fsdp where a piece is copied
@@ -260,7 +288,7 @@ def load_destinations(model, optimizer, read_once: bool = True,
     layout, coords = placement or rank_layout(model)
     destinations, shared, seen = {}, [], set()
     hand_over = read_once and layout.dp > 1
-    for name, kind, tensor in state_tensors(model, optimizer):
+    for name, kind, tensor in (scope or LoadScope()).tensors(model, optimizer):
         offsets, sizes = local_region(tensor)
         if (name, kind, offsets) in seen:
             continue  # a second copy on this rank (a tied embedding's, V placement): filled after the read
@@ -281,13 +309,17 @@ def load_destinations(model, optimizer, read_once: bool = True,
     return LoadTargets(destinations, shared, readers)
 
 
-def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str) -> None:
+def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str,
+                  scope: LoadScope | None = None) -> None:
     """One error listing every missing key, unexpected key and shape or dtype mismatch."""
-    kinds = (PARAM, *MOMENTS)
+    scope = scope or LoadScope()
+    kinds = (PARAM, *MOMENTS) if scope.moments else (PARAM,)
     expected = {}
     for name, param in model.named_parameters():
+        if not scope.fills(name):
+            continue
         described = (tuple(param.shape), dtype_name(param.dtype))  # once: DTensor's properties are not free
         expected.update({(name, kind): described for kind in kinds})
-    possible = {(name, kind) for name in all_parameter_names for kind in kinds}
+    possible = {(name, kind) for name in all_parameter_names for kind in (PARAM, *MOMENTS)}
     found = {key: (chunk.global_shape, chunk.dtype) for key, chunk in stored.items()}
     raise_if_mismatched(expected, found, possible, where)

@@ -15,11 +15,12 @@ MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 
 
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  without: PipelineCopies = NO_PIPELINE_COPIES):
+                  without: PipelineCopies = NO_PIPELINE_COPIES, only: frozenset[str] | None = None):
     """(global name, kind, tensor) for every piece of training state: params and AdamW moments
-    (`without`: leave out these parameters and their moments)."""
+    (`without`: leave out these parameters and their moments; `only`: the names a checkpoint
+    stores, `ParameterRoles.stored_names`, None for every parameter)."""
     for name, param in model.named_parameters():
-        if param in without:
+        if param in without or (only is not None and name not in only):
             continue
         yield name, PARAM, param
         state = optimizer.state.get(param, {})

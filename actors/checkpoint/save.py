@@ -17,13 +17,15 @@ from rayshard.plans.checkpoint.regions import EMBEDDING
 from rayshard.plans.checkpoint.replicas import pieces_written
 
 
-def pieces_to_write(model, optimizer, copies: PipelineCopies = NO_PIPELINE_COPIES) -> list[Piece]:
+def pieces_to_write(model, optimizer, copies: PipelineCopies = NO_PIPELINE_COPIES,
+                    only: frozenset[str] | None = None) -> list[Piece]:
     """This rank's share of the writing, in file order. copies: the rank's pipeline copies, which
-    the rank holding the original writes."""
+    the rank holding the original writes. only: the parameters the run's checkpoints store (their
+    role, `plans/training/parameter_roles.py`); None: every one."""
     layout, coords = rank_layout(model)
     tied = ties_embeddings(model)
     candidates, dims, nbytes = [], [], []
-    for name, kind, tensor in state_tensors(model, optimizer, without=copies):
+    for name, kind, tensor in state_tensors(model, optimizer, without=copies, only=only):
         offsets, sizes = local_region(tensor)
         if not all(sizes) and sizes:
             continue  # an empty FSDP shard (more shards than rows)
@@ -37,11 +39,11 @@ def pieces_to_write(model, optimizer, copies: PipelineCopies = NO_PIPELINE_COPIE
 
 
 def save_rank_shard(model, optimizer, coords: dict[str, int], checkpoint_url: str, file: str,
-                    copies: PipelineCopies = NO_PIPELINE_COPIES) -> ChunkTable:
+                    copies: PipelineCopies = NO_PIPELINE_COPIES, only: frozenset[str] | None = None) -> ChunkTable:
     """Stream this rank's share of the pieces to checkpoint_url/file; return their manifest rows
     as columns (a `ChunkTable`: the driver concatenates 16k ranks' columns, no record per chunk).
     `coords` is accepted for the caller's convenience; the rank's position is read off its meshes."""
-    pieces = pieces_to_write(model, optimizer, copies)
+    pieces = pieces_to_write(model, optimizer, copies, only)
     if not pieces:
         return ChunkTable.from_chunks([])
     fs, base = fsspec.core.url_to_fs(checkpoint_url)

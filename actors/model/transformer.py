@@ -49,14 +49,23 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.wo_bias)  # GPT-2's c_proj bias
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim] (a LoRA
+        converter adds its deltas here, `actors/model/lora.py`)."""
         batch, seq, _ = x.shape
         # [.., groups, heads_per_group + 2, head_dim]: per kv group, its q heads then k then v.
         qkv = self.qkv(x).view(batch, seq, -1, self.heads_per_group + 2, self.head_dim)
         # split, not indexing: an index's backward zero-fills the whole fused gradient once per
         # piece; split's backward is one concatenation (bench/RESULTS.md, throughput).
         q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=-2)
-        q, k, v = q.reshape(batch, seq, -1, self.head_dim), k.squeeze(-2), v.squeeze(-2)
+        return q.reshape(batch, seq, -1, self.head_dim), k.squeeze(-2), v.squeeze(-2)
+
+    def project_out(self, heads: torch.Tensor) -> torch.Tensor:
+        return self.wo(heads)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # None: learned positions (GPT-2), added to the embedding instead
@@ -67,7 +76,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.project_out(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 def sliding_window_mask(seq: int, window: int, device) -> torch.Tensor:

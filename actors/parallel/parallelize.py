@@ -27,8 +27,9 @@ from rayshard.actors.parallel.precision import compute_dtype, fsdp_policy, uses_
 from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS
 from rayshard.plans.training.model_plan import ModelPlan
 from rayshard.plans.training.model_spec import REFERENCE_PLAN
-from rayshard.plans.training.tp_plan import (COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE, POSITIONS_TO_SEQUENCE,
-                                    ROWWISE, ROWWISE_TO_SEQUENCE, SEQUENCE_PARALLEL, VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
+from rayshard.plans.training.tp_plan import (ADAPTER_SPLIT, COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE,
+                                    POSITIONS_TO_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE, SEQUENCE_PARALLEL,
+                                    VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
                                     VOCAB_HEAD_FROM_SEQUENCE, with_sequence_parallel)
 
 class GatherSequence(ParallelStyle):
@@ -99,6 +100,22 @@ class StackedShard(ParallelStyle):
         return module
 
 
+class AdapterShard(ParallelStyle):
+    """A LoRA adapter (`actors/model/lora.py`): its `parameter` split along `dim` over tp, the other
+    copied; the adapter computes on its local pieces and learns the tp group from here."""
+
+    def __init__(self, parameter: str, dim: int):
+        super().__init__()
+        self.parameter, self.dim = parameter, dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        param = getattr(module, self.parameter)
+        module.register_parameter(self.parameter, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(self.dim)]),
+                                                               requires_grad=param.requires_grad))
+        module.tp_group = device_mesh.get_group()
+        return module
+
+
 # torch's ParallelStyle for each style of the plan (`plans/training/tp_plan.py`, which says why
 # each module gets its style).
 TORCH_STYLES: dict[str, ParallelStyle] = {
@@ -115,6 +132,7 @@ TORCH_STYLES: dict[str, ParallelStyle] = {
     POSITIONS_TO_SEQUENCE: PositionsToSequence(),
     EXPERT_COLWISE: StackedShard(1),
     EXPERT_ROWWISE: StackedShard(2),
+    **{style: AdapterShard(parameter, dim) for style, (parameter, dim) in ADAPTER_SPLIT.items()},
 }
 EXPERT_STYLES = (EXPERT_COLWISE, EXPERT_ROWWISE)
 

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rayshard.actors.parallel.init_weights import initialize_parameters
+from rayshard.actors.training.converters import convert_model
+from rayshard.plans.training.converters import run_plan
 from rayshard.actors.model.moe import set_aux_loss_scale
 from rayshard.actors.parallel.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
 from rayshard.actors.parallel.precision import compute_dtype
@@ -47,9 +49,10 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
             module = carve_stage(build_user_on_meta(user).module, user.plan, layers, first, is_last)
         else:
             module = build_stage_on_meta(model_config, layers, first, is_last)
+        convert_model(module, config)
         parallelize(module, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=model_config.tie_embeddings,
                     pipeline=True, precision=numerics.precision, ac=block_ac, compile_blocks=numerics.compile,
-                    sequence_parallel=numerics.sequence_parallel, plan=model_config.plan, ep=layout.ep)
+                    sequence_parallel=numerics.sequence_parallel, plan=run_plan(config), ep=layout.ep)
         set_aux_loss_scale(module, model_config, config.pipeline.microbatches)
         module.to_empty(device=device)
         initialize_parameters(module, config.seed, model_config.n_layers,
@@ -142,6 +145,8 @@ class PipelinedRunner:
         original, copy = self.model.tied_original, self.model.tied_copy
         if original is None and copy is None:
             return
+        if not (original if original is not None else copy).requires_grad:
+            return  # frozen (a LoRA run's base): no gradient on either stage, the copies stay equal
         for param in (original, copy):
             if param is not None:
                 _place_grad_like_param(param)

@@ -13,6 +13,8 @@ from rayshard.actors.parallel.init_weights import initialize_parameters
 from rayshard.actors.model.moe import set_aux_loss_scale
 from rayshard.actors.parallel.parallelize import parallelize
 from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES
+from rayshard.actors.training.converters import convert_model
+from rayshard.plans.training.converters import run_plan
 from rayshard.actors.model.transformer import build_on_meta
 from rayshard.actors.model.user_model import Criterion, build_user_on_meta
 from rayshard.actors.training.step_runner import loss_context, microbatch_loss
@@ -35,10 +37,10 @@ class SingleStageRunner:
         and initialized."""
         layout, spec, numerics = config.layout, config.model.spec, config.numerics
         made = build_user_on_meta(spec.user) if spec.user is not None else None
-        model = made.module if made is not None else build_on_meta(spec)
+        model = convert_model(made.module if made is not None else build_on_meta(spec), config)
         parallelize(model, mesh, layout.tp, layout.data_parallel_size, tie_embeddings=spec.tie_embeddings,
                     precision=numerics.precision, ac=numerics.ac, compile_blocks=numerics.compile,
-                    sequence_parallel=numerics.sequence_parallel, plan=spec.plan, ep=layout.ep)
+                    sequence_parallel=numerics.sequence_parallel, plan=run_plan(config), ep=layout.ep)
         set_aux_loss_scale(model, spec, config.pipeline.microbatches)
         model.to_empty(device=device)
         if spec.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:

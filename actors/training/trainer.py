@@ -16,6 +16,7 @@ from torch.distributed.tensor._redistribute import clear_redistribute_planner_ca
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from rayshard.actors.checkpoint.async_save import AsyncSaver
+from rayshard.actors.checkpoint.cast_view import FloatView
 from rayshard.actors.checkpoint.load import HandoverGroups, load_rank_shard
 from rayshard.actors.checkpoint.save import save_rank_shard
 from rayshard.actors.parallel.gradient_norm import clip_grad_norm
@@ -36,7 +37,7 @@ from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.layout.parallel_layout import MESH_DIM_NAMES
 from rayshard.plans.training.lr_schedule import learning_rate
-from rayshard.plans.training.model_spec import parameter_shapes
+from rayshard.plans.training.converters import run_roles
 from rayshard.plans.pipeline.plan import PipelinePlan, build_pipeline_plan
 
 # Given the rank's step runner and the rank, returns the runner the trainer drives: a generic hook
@@ -108,6 +109,8 @@ class Trainer:
         self.mesh = init_device_mesh(self.device.type, self.layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
         # Kept for this process group's lifetime: hand-over groups across loads, host buffers across saves.
         self.handover_groups, self.async_saver = HandoverGroups(), AsyncSaver()
+        # Which parameters train and which the run's checkpoints store (plans/training/parameter_roles.py).
+        self.roles = run_roles(config)
         self.runner: StepRunner = self._build_runner(plan)
         if wrap_runner is not None:
             self.runner = wrap_runner(self.runner, rank)
@@ -122,7 +125,7 @@ class Trainer:
         # ops. DTensor plans the sharding of every op for each of its tensors on a run's first
         # step; on a 2-D mesh that took 1.7 s of a tiny model's first step for foreach, 0.7 for
         # fused (docs/decisions.md 79). Elementwise either way, so as independent of the layout.
-        self.optimizer = torch.optim.AdamW(param_groups_by_mesh(self.model.parameters()), lr=opt.lr, betas=(opt.beta1, opt.beta2),
+        self.optimizer = torch.optim.AdamW(param_groups_by_mesh(self.trained_parameters()), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                            eps=opt.eps, weight_decay=opt.weight_decay, fused=True)
         self.data = open_training_data(config, self.layout.data_rank_of(rank), self.layout.data_parallel_size)
         self.batch_hash = ""  # this rank's rows of the last batch, one digest each (plans/data/batch_hash.py)
@@ -137,6 +140,12 @@ class Trainer:
                                            pipeline.stage_layout, pipeline.schedule_csv)
         return PipelinedRunner.build(config, plan, self.rank, self.mesh, self.device,
                                      pipeline.timeout_s or config.resources.collective_timeout_s)
+
+    def trained_parameters(self) -> list:
+        """The parameters the optimizer steps: those whose role is trained (a frozen base has none
+        of AdamW's state, and no gradient to clip)."""
+        trained = self.roles.trained_names
+        return [param for name, param in self.model.named_parameters() if name in trained]
 
     @property
     def model(self):
@@ -163,9 +172,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         reset_peak_memory(self.device)
+        if config.lora.dropout:
+            # LoRA dropout's masks are drawn from (seed, step, rank): a rerun, or a resume on this
+            # layout, draws the same ones (other layouts draw others: decision 124).
+            torch.manual_seed((config.seed * 1_000_003 + self.step) * 65_537 + self.rank)
         total_loss, record = self._forward_backward()
         with self.runner.after_forward_backward():
-            grad_norm = clip_grad_norm(self.model.parameters(), opt.grad_clip, self.coord_map,
+            grad_norm = clip_grad_norm(self.trained_parameters(), opt.grad_clip, self.coord_map,
                                        timeout=self.runner.collective_timeout, copies=self.pipeline_copies)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -253,14 +266,30 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save_shard(self, checkpoint_url: str, file: str) -> ChunkTable:
-        return save_rank_shard(self.model, self.optimizer, self.coord_map, checkpoint_url, file, self.pipeline_copies)
+        return save_rank_shard(self.model, self.optimizer, self.coord_map, checkpoint_url, file, self.pipeline_copies,
+                               self.stored_names)
+
+    @property
+    def stored_names(self) -> frozenset[str] | None:
+        """What the run's checkpoints hold (None: every parameter, as a run without a converter)."""
+        return self.roles.stored_names if self.roles.has_frozen else None
 
     def load(self, checkpoint_url: str, manifest: bytes | None = None) -> dict:
-        result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(parameter_shapes(self.config.model.spec)),
-                                 manifest, handover=self.handover_groups)
+        result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(self.roles.stored_names),
+                                 manifest, handover=self.handover_groups, only=self.stored_names)
         self.step = result["step"]
         return {"step": result["step"], "bytes_read": result["bytes_read"], "seconds": result["seconds"],
                 "partial_reads": result["partial_reads"]}
+
+    def load_base(self, checkpoint_url: str) -> dict:
+        """The frozen parameters' values from the run's base checkpoint (weights only, any layout);
+        the step and moments stay the run's own."""
+        frozen = self.roles.frozen_names
+        view = FloatView(self.model, frozen)  # a bf16 base is read as float32, then rounded (decision 126)
+        result = load_rank_shard(view, self.optimizer, checkpoint_url, set(frozen), handover=self.handover_groups,
+                                 only=frozen, moments=False)
+        view.write_back()
+        return {"bytes_read": result["bytes_read"], "seconds": result["seconds"], "partial_reads": result["partial_reads"]}
 
     def data_fingerprint(self) -> str:
         return self.data.fingerprint()

@@ -24,6 +24,7 @@ from rayshard.plans.errors import ConfigError, ResourcesUnavailable
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.layout.resources import equal_cpu_share, rank_bundle, ranks_offered
 from rayshard.plans.layout.chooser import Workload, choose_layout, pinned_ranks
+from rayshard.plans.training.converters import run_roles
 
 # What a rank losing its process or node, an unrecoverable step, or ranks the cluster did not
 # grant in time (ResourcesUnavailable: the policy decides whether to wait again) look like.
@@ -77,8 +78,9 @@ def _first_line(error: BaseException) -> str:
 
 def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_rank_bytes: float, ranks_per_node: int,
                        capacity=lambda: ""):
+    roles = run_roles(config)
     work = Workload(config.global_batch, config.seq_len, config.pipeline.microbatches, config.numerics.precision,
-                    config.numerics.ac)
+                    config.numerics.ac, roles.count(trained=True) if roles.has_frozen else None)
     needed = pinned_ranks(pinned)
 
     def choose(ranks: int):

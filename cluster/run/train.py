@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from typing import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import ray
 
@@ -17,6 +17,7 @@ from rayshard.storage.manifest_io import manifest_bytes, read_manifest
 from rayshard.actors.checkpoint.stored import check_loaded_parts
 from rayshard.cluster.catalog import commit_window, leases, writer_lease
 from rayshard.cluster.run.async_save import AsyncCheckpointer
+from rayshard.cluster.run.lora_base import LoraBase, resolve_base, with_resumed_lora
 from rayshard.cluster.ray_connection import connect_ray
 from rayshard.cluster.run.rank_group import RankGroup
 from rayshard.cluster.run.resume_check import verify_resumed_state
@@ -27,6 +28,7 @@ from rayshard.cluster.catalog.store import CheckpointRef, Store
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.training.converters import run_roles
 from rayshard.plans.training.flops import throughput
 
 
@@ -61,6 +63,7 @@ class StartPoint:
     lease: writer_lease.WriterLease | None = None  # the run's writer lease, held while it trains
     snapshots: Snapshots | None = None  # --snapshot-every: the run's snapshots in the nodes' memory
     from_memory: bool = False  # the resume reads a snapshot, not the store
+    lora_base: LoraBase | None = None  # a LoRA run's frozen weights (cluster/run/lora_base.py)
 
 
 def train(config: TrainConfig, actors: list | None = None,
@@ -128,6 +131,10 @@ def resolve_start(config: TrainConfig, store: Store, snapshots: Snapshots | None
         if resume.run == config.run and not point.from_memory:
             commit_window.refuse_rewrites(store, config.run, point.step)
     check_training_data(config, metadata, point.parent)  # before any rank starts
+    config = with_resumed_lora(config, metadata).validate()
+    point.lora_base = resolve_base(config, store, metadata)
+    if point.lora_base is not None:
+        _log(f"LoRA rank {config.lora.rank} on {config.lora.targets}; base: {point.lora_base.describe()}")
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
     check_sinks(point.config)
     return point
@@ -165,9 +172,12 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
     saves = Saves(group, point, result, sinks)
     if point.snapshots is not None and saves.background is None:  # one background save per rank at a time
         point.snapshots.in_background(group, config.layout.world_size,
-                                      lambda step, parent: checkpoint_metadata(config, step, parent, saves.fingerprint))
+                                      lambda step, parent: checkpoint_metadata(config, step, parent, saves.fingerprint,
+                                                                               saves.lora_base))
     timings = PipelineTimings(config)
     try:
+        if point.lora_base is not None and point.lora_base.url is not None:
+            load_base(group, point)
         if point.resume is not None:
             load_resumed(group, point)
         for _ in range(point.step, config.steps):
@@ -213,6 +223,15 @@ def finish(group: RankGroup, store: Store, sinks: list, timings: PipelineTimings
         group.shutdown()
 
 
+def load_base(group: RankGroup, point: StartPoint) -> None:
+    """Every rank reads its part of a LoRA run's frozen base weights (any layout wrote them)."""
+    base_ref = point.store.resolve(point.lora_base.url)
+    with leases.reading(point.store, base_ref):
+        loaded = group.call("load_base", base_ref.url)
+        check_loaded_parts(base_ref.url, loaded)
+    _log(f"loaded the LoRA base: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over {len(loaded)} ranks")
+
+
 def load_resumed(group: RankGroup, point: StartPoint) -> None:
     """Every rank reads its part of the checkpoint (and, with checkpoint.verify_resume, the loaded
     state is proved equal to it) while a lease keeps `ckpt gc` from removing it."""
@@ -246,7 +265,8 @@ def take_snapshot(group: RankGroup, snapshots: Snapshots, config: TrainConfig, s
         return
     started = time.perf_counter()
     try:
-        save_checkpoint(group, snapshots.store, config, step, saves.parent, saves.fingerprint, "save_snapshot_shard")
+        save_checkpoint(group, snapshots.store, config, step, saves.parent, saves.fingerprint, saves.lora_base,
+                        rank_method="save_snapshot_shard")
     except Exception as error:  # noqa: BLE001 - only a snapshot's own failures are swallowed
         why = snapshot_failure(error)
         if why is None:
@@ -266,8 +286,10 @@ def report_step(config: TrainConfig, per_rank: list, seconds: float, result: Tra
     # As the ranks counted them: a data rank's tp and pp peers count the same tokens.
     tokens = (sum(rank.tokens for rank in per_rank) // (config.layout.tp * config.layout.pp)
               or config.global_batch * config.seq_len)
+    roles = run_roles(config)
     speed = throughput(config.model.spec, config.seq_len, tokens, seconds, config.layout.world_size,
-                       metrics.device_name, config.numerics.precision)
+                       metrics.device_name, config.numerics.precision,
+                       roles.count(trained=True) if roles.has_frozen else None)
     peaks = [rank.peak_memory_bytes for rank in per_rank]
     record = {"step": done, "loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
               "tokens": tokens, "tokens_per_s": speed.tokens_per_s, "tokens_per_s_per_rank": speed.tokens_per_s_per_rank,
@@ -297,10 +319,11 @@ class Saves:
     def __init__(self, group: RankGroup, point: StartPoint, result: TrainResult, sinks: list):
         self.group, self.store, self.config = group, point.store, point.config
         self.parent, self.result, self.sinks, self.lease = point.parent, result, sinks, point.lease
+        self.lora_base = point.lora_base
         self.fingerprint = group.setup_info[0].data_fingerprint
         self.background = (AsyncCheckpointer(group, self.store, self.config.run, self.config.layout.world_size,
                                              lambda step, parent: checkpoint_metadata(self.config, step, parent,
-                                                                                      self.fingerprint),
+                                                                                      self.fingerprint, self.lora_base),
                                              self.committed)
                            if self.config.checkpoint.async_save else None)
 
@@ -323,7 +346,8 @@ class Saves:
             if wait:
                 self.background.wait()
         else:
-            self.parent = save_checkpoint(self.group, self.store, self.config, step, self.parent, self.fingerprint)
+            self.parent = save_checkpoint(self.group, self.store, self.config, step, self.parent, self.fingerprint,
+                                          self.lora_base)
             self.committed(step, self.parent)
 
 
@@ -334,19 +358,22 @@ def load_imbalance(expert_tokens: dict[int, list[int]]) -> float:
 
 
 def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: int, parent: str | None,
-                    data_fingerprint: str, rank_method: str = "save_shard") -> str:
+                    data_fingerprint: str, lora_base: LoraBase | None = None, rank_method: str = "save_shard") -> str:
     """Every rank writes its chunks under a fresh attempt prefix; the manifest commits them."""
     pending = store.begin(config.run, step)
     calls = [(pending.url, pending.file_for(rank)) for rank in range(config.layout.world_size)]
     # Each rank answers with its rows as columns (a ChunkTable); concatenating columns keeps the
     # driver free of a record per chunk (826k at 16k FSDP ranks: gather + check + encode ~1.7 s).
     chunks = ChunkTable.concat(group.call_each(rank_method, calls))
-    return pending.commit(chunks, checkpoint_metadata(config, step, parent, data_fingerprint))
+    return pending.commit(chunks, checkpoint_metadata(config, step, parent, data_fingerprint, lora_base))
 
 
-def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data_fingerprint: str) -> dict:
-    """Run metadata stored in the manifest next to the chunk table."""
-    return {
+def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data_fingerprint: str,
+                        lora_base: LoraBase | None = None) -> dict:
+    """Run metadata stored in the manifest next to the chunk table; a LoRA run's names its adapters'
+    settings and its base (cluster/run/lora_base.py)."""
+    lora = {"lora": asdict(config.lora), "lora_base": lora_base.to_dict()} if lora_base is not None else {}
+    return {**lora,
         "run": config.run,
         "step": step,
         "layout": config.layout.to_dict(),

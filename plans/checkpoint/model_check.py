@@ -7,6 +7,7 @@ from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.checkpoint.state_dict_keys import column_of
 from rayshard.plans.errors import CheckpointError
+from rayshard.plans.training.lora import recorded_adapter_shapes
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 
 SHOWN = 20
@@ -59,7 +60,8 @@ def check_against_own_model(chunks: ChunkTable | list[Chunk], metadata: dict, wh
     record = require_model_record(metadata, where)
     try:
         model = ModelConfig.from_dict(record)
-        shapes = parameter_shapes(model)
+        # A LoRA run's checkpoint stores only its adapters (their roles, plans/training/parameter_roles.py).
+        shapes = recorded_adapter_shapes(model, metadata["lora"]) if metadata.get("lora") else parameter_shapes(model)
     except Exception as error:  # a damaged entry fails in many ways (wrong types, zero heads, ...)
         raise CheckpointError(f"checkpoint {where}: its `model` metadata does not describe a model "
                               f"({type(error).__name__}: {error}); the manifest is damaged. "

@@ -10,12 +10,14 @@
     checkpoint  checkpoint.py   save interval, async saves, resume and its check
     resources   resources.py    ranks, CPUs/GPUs per rank, start/call/collective timeouts
     metrics     metrics.py      TensorBoard, Weights & Biases
+    lora        lora.py         low-rank adapters on a frozen base (plans/training/lora.py)
 
 Each field declares its flag, or that it has none (plans/options.py); values.py checks a file's
 values against the fields' types; flat_keys.py reads the flat keys of before the sections.
 """
 from rayshard.plans.config.checkpoint import CheckpointConfig
 from rayshard.plans.config.data import DataConfig
+from rayshard.plans.config.lora import LoraConfig
 from rayshard.plans.config.metrics import MetricsConfig
 from rayshard.plans.config.model import ModelChoice
 from rayshard.plans.config.numerics import ACTIVATION_CHECKPOINTING, PRECISIONS, NumericsConfig
@@ -26,4 +28,4 @@ from rayshard.plans.config.train_config import RUN_NAME, TrainConfig, with_overr
 
 __all__ = ["TrainConfig", "with_overrides", "RUN_NAME", "ModelChoice", "PipelineConfig", "NumericsConfig",
            "PRECISIONS", "ACTIVATION_CHECKPOINTING", "DataConfig", "OptimizerConfig", "CheckpointConfig",
-           "ResourcesConfig", "MetricsConfig"]
+           "ResourcesConfig", "MetricsConfig", "LoraConfig"]

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, replace
 from rayshard.plans.config.checkpoint import CheckpointConfig
 from rayshard.plans.config.data import DataConfig
 from rayshard.plans.config.flat_keys import sectioned
+from rayshard.plans.config.lora import LoraConfig
 from rayshard.plans.config.metrics import MetricsConfig
 from rayshard.plans.config.model import ModelChoice
 from rayshard.plans.config.numerics import NumericsConfig
@@ -21,6 +22,7 @@ from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.options import option, section, sections
 from rayshard.plans.run_names import RUN_NAME, check_run_name
+from rayshard.plans.training.lora import check_lora_fits
 from rayshard.plans.training.model_spec import PRESETS, ModelConfig, preset
 from rayshard.plans.training.tp_fit import TpSplit
 
@@ -52,6 +54,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "when to save, how, and what to resume from")
     resources: ResourcesConfig = section(ResourcesConfig, "what each rank asks of the cluster, and how long to wait")
     metrics: MetricsConfig = section(MetricsConfig, "where step metrics go besides metrics.jsonl")
+    lora: LoraConfig = section(LoraConfig, "low-rank adapters on a frozen base (--lora-rank > 0)")
 
     def __post_init__(self):
         if isinstance(self.model, ModelConfig):  # the shape alone, as TrainConfig took it before the sections
@@ -69,7 +72,22 @@ class TrainConfig:
         self.optimizer.validate()
         self.data.validate(self.seq_len)
         self.numerics.validate(self.model.spec, self.layout, self.seq_len)
+        self._validate_lora()
         return self
+
+    def _validate_lora(self) -> None:
+        """The adapters against the model, and what LoRA does not run on yet, in one line each."""
+        if not self.lora.enabled:
+            return
+        check_lora_fits(self.model.spec, self.lora)
+        if self.lora.dropout and self.layout.tp > 1:
+            # Each tp rank would draw its own mask for the input a whole A sees, and the copies of A diverge.
+            raise ConfigError("lora.dropout", self.lora.dropout, "LoRA dropout under tp > 1 is not supported yet",
+                              "set --lora-dropout 0, or train without --tp")
+        for flag, on in (("--sp", self.numerics.sequence_parallel), ("--compile", self.numerics.compile)):
+            if on:
+                raise ConfigError("lora", f"rank {self.lora.rank}", f"LoRA with {flag} is not supported yet",
+                                  f"drop {flag}, or train without --lora-rank")
 
     def _tp_limits(self) -> tuple[TpSplit, ...]:
         """What the run asks of tp beyond the model: a tp hint lists only degrees that meet these too."""

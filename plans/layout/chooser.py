@@ -28,6 +28,7 @@ from rayshard.plans.training.model_spec import ModelConfig, parameter_count
 from rayshard.plans.training.tp_fit import fitting_tp
 
 BYTES_PER_PARAM_STATE = 16  # fp32 parameter + gradient + two AdamW moments
+BYTES_PER_FROZEN_PARAM = 4  # a frozen (LoRA base) weight: fp32 (2 bytes in bf16 runs), no gradient, no moments
 # What a user may pin: the rank dimensions, and ep (vpp comes from the run's schedule instead).
 PINNABLE_DEGREES = (*PARALLEL_DEGREES, "ep")
 
@@ -39,6 +40,9 @@ class Workload:
     microbatches: int = 1
     precision: str = "fp32"  # "bf16": bf16 compute over float32 master state
     ac: str = "none"  # activation checkpointing: "none", "full" or "selective"
+    # Parameters the optimizer steps when a converter freezes the model's own (a LoRA run's
+    # adapters, `ParameterRoles.count(trained=True)`); None: every parameter of the model trains.
+    trained_parameters: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,11 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
         gathered = itemsize * (stage if layout.pp > 1 else block + root)
     if layout.ep > 1 and work.precision == "bf16" and experts.layers:  # the experts' own casts (above)
         gathered += itemsize * experts.local_per_layer * (experts.layers * in_flight if work.ac == "none" else 1)
-    model_state = BYTES_PER_PARAM_STATE * (other_shard / layout.fsdp + experts.state) + gathered
+    state = BYTES_PER_PARAM_STATE * other_shard
+    if work.trained_parameters is not None:  # the model's own parameters frozen: a weight each, plus the adapters' state
+        frozen = BYTES_PER_FROZEN_PARAM // 2 if work.precision == "bf16" else BYTES_PER_FROZEN_PARAM
+        state = (frozen * params + BYTES_PER_PARAM_STATE * work.trained_parameters) / (layout.tp * layout.pp)
+    model_state = state / layout.fsdp + BYTES_PER_PARAM_STATE * experts.state + gathered
     kept = _activations_kept(model, layout, work.ac, itemsize * tokens, in_flight, experts.layers)
     logits = (itemsize + 4 + 4) * tokens * vocab_rows  # logits, their float32 copy for the loss, gradient
     if work.precision != "bf16":

@@ -13,6 +13,11 @@ and MFU does not count it. A mixture of experts counts the parameters a token ru
 routed experts' by experts_per_token / n_experts (each token meets top-k of them), the router and
 the shared expert whole (torchtitan's `nparams_sparse_active` for its MoE models); counting every
 expert would put moe-small's FLOPs, and so its MFU, 1.9x too high.
+
+With a frozen base (a LoRA run: its parameter roles, `plans/training/parameter_roles.py`) a frozen
+weight costs its forward and its input-gradient matmuls, 4 FLOPs per token, not 6 (no weight
+gradient), and the trained adapters 6 each; the first layer's input gradients, which no trained
+parameter below needs, are counted all the same (a small overcount, as the LM head's is).
 """
 from __future__ import annotations
 
@@ -41,10 +46,16 @@ def active_parameters(model: ModelConfig) -> float:
                for name, shape in parameter_shapes(model).items())
 
 
-def flops_per_token(model: ModelConfig, seq_len: int) -> float:
+def flops_per_token(model: ModelConfig, seq_len: int, trained_parameters: int | None = None) -> float:
+    """trained_parameters: a run that freezes the model's own weights trains only these (its
+    adapters); None: every weight trains."""
     # Lookups, not matmuls: the token embedding, and GPT-2's learned positions.
     embedding = model.vocab_size * model.dim + (model.max_seq_len * model.dim if model.position_embedding == "learned" else 0)
-    return 6.0 * (active_parameters(model) - embedding) + 12.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
+    attention = 12.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
+    weights = active_parameters(model) - embedding
+    if trained_parameters is None:
+        return 6.0 * weights + attention
+    return 4.0 * weights + 6.0 * trained_parameters + attention
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
@@ -69,9 +80,10 @@ class Throughput:
 
 
 def throughput(model: ModelConfig, seq_len: int, tokens: int, seconds: float, world_size: int,
-               device_name: str, precision: str) -> Throughput:
-    """`tokens` trained on in `seconds` by `world_size` ranks."""
+               device_name: str, precision: str, trained_parameters: int | None = None) -> Throughput:
+    """`tokens` trained on in `seconds` by `world_size` ranks (`trained_parameters`: as in
+    `flops_per_token`)."""
     per_rank = tokens / seconds / world_size
-    tflops = per_rank * flops_per_token(model, seq_len) / 1e12
+    tflops = per_rank * flops_per_token(model, seq_len, trained_parameters) / 1e12
     peak = peak_tflops(device_name, precision)
     return Throughput(tokens / seconds, per_rank, tflops, tflops / peak if peak else None)

@@ -39,6 +39,12 @@ POSITIONS_TO_SEQUENCE = "positions_to_sequence"
 # unevenly, `plans/training/tp_fit.py`).
 VOCAB_STYLES = frozenset({VOCAB_EMBEDDING, VOCAB_HEAD, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD_FROM_SEQUENCE})
 
+# LoRA adapters (plans/training/lora.py): A [r, in] and B [out, r] beside a split base weight. Only
+# their parameters are placed; the adapter's forward computes on local pieces (actors/model/lora.py).
+LORA_COLWISE = "lora_colwise"    # beside a column-parallel base: B split by rows (the base's output), A copied
+LORA_ROWWISE = "lora_rowwise"    # beside a row-parallel base: A split by columns (the base's input), B copied
+ADAPTER_SPLIT = {LORA_COLWISE: ("b", 0), LORA_ROWWISE: ("a", 1)}  # style -> (the parameter split, its dim)
+
 # Which weight dimension each style splits; a parameter under no pattern is copied on every tp rank.
 WEIGHT_SPLIT_DIM = {COLWISE: 0, ROWWISE: 1, VOCAB_EMBEDDING: 0, VOCAB_HEAD: 0, EXPERT_COLWISE: 1, EXPERT_ROWWISE: 2,
                     ROWWISE_TO_SEQUENCE: 1, VOCAB_EMBEDDING_TO_SEQUENCE: 0, VOCAB_HEAD_FROM_SEQUENCE: 0}
@@ -92,7 +98,8 @@ def module_style(module_name: str, plan: dict[str, str] = DEFAULT_TP_STYLES) -> 
 
 
 ALL_STYLES = frozenset({COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, EXPERT_COLWISE, EXPERT_ROWWISE, ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING_TO_SEQUENCE,
-                        VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, GATHER_SEQUENCE, POSITIONS_TO_SEQUENCE})
+                        VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, GATHER_SEQUENCE, POSITIONS_TO_SEQUENCE,
+                        LORA_COLWISE, LORA_ROWWISE})
 
 
 def tp_split_dim(parameter_name: str) -> int | None:
@@ -111,6 +118,9 @@ def split_dim_under(parameter_name: str, styles: tuple[tuple[str, str], ...]) ->
     style = module_style(module, dict(styles))
     if style is None:
         return None
+    if style in ADAPTER_SPLIT:
+        split_leaf, dim = ADAPTER_SPLIT[style]
+        return dim if leaf == split_leaf else None
     if leaf == "weight":
         return WEIGHT_SPLIT_DIM.get(style)  # sequence-parallel styles split no weight
     # A column-parallel Linear's bias follows its output rows; a row-parallel one's is whole.

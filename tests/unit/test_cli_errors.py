@@ -12,6 +12,8 @@ BAD_TRAIN_ARGUMENTS = [
     (["--seq-len", "0"], "seq_len=0: sequence length must be positive"),
     (["--model", "huge"], "unknown preset"),
     (["--config", "/nonexistent.yaml"], "file not found"),
+    (["--lora-rank", "4", "--lora-targets", "q,qkv"], "names ['qkv']; the projections that exist are q,k,v,o,gate,up,down"),
+    (["--lora-rank", "65", "--lora-targets", "q"], "lora.rank=65: exceeds target 'q''s dimension (64 in, 64 out)"),
 ]
 
 

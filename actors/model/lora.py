@@ -1,0 +1,169 @@
+"""LoRA on the built-in decoder: adapters beside the frozen base projections, applied from outside.
+
+`apply_lora` (the converter, run on the meta-device model after it is built and before it is
+parallelized) freezes every base parameter, adds a `lora` ModuleDict of `LoraAdapter`s to each
+attention and feed-forward, and switches those modules to the subclasses below, whose forward adds
+(alpha / r) * B (A x) to each targeted logical projection's own output (plans/training/lora.py).
+Base parameters keep their names, so the base checkpoint loads into them as it is; the base
+weights are read, never written.
+
+Fused projections: q, k and v get their deltas after the fused qkv output is split into heads,
+gate and up before the SwiGLU activation, so each acts exactly as a separate projection's adapter.
+
+Tensor parallelism (Megatron-LM's f and g): the adapters compute on local pieces. Beside a
+column-parallel base, A is whole on every tp rank and B holds the rank's output rows; t = A x is
+the same on every tp rank, and the rank's gradient of t covers only its rows, so the backward sums
+it over tp (`_SumGradientOverTp`) before it reaches A and x. Beside a row-parallel base, A holds
+the rank's input columns: t is a partial sum, added over tp in the forward (`_SumOverTp`), and B
+(whole) then gives every rank the whole delta, which is added after the base's own all-reduce.
+No rank ever gathers an adapter or a base weight.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from rayshard.actors.model.feed_forward import FeedForward
+from rayshard.actors.model.transformer import Attention
+from rayshard.plans.config.lora import LoraConfig
+from rayshard.plans.training.lora import ATTENTION_TARGETS, FEED_FORWARD_TARGETS, projection_dims
+
+
+def freeze(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Every parameter of `model` frozen, and stored in `dtype` if given (a parameter two modules
+    share stays one)."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if dtype is None or param.dtype == dtype:
+                param.requires_grad_(False)
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(param.to(dtype), requires_grad=False)
+            module._parameters[name] = replaced[id(param)]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class _SumGradientOverTp(torch.autograd.Function):
+    """Identity forward; the backward adds the gradient over the tp group (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverTp(torch.autograd.Function):
+    """The forward adds over the tp group; identity backward (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        tensor = tensor.contiguous().clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class LoraAdapter(nn.Module):
+    """A [rank, in] and B [out, rank] of one logical projection. `tp_group` is set when tensor
+    parallelism splits one of them (`actors/parallel/parallelize.py`'s adapter styles);
+    `row_parallel`: the base splits its input (o, down), else its output."""
+
+    def __init__(self, features_in: int, features_out: int, rank: int, scale: float, dropout: float,
+                 row_parallel: bool):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(rank, features_in))
+        self.b = nn.Parameter(torch.empty(features_out, rank))
+        self.scale, self.dropout, self.row_parallel = scale, dropout, row_parallel
+        self.tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The delta of this projection's local output: x is the base's local input (whole beside a
+        column-parallel base, the rank's columns beside a row-parallel one)."""
+        a, b = _local(self.a), _local(self.b)
+        if self.dropout and self.training:
+            x = F.dropout(x, self.dropout)
+        t = x @ a.t().to(x.dtype)
+        if self.tp_group is not None:
+            t = (_SumOverTp if self.row_parallel else _SumGradientOverTp).apply(t, self.tp_group)
+        return (t @ b.t().to(t.dtype)) * self.scale
+
+
+class LoraAttention(Attention):
+    """Attention whose q, k, v (and o) projections carry adapters (`self.lora`)."""
+
+    def project_qkv(self, x: torch.Tensor):
+        q, k, v = super().project_qkv(x)
+        deltas = []
+        for name, projected in (("q", q), ("k", k), ("v", v)):
+            if name in self.lora:
+                projected = projected + self.lora[name](x).view_as(projected)
+            deltas.append(projected)
+        return tuple(deltas)
+
+    def project_out(self, heads: torch.Tensor) -> torch.Tensor:
+        out = self.wo(heads)
+        return out + self.lora["o"](heads) if "o" in self.lora else out
+
+
+class LoraFeedForward(FeedForward):
+    """The SwiGLU feed-forward with adapters on gate, up and down. With gate or up adapted, the
+    fused gate_up is applied here on its local rows, so the deltas land before the activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "gate" in self.lora or "up" in self.lora:
+            hidden = self._adapted_swiglu(x)
+        else:
+            hidden = self.gate_up(x)
+        out = self.down(hidden)
+        return out + self.lora["down"](hidden) if "down" in self.lora else out
+
+    def _adapted_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _local(self.gate_up.weight)  # frozen: the rank's rows (gate_j, up_j) of its hidden units
+        group = self.lora[next(iter(self.lora))].tp_group
+        base_x = _SumGradientOverTp.apply(x, group) if group is not None else x  # its gradient is this rank's share
+        weight = weight.to(x.dtype)
+        gate, up = base_x @ weight[0::2].t(), base_x @ weight[1::2].t()
+        if "gate" in self.lora:
+            gate = gate + self.lora["gate"](x)
+        if "up" in self.lora:
+            up = up + self.lora["up"](x)
+        return F.silu(gate) * up
+
+
+@torch.no_grad()
+def apply_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:
+    """Freeze the base and add the adapters (on the meta device, before parallelize): the converter.
+    frozen_dtype: the base's dtype where it differs from float32 (bf16 in a bf16 run: compute reads
+    it in bf16 anyway, and nothing steps it, so no float32 master is kept)."""
+    freeze(model, frozen_dtype)
+    dims, targets, scale = projection_dims(spec), lora.target_list, lora.scale
+    layers = model.layers.values() if model.layers is not None else ()
+    for layer in layers:
+        for module, names, kind in ((layer.attention, ATTENTION_TARGETS, LoraAttention),
+                                    (layer.feed_forward, FEED_FORWARD_TARGETS, LoraFeedForward)):
+            chosen = [name for name in names if name in targets]
+            if not chosen:
+                continue
+            device = next(module.parameters()).device
+            with torch.device(device):
+                module.lora = nn.ModuleDict({name: LoraAdapter(*dims[name], lora.rank, scale, lora.dropout,
+                                                               name in ("o", "down")) for name in chosen})
+            module.__class__ = kind

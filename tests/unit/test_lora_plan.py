@@ -1,0 +1,176 @@
+"""LoRA's plan (roles, shapes, tp splits, refusals) and its math on one device.
+
+The adapters on the fused qkv and gate_up weights must act exactly as separate q/k/v and gate/up
+adapters: the LoRA model's logits equal the base model's with every target's W replaced by
+W + (alpha / r) B A, merged into the fused weight at that projection's own rows.
+"""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from rayshard.plans.config import LoraConfig, TrainConfig
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.training.model_spec import parameter_shapes, preset
+from rayshard.plans.training.converters import parameter_roles, run_plan, run_roles
+from rayshard.plans.training.tp_plan import split_dim_under
+
+
+def test_roles_freeze_the_base_and_store_only_adapters():
+    model = preset("tiny")
+    roles = parameter_roles(model, LoraConfig(rank=4, targets="q,v,down"))
+    base = parameter_shapes(model)
+    assert roles.frozen_names == set(base)
+    assert roles.trained_names == roles.stored_names
+    assert roles.stored_shapes == {f"layers.{i}.{part}.lora.{t}.{ab}": shape
+                                   for i in range(4) for part, t, shapes in
+                                   (("attention", "q", ((4, 64), (64, 4))), ("attention", "v", ((4, 64), (32, 4))),
+                                    ("feed_forward", "down", ((4, 160), (64, 4))))
+                                   for ab, shape in zip("ab", shapes)}
+    # Without adapters every parameter trains and is stored, as before.
+    full = parameter_roles(model, LoraConfig())
+    assert full.trained_names == full.stored_names == set(base) and not full.has_frozen
+
+
+def test_adapters_split_beside_their_base_under_tp():
+    config = TrainConfig(lora=LoraConfig(rank=4))
+    styles = run_plan(config).tp_styles
+    split = {name: split_dim_under(name, styles) for name in run_roles(config).stored_shapes}
+    # Column-parallel base (q, k, v, gate, up): B by rows, A whole; row-parallel (o, down): A by columns, B whole.
+    for target in ("q", "k", "v"):
+        assert (split[f"layers.1.attention.lora.{target}.a"], split[f"layers.1.attention.lora.{target}.b"]) == (None, 0)
+    for target in ("gate", "up"):
+        assert (split[f"layers.1.feed_forward.lora.{target}.a"], split[f"layers.1.feed_forward.lora.{target}.b"]) == (None, 0)
+    assert (split["layers.1.attention.lora.o.a"], split["layers.1.attention.lora.o.b"]) == (1, None)
+    assert (split["layers.1.feed_forward.lora.down.a"], split["layers.1.feed_forward.lora.down.b"]) == (1, None)
+
+
+@pytest.mark.parametrize("lora, message", [
+    (LoraConfig(rank=4, targets="q,query"), "names ['query']; the projections that exist are q,k,v,o,gate,up,down"),
+    (LoraConfig(rank=40, targets="k"), "exceeds target 'k''s dimension (64 in, 32 out)"),
+    (LoraConfig(rank=4, alpha=0), "lora.alpha=0"),
+    (LoraConfig(rank=4, dropout=1.0), "lora.dropout=1.0"),
+])
+def test_bad_lora_input_is_one_line(lora, message):
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(lora=lora).validate()
+    assert message in str(error.value) and "Fix:" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_config_file_section():
+    config = TrainConfig.from_dict({"lora": {"rank": 8, "alpha": 32, "targets": "q,v", "base": "base@20"}}).validate()
+    assert (config.lora.rank, config.lora.scale, config.lora.target_list, config.lora.base) == (8, 4.0, ("q", "v"), "base@20")
+    with pytest.raises(ConfigError, match="lora"):
+        TrainConfig.from_dict({"lora": {"rnak": 8}})
+
+
+def test_lora_refuses_what_it_does_not_run_on_yet():
+    from rayshard.plans.config import ModelChoice
+
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        TrainConfig(model=ModelChoice.named("moe-tiny"), lora=LoraConfig(rank=4)).validate()
+
+
+def test_lora_flags_fill_the_section():
+    from rayshard.cluster.cli.config_flags import add_config_flags, config_overrides
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, TrainConfig)
+    args = parser.parse_args(["--lora-rank", "8", "--lora-alpha", "16", "--lora-targets", "q,v", "--lora-dropout", "0.1"])
+    values = config_overrides(args, TrainConfig)
+    assert {k: v for k, v in values.items() if k.startswith("lora.") and v is not None} == {
+        "lora.rank": 8, "lora.alpha": 16.0, "lora.targets": "q,v", "lora.dropout": 0.1}
+
+
+def _merged_into_fused(model_config, base: dict, adapters: dict, scale: float) -> dict:
+    """The base weights with every adapter merged at its projection's rows of the fused tensors."""
+    hd, r = model_config.head_dim, model_config.heads_per_group
+    groups, ffn = model_config.n_kv_heads, model_config.ffn_dim
+    merged = {name: tensor.clone() for name, tensor in base.items()}
+    q_rows = torch.tensor([g * (r + 2) * hd + j * hd + d for g in range(groups) for j in range(r) for d in range(hd)])
+    k_rows = torch.tensor([g * (r + 2) * hd + r * hd + d for g in range(groups) for d in range(hd)])
+    rows = {"q": q_rows, "k": k_rows, "v": k_rows + hd, "gate": torch.arange(ffn) * 2, "up": torch.arange(ffn) * 2 + 1}
+    fused = {"q": "attention.qkv", "k": "attention.qkv", "v": "attention.qkv", "o": "attention.wo",
+             "gate": "feed_forward.gate_up", "up": "feed_forward.gate_up", "down": "feed_forward.down"}
+    for layer in range(model_config.n_layers):
+        for target, module in fused.items():
+            prefix = f"layers.{layer}.{'attention' if target in 'qkvo' else 'feed_forward'}.lora.{target}"
+            delta = scale * adapters[prefix + ".b"] @ adapters[prefix + ".a"]
+            weight = merged[f"layers.{layer}.{module}.weight"]
+            if target in rows:
+                weight[rows[target]] += delta
+            else:
+                weight += delta
+    return merged
+
+
+def test_adapters_on_fused_weights_act_as_separate_projections():
+    from rayshard.actors.model.lora import apply_lora
+    from rayshard.actors.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    spec = preset("tiny", n_layers=2)
+    lora = LoraConfig(rank=3, alpha=5.0)
+    base_model = Transformer(spec)
+    with torch.no_grad():
+        for param in base_model.parameters():
+            param.normal_(0, 0.1)
+    base = {name: param.detach().clone() for name, param in base_model.named_parameters()}
+    adapted = Transformer(spec)
+    adapted.load_state_dict(base)
+    apply_lora(adapted, spec, lora)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if ".lora." in name:
+                param.normal_(0, 0.3)  # B too: nonzero, so every adapter acts
+    adapters = {name: param.detach().clone() for name, param in adapted.named_parameters() if ".lora." in name}
+    assert len(adapters) == 2 * 7 * 2
+    tokens = torch.randint(0, spec.vocab_size, (2, 12))
+    logits = adapted(tokens)
+    base_model.load_state_dict(_merged_into_fused(spec, base, adapters, lora.scale))
+    expected = base_model(tokens)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    # The base itself is frozen and untouched; only adapters take gradients.
+    logits.square().mean().backward()
+    assert all((param.grad is not None) == (".lora." in name) for name, param in adapted.named_parameters())
+    assert all(torch.equal(param, base[name]) for name, param in adapted.named_parameters() if name in base)
+
+
+def test_memory_estimate_reads_the_roles():
+    """A frozen weight costs its float32 bytes alone; the adapters carry the gradient and moments."""
+    from rayshard.plans.layout.chooser import Workload, estimate_memory
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+    from rayshard.plans.training.model_spec import parameter_count
+
+    model, layout = preset("small"), ParallelLayout(fsdp=2, tp=2)
+    roles = parameter_roles(model, LoraConfig(rank=8))
+    full = estimate_memory(model, layout, Workload(8, 64))
+    lora = estimate_memory(model, layout, Workload(8, 64, trained_parameters=roles.count(trained=True)))
+    assert full.activations == lora.activations
+    params, adapters = parameter_count(model), roles.count(trained=True)
+    assert full.model_state - lora.model_state == pytest.approx((16 * params - 4 * params - 16 * adapters) / 4)  # over tp2 x fsdp2
+
+
+def test_flops_read_the_roles():
+    """A frozen weight costs 4 FLOPs per token (forward, input gradient), a trained adapter 6."""
+    from rayshard.plans.training.flops import active_parameters, flops_per_token
+
+    model = preset("small")
+    adapters = parameter_roles(model, LoraConfig(rank=8)).count(trained=True)
+    weights = active_parameters(model) - model.vocab_size * model.dim
+    assert flops_per_token(model, 64) - flops_per_token(model, 64, adapters) == pytest.approx(2 * weights - 6 * adapters)
+
+
+def test_a_bf16_run_counts_its_frozen_weights_at_two_bytes():
+    from rayshard.plans.layout.chooser import Workload, estimate_memory
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+    from rayshard.plans.training.model_spec import parameter_count
+
+    model, layout = preset("small"), ParallelLayout()
+    adapters = parameter_roles(model, LoraConfig(rank=8)).count(trained=True)
+    fp32 = estimate_memory(model, layout, Workload(8, 64, precision="bf16", trained_parameters=adapters))
+    work = Workload(8, 64, precision="fp32", trained_parameters=adapters)
+    assert fp32.model_state < estimate_memory(model, layout, work).model_state
+    assert estimate_memory(model, layout, work).model_state == pytest.approx(4 * parameter_count(model) + 16 * adapters)
