@@ -87,10 +87,13 @@ class Snapshots:
             print(f"snapshot not taken: {_first_line(error)}; training goes on", flush=True)
 
     def settle(self) -> None:
-        """The run is ending: let a snapshot in flight finish (or fail) quietly."""
+        """The attempt is ending (finished, or a rank failed): a snapshot commit already running
+        on the driver ends first (bounded); one still being written by the ranks is abandoned,
+        never waited for: after a failure its ranks may be gone, and the run's last step has its
+        durable checkpoint anyway."""
         if self.background is not None:
             with contextlib.suppress(Exception):
-                self.background.wait()
+                self.background.settle()
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0

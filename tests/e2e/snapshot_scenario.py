@@ -68,9 +68,18 @@ def snapshot_step(store: str) -> int:
 
 
 def rank_pids() -> list[tuple[int, str]]:
-    actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
-                         filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
-    return sorted((a.pid, a.node_id) for a in actors)
+    """The live rank actors' processes. The state API goes through the dashboard, which a loaded
+    machine may start late: asked again for up to a minute."""
+    for attempt in range(12):
+        try:
+            actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                                 filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
+            return sorted((a.pid, a.node_id) for a in actors)
+        except ConnectionError:
+            if attempt == 11:
+                raise
+            time.sleep(5)
+    return []
 
 
 def holders_of_rank_zero(step: int) -> list[str]:
