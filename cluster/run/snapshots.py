@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from rayshard.actors.snapshot.filesystem import SnapshotKeeperLost
 from rayshard.actors.snapshot.keepers import start_keepers
+from rayshard.cluster.catalog.snapshot_record import RECORD_EVERY_S, write_snapshot_record
 from rayshard.cluster.catalog.store import CheckpointRef, Store
 from rayshard.cluster.run.async_save import AsyncCheckpointer
 from rayshard.plans.errors import CheckpointError
@@ -49,8 +50,9 @@ _TAKEN: dict[tuple[str, str], int] = {}
 class Snapshots:
     """A run's snapshots on the driver: start the keepers, take one when due, keep only the newest."""
 
-    def __init__(self, store_url: str, run: str, every: int):
-        self.run, self.every = run, every
+    def __init__(self, store_url: str, run: str, every: int, durable: Store | None = None):
+        self.run, self.every, self.durable = run, every, durable
+        self._recorded_at = 0.0
         start_keepers()  # idempotent: a node added since the last attempt gets its keeper here
         self.store = Store(snapshot_store_url(store_url))
         self.latest: tuple[int, float, float] | None = None  # (step, wall time taken, seconds it blocked)
@@ -85,10 +87,13 @@ class Snapshots:
             print(f"snapshot not taken: {_first_line(error)}; training goes on", flush=True)
 
     def settle(self) -> None:
-        """The run is ending: let a snapshot in flight finish (or fail) quietly."""
+        """The attempt is ending (finished, or a rank failed): a snapshot commit already running
+        on the driver ends first (bounded); one still being written by the ranks is abandoned,
+        never waited for: after a failure its ranks may be gone, and the run's last step has its
+        durable checkpoint anyway."""
         if self.background is not None:
             with contextlib.suppress(Exception):
-                self.background.wait()
+                self.background.settle()
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -97,6 +102,13 @@ class Snapshots:
         """Record a committed snapshot and drop every older one (each is a whole state in memory)."""
         self.latest = (step, time.time(), blocked_s)
         _TAKEN[(self.store.url, self.run)] = step
+        if self.durable is not None and time.time() - self._recorded_at >= RECORD_EVERY_S:
+            self._recorded_at = time.time()
+            try:  # a note for people (`ckpt ls`); training never waits on it failing
+                write_snapshot_record(self.durable, self.run, step, self._recorded_at, self.keeper_nodes())
+            except OSError as error:
+                print(f"rayshard: warning: could not note snapshot step {step} in the store ({_first_line(error)})",
+                      flush=True)
         for older in self.store.committed_steps(self.run):
             if older < step:
                 self.store.fs.rm(f"{self.store.root}/{self.run}/checkpoints/step-{older:08d}", recursive=True)

@@ -81,7 +81,7 @@ def train(config: TrainConfig, actors: list | None = None,
         snapshots = None
         if config.checkpoint.snapshot_every:
             connect_ray(config.resources.start_timeout_s)  # the keepers are actors
-            snapshots = Snapshots(config.store, config.run, config.checkpoint.snapshot_every)
+            snapshots = Snapshots(config.store, config.run, config.checkpoint.snapshot_every, durable=store)
         point = resolve_start(config, store, snapshots)
         point.lease = lease
         if snapshots is not None:

@@ -40,6 +40,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
+from rayshard.cluster.catalog.snapshot_record import read_snapshot_record  # noqa: E402
 from rayshard.cluster.catalog.store import Store  # noqa: E402
 from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
 from rayshard.cluster.run.train import train  # noqa: E402
@@ -67,9 +68,18 @@ def snapshot_step(store: str) -> int:
 
 
 def rank_pids() -> list[tuple[int, str]]:
-    actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
-                         filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
-    return sorted((a.pid, a.node_id) for a in actors)
+    """The live rank actors' processes. The state API goes through the dashboard, which a loaded
+    machine may start late: asked again for up to a minute."""
+    for attempt in range(12):
+        try:
+            actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                                 filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
+            return sorted((a.pid, a.node_id) for a in actors)
+        except ConnectionError:
+            if attempt == 11:
+                raise
+            time.sleep(5)
+    return []
 
 
 def holders_of_rank_zero(step: int) -> list[str]:
@@ -148,6 +158,8 @@ def main() -> None:
                "losses": {m["step"]: m["loss"] for m in metrics}, "layouts": {m["step"]: m["layout"] for m in metrics},
                "reference": reference.losses,
                "snapshot_steps": {m["step"]: m.get("snapshot_step") for m in metrics},
+               "snapshot_nodes": {m["step"]: m.get("snapshot_nodes") for m in metrics},
+               "snapshot_record": read_snapshot_record(Store(store), RUN),
                "log": "".join(tee.lines).splitlines()}, open(args.out, "w"), indent=1, default=str)
     ray.shutdown()
     with contextlib.suppress(Exception):

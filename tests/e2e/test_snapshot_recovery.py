@@ -46,6 +46,10 @@ def test_a_rank_killed_resumes_from_memory_with_at_most_one_step_redone(tmp_path
     assert any(line.startswith(f"loaded step {KILL_AT}: ") and "from the snapshot in memory" in line for line in lines), lines
     assert {layout for layout in result["layouts"].values()} == {"dp=2,fsdp=1,tp=2,pp=1,vpp=1"}
     _assert_continues_the_reference(result)
+    # The metrics and the store's note say which snapshot exists and where its copies live.
+    assert result["snapshot_steps"][str(STEPS)] in (STEPS - 2, STEPS - 1)  # committed a step after it is taken
+    assert len(result["snapshot_nodes"][str(STEPS)]) == 3
+    assert result["snapshot_record"]["step"] >= 1 and len(result["snapshot_record"]["nodes"]) == 3
 
 
 @pytest.mark.slow

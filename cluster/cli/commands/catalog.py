@@ -13,6 +13,7 @@ from rayshard.cluster.cli.commands.checkpoint_refs import reading, resolve_check
 from rayshard.cluster.progress import byte_bar
 from rayshard.cluster.catalog.catalog import Catalog
 from rayshard.cluster.catalog.retention import collect
+from rayshard.cluster.catalog.snapshot_record import describe_snapshot_record, read_snapshot_record
 from rayshard.cluster.catalog.store import Store
 from rayshard.plans.errors import ConfigError
 
@@ -50,6 +51,10 @@ def run_ls(args: argparse.Namespace) -> int:
         for row in [header, *rows]:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         print("* = LATEST of its run")
+    for run in sorted({e.run for e in entries} | ({args.run} if args.run else set())):
+        record = read_snapshot_record(catalog.store, run)  # a run training with --snapshot-every
+        if record is not None:
+            print(describe_snapshot_record(run, record))
     if args.all:
         leftovers = catalog.leftovers(args.run)
         for leftover in leftovers:
