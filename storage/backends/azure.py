@@ -19,8 +19,9 @@ same `StorageOptions` as S3's: `max_attempts` tries with exponential backoff on 
 busy), timeouts and connection resets, and connect/read timeouts per request.
 
 Every Blob REST operation made here, and the Azure RBAC data action it needs, is listed in
-`azure_calls.py`. The filesystem class (`azure_filesystem.py`) is registered with fsspec by name,
-so adlfs and the storage SDK load on the first az:// URL, not with the registry.
+`azure_calls.py`. The filesystem class (`azure_filesystem.py`) is registered with fsspec by name
+in `registry.py`, so adlfs and the storage SDK load on the first az:// URL; this module (the
+backend) loads once `backend_for` first meets an az:// filesystem.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 
-import fsspec
 from azure.core import MatchConditions
 from azure.core.exceptions import (ResourceExistsError, ResourceModifiedError,  # light: not the storage SDK
                                    ResourceNotFoundError)
@@ -38,8 +38,6 @@ from rayshard.storage.backends.fsspec_generic import FsspecBackend
 from rayshard.storage.backends.protocol import PendingUpload, PreconditionFailed
 from rayshard.storage.backends.s3_multipart import ChunksReader, MultipartWriter, streamed
 
-SCHEMES = ("az", "abfs", "abfss")
-FILESYSTEM = "rayshard.storage.backends.azure_filesystem.BoundedRetryBlobFileSystem"
 
 
 class AzureBackend(FsspecBackend):
@@ -180,8 +178,3 @@ async def _discard_uncommitted(fs, path: str) -> None:
     with contextlib.suppress(ResourceNotFoundError, ResourceModifiedError):
         await _blob_call(fs, path, "delete_blob", etag=empty["etag"], match_condition=MatchConditions.IfNotModified)
 
-
-for _scheme in SCHEMES:
-    # By name: adlfs and the storage SDK (0.3 s) load on the first az:// URL, not with the registry.
-    fsspec.register_implementation(_scheme, FILESYSTEM, clobber=True,
-                                   errtxt="Azure Blob Storage needs adlfs: pip install adlfs")

@@ -29,6 +29,16 @@ BACKEND_CLASSES: dict[str, tuple[str, str]] = {
 }
 
 
+AZURE_SCHEMES = ("az", "abfs", "abfss")
+AZURE_FILESYSTEM = "rayshard.storage.backends.azure_filesystem.BoundedRetryBlobFileSystem"
+for _scheme in AZURE_SCHEMES:
+    # fsspec opens az:// with rayshard's adlfs subclass (bounded retries, a quiet SDK log) from the
+    # first URL on, so it is registered here, with the registry, not with the backend's module;
+    # by name, so adlfs and the storage SDK (0.3 s) load only with the first az:// URL.
+    fsspec.register_implementation(_scheme, AZURE_FILESYSTEM, clobber=True,
+                                   errtxt="Azure Blob Storage needs adlfs: pip install adlfs")
+
+
 def register_backend(scheme: str, module: str, name: str) -> None:
     """Serve scheme with module's class `name`: for a filesystem defined outside the storage
     layer (the snapshot keepers' `rayshard-snapshot://`, which needs Ray), registered when fsspec
