@@ -20,16 +20,15 @@ import posixpath
 
 import ray
 from fsspec.spec import AbstractFileSystem
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError
 
-from rayshard.actors.snapshot.keeper import KEEPER_PREFIX, PreconditionFailedHere, keeper_name
+from rayshard.actors.snapshot.keeper import KEEPER_PREFIX, PreconditionFailedHere
 from rayshard.plans.checkpoint.snapshot_holders import snapshot_holders
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
 from rayshard.storage.backends.protocol import PreconditionFailed
 from rayshard.storage.backends.registry import register_backend
 
 PROTOCOL = "rayshard-snapshot"
-KEEPER_LOST = (GetTimeoutError, RayActorError)
 
 
 def timeout_s() -> float:
@@ -82,6 +81,8 @@ class SnapshotFileSystem(AbstractFileSystem):
     def _answers(self, calls: dict[str, object]) -> tuple[dict[str, object], dict[str, BaseException]]:
         """Each keeper's answer to its call, within the bound; (answers, failures) by node."""
         answers, failures = {}, {}
+        if not calls:  # ray.wait refuses an empty list
+            return answers, failures
         ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s())
         ready = set(ready)
         for node, ref in calls.items():
@@ -111,15 +112,16 @@ class SnapshotFileSystem(AbstractFileSystem):
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         path = self._strip_protocol(path)
-        self._write(path, bytes(value), lambda keeper: keeper.put.remote(path, value))
+        self._write(path, lambda keeper: keeper.put.remote(path, value))
 
-    def _write(self, path: str, data: bytes, call) -> None:
+    def _write(self, path: str, call) -> None:
+        """`call(keeper)` on each keeper that is to hold path; a refusal (exists, changed) is raised
+        as the keeper raised it, a keeper that failed otherwise is lost."""
         keepers = self.keepers()  # first: it refuses when Ray is not connected
         holders = snapshot_holders(_this_node(), list(keepers))
-        answers, failures = self._answers({node: call(self.keepers()[node]) for node in holders})
+        answers, failures = self._answers({node: call(keepers[node]) for node in holders})
         for node, error in failures.items():
-            if isinstance(error, (FileExistsError, PreconditionFailedHere)) or isinstance(
-                    getattr(error, "cause", None), (FileExistsError, PreconditionFailedHere)):
+            if isinstance(_cause(error), (FileExistsError, PreconditionFailedHere)):
                 raise _cause(error)
             self._forget(node)
         if failures:
@@ -129,10 +131,10 @@ class SnapshotFileSystem(AbstractFileSystem):
         self._where[path] = sorted(answers, key=lambda node: node != _this_node())
 
     def create_only(self, path: str, data: bytes) -> None:
-        self._write(path, data, lambda keeper: keeper.create_only.remote(path, data))
+        self._write(path, lambda keeper: keeper.create_only.remote(path, data))
 
     def replace_if(self, path: str, data: bytes, expected: bytes | None) -> None:
-        self._write(path, data, lambda keeper: keeper.replace_if.remote(path, data, expected))
+        self._write(path, lambda keeper: keeper.replace_if.remote(path, data, expected))
 
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
         path = self._strip_protocol(path)

@@ -17,6 +17,7 @@ import torch
 from rayshard.plans.config import LoraConfig
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
+from tests.integration.test_pipeline_numerics import merged_gradients
 
 RTOL, ATOL = 1.3e-6, 1e-5  # assert_close's float32 defaults
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -38,12 +39,8 @@ def _second_step_gradients(rank_pool, config) -> tuple[float, dict[str, torch.Te
         results = group.call("full_gradients")
     finally:
         group.shutdown()
-    gradients: dict[str, torch.Tensor] = {}
-    for result in results:
-        assert not gradients.keys() & result["gradients"].keys(), "a gradient reported by two ranks"
-        gradients.update(result["gradients"])
     assert len({round(result["loss"], 6) for result in results}) == 1, "ranks disagree on the loss"
-    return results[0]["loss"], gradients
+    return results[0]["loss"], merged_gradients(results)
 
 
 @pytest.fixture(scope="module")

@@ -41,12 +41,17 @@ def one_step(rank_pool, config) -> tuple[float, dict[str, torch.Tensor]]:
         results = group.call("full_gradients")
     finally:
         group.shutdown()
+    assert len({result["loss"] for result in results}) == 1, "ranks disagree on the loss"
+    return results[0]["loss"], merged_gradients(results)
+
+
+def merged_gradients(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Every rank's full gradients of its primary pieces, as one dict; a name twice is an error."""
     gradients: dict[str, torch.Tensor] = {}
     for result in results:
         assert not gradients.keys() & result["gradients"].keys(), "a gradient reported by two ranks"
         gradients.update(result["gradients"])
-    assert len({result["loss"] for result in results}) == 1, "ranks disagree on the loss"
-    return results[0]["loss"], gradients
+    return gradients
 
 
 @pytest.fixture(scope="module")
