@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import time
 
 import ray
 from fsspec.spec import AbstractFileSystem
@@ -34,6 +35,22 @@ PROTOCOL = "rayshard-snapshot"
 def timeout_s() -> float:
     """How long one keeper may take to answer before it counts as lost."""
     return float(os.environ.get("RAYSHARD_SNAPSHOT_TIMEOUT_S", "60"))
+
+
+# A keeper that let a call run out its bound is passed over by every filesystem instance in this
+# process for a while: a recovery opens many files (fsspec makes an instance per URL here), and
+# waiting the bound again for each one would turn one silent peer into minutes of silence.
+# Keyed by the actor, not the node, so a replacement keeper on that node is asked at once.
+SILENT_MEMORY_S = 300.0
+_silent_until: dict[str, float] = {}  # keeper actor id -> monotonic time it may be asked again
+
+
+def _actor_id(keeper) -> str:
+    return keeper._actor_id.hex()
+
+
+def _is_silent(keeper) -> bool:
+    return _silent_until.get(_actor_id(keeper), 0.0) > time.monotonic()
 
 
 class SnapshotKeeperLost(OSError):
@@ -66,11 +83,23 @@ class SnapshotFileSystem(AbstractFileSystem):
                                      "or writing snapshots")
         if not self._keepers:
             names = [name for name in ray.util.list_named_actors() if name.startswith(KEEPER_PREFIX)]
-            self._keepers = {name[len(KEEPER_PREFIX):]: ray.get_actor(name) for name in names}
+            handles = {name[len(KEEPER_PREFIX):]: ray.get_actor(name) for name in names}
+            self._keepers = {node: keeper for node, keeper in handles.items() if not _is_silent(keeper)}
+            if handles and not self._keepers:
+                raise SnapshotKeeperLost(f"every snapshot keeper ({len(handles)}) let a call run out its "
+                                         f"{timeout_s():.0f} s bound in the last {SILENT_MEMORY_S:.0f} s: taken as lost")
             if not self._keepers:
                 raise SnapshotKeeperLost("no snapshot keeper runs in this Ray namespace: start them with "
                                          "rayshard.actors.snapshot.keepers.start_keepers()")
         return self._keepers
+
+    def _lose(self, node: str, error: BaseException) -> None:
+        """Stop asking node's keeper: for this instance, and for a while in this whole process
+        when it was silent (rather than dead, which Ray reports at once)."""
+        keeper = self._keepers.get(node)
+        if keeper is not None and isinstance(error, GetTimeoutError):
+            _silent_until[_actor_id(keeper)] = time.monotonic() + SILENT_MEMORY_S
+        self._forget(node)
 
     def _forget(self, node: str) -> None:
         self._keepers.pop(node, None)
@@ -101,8 +130,8 @@ class SnapshotFileSystem(AbstractFileSystem):
             directory = posixpath.dirname(path)
             answers, lost = self._answers({node: keeper.listing.remote(directory + "/")
                                            for node, keeper in self.keepers().items()})
-            for node in lost:
-                self._forget(node)
+            for node, error in lost.items():
+                self._lose(node, error)
             for name in {name for listing in answers.values() for name in listing}:
                 self._where[name] = sorted((node for node, listing in answers.items() if name in listing),
                                            key=lambda node: node != _this_node())
@@ -123,7 +152,7 @@ class SnapshotFileSystem(AbstractFileSystem):
         for node, error in failures.items():
             if isinstance(_cause(error), (FileExistsError, PreconditionFailedHere)):
                 raise _cause(error)
-            self._forget(node)
+            self._lose(node, error)
         if failures:
             raise SnapshotKeeperLost(f"{PROTOCOL}://{path}: the keeper(s) on node(s) "
                                      f"{', '.join(n[:12] for n in failures)} did not take it ({_first(failures)}); "
@@ -157,8 +186,8 @@ class SnapshotFileSystem(AbstractFileSystem):
             prefix = one + "/" if recursive else one
             answers, lost = self._answers({node: keeper.remove.remote(prefix)
                                            for node, keeper in self.keepers().items()})
-            for node in lost:
-                self._forget(node)
+            for node, error in lost.items():
+                self._lose(node, error)
             for name in [name for name in self._where if name == one or name.startswith(one + "/")]:
                 del self._where[name]
 
@@ -203,7 +232,7 @@ class SnapshotFileSystem(AbstractFileSystem):
                 if isinstance(cause, FileNotFoundError):
                     results[index] = cause
                     continue
-                self._forget(calls[index][0])
+                self._lose(calls[index][0], error)
                 pending.append(index)
         errors = [result for result in results if isinstance(result, BaseException)]
         if raise_errors and errors:
@@ -222,8 +251,8 @@ class SnapshotFileSystem(AbstractFileSystem):
     def _listing(self, prefix: str) -> dict[str, int]:
         """Every file under prefix that a live keeper holds, with its size."""
         answers, lost = self._answers({node: keeper.listing.remote(prefix) for node, keeper in self.keepers().items()})
-        for node in lost:
-            self._forget(node)
+        for node, error in lost.items():
+            self._lose(node, error)
         return {name: size for listing in answers.values() for name, size in listing.items()}
 
     def ls(self, path, detail=True, **kwargs):
