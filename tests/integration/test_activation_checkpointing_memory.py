@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.forked_ranks import run_ranks
 
 
@@ -42,6 +44,7 @@ def _step(ac: str, tmp_path: Path) -> dict:
     return run_ranks(_one_step, 1, ac, str(tmp_path / ac))[0]
 
 
+@pytest.mark.slow  # decision 153: a memory measurement of four processes; AC's bits are test_precision's
 def test_full_activation_checkpointing_lowers_peak_memory(tmp_path):
     none, full = _step("none", tmp_path), _step("full", tmp_path)
     assert none["loss"] == full["loss"]

@@ -16,7 +16,7 @@ from rayshard.plans.training.model_spec import preset
 from tests.unit.checkpoint_factory import write_checkpoint
 
 
-@pytest.mark.slow_on_azure
+@pytest.mark.slow  # decision 153: the store's streaming is test_s3_streaming's, the export's bits the local tests'
 def test_export_to_the_store_and_import_back_is_bit_exact(object_store):
     source, _, _ = write_checkpoint(object_store.url, "src", preset("tiny"), steps=2)
     hf = f"{object_store.url.rsplit('/', 1)[0]}/exports/src-2"  # beside the store, in the same bucket

@@ -19,6 +19,10 @@ from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
 from tests.free_port import free_port
 
+# Decision 153: inductor compiles each case afresh (about 35 s); compile stays in the default suite
+# through test_precision.py::test_compile_matches_eager[tp2-full-ac] and the reused-process case.
+pytestmark = pytest.mark.slow
+
 
 def _train(config) -> tuple[list, list[int], set]:
     """Losses, dynamo's compiled-graph count after each step, and the routings seen."""

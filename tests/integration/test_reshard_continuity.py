@@ -44,6 +44,7 @@ def _continuity(run_training, tmp_path, before, after, tight_steps=None, ceiling
     return picture
 
 
+@pytest.mark.slow  # decision 153: test_resume's onto-another-layout case runs the same path in the default suite
 def test_resume_on_another_layout_continues_within_the_stated_tolerance(run_training, tmp_path):
     _continuity(run_training, tmp_path, before=4, after=6)
 

@@ -97,6 +97,7 @@ def _driver(ray_session, store: str) -> subprocess.Popen:
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # decision 153: two real drivers racing (40 s); the lease's races are the unit cases above
 def test_two_trainers_on_one_run_one_trains_the_others_stop_before_a_step(ray_session, run_training, tmp_path):
     store = str(tmp_path / "store")
     together = [_driver(ray_session, store), _driver(ray_session, store)]

@@ -44,6 +44,7 @@ def test_an_object_store_saves_and_resumes_onto_another_layout(run_training, obj
     assert store.latest_step("x") == 3
 
 
+@pytest.mark.slow  # decision 153: the store's retries are test_s3_streaming's and test_commit_protocol's
 def test_saves_and_loads_survive_throttling_resets_and_delays_bit_exact(run_training, object_store, tmp_path,
                                                                          local_reference):
     s3_store, fault_proxy = object_store.url, object_store.proxy

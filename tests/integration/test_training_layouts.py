@@ -26,8 +26,9 @@ def reference_losses(run_training, tmp_path_factory):
     return result.losses
 
 
-# dp2 and tp2 alone are inside dp2xtp2 and fsdp2xtp2: under -m slow (decision 113).
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp2", "tp2") else n
+# dp2 and tp2 alone are inside dp2xtp2 and fsdp2xtp2, and dp2xtp2 in fsdp2xtp2 (replicas over the
+# same tp group): under -m slow (decisions 113 and 153).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp2", "tp2", "dp2xtp2") else n
                                   for n in LAYOUTS if n != "single"])
 def test_losses_agree_across_layouts(run_training, tmp_path, reference_losses, name):
     result = run_training(small_config(tmp_path, LAYOUTS[name], run=name))
