@@ -17,6 +17,7 @@ import traceback
 import ray
 import torch
 
+import rayshard.actors.snapshot.filesystem  # noqa: F401  (serves rayshard-snapshot:// in this rank, installed or not)
 from rayshard.actors.training.reports import RankSetup, StepMetrics
 from rayshard.actors.training.trainer import Trainer, WrapRunner
 from rayshard.plans.checkpoint.chunk_table import ChunkTable

@@ -20,6 +20,7 @@ import posixpath
 import time
 
 import ray
+import fsspec
 from fsspec.spec import AbstractFileSystem
 from ray.exceptions import GetTimeoutError
 
@@ -310,6 +311,10 @@ class SnapshotBackend(FsspecBackend):
 
 
 register_backend(PROTOCOL, __name__, "SnapshotBackend")
+# The `fsspec.specs` entry point serves an installed rayshard; a source tree on PYTHONPATH (the lent
+# GPU machine's, a developer's checkout) has no entry point, so the module registers itself too,
+# and the processes that open snapshots (the driver's snapshots.py, every rank) import it.
+fsspec.register_implementation(PROTOCOL, SnapshotFileSystem, clobber=True)
 
 
 def _this_node() -> str:
