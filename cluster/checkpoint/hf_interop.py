@@ -124,18 +124,12 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     description: the model a `rayshard.checkpoint` checkpoint holds, and its naming
     (`described_source.py`); else the one it recorded at save."""
     started = time.perf_counter()
-    fs, base = fsspec.core.url_to_fs(directory) if directory.strip() else (None, "")
-    if fs is None:
-        raise CheckpointError("export --out is empty. Fix: name a new directory, e.g. --out ./hf-export")
-    present = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(base, detail=False)) if fs.isdir(base) else []
-    if present:
-        # Stale shards or an old index beside the new files would be read back by `ckpt import`
-        # (or transformers) as part of this export.
-        raise CheckpointError(f"{directory}: already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
-                              "an export into it would mix with those files. Fix: export to a new or empty directory, "
-                              "or remove it first")
+    fs, base = empty_export_directory(directory)
     stored = open_source(checkpoint_url, description)
     model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
+    if stored.metadata.get("lora"):  # the adapters alone: no Hugging Face model's weights
+        raise CheckpointError(f"{checkpoint_url}: is a LoRA run's checkpoint, which holds its adapters, not a model. Fix: "
+                              "export the adapters with --format peft, or the model with them merged with --format hf --merge")
     stored_kinds = {kind for _, kind in stored.index}
     kinds = [PARAM] + ([k for k in MOMENTS if k in stored_kinds] if include_optimizer else [])
     plans = []
@@ -159,9 +153,34 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
     stored.check_partial_reads()  # none today (whole tensors read whole chunks); any part would be checked here
     out_dtype = dtype or next(iter(stored.chunks)).dtype
-    tokenizer_url = tokenizer_url_of(stored.metadata)  # the run's tokenizer travels with its weights
+    written += write_model_files(fs, base, directory, model, stored.metadata, out_dtype, log)
+    fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
+                                                       "weights_dtype": out_dtype}, indent=2, default=str).encode())
+    result = ExportResult(directory, written, sum(1 for _ in stored.tensors()), time.perf_counter() - started)
+    log(f"exported {checkpoint_url} to {directory}: {len(written)} safetensors file(s) in {result.seconds:.1f}s")
+    return result
+
+
+def empty_export_directory(directory: str):
+    """(fs, path) of an export's --out, refused when it names nothing or already holds files."""
+    fs, base = fsspec.core.url_to_fs(directory) if directory.strip() else (None, "")
+    if fs is None:
+        raise CheckpointError("export --out is empty. Fix: name a new directory, e.g. --out ./hf-export")
+    present = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(base, detail=False)) if fs.isdir(base) else []
+    if present:
+        # Stale shards or an old index beside the new files would be read back by `ckpt import`
+        # (or transformers) as part of this export.
+        raise CheckpointError(f"{directory}: already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
+                              "an export into it would mix with those files. Fix: export to a new or empty directory, "
+                              "or remove it first")
+    return fs, base
+
+
+def write_model_files(fs, base: str, directory: str, model: ModelConfig, metadata: dict, out_dtype: str, log) -> list[str]:
+    """Beside the weights: the run's tokenizer (it travels with its weights), config.json and
+    generation_config.json. Returns the tokenizer files copied."""
+    tokenizer_url = tokenizer_url_of(metadata)
     copied = copy_tokenizer_files(tokenizer_url, directory) if tokenizer_url else []
-    written += copied
     config = export_config(model, out_dtype)
     # The ids generate() stops at: the model's own (imported with it), else its tokenizer's; a
     # user plan's config.json keeps any it names.
@@ -172,11 +191,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     generation = {key: config[key] for key in GENERATION_FIELDS if config.get(key) is not None}
     if generation:
         fs.pipe_file(f"{base}/{GENERATION_CONFIG}", json.dumps(generation, indent=2).encode())
-    fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
-                                                       "weights_dtype": out_dtype}, indent=2, default=str).encode())
-    result = ExportResult(directory, written, sum(1 for _ in stored.tensors()), time.perf_counter() - started)
-    log(f"exported {checkpoint_url} to {directory}: {len(written)} safetensors file(s) in {result.seconds:.1f}s")
-    return result
+    return copied
 
 
 def _tokenizer_special_tokens(directory: str, log) -> SpecialTokens | None:
