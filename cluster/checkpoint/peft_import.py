@@ -30,7 +30,7 @@ from rayshard.cluster.checkpoint.hf_interop import (CONFIG, MOMENTS, RUN_METADAT
                                                     read_json_object, read_safetensors_index)
 from rayshard.cluster.progress import advance, set_total
 from rayshard.plans.checkpoint.chunks import PARAM
-from rayshard.plans.checkpoint.model_check import check_against_own_model, raise_if_mismatched
+from rayshard.plans.checkpoint.model_check import check_against_own_model
 from rayshard.plans.config import LoraConfig
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.interop.hf_families import model_config_from_hf
@@ -90,11 +90,7 @@ def _import_holding_the_lease(directory, store, run, base_url, log, progress) ->
         mapping = Mapping(mapping.rules + (Cast("*", to=ADAPTER_DTYPE, source=source_dtype),))
     plan = mapping.plan({name: Meta(t.shape, t.dtype) for name, t in tensors.items()})
     shapes = adapter_shapes(model, lora.rank, lora.target_list)
-    expected = {(name, PARAM): (tuple(shape), ADAPTER_DTYPE) for name, shape in shapes.items()}
-    raise_if_mismatched(expected, {(name, PARAM): (meta.shape, meta.dtype) for name, meta in plan.outputs.items()},
-                        set(expected), f"{directory} on --base {base_url}",
-                        fix=f"import the adapter onto the base it was trained on (r={lora.rank}, target_modules as in "
-                            f"{ADAPTER_CONFIG})")
+    _refuse_other_shapes(shapes, plan.outputs, lora, directory, base_url)
     digest = weights_digest(base_url)
     _refuse_another_recorded_base(fs, f"{path}/{RUN_METADATA}", digest, base_url)
     stream = GroupStream(plan, _reader(fs, path, tensors))
@@ -115,6 +111,21 @@ def _import_holding_the_lease(directory, store, run, base_url, log, progress) ->
     log(f"imported the PEFT adapter {directory} (r={lora.rank}, alpha={lora.alpha:g}, targets {lora.targets}) on "
         f"{base_url} as {run}@0: {committed}")
     return committed
+
+
+def _refuse_other_shapes(shapes: dict, found: dict[str, Meta], lora: LoraConfig, directory: str, base_url: str) -> None:
+    """Every adapter the settings name, at the shape the base's projection gives it; in one line."""
+    missing = sorted(set(shapes) - set(found))
+    unexpected = sorted(set(found) - set(shapes))
+    other = [f"{name} {list(found[name].shape)} (the base's: {list(shape)})" for name, shape in shapes.items()
+             if name in found and tuple(found[name].shape) != tuple(shape)]
+    problems = ([f"{len(other)} adapter(s) of other shapes: {'; '.join(other[:3])}{' ...' if len(other) > 3 else ''}"]
+                if other else [])
+    problems += [f"{label} ({len(names)}): {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                 for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
+    if problems:
+        raise CheckpointError(f"{directory}: does not fit --base {base_url} (r={lora.rank}, targets {lora.targets}): "
+                              f"{'; '.join(problems)}. Fix: import the adapter onto the base it was trained on")
 
 
 def _refuse_another_hf_base(fs, named, model, where: str) -> None:
