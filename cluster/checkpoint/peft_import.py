@@ -60,7 +60,8 @@ def _import_holding_the_lease(directory, store, run, base_url, log, progress) ->
         hint = ("it is a model directory: import it with --format hf" if fs.exists(f"{path}/{CONFIG}")
                 else "pass the directory PeftModel.save_pretrained wrote")
         raise CheckpointError(f"{directory}: no {ADAPTER_CONFIG}, so it is no PEFT adapter. Fix: {hint}")
-    settings = lora_settings(read_json_object(fs, config_path), config_path)
+    adapter_settings = read_json_object(fs, config_path)
+    settings = lora_settings(adapter_settings, config_path)
     tensors = read_safetensors_index(fs, path, ADAPTER_WEIGHTS)
     if not tensors:
         pickled = fs.exists(f"{path}/{PICKLED_WEIGHTS}")
@@ -75,7 +76,7 @@ def _import_holding_the_lease(directory, store, run, base_url, log, progress) ->
                               f"checkpoint holding the base weights{f' ({recorded})' if recorded else ''}")
     model = check_against_own_model(chunks, base_metadata, base_url)
     refuse_unexportable(model, f"--base {base_url}", "import the adapter onto a Llama, Qwen2, Qwen3 or Mistral base")
-    _refuse_another_hf_base(fs, read_json_object(fs, config_path).get("base_model_name_or_path"), model, config_path)
+    _refuse_another_hf_base(adapter_settings.get("base_model_name_or_path"), model, config_path)
     refuse_unknown_keys(tensors, model, f"{path}/{ADAPTER_WEIGHTS}.safetensors")
     lora = LoraConfig(rank=settings["rank"], alpha=settings["alpha"], dropout=settings["dropout"],
                       targets=settings["targets"], base=base_url)
@@ -128,11 +129,14 @@ def _refuse_other_shapes(shapes: dict, found: dict[str, Meta], lora: LoraConfig,
                               f"{'; '.join(problems)}. Fix: import the adapter onto the base it was trained on")
 
 
-def _refuse_another_hf_base(fs, named, model, where: str) -> None:
+def _refuse_another_hf_base(named, model, where: str) -> None:
     """base_model_name_or_path, where it is a local Hugging Face directory, must hold the base's model."""
-    if not isinstance(named, str) or not named or not fs.exists(f"{named.rstrip('/')}/{CONFIG}"):
-        return  # a Hub id, or a directory not here: nothing to compare
+    if not isinstance(named, str) or not named or "://" in named:
+        return  # none, or a URL whose store this command may hold no credentials for
+    fs = fsspec.filesystem("file")
     config_path = f"{named.rstrip('/')}/{CONFIG}"
+    if not fs.exists(config_path):
+        return  # a Hub id, or a directory not on this machine: nothing to compare
     try:
         named_model = model_config_from_hf(read_json_object(fs, config_path), config_path)
     except CheckpointError:

@@ -175,3 +175,18 @@ def test_an_adapter_of_a_family_peft_names_otherwise_is_refused(tmp_path, capsys
     code, error = _cli(capsys, "ckpt", "import", "--format", "peft", str(tmp_path / "adapter"), "--base", "phi",
                        "--run", "x", "--store", store.url)
     assert code == 2 and "\n" not in error and "a PEFT adapter of a phi3 model is not supported" in error, error
+
+
+def test_an_export_imported_onto_other_weights_of_the_same_shapes_is_refused(imported, tmp_path, capsys):
+    """Shapes cannot tell two bases of one model apart; the base digest rayshard.json records can."""
+    store, base, _, adapter_dir = imported("llama")
+    url = import_peft(str(adapter_dir), store, "recorded", base, **QUIET)
+    export_peft(url, str(tmp_path / "exported"), **QUIET)
+    hf_model("llama", seed=12).save_pretrained(str(tmp_path / "other-hf"))
+    import_hf(str(tmp_path / "other-hf"), store, "other-weights", **QUIET)
+    code, error = _cli(capsys, "ckpt", "import", "--format", "peft", str(tmp_path / "exported"), "--base", "other-weights",
+                       "--run", "moved", "--store", store.url)
+    assert code == 2 and "\n" not in error and f"the adapter was trained on {base} with weight digest" in error, error
+    assert store.committed_steps("moved") == []
+    assert main(["ckpt", "import", "--format", "peft", str(tmp_path / "exported"), "--base", "llama-base", "--run", "moved",
+                 "--store", store.url]) == 0
