@@ -156,6 +156,7 @@ def test_exports_refuse_what_they_cannot_write(imported, tmp_path, capsys):
         (("llama-base", "--merge"), "holds no LoRA adapters"),
         (("adapters",), "is a LoRA run's checkpoint, which holds its adapters, not a model. Fix: export the adapters with "
                         "--format peft"),
+        (("adapters", "--format", "dcp"), "is a LoRA run's checkpoint, which holds its adapters, not a model"),
         (("adapters", "--format", "peft", "--merge"), "--merge=True: does not apply to --format peft"),
     ]:
         code, error = _cli(capsys, "ckpt", "export", *argv, "--out", str(tmp_path / "never"), "--store", store.url)
