@@ -77,7 +77,7 @@ class GroupStream:
         return self.ready.pop(name)
 
 
-def _write_safetensors_files(fs, directory: str, prefix: str, outputs: dict[str, Meta], stream: GroupStream,
+def write_safetensors_files(fs, directory: str, prefix: str, outputs: dict[str, Meta], stream: GroupStream,
                              max_shard_bytes: int, progress=None) -> list[str]:
     """Write outputs in stream order into one file, or shards plus a Hugging Face index."""
     files: list[list[str]] = [[]]
@@ -150,7 +150,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         stream = GroupStream(plan, lambda name, kind=kind, metas=metas: stored.read_region(
             name, kind, (0,) * len(metas[name].shape), metas[name].shape))
         prefix = WEIGHTS if kind == PARAM else f"{OPTIMIZER_DIR}/{kind}"
-        written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
+        written += write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
     stored.check_partial_reads()  # none today (whole tensors read whole chunks); any part would be checked here
     out_dtype = dtype or next(iter(stored.chunks)).dtype
     written += write_model_files(fs, base, directory, model, stored.metadata, out_dtype, log)
@@ -294,7 +294,7 @@ def read_json_object(fs, path: str) -> dict:
     return document
 
 
-def _reader(fs, base: str, tensors: dict[str, StoredTensor]):
+def tensor_reader(fs, base: str, tensors: dict[str, StoredTensor]):
     def load(name: str) -> torch.Tensor:
         entry = tensors[name]
         data = fs.cat_file(f"{base}/{entry.file}", start=entry.start, end=entry.end)
@@ -346,7 +346,7 @@ def _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, pro
         found = {(name, kind): (meta.shape, meta.dtype) for name, meta in plan.outputs.items()}
         raise_if_mismatched(expected, found, set(expected), f"{directory} ({kind})",
                             fix="import a directory whose config.json matches its weights")
-        streams[kind] = (GroupStream(plan, _reader(fs, base, tensors)), plan)
+        streams[kind] = (GroupStream(plan, tensor_reader(fs, base, tensors)), plan)
     step = (saved.get("metadata") or {}).get("step", 0)
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{base}/{RUN_METADATA}: its step {step!r} is not a whole number. Fix: restore the file, "

@@ -24,7 +24,7 @@ import torch
 from rayshard.cluster.checkpoint.described_source import open_source
 from rayshard.cluster.checkpoint.digest import weights_digest
 from rayshard.cluster.checkpoint.hf_interop import (DEFAULT_SHARD_BYTES, RUN_METADATA, WEIGHTS, ExportResult, GroupStream,
-                                                    _write_safetensors_files, empty_export_directory, write_model_files)
+                                                    write_safetensors_files, empty_export_directory, write_model_files)
 from rayshard.cluster.progress import set_total
 from rayshard.plans.checkpoint.chunks import PARAM
 from rayshard.plans.checkpoint.model_check import check_against_own_model
@@ -75,7 +75,7 @@ def export_peft(checkpoint_url: str, directory: str, dtype: str | None = None, l
     plan = peft_mapping(_targets(lora), dtype, stored_dtype).plan(metas)
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for name, meta in plan.outputs.items()))
     fs.makedirs(base, exist_ok=True)
-    written = _write_safetensors_files(fs, base, ADAPTER_WEIGHTS, plan.outputs, GroupStream(plan, _whole(stored, metas)),
+    written = write_safetensors_files(fs, base, ADAPTER_WEIGHTS, plan.outputs, GroupStream(plan, _whole(stored, metas)),
                                        ONE_FILE, progress)
     stored.check_partial_reads()
     recorded_base = stored.metadata.get("lora_base") or {}
@@ -152,7 +152,7 @@ def export_merged(checkpoint_url: str, directory: str, dtype: str | None = None,
                           float(lora["alpha"]) / int(lora["rank"]), out_dtype)
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for name, meta in outputs.items()))
     fs.makedirs(base, exist_ok=True)
-    written = _write_safetensors_files(fs, base, WEIGHTS, outputs, stream, max_shard_bytes, progress)
+    written = write_safetensors_files(fs, base, WEIGHTS, outputs, stream, max_shard_bytes, progress)
     stored.check_partial_reads()
     adapters.check_partial_reads()
     written += write_model_files(fs, base, directory, model, stored.metadata, out_dtype, log)

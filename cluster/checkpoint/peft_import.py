@@ -26,7 +26,7 @@ import torch
 from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.digest import weights_digest
-from rayshard.cluster.checkpoint.hf_interop import (CONFIG, MOMENTS, RUN_METADATA, GroupStream, _reader,
+from rayshard.cluster.checkpoint.hf_interop import (CONFIG, MOMENTS, RUN_METADATA, GroupStream, tensor_reader,
                                                     read_json_object, read_safetensors_index)
 from rayshard.cluster.progress import advance, set_total
 from rayshard.plans.checkpoint.chunks import PARAM
@@ -94,7 +94,7 @@ def _import_holding_the_lease(directory, store, run, base_url, log, progress) ->
     _refuse_other_shapes(shapes, plan.outputs, lora, directory, base_url)
     digest = weights_digest(base_url)
     _refuse_another_recorded_base(fs, f"{path}/{RUN_METADATA}", digest, base_url)
-    stream = GroupStream(plan, _reader(fs, path, tensors))
+    stream = GroupStream(plan, tensor_reader(fs, path, tensors))
     dtype = getattr(torch, ADAPTER_DTYPE)
     pieces = [(name, PARAM, lambda n=name: stream.take(n)) for name in stream.order()]
     pieces += [(name, kind, lambda s=shape: torch.zeros(s, dtype=dtype)) for kind in MOMENTS for name, shape in shapes.items()]
