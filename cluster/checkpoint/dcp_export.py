@@ -112,6 +112,9 @@ def export_dcp(checkpoint_url: str, directory: str, workers: int = 1, band_bytes
     out = out.rstrip("/")
     _refuse_non_empty(fs, out, directory)
     chunks, manifest_metadata = read_manifest(checkpoint_url)
+    if manifest_metadata.get("lora"):  # adapters only: torchtitan's Llama has no place for them
+        raise CheckpointError(f"{checkpoint_url}: is a LoRA run's checkpoint, which holds its adapters, not a model. Fix: "
+                              "export the adapters with --format peft, or the model with them merged with --format hf --merge")
     as_saved = description is None and is_api_checkpoint(manifest_metadata)
     if as_saved:
         stored = StoredCheckpoint(checkpoint_url, chunks, manifest_metadata, keys_checked=True)

@@ -20,7 +20,7 @@ import torch
 
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.progress import advance, set_total
-from rayshard.plans.checkpoint.chunks import STATE_KINDS, Chunk
+from rayshard.plans.checkpoint.chunks import PARAM, STATE_KINDS, Chunk
 from rayshard.plans.checkpoint.reshard import TableTensor
 
 BLOCK_BYTES = 64 * 2**20
@@ -124,6 +124,21 @@ def digest_checkpoint(url_or_stored: str | StoredCheckpoint, block_bytes: int = 
             advance(progress, block.numel() * block.element_size())
         digests.append(TensorDigest(name, kind, first.dtype, first.global_shape, "sha256:" + hasher.hexdigest()))
     return digests
+
+
+def weights_digest(url: str) -> str:
+    """The layout-free digest of a checkpoint's parameters, its moments left out: how a LoRA
+    checkpoint names the base its adapters were trained on (decision 125)."""
+    stored = StoredCheckpoint(url)
+    digests = []
+    for (name, kind), first in _tensors(stored).items():
+        if kind != PARAM:
+            continue
+        hasher = hashlib.sha256()
+        for block in stream_tensor(stored, name, kind):
+            hasher.update(_bytes(block))
+        digests.append(TensorDigest(name, kind, first.dtype, first.global_shape, "sha256:" + hasher.hexdigest()))
+    return checkpoint_digest(digests)
 
 
 def stored_bytes(stored: StoredCheckpoint) -> int:

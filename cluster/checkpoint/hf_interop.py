@@ -77,7 +77,7 @@ class GroupStream:
         return self.ready.pop(name)
 
 
-def _write_safetensors_files(fs, directory: str, prefix: str, outputs: dict[str, Meta], stream: GroupStream,
+def write_safetensors_files(fs, directory: str, prefix: str, outputs: dict[str, Meta], stream: GroupStream,
                              max_shard_bytes: int, progress=None) -> list[str]:
     """Write outputs in stream order into one file, or shards plus a Hugging Face index."""
     files: list[list[str]] = [[]]
@@ -124,18 +124,12 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     description: the model a `rayshard.checkpoint` checkpoint holds, and its naming
     (`described_source.py`); else the one it recorded at save."""
     started = time.perf_counter()
-    fs, base = fsspec.core.url_to_fs(directory) if directory.strip() else (None, "")
-    if fs is None:
-        raise CheckpointError("export --out is empty. Fix: name a new directory, e.g. --out ./hf-export")
-    present = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(base, detail=False)) if fs.isdir(base) else []
-    if present:
-        # Stale shards or an old index beside the new files would be read back by `ckpt import`
-        # (or transformers) as part of this export.
-        raise CheckpointError(f"{directory}: already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
-                              "an export into it would mix with those files. Fix: export to a new or empty directory, "
-                              "or remove it first")
+    fs, base = empty_export_directory(directory)
     stored = open_source(checkpoint_url, description)
     model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
+    if stored.metadata.get("lora"):  # the adapters alone: no Hugging Face model's weights
+        raise CheckpointError(f"{checkpoint_url}: is a LoRA run's checkpoint, which holds its adapters, not a model. Fix: "
+                              "export the adapters with --format peft, or the model with them merged with --format hf --merge")
     stored_kinds = {kind for _, kind in stored.index}
     kinds = [PARAM] + ([k for k in MOMENTS if k in stored_kinds] if include_optimizer else [])
     plans = []
@@ -156,12 +150,37 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         stream = GroupStream(plan, lambda name, kind=kind, metas=metas: stored.read_region(
             name, kind, (0,) * len(metas[name].shape), metas[name].shape))
         prefix = WEIGHTS if kind == PARAM else f"{OPTIMIZER_DIR}/{kind}"
-        written += _write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
+        written += write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
     stored.check_partial_reads()  # none today (whole tensors read whole chunks); any part would be checked here
     out_dtype = dtype or next(iter(stored.chunks)).dtype
-    tokenizer_url = tokenizer_url_of(stored.metadata)  # the run's tokenizer travels with its weights
+    written += write_model_files(fs, base, directory, model, stored.metadata, out_dtype, log)
+    fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
+                                                       "weights_dtype": out_dtype}, indent=2, default=str).encode())
+    result = ExportResult(directory, written, sum(1 for _ in stored.tensors()), time.perf_counter() - started)
+    log(f"exported {checkpoint_url} to {directory}: {len(written)} safetensors file(s) in {result.seconds:.1f}s")
+    return result
+
+
+def empty_export_directory(directory: str):
+    """(fs, path) of an export's --out, refused when it names nothing or already holds files."""
+    fs, base = fsspec.core.url_to_fs(directory) if directory.strip() else (None, "")
+    if fs is None:
+        raise CheckpointError("export --out is empty. Fix: name a new directory, e.g. --out ./hf-export")
+    present = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(base, detail=False)) if fs.isdir(base) else []
+    if present:
+        # Stale shards or an old index beside the new files would be read back by `ckpt import`
+        # (or transformers) as part of this export.
+        raise CheckpointError(f"{directory}: already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
+                              "an export into it would mix with those files. Fix: export to a new or empty directory, "
+                              "or remove it first")
+    return fs, base
+
+
+def write_model_files(fs, base: str, directory: str, model: ModelConfig, metadata: dict, out_dtype: str, log) -> list[str]:
+    """Beside the weights: the run's tokenizer (it travels with its weights), config.json and
+    generation_config.json. Returns the tokenizer files copied."""
+    tokenizer_url = tokenizer_url_of(metadata)
     copied = copy_tokenizer_files(tokenizer_url, directory) if tokenizer_url else []
-    written += copied
     config = export_config(model, out_dtype)
     # The ids generate() stops at: the model's own (imported with it), else its tokenizer's; a
     # user plan's config.json keeps any it names.
@@ -172,11 +191,7 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
     generation = {key: config[key] for key in GENERATION_FIELDS if config.get(key) is not None}
     if generation:
         fs.pipe_file(f"{base}/{GENERATION_CONFIG}", json.dumps(generation, indent=2).encode())
-    fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
-                                                       "weights_dtype": out_dtype}, indent=2, default=str).encode())
-    result = ExportResult(directory, written, sum(1 for _ in stored.tensors()), time.perf_counter() - started)
-    log(f"exported {checkpoint_url} to {directory}: {len(written)} safetensors file(s) in {result.seconds:.1f}s")
-    return result
+    return copied
 
 
 def _tokenizer_special_tokens(directory: str, log) -> SpecialTokens | None:
@@ -279,7 +294,7 @@ def read_json_object(fs, path: str) -> dict:
     return document
 
 
-def _reader(fs, base: str, tensors: dict[str, StoredTensor]):
+def tensor_reader(fs, base: str, tensors: dict[str, StoredTensor]):
     def load(name: str) -> torch.Tensor:
         entry = tensors[name]
         data = fs.cat_file(f"{base}/{entry.file}", start=entry.start, end=entry.end)
@@ -331,7 +346,7 @@ def _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, pro
         found = {(name, kind): (meta.shape, meta.dtype) for name, meta in plan.outputs.items()}
         raise_if_mismatched(expected, found, set(expected), f"{directory} ({kind})",
                             fix="import a directory whose config.json matches its weights")
-        streams[kind] = (GroupStream(plan, _reader(fs, base, tensors)), plan)
+        streams[kind] = (GroupStream(plan, tensor_reader(fs, base, tensors)), plan)
     step = (saved.get("metadata") or {}).get("step", 0)
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{base}/{RUN_METADATA}: its step {step!r} is not a whole number. Fix: restore the file, "

@@ -80,14 +80,22 @@ def register(commands: argparse._SubParsersAction) -> None:
     progress.add_arguments(diff)
     diff.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_diff")
 
-    export = group.add_parser("export", help="write a Hugging Face directory (config.json + safetensors), or a torch DCP one",
-                              description="--format hf (default): config.json + safetensors of the model's family. "
-                                          "--format dcp: a torch.distributed.checkpoint directory of torchtitan's Llama "
-                                          "(weights, AdamW moments and step), which dcp.load reads on any world size.")
+    export = group.add_parser("export", help="write a Hugging Face directory (config.json + safetensors), a PEFT adapter "
+                                             "or a torch DCP directory",
+                              description="--format hf (default): config.json + safetensors of the model's family; of a "
+                                          "LoRA run's checkpoint with --merge: its base with the adapters merged in (in "
+                                          "float32). --format peft: a LoRA run's adapters as adapter_model.safetensors + "
+                                          "adapter_config.json, which peft.PeftModel.from_pretrained loads onto the base's "
+                                          "Hugging Face directory. --format dcp: a torch.distributed.checkpoint directory of "
+                                          "torchtitan's Llama (weights, AdamW moments and step), which dcp.load reads on any "
+                                          "world size.")
     add_checkpoint_argument(export)
-    export.add_argument("--format", choices=["hf", "dcp"], default="hf")
+    export.add_argument("--format", choices=["hf", "peft", "dcp"], default="hf")
     export.add_argument("--out", required=True, metavar="DIR")
-    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="hf: weights dtype (default: as stored)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="hf, peft: weights dtype (default: as stored)")
+    export.add_argument("--merge", action="store_true",
+                        help="hf: a LoRA run's checkpoint as its base with W + (alpha/r) B A for each adapted projection")
     export.add_argument("--max-shard-mib", type=POSITIVE, metavar="M",
                         help="hf: split into model-0000i-of-0000n.safetensors + index past M MiB (default 2048)")
     export.add_argument("--no-optimizer", action="store_true", help="hf: leave out the optimizer moments (rayshard-optimizer/)")
@@ -106,13 +114,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     generate.set_defaults(run_command="rayshard.cluster.cli.commands.ckpt:run_generate")
 
     importer = group.add_parser("import", help="make a checkpoint (RUN@STEP) from a Hugging Face directory (Llama, Qwen2/3, "
-                                               "Mistral, Qwen2/3-MoE) or a torch DCP one (torchtitan's Llama)",
-                                description="--format hf (default): a Hugging Face model directory. --format dcp: a "
+                                               "Mistral, Qwen2/3-MoE), a PEFT LoRA adapter or a torch DCP directory "
+                                               "(torchtitan's Llama)",
+                                description="--format hf (default): a Hugging Face model directory. --format peft: a PEFT "
+                                            "LoRA adapter directory onto the base checkpoint --base, as a LoRA run's "
+                                            "checkpoint at step 0 that `rayshard train --resume` continues. --format dcp: a "
                                             "torch.distributed.checkpoint directory of torchtitan's Llama (weights, AdamW "
                                             "moments and step); DCP records no model configuration, so give it with "
                                             "exactly one of --hf-config, --model or --config.")
     importer.add_argument("directory", metavar="DIR")
-    importer.add_argument("--format", choices=["hf", "dcp"], default="hf")
+    importer.add_argument("--format", choices=["hf", "peft", "dcp"], default="hf")
+    importer.add_argument("--base", type=checkpoint_ref, metavar="CKPT",
+                          help="peft: the checkpoint holding the adapter's base weights (RUN[@STEP] within --store, or URL)")
     importer.add_argument("--run", type=run_name, required=True, metavar="NAME")
     importer.add_argument("--store", default="./runs", metavar="URL")
     importer.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="training dtype (default float32)")

@@ -12,13 +12,10 @@ driver streams the base's weights once per start or resume to compute it.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass, replace
 
-from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.catalog.store import Store
-from rayshard.cluster.checkpoint.digest import TensorDigest, _bytes, _tensors, checkpoint_digest, stream_tensor
-from rayshard.plans.checkpoint.chunks import PARAM
+from rayshard.cluster.checkpoint.digest import weights_digest
 from rayshard.plans.config import LoraConfig, TrainConfig
 from rayshard.plans.errors import CheckpointError, ConfigError
 
@@ -44,16 +41,7 @@ class LoraBase:
 
 def base_digest(url: str) -> str:
     """The layout-free digest of a checkpoint's parameters (its moments left out)."""
-    stored = StoredCheckpoint(url)
-    digests = []
-    for (name, kind), first in _tensors(stored).items():
-        if kind != PARAM:
-            continue
-        hasher = hashlib.sha256()
-        for block in stream_tensor(stored, name, kind):
-            hasher.update(_bytes(block))
-        digests.append(TensorDigest(name, kind, first.dtype, first.global_shape, "sha256:" + hasher.hexdigest()))
-    return checkpoint_digest(digests)
+    return weights_digest(url)
 
 
 def with_resumed_lora(config: TrainConfig, metadata: dict | None) -> TrainConfig:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import fsspec
@@ -15,11 +16,14 @@ from rayshard.cluster.checkpoint.dcp_export import export_dcp
 from rayshard.cluster.checkpoint.described_source import MappedCheckpoint, is_api_checkpoint, open_source
 from rayshard.cluster.checkpoint.dcp_import import import_dcp
 from rayshard.cluster.checkpoint.hf_interop import DEFAULT_SHARD_BYTES, export_hf, import_hf, read_json_object
+from rayshard.cluster.checkpoint.lora_export import export_merged, export_peft
+from rayshard.cluster.checkpoint.peft_import import import_peft
 from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint, target_partition
 from rayshard.cluster.checkpoint.reshard_report import build_plan, format_plan
 from rayshard.cluster.cli.commands.checkpoint_refs import reading, resolve_checkpoint
 from rayshard.cluster.pictures.resume_plot import plot_resume
 from rayshard.cluster.progress import byte_bar
+from rayshard.cluster.catalog import leases
 from rayshard.cluster.catalog.store import Store, refuse_credentials
 from rayshard.cluster.cli.config_file import read_config_file
 from rayshard.plans.config import TrainConfig
@@ -29,8 +33,10 @@ from rayshard.plans.interop.hf_families import model_config_from_hf
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.model_spec import ModelConfig, preset
 
-HF_ONLY_EXPORT = (("dtype", "--dtype"), ("max_shard_mib", "--max-shard-mib"), ("no_optimizer", "--no-optimizer"))
+HF_ONLY_EXPORT = (("merge", "--merge"), ("max_shard_mib", "--max-shard-mib"), ("no_optimizer", "--no-optimizer"))
 DCP_ONLY_EXPORT = (("workers", "--workers"),)
+NOT_FOR_EXPORT = {"hf": DCP_ONLY_EXPORT, "peft": HF_ONLY_EXPORT + DCP_ONLY_EXPORT,
+                  "dcp": (("dtype", "--dtype"),) + HF_ONLY_EXPORT}
 DCP_MODEL_SOURCES = (("hf_config", "--hf-config"), ("model", "--model"), ("config", "--config"))
 
 
@@ -105,17 +111,43 @@ def _refuse_options(args: argparse.Namespace, options, fmt: str) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    _refuse_options(args, DCP_ONLY_EXPORT if args.format == "hf" else HF_ONLY_EXPORT, args.format)
+    _refuse_options(args, NOT_FOR_EXPORT[args.format], args.format)
+    if args.merge and args.no_optimizer:
+        raise ConfigError("--no-optimizer", True, "does not apply to --merge, whose export holds no optimizer moments (they "
+                          "are the adapters', not the merged model's)", "leave --no-optimizer out")
     refuse_credentials(args.out, "--out")  # it is written into the export (DCP's .metadata names it)
     description = model_description(args)
-    with reading(args) as (_, [ref]), byte_bar(args, "export") as bar:
+    if description is not None and (args.format == "peft" or args.merge):
+        raise ConfigError("--hf-config/--model/--config", description.source, "describes a rayshard.checkpoint checkpoint's "
+                          "model, and a LoRA run's checkpoint records its own", "leave them out")
+    with reading(args) as (store, [ref]), byte_bar(args, "export") as bar:
         if args.format == "dcp":
             export_dcp(ref.url, args.out, workers=args.workers or 1, log=bar.write, progress=bar, description=description)
             return 0
+        if args.format == "peft":
+            export_peft(ref.url, args.out, dtype=args.dtype, log=bar.write, progress=bar)
+            return 0
         max_shard_bytes = int(args.max_shard_mib * 2**20) if args.max_shard_mib else DEFAULT_SHARD_BYTES
+        if args.merge:
+            with _reading_the_base(store, ref.url):
+                export_merged(ref.url, args.out, dtype=args.dtype, max_shard_bytes=max_shard_bytes, log=bar.write,
+                              progress=bar)
+            return 0
         export_hf(ref.url, args.out, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
                   include_optimizer=not args.no_optimizer, log=bar.write, progress=bar, description=description)
     return 0
+
+
+@contextlib.contextmanager
+def _reading_the_base(store: Store, checkpoint_url: str):
+    """A reader lease on the base a LoRA checkpoint names, while a merge reads it (none needed
+    when it names none: the export refuses it)."""
+    base_url = (read_manifest(checkpoint_url)[1].get("lora_base") or {}).get("url")
+    if base_url is None:
+        yield
+        return
+    with leases.reading(store, store.resolve(base_url)):
+        yield
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -129,15 +161,32 @@ def run_import(args: argparse.Namespace) -> int:
     refuse_credentials(args.directory, "DIRECTORY")
     if getattr(args, "hf_config", None):
         refuse_credentials(args.hf_config, "--hf-config")
+    if args.format != "peft":
+        _refuse_options(args, (("base", "--base"),), args.format)
     if args.format == "hf":
         _refuse_options(args, DCP_MODEL_SOURCES, "hf")
         with byte_bar(args, "import") as bar:
             import_hf(args.directory, Store(args.store), args.run, dtype=args.dtype, log=bar.write, progress=bar)
         return 0
+    if args.format == "peft":
+        return _import_peft(args)
     model, source, preset_name = dcp_model(args)
     with byte_bar(args, "import") as bar:
         import_dcp(args.directory, Store(args.store), args.run, model, source, dtype=args.dtype, model_preset=preset_name,
                    log=bar.write, progress=bar)
+    return 0
+
+
+def _import_peft(args: argparse.Namespace) -> int:
+    _refuse_options(args, DCP_MODEL_SOURCES, "peft")
+    if args.base is None:
+        raise ConfigError("--base", None, "--format peft needs the checkpoint holding the adapter's base weights",
+                          "add --base RUN[@STEP] (e.g. the run `ckpt import --format hf` made of the base's directory)")
+    if args.dtype != "float32":
+        raise ConfigError("--dtype", args.dtype, "does not apply to --format peft: adapters train in float32 whatever the "
+                          "run's precision", "leave --dtype out")
+    with reading(args, "base") as (store, [base]), byte_bar(args, "import") as bar:
+        import_peft(args.directory, Store(args.store), args.run, base.url, log=bar.write, progress=bar)
     return 0
 
 
