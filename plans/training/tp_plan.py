@@ -73,6 +73,9 @@ _TO_SEQUENCE = {ROWWISE: ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING: VOCAB_EMBEDDING_T
 SEQUENCE_PARALLEL_ADDITIONS: dict[str, str] = {
     "layers.*.attention_norm": SEQUENCE_PARALLEL,
     "layers.*.ffn_norm": SEQUENCE_PARALLEL,
+    # Gemma's post-sublayer norms (ModelConfig.post_norms): on the row-parallel outputs' sequence shards.
+    "layers.*.post_attention_norm": SEQUENCE_PARALLEL,
+    "layers.*.post_ffn_norm": SEQUENCE_PARALLEL,
     "norm": SEQUENCE_PARALLEL,
     "layers.*.attention": GATHER_SEQUENCE,
     "layers.*.feed_forward": GATHER_SEQUENCE,
