@@ -49,7 +49,8 @@ import math
 from rayshard.plans.transforms.codec import decode_mapping
 from rayshard.plans.transforms.mapping import Alias, Cast, ConcatRows, Mapping, Rename, SplitRows, Unstack
 from rayshard.plans.errors import CheckpointError, ConfigError
-from rayshard.plans.interop.hf_gemma import GEMMA_ARCHITECTURES, GEMMA_MODEL_TYPES, gemma_config, gemma_mapping, gemma_model_fields
+from rayshard.plans.interop.hf_gemma import (GEMMA_ARCHITECTURES, GEMMA_MODEL_TYPES, gemma3_text_name, gemma_config,
+                                             gemma_mapping, gemma_model_fields, text_config_of)
 from rayshard.plans.interop.hf_gpt2 import gpt2_config, gpt2_hub_name, gpt2_mapping, gpt2_model_fields
 from rayshard.plans.interop.hf_rope import rope_from_hf
 from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
@@ -63,10 +64,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 SLIDING_WINDOW_FAMILIES = ("mistral", "phi3", "mixtral")
 # Hub families rayshard does not compute, each with what its class computes that ours does not:
 # named in the refusal so the user knows whether it is a missing family or a missing feature.
-NOT_COMPUTED = {
-    "gemma3": "Gemma3ForConditionalGeneration's vision tower and projector (its text model alone is family gemma3: "
-              "save model.language_model as Gemma3ForCausalLM with transformers, and import that directory)",
-}
+NOT_COMPUTED: dict[str, str] = {}
 
 
 def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
@@ -221,10 +219,13 @@ def refuse_unexportable_moe(model: ModelConfig) -> None:
 def hub_names(model: ModelConfig, tensors: dict) -> dict:
     """A directory's tensors under the names today's save_pretrained writes, without the buffers
     older files carry (GPT-2's Hub files: no `transformer.` prefix, the causal masks `attn.bias`).
-    Other families' names are taken as they are."""
-    if model.family != "gpt2":
+    A Gemma3ForConditionalGeneration file's text model is taken under Gemma3ForCausalLM's names,
+    its vision tower and projector left out (`import_hf` says so). Other families' names are taken
+    as they are."""
+    rename = {"gpt2": gpt2_hub_name, "gemma3": gemma3_text_name}.get(model.family)
+    if rename is None:
         return tensors
-    return {hub: tensor for name, tensor in tensors.items() if (hub := gpt2_hub_name(name)) is not None}
+    return {hub: tensor for name, tensor in tensors.items() if (hub := rename(name)) is not None}
 
 
 def export_mapping(model: ModelConfig, dtype: str | None = None, source_dtype: str = "float32") -> Mapping:
@@ -316,6 +317,8 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
 def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     """Our ModelConfig from a config.json of a family we compute; refuses what we would approximate."""
     model_type = config.get("model_type")
+    if model_type == "gemma3":  # Gemma3ForConditionalGeneration: its text model (plans/interop/hf_gemma.py)
+        config, model_type = text_config_of(config, where), "gemma3_text"
     if model_type in NOT_COMPUTED:
         raise CheckpointError(f"{where}: model_type {model_type!r} is not one rayshard computes yet: it would need "
                               f"{NOT_COMPUTED[model_type]}; supported: {', '.join(sorted(ARCHITECTURES))}")

@@ -25,6 +25,7 @@ embeddings, Gemma 2's caps 50 (attention) and 30 (logits), Gemma 3's bases 1e6 (
 from __future__ import annotations
 
 import math
+import re
 
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.interop.hf_rope import rope_from_hf
@@ -38,6 +39,12 @@ EXPORTED_MODEL_TYPE = {"gemma2": "gemma2", "gemma3": "gemma3_text"}
 ACTIVATION = "gelu_pytorch_tanh"  # what transformers' Gemma classes compute by default; the only one taken
 _NORMS = (("attention_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
           ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffn_norm", "post_feedforward_layernorm"))
+# Gemma3ForConditionalGeneration's tensors: its text model's under `model.language_model.`
+# (transformers 5; 4.x wrote `language_model.model.` and `language_model.lm_head.`), beside the
+# vision tower and the projector, which the text model leaves out.
+_TEXT_PART = ((re.compile(r"(model\.language_model|language_model\.model)\."), "model."),
+              (re.compile(r"language_model\.lm_head\."), "lm_head."))
+_VISION_PART = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\.")
 _DEFAULTS = {
     "gemma2": dict(rope_theta=10000.0, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                    max_position_embeddings=8192, pattern=2),
@@ -132,6 +139,31 @@ def gemma_config(model: ModelConfig, dtype: str) -> dict:
     if model.special_tokens is not None:
         config.update(model.special_tokens.hf_fields())
     return config
+
+
+def text_config_of(config: dict, where: str) -> dict:
+    """A Gemma3ForConditionalGeneration config.json's text model, as Gemma3ForCausalLM's config.json
+    would say it (model_type gemma3_text; the tie and the special ids where only the outer config
+    names them; no final soft-capping, which the multimodal class does not apply)."""
+    text = config.get("text_config") or {}
+    if not isinstance(text, dict) or text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise CheckpointError(f"{where}: text_config={text!r} is not a Gemma 3 text model's config. Fix: restore the file")
+    inherited = {key: config[key] for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+                 if key in config and key not in text}
+    # Gemma3ForConditionalGeneration's head never soft-caps (transformers 5.24), whatever its
+    # text_config says; Gemma3ForCausalLM's does: the text model is imported as the whole computed it.
+    return {**inherited, **text, "model_type": "gemma3_text", "final_logit_softcapping": None}
+
+
+def gemma3_text_name(name: str) -> str | None:
+    """A Gemma 3 tensor under Gemma3ForCausalLM's name: a ConditionalGeneration file's text model
+    renamed, its vision tower and projector None (left out); a text model's name as it is."""
+    if _VISION_PART.match(name):
+        return None
+    for pattern, replacement in _TEXT_PART:
+        if pattern.match(name):
+            return pattern.sub(replacement, name, count=1)
+    return name
 
 
 def gemma_model_fields(config: dict, family: str, where: str) -> dict:

@@ -143,7 +143,7 @@ def test_a_gemma3_config_in_transformers_4_spelling_imports_as_transformers_read
      "rope_parameters.sliding_attention.rope_type='linear'"),
     ("gemma2", {"query_pre_attn_scalar": -1}, "query_pre_attn_scalar=-1"),
     ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "layer_types="),
-    ("gemma2", {"model_type": "gemma3"}, "model_type 'gemma3' is not one rayshard computes yet"),
+    ("gemma2", {"model_type": "gemma3", "text_config": {"model_type": "gemma2"}}, "text_config=.* is not a Gemma 3 text"),
 ])
 def test_a_gemma_config_rayshard_would_compute_otherwise_is_refused_in_one_line(tmp_path, family, change, field):
     gemma_model(family, tied=True).save_pretrained(str(tmp_path / "hf"))
@@ -197,3 +197,38 @@ def test_gemma_switches_on_a_llama_are_not_exported_as_llama_and_bad_values_are_
         preset("tiny", sliding_window=8, layer_types=("sliding_attention",))
     with pytest.raises(ConfigError, match="model.attn_softcap"):
         preset("tiny", attn_softcap=0.0)
+
+
+def test_a_gemma3_conditional_generation_directory_imports_its_text_model(tmp_path):
+    """Gemma 3 4B and up are Gemma3ForConditionalGeneration: the text model is imported (its
+    logits on text are the whole model's), the vision tower and projector are left out and said
+    so, and the export is a Gemma3ForCausalLM. transformers 5.24 saves it under 4.x's names
+    (`language_model.model.`)."""
+    text = {key: value for key, value in {**SIZES, **FAMILIES["gemma3"][2]}.items()}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(4)
+    whole = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, attn_implementation="eager"))
+    with torch.no_grad():
+        for param in whole.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    whole.save_pretrained(str(tmp_path / "hf"))
+    # What the directory holds (the in-memory head is not yet tied to the embedding it is saved as).
+    whole = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
+                                                                        attn_implementation="eager").eval()
+    said = []
+    url = import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "imported", log=said.append)
+    assert any("vision tower and projector" in line for line in said), said
+    config, ours = ours_from(url)
+    # text_config's final_logit_softcapping (4.0) is not applied by the multimodal class, nor by the import.
+    assert (config.family, config.tie_embeddings, config.rope_local_theta, config.logit_softcap) == ("gemma3", True, 1e4, None)
+    tokens = _tokens(9)
+    with torch.no_grad():
+        theirs = whole(input_ids=tokens).logits
+        assert (ours(tokens) - theirs).abs().max().item() <= 1e-5
+    export_hf(url, str(tmp_path / "text"), include_optimizer=False, log=lambda *_: None)
+    loaded = transformers.Gemma3ForCausalLM.from_pretrained(str(tmp_path / "text"), dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert (loaded(tokens).logits - theirs).abs().max().item() <= 1e-5
