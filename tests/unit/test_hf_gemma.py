@@ -232,3 +232,23 @@ def test_a_gemma3_conditional_generation_directory_imports_its_text_model(tmp_pa
                                                             attn_implementation="eager").eval()
     with torch.no_grad():
         assert (loaded(tokens).logits - theirs).abs().max().item() <= 1e-5
+
+
+def test_the_embedding_scale_is_rounded_to_the_embeddings_dtype_as_transformers_rounds_it():
+    """sqrt(3072) = 55.43 is 55.5 in bf16: a bf16 Gemma's embedding is scaled by 55.5, as
+    Gemma2TextScaledWordEmbedding scales it."""
+    from rayshard.actors.model.transformer import embedding_scale
+
+    assert embedding_scale(3072, torch.bfloat16) == 55.5 and embedding_scale(3072, torch.float32) == pytest.approx(55.4256, 1e-6)
+    theirs = transformers.models.gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding(7, 3072, 0, embed_scale=3072 ** 0.5)
+    theirs = theirs.to(torch.bfloat16)
+    tokens = torch.arange(7)
+    ours = torch.nn.functional.embedding(tokens, theirs.weight) * embedding_scale(3072, torch.bfloat16)
+    assert torch.equal(ours, theirs(tokens))
+
+
+def test_a_gemma_model_has_no_torchtitan_form():
+    from rayshard.plans.interop.torchtitan import torchtitan_mapping
+
+    with pytest.raises(CheckpointError, match="torchtitan's Llama has no place for Gemma's"):
+        torchtitan_mapping(preset("tiny", post_norms=True, norm="rmsnorm"))
