@@ -114,3 +114,21 @@ def test_an_imported_gemma_follows_one_rank_on_dp2_tp2_and_pp2_and_exports_back(
             origin = (0,) * len(shape)
             assert torch.equal(trained.read_region(name, kind, origin, shape),
                                reimported.read_region(name, kind, origin, shape)), (kind, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, layout", [
+    ("gemma3", ("--dp", "1", "--fsdp", "2", "--tp", "2", "--sp")),
+    ("gemma2", ("--dp", "1", "--tp", "2", "--pp", "2", "--microbatches", "2", "--sp")),
+], ids=["gemma3-fsdp2xtp2-sp", "gemma2-tp2xpp2-sp"])
+def test_an_imported_gemma_follows_one_rank_on_fsdp_and_tp_with_pp(run_training, tmp_path, family, layout):
+    """FSDP2 shards the (1 + weight) norms and GeGLU over tp; a pipeline's stages meet sp's
+    post-sublayer norms; then a resume of the run on dp2 x tp2 continues it."""
+    gemma_model(family, tied=True).save_pretrained(str(tmp_path / "hf"))
+    store = str(tmp_path / "store")
+    import_hf(str(tmp_path / "hf"), Store(store), "imported", log=lambda *_: None)
+    one = run_training(_config(store, "one", "imported@0", 10, "--dp", "1", "--tp", "1"))
+    other = run_training(_config(store, "other", "imported@0", 10, *layout))
+    _follows(other, one, range(1, 11))
+    resumed = run_training(_config(store, "resumed", "other@5", 10, "--dp", "2", "--tp", "2"))
+    _follows(resumed, one, range(6, 11))
