@@ -252,3 +252,23 @@ def test_a_gemma_model_has_no_torchtitan_form():
 
     with pytest.raises(CheckpointError, match="torchtitan's Llama has no place for Gemma's"):
         torchtitan_mapping(preset("tiny", post_norms=True, norm="rmsnorm"))
+
+
+def test_lora_on_the_geglu_keeps_its_activation():
+    """With gate or up adapted, LoRA computes the gated product itself: for Gemma with GELU, so at
+    B = 0 the adapted model is the base exactly."""
+    from rayshard.actors.model.lora import apply_lora
+    from rayshard.plans.config.lora import LoraConfig
+
+    config = preset("tiny", family="gemma2", norm="rmsnorm_plus_one", mlp="geglu_tanh", post_norms=True,
+                    embedding_scale=True)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(tokens)
+        apply_lora(model, config, LoraConfig(rank=4, targets="gate,up"))
+        for name, param in model.named_parameters():  # as a run starts them: A random, B zero
+            if name.endswith((".a", ".b")):
+                param.normal_() if name.endswith(".a") else param.zero_()
+        assert torch.equal(model(tokens), base)
