@@ -1,6 +1,6 @@
 """Hugging Face model families: our parameter names <-> theirs, and our ModelConfig <-> config.json.
 
-One decoder (`plans/training/model_spec.py`) expresses nine families; each differs from Llama by
+One decoder (`plans/training/model_spec.py`) expresses eleven families; each differs from Llama by
 what transformers' class computes:
 
 - llama (`LlamaForCausalLM`): the base.
@@ -24,6 +24,10 @@ what transformers' class computes:
   shared expert, routed by softmax top-k with the k weights always renormalised (our norm_topk);
   experts live in `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down), each expert
   `intermediate_size` wide.
+- gemma2 (`Gemma2ForCausalLM`), gemma3 (`Gemma3ForCausalLM`, model_type gemma3_text; and the text
+  model of a `Gemma3ForConditionalGeneration` directory): the decoder's Gemma switches ((1 + weight)
+  norms before and after each sublayer, scaled embedding, GeGLU, soft-capping, per-layer sliding
+  windows, local/global RoPE), Llama's tensors with Gemma's norm names (`plans/interop/hf_gemma.py`).
 
 Experts are written in the Hub's per-expert form (`mlp.experts.{e}.gate_proj.weight` [F, D],
 `up_proj`, `down_proj` [D, F]): what `save_pretrained` of transformers 5.24 writes, what its

@@ -42,7 +42,8 @@ USER_FAMILY = "user"  # a model built by the user's factory (`--model-factory`);
 class ModelConfig:
     """One decoder with the features of the families it can express (Hugging Face's names):
     llama: the base; qwen2: q/k/v biases; qwen3: per-head RMSNorm of q and k, an explicit head
-    size; mistral: sliding-window attention. `family` names which Hugging Face class exports it."""
+    size; mistral: sliding-window attention; gpt2 and gemma2 / gemma3: the switches below.
+    `family` names which Hugging Face class exports it."""
 
     vocab_size: int = 256
     dim: int = 64
