@@ -3,9 +3,10 @@ over 2 kv heads of 24, vocabulary 1001, window 8 under 32-token sequences, soft-
 RoPE) imported and trained on layouts that cut every Gemma switch: tp splits the GeGLU's gate_up by
 hidden unit and Gemma 3's q/k norms see some heads, sequence parallelism runs the four (1 + weight)
 norms of each layer on sequence shards (Gemma 2), a pipeline puts the scaled embedding on the first
-stage and the capped, tied head on the last. Each follows one rank within 1e-5 over 10 steps; the
-trained export computes our logits in transformers (eager attention) and its loss is ours within
-1e-6 relative; the export with its AdamW moments imports back to the very same checkpoint."""
+stage and the capped, tied head on the last. rayshard's first loss is transformers' on the same
+batch (1e-6 relative); each layout follows one rank within 1e-5 over 10 steps; the trained export
+computes our logits in transformers (eager attention) and reproduces the run's next (11th) loss
+within 1e-6 relative; the export with its AdamW moments imports back to the very same checkpoint."""
 from __future__ import annotations
 
 import pytest
@@ -80,6 +81,17 @@ def test_gemma_norms_on_sequence_shards_give_tp_without_sp_gradients():
         torch.testing.assert_close(sequence[1][name], gradient, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def _loss_on_rayshards_batch(model, config, step: int) -> float:
+    """transformers' loss on the global batch rayshard trains on at `step` (counted from 1)."""
+    from rayshard.actors.training.data import global_batch, load_corpus
+
+    corpus = load_corpus(config.data.source, config.data.max_bytes)
+    inputs, targets = global_batch(corpus, config.seed, step - 1, config.global_batch, config.seq_len)
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, sp", [("gemma2", ("--sp",)), ("gemma3", ())], ids=["gemma2-sp", "gemma3"])
 def test_an_imported_gemma_follows_one_rank_on_dp2_tp2_and_pp2_and_exports_back(run_training, tmp_path, family, sp):
@@ -87,8 +99,12 @@ def test_an_imported_gemma_follows_one_rank_on_dp2_tp2_and_pp2_and_exports_back(
     store = str(tmp_path / "store")
     import_hf(str(tmp_path / "hf"), Store(store), "imported", log=lambda *_: None)
 
-    one = run_training(_config(store, "one", "imported@0", 10, "--dp", "1", "--tp", "1"))  # (the default is dp2 x tp2)
+    first = _config(store, "one", "imported@0", 10, "--dp", "1", "--tp", "1")  # (the default layout is dp2 x tp2)
+    one = run_training(first)
     assert one.losses[10] < one.losses[1]  # it trains
+    # rayshard's first loss is transformers' (eager attention, fp32) on the same batch.
+    theirs = _loss_on_rayshards_batch(gemma_model(family, tied=family == "gemma2"), first, 1)
+    assert abs(one.losses[1] - theirs) <= 1e-6 * theirs, (one.losses[1], theirs)
     split = run_training(_config(store, "split", "imported@0", 10, "--dp", "2", "--tp", "2", *sp))
     _follows(split, one, range(1, 11))
     piped = run_training(_config(store, "piped", "imported@0", 10, "--dp", "1", "--tp", "1", "--pp", "2",
@@ -106,6 +122,11 @@ def test_an_imported_gemma_follows_one_rank_on_dp2_tp2_and_pp2_and_exports_back(
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     assert (theirs.logits - logits).abs().max().item() <= 1e-5
     assert abs(loss.item() - theirs.loss.item()) <= 1e-6 * theirs.loss.item()
+    # The export reproduces rayshard's next loss: step 11 of the run, on one rank, in transformers.
+    following = _config(store, "next", "split@10", 11, "--dp", "1", "--tp", "1")
+    step_11 = run_training(following).losses[11]
+    theirs_11 = _loss_on_rayshards_batch(loaded, following, 11)
+    assert abs(step_11 - theirs_11) <= 1e-6 * theirs_11, (step_11, theirs_11)
 
     again = import_hf(str(tmp_path / "out"), Store(store), "again", log=lambda *_: None)
     trained, reimported = StoredCheckpoint(url), StoredCheckpoint(again)
