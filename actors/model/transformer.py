@@ -33,15 +33,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
-    """The norm around each sublayer and at the end (and of each q/k head, dim = head_dim):
-    RMSNorm, GPT-2's LayerNorm with a bias, or Gemma's (1 + weight) RMSNorm."""
-    dim = config.dim if dim is None else dim
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The norm around each sublayer and at the end: RMSNorm, GPT-2's LayerNorm with a bias, or
+    Gemma's (1 + weight) RMSNorm."""
     if config.norm == "layernorm":
-        return LayerNorm(dim, config.norm_eps)
+        return LayerNorm(config.dim, config.norm_eps)
     if config.norm == "rmsnorm_plus_one":
-        return RMSNormPlusOne(dim, config.norm_eps)
-    return RMSNorm(dim, config.norm_eps)
+        return RMSNormPlusOne(config.dim, config.norm_eps)
+    return RMSNorm(config.dim, config.norm_eps)
+
+
+def make_head_norm(config: ModelConfig) -> nn.Module:
+    """The per-head q/k norm over head_dim (`parameter_shapes` gives it a weight only)."""
+    norm = RMSNormPlusOne if config.norm == "rmsnorm_plus_one" else RMSNorm
+    return norm(config.head_dim, config.norm_eps)
 
 
 class Attention(nn.Module):
@@ -57,9 +62,10 @@ class Attention(nn.Module):
         self.softcap = config.attn_softcap
         qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
         self.qkv = nn.Linear(config.dim, qkv_rows, bias=config.qkv_bias)  # Qwen2's q/k/v biases
-        # Qwen3, Gemma 3: each query and key head is RMS-normalised over head_dim before RoPE.
-        self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
-        self.k_norm = make_norm(config, config.head_dim) if config.qk_norm else None
+        # Qwen3, Gemma 3: each query and key head is RMS-normalised over head_dim before RoPE
+        # (Gemma's (1 + weight) form with Gemma's norms; an RMSNorm, weight only, otherwise).
+        self.q_norm = make_head_norm(config) if config.qk_norm else None
+        self.k_norm = make_head_norm(config) if config.qk_norm else None
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.wo_bias)  # GPT-2's c_proj bias
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
