@@ -1,4 +1,5 @@
-"""The SwiGLU feed-forward of the dense layers (and of an MoE layer's shared expert)."""
+"""The gated feed-forward of the dense layers (and of an MoE layer's shared expert): SwiGLU, or
+Gemma's GeGLU (activation "gelu_tanh")."""
 from __future__ import annotations
 
 import torch
@@ -8,9 +9,9 @@ from rayshard.actors.model.swiglu import GateUpSwiGLU
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, activation: str = "silu"):
         super().__init__()
-        self.gate_up = GateUpSwiGLU(dim, hidden)  # its output is silu(gate) * up
+        self.gate_up = GateUpSwiGLU(dim, hidden, activation)  # its output is activation(gate) * up
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,25 @@ rms_norm = local_map(
 )
 
 
+def _rms_norm_plus_one(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Gemma's RMSNorm as transformers computes it, op for op: in float32 whatever x's dtype, the
+    # weight an offset from 1 (so 1 + weight keeps a bf16 weight's small steps), the result cast
+    # back to x's dtype.
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(x)
+
+
+# Gemma's norm (ModelConfig.norm "rmsnorm_plus_one"), with rms_norm's placements.
+rms_norm_plus_one = local_map(
+    _rms_norm_plus_one,
+    out_placements=[Shard(1)],
+    in_placements=((Shard(1),), (Replicate(),), None),
+    in_grad_placements=((Shard(1),), (Partial(),), None),
+    redistribute_inputs=True,
+)
+
+
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rayshard.actors.model.feed_forward import FeedForward
+from rayshard.actors.model.swiglu import ACTIVATIONS
 from rayshard.actors.model.transformer import Attention
 from rayshard.plans.config.lora import LoraConfig
 from rayshard.plans.training.lora import ATTENTION_TARGETS, FEED_FORWARD_TARGETS, projection_dims
@@ -145,7 +146,7 @@ class LoraFeedForward(FeedForward):
             gate = gate + self.lora["gate"](x)
         if "up" in self.lora:
             up = up + self.lora["up"](x)
-        return F.silu(gate) * up
+        return ACTIVATIONS[self.gate_up.activation][0](gate) * up
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""LayerNorm with a bias (GPT-2's), the decoder's other norm beside RMSNorm (`ModelConfig.norm`).
+"""LayerNorm with a bias (GPT-2's) and Gemma's (1 + weight) RMSNorm, the decoder's other norms
+beside RMSNorm (`ModelConfig.norm`).
 
 A plain function of local tensors run through `local_map` (`actors/model/local_ops.py`), as
 RMSNorm is, so under sequence parallelism it computes on the rank's sequence shard, and the
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rayshard.actors.model.local_ops import layer_norm
+from rayshard.actors.model.local_ops import layer_norm, rms_norm_plus_one
 
 
 class LayerNorm(nn.Module):
@@ -24,3 +25,17 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class RMSNormPlusOne(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), in float32 (`rms_norm_plus_one`). Its weight
+    starts at zeros (the identity scale), as transformers starts it and stores it: an import or
+    export moves the weight as it is."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_plus_one(x, self.weight, self.eps)

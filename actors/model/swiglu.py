@@ -20,6 +20,9 @@ Under tensor parallelism the weight is a DTensor split over its rows (Shard(0)) 
 replicated: `local_map` runs the same function on the local rows (whole hidden units), giving the
 rank's hidden units of the product (Shard(-1)); x's gradient is a partial sum over tp ranks.
 Called with plain tensors it is the plain function, so the model code stays single-device.
+
+Gemma's GeGLU is the same computation with gelu_pytorch_tanh in place of SiLU (`activation`
+"gelu_tanh"): the same fused, interleaved weight, the same matmuls, the activation's own backward.
 """
 from __future__ import annotations
 
@@ -30,12 +33,24 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
 
+def _gelu_tanh(gate: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh")
+
+
+# activation -> (forward, backward(grad of the activation's output, its input)): what autograd computes.
+ACTIVATIONS = {
+    "silu": (F.silu, torch.ops.aten.silu_backward),
+    "gelu_tanh": (_gelu_tanh, lambda grad, gate: torch.ops.aten.gelu_backward(grad, gate, approximate="tanh")),
+}
+
+
 class _GateUpSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         gate, up = rows @ weight[0::2].t(), rows @ weight[1::2].t()
-        activated = F.silu(gate)
+        activated = ACTIVATIONS[activation][0](gate)
+        ctx.activation = activation
         ctx.save_for_backward(x, weight, gate, up, activated)
         return (activated * up).view(*x.shape[:-1], up.shape[-1])
 
@@ -46,8 +61,8 @@ class _GateUpSwiGLU(torch.autograd.Function):
         compute = gate.dtype
         grad = grad.reshape(-1, grad.shape[-1]).to(compute)
         weight_in = weight.to(compute)
-        # What autograd computes for silu(gate) * up.
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        # What autograd computes for silu(gate) * up (gelu_tanh(gate) * up).
+        grad_gate = ACTIVATIONS[ctx.activation][1](grad * up, gate)
         grad_up = grad * activated
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
@@ -67,20 +82,30 @@ class _GateUpSwiGLU(torch.autograd.Function):
                 torch.mm(grad_gate.t(), rows, out=grad_weight[0::2])
                 torch.mm(grad_up.t(), rows, out=grad_weight[1::2])
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_x, grad_weight
+        return grad_x, grad_weight, None
 
 
 def _gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return _GateUpSwiGLU.apply(x, weight)
+    return _GateUpSwiGLU.apply(x, weight, "silu")
 
 
-gate_up_swiglu = local_map(
-    _gate_up_swiglu,
-    out_placements=[Shard(-1)],  # a list: the one output's placements
-    in_placements=((Replicate(),), (Shard(0),)),
-    in_grad_placements=((Partial(),), (Shard(0),)),
-    redistribute_inputs=True,
-)
+def _gate_up_geglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _GateUpSwiGLU.apply(x, weight, "gelu_tanh")
+
+
+def _on_local_rows(function):
+    return local_map(
+        function,
+        out_placements=[Shard(-1)],  # a list: the one output's placements
+        in_placements=((Replicate(),), (Shard(0),)),
+        in_grad_placements=((Partial(),), (Shard(0),)),
+        redistribute_inputs=True,
+    )
+
+
+gate_up_swiglu = _on_local_rows(_gate_up_swiglu)
+gate_up_geglu = _on_local_rows(_gate_up_geglu)  # Gemma's: gelu_tanh(gate) * up
+GATED = {"silu": gate_up_swiglu, "gelu_tanh": gate_up_geglu}
 gate_up_swiglu.__doc__ = """silu(x @ weight[0::2].T) * (x @ weight[1::2].T): x [..., dim], weight
 [2 * hidden, dim] with rows (gate_0, up_0, gate_1, up_1, ...); returns [..., hidden]."""
 
@@ -92,8 +117,9 @@ class GateUpSwiGLU(nn.Linear):
     those of the projection) whose output is already silu(gate) * up. The activation lives in the
     module so that tensor parallelism's hooks, which wrap the module call, see both matmuls."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, activation: str = "silu"):
         super().__init__(dim, 2 * hidden, bias=False)
+        self.activation = activation  # "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gate_up_swiglu(x, self.weight)
+        return GATED[self.activation](x, self.weight)

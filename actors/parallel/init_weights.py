@@ -23,13 +23,14 @@ def _block_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def init_std(name: str, shape: tuple[int, ...], n_layers: int) -> float | None:
+def init_std(name: str, shape: tuple[int, ...], n_layers: int, zero_norms: bool = False) -> float | None:
     """None means 'ones' (norm weights), 0.0 zeros (biases, as transformers starts them).
-    Output projections are scaled down with depth (GPT-2)."""
+    Output projections are scaled down with depth (GPT-2). zero_norms: norm weights start at
+    zeros, Gemma's (1 + weight) norms' identity (ModelConfig.norm "rmsnorm_plus_one")."""
     if ".lora." in name:  # LoRA adapters: B zero (a run starts at its base), A of PEFT's default size
         return 0.0 if name.endswith(".b") else 1.0 / math.sqrt(shape[1])
     if name.endswith("norm.weight"):
-        return None
+        return 0.0 if zero_norms else None
     if name.endswith(".bias"):
         return 0.0
     if name.endswith(("attention.wo.weight", "feed_forward.down.weight", "feed_forward.experts.down.weight",
@@ -58,9 +59,10 @@ def global_rows(seed: int, name: str, shape: tuple[int, ...], std: float | None,
 
 @torch.no_grad()
 def initialize_parameters(model: torch.nn.Module, seed: int, n_layers: int,
-                          global_names: dict[str, str] | None = None) -> None:
+                          global_names: dict[str, str] | None = None, zero_norms: bool = False) -> None:
     """global_names: module name -> the global name whose values it takes (a pipeline stage's
-    copy of tied embeddings, `output.weight`, starts as `tok_embeddings.weight`)."""
+    copy of tied embeddings, `output.weight`, starts as `tok_embeddings.weight`). zero_norms: see
+    `init_std`."""
     global_names = global_names or {}
     for module_name, param in model.named_parameters():
         name = global_names.get(module_name, module_name)
@@ -69,7 +71,7 @@ def initialize_parameters(model: torch.nn.Module, seed: int, n_layers: int,
         local = param.to_local() if hasattr(param, "to_local") else param
         if local.numel() == 0:
             continue
-        std = init_std(name, shape, n_layers)
+        std = init_std(name, shape, n_layers, zero_norms)
         if len(shape) == 0:
             local.copy_(torch.ones(()) if std is None else torch.zeros(()))
             continue

@@ -29,6 +29,7 @@ from rayshard.plans.training.model_plan import ModelPlan
 from rayshard.plans.training.model_spec import REFERENCE_PLAN
 from rayshard.plans.training.tp_plan import (ADAPTER_SPLIT, COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE,
                                     POSITIONS_TO_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE, SEQUENCE_PARALLEL,
+                                    SEQUENCE_PARALLEL_TO_LOCAL,
                                     VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
                                     VOCAB_HEAD_FROM_SEQUENCE, with_sequence_parallel)
 
@@ -62,6 +63,25 @@ class VocabEmbeddingParallel(RowwiseParallel):
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         output = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
         return output.clone() if use_local_output else output
+
+
+class SequenceParallelToResidual(SequenceParallel):
+    """A norm on the sequence shard whose input is a row-parallel output and whose output is added
+    to the residual stream, which between the blocks' halves is the rank's plain shard: Gemma's
+    norms after attention and after the feed-forward. The input arrives as `to_local()`'s view of
+    the reduce-scattered DTensor, and wrapping that view again with `from_local` lost the gradient
+    through it in torch 2.13 (every weight before the norm got none; see VocabEmbeddingParallel
+    for the same family of trouble), so the view is copied first: one copy per norm."""
+
+    def __init__(self):
+        super().__init__(use_local_output=True)
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):  # the row-parallel output's `to_local()` view
+            x = x.clone()
+        return SequenceParallel._prepare_input_fn(sequence_sharding, mod, (x, *inputs[1:]), device_mesh)
 
 
 class PositionsToSequence(ParallelStyle):
@@ -128,6 +148,7 @@ TORCH_STYLES: dict[str, ParallelStyle] = {
     VOCAB_EMBEDDING_TO_SEQUENCE: VocabEmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     VOCAB_HEAD_FROM_SEQUENCE: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     SEQUENCE_PARALLEL: SequenceParallel(),
+    SEQUENCE_PARALLEL_TO_LOCAL: SequenceParallelToResidual(),
     GATHER_SEQUENCE: GatherSequence(),
     POSITIONS_TO_SEQUENCE: PositionsToSequence(),
     EXPERT_COLWISE: StackedShard(1),

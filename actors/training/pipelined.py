@@ -56,7 +56,8 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
         set_aux_loss_scale(module, model_config, config.pipeline.microbatches)
         module.to_empty(device=device)
         initialize_parameters(module, config.seed, model_config.n_layers,
-                              stage_global_names(model_config, stage == 0, stage == last))
+                              stage_global_names(model_config, stage == 0, stage == last),
+                              zero_norms=model_config.norm == "rmsnorm_plus_one")
         modules[stage] = module
     return RankStages(model_config, modules, partition.num_stages)
 

@@ -46,7 +46,7 @@ class SingleStageRunner:
         if spec.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
             # to_empty swaps each module's parameter separately, which unties shared ones.
             model.output.weight = model.tok_embeddings.weight
-        initialize_parameters(model, config.seed, spec.n_layers)
+        initialize_parameters(model, config.seed, spec.n_layers, zero_norms=spec.norm == "rmsnorm_plus_one")
         return cls(model, layout.tp, config.pipeline.microbatches, device, made.loss if made is not None else None)
 
     def forward_backward(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[torch.Tensor, None]:

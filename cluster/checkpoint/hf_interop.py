@@ -323,7 +323,11 @@ def _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, pro
         raise CheckpointError(f"{base}/{RUN_METADATA}: its metadata is not a JSON object. Fix: restore the file, or "
                               "delete it to import the weights alone")
     model = _model_of(read_json_object(fs, config_path), config_path, saved)
-    weights = hub_names(model, read_safetensors_index(fs, base, WEIGHTS))
+    read = read_safetensors_index(fs, base, WEIGHTS)
+    weights = hub_names(model, read)
+    if model.family == "gemma3" and len(weights) < len(read):  # decision 145
+        log(f"{directory}: Gemma3ForConditionalGeneration: importing its text model (family gemma3, exported as "
+            f"Gemma3ForCausalLM); its vision tower and projector ({len(read) - len(weights)} tensors) are left out")
     if not weights:
         raise CheckpointError(f"{directory}: no {WEIGHTS}.safetensors or {WEIGHTS}.safetensors.index.json")
     if model.n_layers > len(weights):  # before listing the model's tensors: a damaged count may say billions

@@ -1,6 +1,6 @@
 """Hugging Face model families: our parameter names <-> theirs, and our ModelConfig <-> config.json.
 
-One decoder (`plans/training/model_spec.py`) expresses nine families; each differs from Llama by
+One decoder (`plans/training/model_spec.py`) expresses eleven families; each differs from Llama by
 what transformers' class computes:
 
 - llama (`LlamaForCausalLM`): the base.
@@ -24,6 +24,10 @@ what transformers' class computes:
   shared expert, routed by softmax top-k with the k weights always renormalised (our norm_topk);
   experts live in `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down), each expert
   `intermediate_size` wide.
+- gemma2 (`Gemma2ForCausalLM`), gemma3 (`Gemma3ForCausalLM`, model_type gemma3_text; and the text
+  model of a `Gemma3ForConditionalGeneration` directory): the decoder's Gemma switches ((1 + weight)
+  norms before and after each sublayer, scaled embedding, GeGLU, soft-capping, per-layer sliding
+  windows, local/global RoPE), Llama's tensors with Gemma's norm names (`plans/interop/hf_gemma.py`).
 
 Experts are written in the Hub's per-expert form (`mlp.experts.{e}.gate_proj.weight` [F, D],
 `up_proj`, `down_proj` [D, F]): what `save_pretrained` of transformers 5.24 writes, what its
@@ -49,25 +53,22 @@ import math
 from rayshard.plans.transforms.codec import decode_mapping
 from rayshard.plans.transforms.mapping import Alias, Cast, ConcatRows, Mapping, Rename, SplitRows, Unstack
 from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.interop.hf_gemma import (GEMMA_ARCHITECTURES, GEMMA_MODEL_TYPES, gemma3_text_name, gemma_config,
+                                             gemma_mapping, gemma_model_fields, text_config_of)
 from rayshard.plans.interop.hf_gpt2 import gpt2_config, gpt2_hub_name, gpt2_mapping, gpt2_model_fields
+from rayshard.plans.interop.hf_rope import rope_from_hf
 from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
-from rayshard.plans.training.rope_scaling import FIELDS_OF, ROPE_TYPES, RopeScaling
 from rayshard.plans.training.special_tokens import SpecialTokens
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "gpt2": "GPT2LMHeadModel",
+                 **GEMMA_ARCHITECTURES}
 # Families whose class computes a sliding window where config.json's sliding_window is set.
 SLIDING_WINDOW_FAMILIES = ("mistral", "phi3", "mixtral")
 # Hub families rayshard does not compute, each with what its class computes that ours does not:
 # named in the refusal so the user knows whether it is a missing family or a missing feature.
-NOT_COMPUTED = {
-    "gemma2": "Gemma2's scaled embedding, (1 + weight) RMSNorms around each sublayer, logit and attention soft-capping "
-              "and alternating sliding-window layers",
-    "gemma3_text": "Gemma3's scaled embedding, (1 + weight) RMSNorms, per-head q/k norms and local/global RoPE bases "
-                   "on alternating sliding-window layers",
-    "gemma3": "Gemma3's vision tower and its text model's local/global RoPE on alternating sliding-window layers",
-}
+NOT_COMPUTED: dict[str, str] = {}
 
 
 def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
@@ -82,6 +83,8 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     """
     if model.family == "gpt2":  # plans/interop/hf_gpt2.py
         return gpt2_mapping(model, dtype)
+    if model.family in GEMMA_ARCHITECTURES:  # plans/interop/hf_gemma.py
+        return gemma_mapping(model, dtype)
     refuse_gpt2_switches(model)
     if model.family in MOE_FAMILIES:
         refuse_unexportable_moe(model)
@@ -122,14 +125,20 @@ def hf_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     return Mapping(tuple(rules))
 
 
+# GPT-2's switches (decision 132) and Gemma's (decision 143), at the values the Llama-like classes compute.
+DECODER_SWITCHES = (("position_embedding", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("wo_bias", False),
+                    ("mlp_bias", False), ("post_norms", False), ("embedding_scale", False),
+                    ("query_pre_attn_scalar", None), ("attn_softcap", None), ("logit_softcap", None),
+                    ("layer_types", None), ("rope_local_theta", None))
+
+
 def refuse_gpt2_switches(model: ModelConfig) -> None:
-    """GPT-2's switches (decision 132) are no part of what the Llama-like classes compute."""
-    switched = [f"{name}={getattr(model, name)!r}" for name, default in
-                (("position_embedding", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("wo_bias", False),
-                 ("mlp_bias", False)) if getattr(model, name) != default]
+    """GPT-2's and Gemma's switches are no part of what the Llama-like classes compute."""
+    switched = [f"{name}={getattr(model, name)!r}" for name, default in DECODER_SWITCHES if getattr(model, name) != default]
     if switched:
         raise CheckpointError(f"cannot export this {model.family} model: model.{', '.join(switched)} is not what "
-                              f"{ARCHITECTURES[model.family]} computes. Fix: train with family gpt2, or without them")
+                              f"{ARCHITECTURES[model.family]} computes. Fix: train with family gpt2 or gemma2/gemma3, "
+                              "or without them")
 
 
 def phi3_fusion_rules(model: ModelConfig) -> list:
@@ -214,10 +223,13 @@ def refuse_unexportable_moe(model: ModelConfig) -> None:
 def hub_names(model: ModelConfig, tensors: dict) -> dict:
     """A directory's tensors under the names today's save_pretrained writes, without the buffers
     older files carry (GPT-2's Hub files: no `transformer.` prefix, the causal masks `attn.bias`).
-    Other families' names are taken as they are."""
-    if model.family != "gpt2":
+    A Gemma3ForConditionalGeneration file's text model is taken under Gemma3ForCausalLM's names,
+    its vision tower and projector left out (`import_hf` says so). Other families' names are taken
+    as they are."""
+    rename = {"gpt2": gpt2_hub_name, "gemma3": gemma3_text_name}.get(model.family)
+    if rename is None:
         return tensors
-    return {hub: tensor for name, tensor in tensors.items() if (hub := gpt2_hub_name(name)) is not None}
+    return {hub: tensor for name, tensor in tensors.items() if (hub := rename(name)) is not None}
 
 
 def export_mapping(model: ModelConfig, dtype: str | None = None, source_dtype: str = "float32") -> Mapping:
@@ -250,6 +262,8 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
     """config.json for the model's family."""
     if model.family == "gpt2":
         return gpt2_config(model, dtype)
+    if model.family in GEMMA_ARCHITECTURES:
+        return gemma_config(model, dtype)
     config = {
         "architectures": [ARCHITECTURES[model.family]], "model_type": model.family,
         "vocab_size": model.vocab_size, "hidden_size": model.dim, "intermediate_size": model.ffn_dim,
@@ -306,20 +320,26 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
 
 def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     """Our ModelConfig from a config.json of a family we compute; refuses what we would approximate."""
-    family = config.get("model_type")
-    if family in NOT_COMPUTED:
-        raise CheckpointError(f"{where}: model_type {family!r} is not one rayshard computes yet: it would need "
-                              f"{NOT_COMPUTED[family]}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    model_type = config.get("model_type")
+    if model_type == "gemma3":  # Gemma3ForConditionalGeneration: its text model (plans/interop/hf_gemma.py)
+        config, model_type = text_config_of(config, where), "gemma3_text"
+    if model_type in NOT_COMPUTED:
+        raise CheckpointError(f"{where}: model_type {model_type!r} is not one rayshard computes yet: it would need "
+                              f"{NOT_COMPUTED[model_type]}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    family = GEMMA_MODEL_TYPES.get(model_type, model_type)  # gemma3_text is family gemma3
     if family not in ARCHITECTURES:
         raise CheckpointError(f"{where}: model_type {family!r} is not one rayshard computes; supported: "
                               f"{', '.join(sorted(ARCHITECTURES))}")
     if family == "gpt2":  # GPT2Config's own field names (plans/interop/hf_gpt2.py)
         return ModelConfig(**gpt2_model_fields(config, where), special_tokens=special_tokens_from_hf(config, where)).validate()
     _check_numbers(config, family, where)
+    if family in GEMMA_ARCHITECTURES:  # plans/interop/hf_gemma.py
+        return ModelConfig(**gemma_model_fields(config, family, where),
+                           special_tokens=special_tokens_from_hf(config, where)).validate()
     unsupported = [f"{key}={config[key]!r}" for key, fine in _EXPECTED[family] if key in config and config[key] != fine]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    rope, rope_scaling = _rope_from_hf(config, head_dim, where)
+    rope, rope_scaling = rope_from_hf(config, head_dim, where)
     if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and config.get("use_sliding_window"):
         unsupported.append(f"use_sliding_window={config['use_sliding_window']!r}")
     layer_types = set(config.get("layer_types") or ())
@@ -345,40 +365,6 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
         qk_norm=family in ("qwen3", "qwen3_moe"), sliding_window=int(sliding_window) if sliding_window else None,
         head_size=head_dim if head_dim != config["hidden_size"] // heads else None, **experts,
     ).validate()
-
-
-def _rope_from_hf(config: dict, head_dim: int, where: str) -> tuple[dict, RopeScaling | None]:
-    """The RoPE parameters of a config.json and their scaling, read as transformers reads them:
-    4.x's rope_scaling wins over 5's rope_parameters where both are given, an old `type` key
-    names the type, original_max_position_embeddings defaults to max_position_embeddings (a
-    top-level one wins, as Phi-3 writes it), and keys the type does not read are ignored. A type
-    or setting rayshard does not compute is refused naming the key."""
-    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-    rope = dict(config.get(key) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    # Phi-3's config (and Phi-4-mini's, top-level) carries it even with default RoPE.
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        where_set = f"{key}.partial_rotary_factor" if "partial_rotary_factor" in rope else "partial_rotary_factor"
-        raise CheckpointError(f"{where}: this model uses {where_set}={partial!r} (RoPE on part of each head), which "
-                              "rayshard does not implement; importing it would change what the weights compute")
-    if rope_type in ("default", None):
-        return rope, None
-    if rope_type not in ROPE_TYPES:
-        raise CheckpointError(f"{where}: this model uses {key}.rope_type={rope_type!r}, which rayshard does not "
-                              f"implement (it computes default, {', '.join(ROPE_TYPES)}); importing it would change what "
-                              "the weights compute")
-    if rope_type in ("yarn", "llama3"):
-        if config.get("original_max_position_embeddings") is not None:
-            rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
-        rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 2048))
-    fields = {name: rope[name] for name in FIELDS_OF[rope_type] if rope.get(name) is not None}
-    try:
-        scaling = RopeScaling(rope_type=rope_type, **fields).validate(config.get("max_position_embeddings", 2048),
-                                                                      head_dim, where=key)
-    except ConfigError as error:
-        raise CheckpointError(f"{where}: {error}") from None
-    return rope, scaling
 
 
 def special_tokens_from_hf(config: dict, where: str) -> SpecialTokens | None:

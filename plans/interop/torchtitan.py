@@ -51,6 +51,9 @@ def refuse_untranslatable(model: ModelConfig) -> None:
                 (model.qk_norm, "per-head q/k norms (qk_norm)"),
                 ((model.position_embedding, model.norm, model.mlp, model.wo_bias, model.mlp_bias) !=
                  ("rope", "rmsnorm", "swiglu", False, False), "GPT-2's learned positions, LayerNorm, GELU MLP or biases"),
+                ((model.post_norms, model.embedding_scale, model.query_pre_attn_scalar, model.attn_softcap,
+                  model.logit_softcap, model.layer_types, model.rope_local_theta) != (False, False, None, None, None, None, None),
+                 "Gemma's post-sublayer norms, embedding scale, score scale, soft-capping or per-layer attention"),
                 (model.sliding_window is not None, f"sliding-window attention ({model.sliding_window})"),
                 (model.tie_embeddings, "a tied output embedding (tie_embeddings)"))
     for wrong, what in problems:

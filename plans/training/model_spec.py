@@ -23,14 +23,18 @@ from rayshard.plans.training.special_tokens import SpecialTokens
 from rayshard.plans.training.tp_plan import DEFAULT_TP_STYLES, SEQUENCE_PARALLEL_ADDITIONS
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt2", "gemma2", "gemma3")
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")  # families whose Hugging Face class has mixture-of-experts layers
 ROUTER_SCORES = ("softmax", "sigmoid")
 # The decoder's switches beyond Llama's (GPT-2's; decision 132): where positions come from, which
 # norm wraps each sublayer, which feed-forward the dense layers run.
 POSITION_EMBEDDINGS = ("rope", "learned")
-NORMS = ("rmsnorm", "layernorm")
-MLPS = ("swiglu", "gelu_tanh", "gelu")
+# rmsnorm_plus_one: Gemma's RMSNorm, scaled by (1 + weight) in float32 (decision 143).
+NORMS = ("rmsnorm", "layernorm", "rmsnorm_plus_one")
+# geglu_tanh: Gemma's gated feed-forward, gelu_pytorch_tanh(gate) * up, in SwiGLU's fused gate_up.
+MLPS = ("swiglu", "gelu_tanh", "gelu", "geglu_tanh")
+GATED_MLPS = ("swiglu", "geglu_tanh")  # the fused, interleaved gate_up (actors/model/swiglu.py)
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names for a layer's attention
 USER_FAMILY = "user"  # a model built by the user's factory (`--model-factory`); see plans/training/model_plan.py
 
 
@@ -38,7 +42,8 @@ USER_FAMILY = "user"  # a model built by the user's factory (`--model-factory`);
 class ModelConfig:
     """One decoder with the features of the families it can express (Hugging Face's names):
     llama: the base; qwen2: q/k/v biases; qwen3: per-head RMSNorm of q and k, an explicit head
-    size; mistral: sliding-window attention. `family` names which Hugging Face class exports it."""
+    size; mistral: sliding-window attention; gpt2 and gemma2 / gemma3: the switches below.
+    `family` names which Hugging Face class exports it."""
 
     vocab_size: int = 256
     dim: int = 64
@@ -86,6 +91,22 @@ class ModelConfig:
     mlp: str = "swiglu"
     wo_bias: bool = False
     mlp_bias: bool = False
+    # Gemma's switches (decision 143). post_norms: a norm after attention and after the
+    # feed-forward, before each residual add (post_attention_norm, post_ffn_norm).
+    # embedding_scale: the token embedding times sqrt(dim), rounded to the embedding's dtype.
+    # query_pre_attn_scalar: attention scores scaled by its -1/2 power instead of head_dim's.
+    # attn_softcap / logit_softcap: scores (before the mask) and final logits become
+    # cap * tanh(x / cap). layer_types: per layer "sliding_attention" (sliding_window applies) or
+    # "full_attention"; None: every layer slides where sliding_window is set. rope_local_theta:
+    # the RoPE base of the sliding layers, which take no rope_scaling (Gemma 3's local layers);
+    # the full layers keep rope_theta and rope_scaling.
+    post_norms: bool = False
+    embedding_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
     # A user's model (family "user"): its factory, plan and recorded parameters. The sizes above
     # then say only what the rest of rayshard asks of any model: vocab_size, dim (what pipeline
     # stages exchange), n_layers (blocks) and max_seq_len; the attention fields are unused.
@@ -98,6 +119,8 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         if self.special_tokens is not None:
             object.__setattr__(self, "special_tokens", SpecialTokens.from_dict(self.special_tokens))
+        if self.layer_types is not None:  # JSON metadata gives a list
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
 
     @property
     def plan(self) -> ModelPlan:
@@ -118,6 +141,16 @@ class ModelConfig:
     @property
     def heads_per_group(self) -> int:
         return self.n_heads // self.n_kv_heads
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window (when one is set)."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    def layer_rope(self, layer: int) -> str:
+        """Which RoPE tables the layer takes: "local" (rope_local_theta, no scaling) or "global"."""
+        return "local" if self.rope_local_theta is not None and self.is_sliding_layer(layer) else "global"
 
     @property
     def is_moe(self) -> bool:
@@ -173,8 +206,8 @@ class ModelConfig:
             if getattr(self, field) not in known:
                 raise ConfigError(f"model.{field}", getattr(self, field), f"must be one of {list(known)}",
                                   f"pick one of {list(known)}")
-        if self.mlp_bias and self.mlp == "swiglu":
-            raise ConfigError("model.mlp_bias", True, "is for the GELU feed-forward (the fused SwiGLU has no bias)",
+        if self.mlp_bias and self.mlp in GATED_MLPS:
+            raise ConfigError("model.mlp_bias", True, "is for the GELU feed-forward (the fused gate_up has no bias)",
                               "set model.mlp to gelu_tanh or gelu, or drop mlp_bias")
         if self.is_moe and self.mlp != "swiglu":
             raise ConfigError("model.mlp", self.mlp, "mixture-of-experts layers are SwiGLU experts",
@@ -182,6 +215,25 @@ class ModelConfig:
         if self.rope_scaling is not None and self.position_embedding != "rope":
             raise ConfigError("model.rope_scaling", self.rope_scaling.rope_type, "scales RoPE, which learned positions do "
                               "not use", "drop rope_scaling, or set position_embedding to rope")
+        self._validate_gemma_switches()
+
+    def _validate_gemma_switches(self) -> None:
+        for field in ("query_pre_attn_scalar", "attn_softcap", "logit_softcap", "rope_local_theta"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ConfigError(f"model.{field}", value, "must be a positive number (or unset)",
+                                  f"set model.{field} to a positive number, or leave it unset")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise ConfigError("model.layer_types", list(self.layer_types),
+                                  f"must list {self.n_layers} entries (one per layer), each one of {list(LAYER_TYPES)}",
+                                  "give each layer full_attention or sliding_attention, or leave it unset")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ConfigError("model.layer_types", list(self.layer_types), "names sliding layers but "
+                                  "model.sliding_window is unset", "set model.sliding_window, or make every layer full_attention")
+        if self.rope_local_theta is not None and self.position_embedding != "rope":
+            raise ConfigError("model.rope_local_theta", self.rope_local_theta, "is a RoPE base; learned positions use none",
+                              "drop it, or set position_embedding to rope")
 
     def _validate_experts(self) -> None:
         if self.family in MOE_FAMILIES and not self.is_moe:
@@ -302,6 +354,7 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.position_embedding == "learned":
         shapes["pos_embeddings.weight"] = (config.max_seq_len, config.dim)
     norm_shapes = {"weight": (config.dim,), **({"bias": (config.dim,)} if config.norm == "layernorm" else {})}
+    post_norms = ("post_attention_norm", "post_ffn_norm") if config.post_norms else ()
     for layer in range(config.n_layers):
         prefix = f"layers.{layer}."
         shapes.update({prefix + f"attention_norm.{leaf}": shape for leaf, shape in norm_shapes.items()})
@@ -314,11 +367,12 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[prefix + "attention.wo.weight"] = (config.dim, config.n_heads * hd)
         if config.wo_bias:
             shapes[prefix + "attention.wo.bias"] = (config.dim,)
-        shapes.update({prefix + f"ffn_norm.{leaf}": shape for leaf, shape in norm_shapes.items()})
+        for norm in (*post_norms[:1], "ffn_norm", *post_norms[1:]):  # the module order of TransformerBlock
+            shapes.update({prefix + f"{norm}.{leaf}": shape for leaf, shape in norm_shapes.items()})
         if config.is_moe_layer(layer):
             shapes.update(moe_shapes(config, prefix + "feed_forward."))
             continue
-        if config.mlp != "swiglu":  # actors/model/gelu_mlp.py
+        if config.mlp not in GATED_MLPS:  # actors/model/gelu_mlp.py
             shapes[prefix + "feed_forward.up.weight"] = (config.ffn_dim, config.dim)
             if config.mlp_bias:
                 shapes[prefix + "feed_forward.up.bias"] = (config.ffn_dim,)

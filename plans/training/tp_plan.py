@@ -30,6 +30,9 @@ ROWWISE_TO_SEQUENCE = "rowwise_to_sequence"                # row-parallel, outpu
 VOCAB_EMBEDDING_TO_SEQUENCE = "vocab_embedding_to_sequence"
 VOCAB_HEAD_FROM_SEQUENCE = "vocab_head_from_sequence"      # gathers the sequence before the head
 SEQUENCE_PARALLEL = "sequence_parallel"                    # a norm computed on the sequence shard
+# A norm on the sequence shard whose output rejoins the residual stream, which between blocks is
+# the rank's plain shard (the row-parallel outputs' form): Gemma's post-sublayer norms.
+SEQUENCE_PARALLEL_TO_LOCAL = "sequence_parallel_to_local"
 GATHER_SEQUENCE = "gather_sequence"                        # a module whose input is gathered from sequence shards
 # Learned positions under sequence parallelism (GPT-2, decision 132): the table is copied on every
 # tp rank, looked up for the whole sequence, and each rank keeps its sequence shard's rows.
@@ -73,6 +76,9 @@ _TO_SEQUENCE = {ROWWISE: ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING: VOCAB_EMBEDDING_T
 SEQUENCE_PARALLEL_ADDITIONS: dict[str, str] = {
     "layers.*.attention_norm": SEQUENCE_PARALLEL,
     "layers.*.ffn_norm": SEQUENCE_PARALLEL,
+    # Gemma's post-sublayer norms (ModelConfig.post_norms): on the row-parallel outputs' sequence shards.
+    "layers.*.post_attention_norm": SEQUENCE_PARALLEL_TO_LOCAL,
+    "layers.*.post_ffn_norm": SEQUENCE_PARALLEL_TO_LOCAL,
     "norm": SEQUENCE_PARALLEL,
     "layers.*.attention": GATHER_SEQUENCE,
     "layers.*.feed_forward": GATHER_SEQUENCE,
@@ -98,7 +104,7 @@ def module_style(module_name: str, plan: dict[str, str] = DEFAULT_TP_STYLES) -> 
 
 
 ALL_STYLES = frozenset({COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, EXPERT_COLWISE, EXPERT_ROWWISE, ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING_TO_SEQUENCE,
-                        VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, GATHER_SEQUENCE, POSITIONS_TO_SEQUENCE,
+                        VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_TO_LOCAL, GATHER_SEQUENCE, POSITIONS_TO_SEQUENCE,
                         LORA_COLWISE, LORA_ROWWISE})
 
 
