@@ -23,6 +23,11 @@ from tests.unit.test_hf_families import ours_from
 from tests.unit.test_hf_gpt2 import SIZES, gpt2_model
 
 
+# The CLI's default layout is dp2 x tp2: one rank is asked for explicitly (it was not, and the
+# "one rank" baselines ran dp2 x tp2 themselves).
+ONE_RANK = ("--dp", "1", "--tp", "1")
+
+
 def _follows(run, reference, steps):
     assert sorted(run.losses) == list(steps)
     for step in steps:
@@ -39,7 +44,7 @@ def _imported(tmp_path) -> str:
 
 def test_an_imported_gpt2_trains_on_dp2_tp2_with_sp_like_one_rank_and_exports_back(run_training, tmp_path):
     store = _imported(tmp_path)
-    one = run_training(_config(store, "one", "imported@0", 10))
+    one = run_training(_config(store, "one", "imported@0", 10, *ONE_RANK))
     assert one.losses[10] < one.losses[1]  # it trains
     split = run_training(_config(store, "split", "imported@0", 10, "--dp", "2", "--tp", "2", "--sp"))
     _follows(split, one, range(1, 11))
@@ -69,10 +74,10 @@ def test_an_imported_gpt2_trains_on_dp2_tp2_with_sp_like_one_rank_and_exports_ba
 @pytest.mark.slow
 def test_an_imported_gpt2_follows_one_rank_on_pp2_and_tp2_pp2_and_resumes_across_them(run_training, tmp_path):
     store = _imported(tmp_path)
-    one = run_training(_config(store, "one", "imported@0", 10))
-    piped = run_training(_config(store, "piped", "imported@0", 10, "--pp", "2", "--microbatches", "2"))
+    one = run_training(_config(store, "one", "imported@0", 10, *ONE_RANK))
+    piped = run_training(_config(store, "piped", "imported@0", 10, "--dp", "1", "--tp", "1", "--pp", "2", "--microbatches", "2"))
     _follows(piped, one, range(1, 11))
-    both = run_training(_config(store, "both", "imported@0", 10, "--tp", "2", "--pp", "2", "--microbatches", "2", "--sp"))
+    both = run_training(_config(store, "both", "imported@0", 10, "--dp", "1", "--tp", "2", "--pp", "2", "--microbatches", "2", "--sp"))
     _follows(both, one, range(1, 11))
     resumed = run_training(_config(store, "resumed", "piped@5", 10, "--dp", "2", "--tp", "2"))
     _follows(resumed, one, range(6, 11))
