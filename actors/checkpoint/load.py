@@ -228,6 +228,7 @@ def _read_and_hand_over(stored: StoredCheckpoint, targets: LoadTargets, groups: 
     outcome: dict = {}
     started = time.perf_counter()
 
+    @torch.no_grad()  # grad mode is per thread: a plain parameter (a norm under tp alone) is filled here
     def read_all() -> None:
         try:
             outcome["stats"] = stored.read(targets.destinations, groups=position_of, group_done=lambda p: in_place[p].set())
