@@ -23,7 +23,7 @@ from rayshard.actors.checkpoint.shard_writer import dtype_name
 from rayshard.actors.checkpoint.stored import StoredCheckpoint, min_segment_bytes_for
 from rayshard.actors.parallel.shards import local_region, region_at
 from rayshard.plans.checkpoint.chunks import PARAM, Chunk
-from rayshard.plans.checkpoint.column_bands import BandBlock, band_of, split_band, worth_banding
+from rayshard.plans.checkpoint.column_bands import BAND_BLOCK_BYTES, BandBlock, band_of, split_band, worth_banding
 from rayshard.plans.checkpoint.model_check import raise_if_mismatched
 from rayshard.plans.checkpoint.reshard import Target
 from rayshard.plans.checkpoint.replicas import assign_readers, group_salt, handover_dims, replica_members, replica_rank
@@ -391,7 +391,7 @@ def _banded(target: Target, tensor: torch.Tensor, layout: ParallelLayout, coords
                                          min_segment_bytes):
         return None
     local = local_tensor(tensor)
-    blocks = split_band(band, members, local.element_size(), BROADCAST_BUCKET_BYTES, target.name)
+    blocks = split_band(band, members, local.element_size(), BAND_BLOCK_BYTES, target.name)
     me = replica_members(layout, coords, dims)[0]
     staging = {number: torch.empty(block.sizes, dtype=local.dtype, device=local.device)
                for number, block in enumerate(blocks) if block.reader == me}

@@ -33,6 +33,10 @@ from rayshard.plans.layout.parallel_layout import ParallelLayout
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, sizes)
 
+# A block is handed over by one collective: small enough that the first goes out early in a read,
+# as the replicas' broadcast buckets (actors/checkpoint/load.py BROADCAST_BUCKET_BYTES).
+BAND_BLOCK_BYTES = 16 * 2**20
+
 
 @dataclass(frozen=True, slots=True)
 class BandBlock:
@@ -102,7 +106,7 @@ def split_band(band: Box, members: int, itemsize: int, max_block_bytes: int, sal
 
 
 def banded_target_table(targets: TargetTable, index, layout: ParallelLayout, min_segment_bytes: int,
-                        read_once: bool, max_block_bytes: int) -> TargetTable:
+                        read_once: bool = True, max_block_bytes: int = BAND_BLOCK_BYTES) -> TargetTable:
     """The targets a load on `layout` reads when its tp groups read banded weights once
     (`load_destinations` on each rank): each banded piece becomes received (its `receive_from`
     another member of its group), and each member gets its blocks of the band to read itself.
