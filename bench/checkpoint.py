@@ -327,8 +327,10 @@ def _upload_to_moto(local_checkpoint: str):
     from rayshard.storage.options import configure
 
     configure()
+    import boto3
+
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(Bucket="bench")
     fs = fsspec.filesystem("s3")
-    fs.mkdir("bench")
     fs.put(local_checkpoint, "bench/checkpoint", recursive=True)
     url = "s3://bench/checkpoint"
     os.environ[OBJECT_STORE_URL] = url
