@@ -52,16 +52,16 @@ def _load_reads_at_most_1_05x(rank_pool, tmp_path, s3_store, source: ParallelLay
     assert sum(result["bytes_received"] for result in loaded) > 0  # the column slices were handed over
 
 
-def test_a_tp3_load_from_fsdp2_on_s3_reads_at_most_1_05x_bit_exact(rank_pool, tmp_path, s3_store):
-    _load_reads_at_most_1_05x(rank_pool, tmp_path, s3_store, ParallelLayout(fsdp=2), ParallelLayout(tp=3))
+def test_a_tp3_load_from_one_rank_on_s3_reads_at_most_1_05x_bit_exact(rank_pool, tmp_path, s3_store):
+    _load_reads_at_most_1_05x(rank_pool, tmp_path, s3_store, ParallelLayout(), ParallelLayout(tp=3))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source,target", [(ParallelLayout(tp=2), ParallelLayout(tp=4)),
-                                           (ParallelLayout(), ParallelLayout(tp=3)),
+                                           (ParallelLayout(fsdp=2), ParallelLayout(tp=3)),
                                            (ParallelLayout(tp=2), ParallelLayout(dp=2, tp=3)),
                                            (ParallelLayout(tp=3), ParallelLayout(fsdp=2, tp=2))],
-                         ids=["tp2->tp4", "tp1->tp3", "tp2->dp2xtp3", "tp3->fsdp2xtp2"])
+                         ids=["tp2->tp4", "fsdp2->tp3", "tp2->dp2xtp3", "tp3->fsdp2xtp2"])
 def test_more_tp_loads_on_s3_read_at_most_1_05x_bit_exact(rank_pool, tmp_path, s3_store, source, target):
     _load_reads_at_most_1_05x(rank_pool, tmp_path, s3_store, source, target)
 
