@@ -23,7 +23,8 @@ from rayshard.actors.checkpoint.shard_writer import dtype_name
 from rayshard.actors.checkpoint.stored import StoredCheckpoint, min_segment_bytes_for
 from rayshard.actors.parallel.shards import local_region, region_at
 from rayshard.plans.checkpoint.chunks import PARAM, Chunk
-from rayshard.plans.checkpoint.column_bands import BAND_BLOCK_BYTES, BandBlock, band_of, split_band, worth_banding
+from rayshard.plans.checkpoint.column_bands import (BAND_BLOCK_BYTES, BandBlock, band_of, reader_shares, split_band,
+                                                   worth_banding)
 from rayshard.plans.checkpoint.model_check import raise_if_mismatched
 from rayshard.plans.checkpoint.reshard import Target
 from rayshard.plans.checkpoint.replicas import assign_readers, group_salt, handover_dims, replica_members, replica_rank
@@ -76,7 +77,8 @@ class BandedPiece:
     band: tuple[tuple[int, ...], tuple[int, ...]]
     regions: tuple  # every member's (offsets, sizes), by member index (= group rank)
     blocks: tuple[BandBlock, ...]
-    staging: dict[int, torch.Tensor]  # block index -> where this rank reads the blocks it reads
+    share: Target | None  # the rows of the band this rank reads (its blocks, back to back), if any
+    staging: torch.Tensor | None  # where it reads them
 
 
 @dataclass(frozen=True)
@@ -222,16 +224,33 @@ def _read_and_hand_over(stored: StoredCheckpoint, targets: LoadTargets, groups: 
         phases += [HANDOVER_KINDS.index(banded.dims)] * len(blocks)
     my_rank = layout.rank_of(coords)
     cut = buckets(pieces, readers, BROADCAST_BUCKET_BYTES, phases)
-    position_of = {read_as[index]: position
-                   for position, bucket in enumerate(cut) if bucket.reader == my_rank for index in bucket.members}
+    # A bucket is in place once every target it is cut from is read (a share of a band may span
+    # several buckets, and a bucket hold several shares' blocks); targets are read in the order of
+    # the first bucket that needs them, each its own group so each reports when done.
+    needs: dict[int, set[Target]] = {position: {read_as[index] for index in bucket.members}
+                                    for position, bucket in enumerate(cut) if bucket.reader == my_rank}
+    buckets_of: dict[Target, list[int]] = {}
+    for position, needed in needs.items():
+        for target in needed:
+            buckets_of.setdefault(target, []).append(position)
+    read_order = sorted(buckets_of, key=lambda target: buckets_of[target][0])
+    group_of = {target: number for number, target in enumerate(read_order)}
     in_place = [threading.Event() for _ in cut]
+
+    def target_done(number: int) -> None:
+        target = read_order[number]
+        for position in buckets_of[target]:
+            needs[position].discard(target)
+            if not needs[position]:
+                in_place[position].set()
+
     outcome: dict = {}
     started = time.perf_counter()
 
     @torch.no_grad()  # grad mode is per thread: a plain parameter (a norm under tp alone) is filled here
     def read_all() -> None:
         try:
-            outcome["stats"] = stored.read(targets.destinations, groups=position_of, group_done=lambda p: in_place[p].set())
+            outcome["stats"] = stored.read(targets.destinations, groups=group_of, group_done=target_done)
         except BaseException as error:  # reported after the hand-over, which must not wait on it
             outcome["error"] = error
         finally:
@@ -249,20 +268,24 @@ def _read_and_hand_over(stored: StoredCheckpoint, targets: LoadTargets, groups: 
 
 def _sliced_blocks(banded: BandedPiece, group, layout: ParallelLayout, coords: RankCoords):
     """A banded piece's blocks as `SlicedPiece`s (every member lists them in the same order), the
-    global rank reading each, and the target each is read as."""
+    global rank reading each, and the target each is read in (this rank's share, where it reads
+    the block; else None)."""
     band_offsets, _ = banded.band
     columns = tuple((offsets[1] - band_offsets[1], offsets[1] - band_offsets[1] + sizes[1])
                     for offsets, sizes in banded.regions)
     local = local_tensor(banded.tensor)
     my_row = banded.target.offsets[0]
     pieces, readers, targets = [], [], []
-    for number, block in enumerate(banded.blocks):
-        staged = banded.staging.get(number)
-        stand_in = staged if staged is not None else torch.empty((), dtype=local.dtype, device=local.device).expand(block.sizes)
+    me = replica_members(layout, coords, banded.dims)[0]
+    for block in banded.blocks:
+        if block.reader == me:  # a view of the share this rank reads
+            read = banded.staging.narrow(0, block.offsets[0] - banded.share.offsets[0], block.sizes[0])
+        else:
+            read = torch.empty((), dtype=local.dtype, device=local.device).expand(block.sizes)
         mine = local.narrow(0, block.offsets[0] - my_row, block.sizes[0])
-        pieces.append(SlicedPiece(stand_in, group, columns, mine))
+        pieces.append(SlicedPiece(read, group, columns, mine))
         readers.append(replica_rank(layout, coords, banded.dims, block.reader))
-        targets.append(Target(banded.target.name, banded.target.kind, block.offsets, block.sizes))
+        targets.append(banded.share if block.reader == me else None)
     return pieces, readers, targets
 
 
@@ -350,9 +373,8 @@ def load_destinations(model, optimizer, read_once: bool = True,
         band = _banded(target, tensor, layout, coords, *bands) if read_once and bands and layout.tp > 1 else None
         if band is not None:
             banded.append(band)
-            for number, staging in band.staging.items():
-                block = band.blocks[number]
-                destinations[Target(name, kind, block.offsets, block.sizes)] = Destination(staging, block.offsets)
+            if band.share is not None:
+                destinations[band.share] = Destination(band.staging, band.share.offsets)
             continue
         dims = handover_dims(replicated_dims(tensor, layout)) if hand_over and isinstance(tensor, DTensor) else ()
         if dims and all(sizes):
@@ -392,10 +414,12 @@ def _banded(target: Target, tensor: torch.Tensor, layout: ParallelLayout, coords
         return None
     local = local_tensor(tensor)
     blocks = split_band(band, members, local.element_size(), BAND_BLOCK_BYTES, target.name)
-    me = replica_members(layout, coords, dims)[0]
-    staging = {number: torch.empty(block.sizes, dtype=local.dtype, device=local.device)
-               for number, block in enumerate(blocks) if block.reader == me}
-    return BandedPiece(target, tensor, dims, band, tuple(regions), tuple(blocks), staging)
+    share = reader_shares(blocks).get(replica_members(layout, coords, dims)[0])
+    if share is None:  # a band of fewer rows than members: this one reads nothing
+        return BandedPiece(target, tensor, dims, band, tuple(regions), tuple(blocks), None, None)
+    staging = torch.empty(share[1], dtype=local.dtype, device=local.device)
+    return BandedPiece(target, tensor, dims, band, tuple(regions), tuple(blocks),
+                       Target(target.name, target.kind, *share), staging)
 
 
 def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str,

@@ -91,6 +91,7 @@ def split_band(band: Box, members: int, itemsize: int, max_block_bytes: int, sal
     offsets, sizes = band
     rows, row_bytes = sizes[0], math.prod(sizes[1:]) * itemsize
     rows_per_block = max(1, max_block_bytes // max(1, row_bytes))
+    # (an empty share has no block: reader_shares then lists only members that read something)
     rotation = zlib.crc32(salt.encode()) % members if salt else 0
     blocks = []
     for share in range(members):
@@ -102,6 +103,20 @@ def split_band(band: Box, members: int, itemsize: int, max_block_bytes: int, sal
     return blocks
 
 
+def reader_shares(blocks: Sequence[BandBlock]) -> dict[int, Box]:
+    """Each reader's share of the band (its blocks are back to back): what it reads as one target,
+    so a share that covers a stored chunk reads it as one whole-chunk item, verified as it lands;
+    the blocks only cut the hand-over."""
+    shares: dict[int, Box] = {}
+    for block in blocks:
+        if block.reader in shares:
+            offsets, sizes = shares[block.reader]
+            shares[block.reader] = offsets, (sizes[0] + block.sizes[0], *sizes[1:])
+        else:
+            shares[block.reader] = block.offsets, block.sizes
+    return shares
+
+
 # ---- a whole layout's dry run ----------------------------------------------------------------------
 
 
@@ -109,7 +124,7 @@ def banded_target_table(targets: TargetTable, index, layout: ParallelLayout, min
                         read_once: bool = True, max_block_bytes: int = BAND_BLOCK_BYTES) -> TargetTable:
     """The targets a load on `layout` reads when its tp groups read banded weights once
     (`load_destinations` on each rank): each banded piece becomes received (its `receive_from`
-    another member of its group), and each member gets its blocks of the band to read itself.
+    another member of its group), and each member gets its share of the band to read itself.
     `index`: the checkpoint's `ChunkIndex`. Unchanged where nothing is banded (tp 1, exact row
     segments, a read-once hand-over turned off)."""
     if layout.tp == 1 or min_segment_bytes <= 0 or not read_once or not len(targets):
@@ -142,13 +157,14 @@ def banded_target_table(targets: TargetTable, index, layout: ParallelLayout, min
         members = rank[rows]  # in rank order: the group's member order
         received[rows] = np.roll(members, 1)  # anyone else in the group: the piece is not read for itself
         itemsize = int(targets.itemsize[rows[0]])
-        for block in split_band(band, len(rows), itemsize, max_block_bytes, name):
-            added["rank"].append(int(members[block.reader]))
+        for reader, (offsets, sizes) in sorted(reader_shares(split_band(band, len(rows), itemsize, max_block_bytes,
+                                                                        name)).items()):
+            added["rank"].append(int(members[reader]))
             added["name"].append(int(targets.name_code[rows[0]]))
             added["kind"].append(int(targets.kind_code[rows[0]]))
             added["ndim"].append(ndim)
-            added["offsets"].append(block.offsets + (0,) * (targets.width - ndim))
-            added["sizes"].append(block.sizes + (0,) * (targets.width - ndim))
+            added["offsets"].append(offsets + (0,) * (targets.width - ndim))
+            added["sizes"].append(sizes + (0,) * (targets.width - ndim))
             added["itemsize"].append(itemsize)
     if not added["rank"]:
         return targets

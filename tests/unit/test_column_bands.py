@@ -110,3 +110,15 @@ def test_ckpt_plan_reports_read_amplification_per_kind_for_an_object_store():
     assert families["layers.*.feed_forward.down.weight"] == "1.000x"
     assert plan.bytes_received > 0  # the column slices reach the tp ranks by scatter
     assert plan.bytes_read <= LIMIT * plan.bytes_needed + HEADER_BYTES * int(plan.rank_files.sum())
+
+
+def test_a_member_whose_share_covers_stored_chunks_reads_them_whole():
+    """fsdp4 -> tp2: each member's half of the band holds two whole fsdp chunks of `wo` and `down`;
+    it reads each as one whole-chunk item (its checksum verified as it lands), though the blocks it
+    hands over (200 bytes here) are far smaller than a chunk."""
+    _, plan = _object_store_plan(MODEL, ParallelLayout(fsdp=4), ParallelLayout(tp=2))
+    whole = {(item.chunk.name, item.chunk.kind, item.chunk.offsets)
+             for rank_plan in plan.ranks for items in rank_plan.items.values() for item in items if item.whole_chunk}
+    row_parallel = [c for c in _metadata_chunks(MODEL, ParallelLayout(fsdp=4))
+                    if c.name.endswith(("attention.wo.weight", "feed_forward.down.weight"))]
+    assert row_parallel and all((c.name, c.kind, c.offsets) in whole for c in row_parallel)
