@@ -122,10 +122,7 @@ def _scatter_columns(blocks: Sequence[SlicedPiece], bucket: Bucket, my_rank: int
     """One scatter from the bucket's reader: member m gets its columns of every block, back to back
     (padded to the longest member's, as a collective's tensors are all one size); bytes received."""
     members = len(blocks[0].columns)
-    trailing = [block.tensor[0, 0].numel() if block.tensor.shape[0] else 0 for block in blocks]
-    lengths = [sum(block.tensor.shape[0] * (stop - start) * rest
-                   for block, rest in zip(blocks, trailing) for start, stop in [block.columns[m]]) for m in range(members)]
-    padded = max(lengths)
+    padded = max(sum(block.tensor[:, slice(*block.columns[m])].numel() for block in blocks) for m in range(members))
     out = torch.empty(padded, dtype=bucket.dtype, device=bucket.device)
     mine = bucket.reader == my_rank
     parts = None
@@ -133,11 +130,10 @@ def _scatter_columns(blocks: Sequence[SlicedPiece], bucket: Bucket, my_rank: int
         ready()
         parts = []
         for m in range(members):
-            flat = torch.zeros(padded, dtype=bucket.dtype, device=bucket.device)
+            flat = torch.empty(padded, dtype=bucket.dtype, device=bucket.device)  # the padding is never read
             at = 0
             for block in blocks:
-                start, stop = block.columns[m]
-                piece = block.tensor[:, start:stop]
+                piece = block.tensor[:, slice(*block.columns[m])]
                 flat[at:at + piece.numel()].view(piece.shape).copy_(piece)
                 at += piece.numel()
             parts.append(flat)
