@@ -89,3 +89,32 @@ def test_a_corrupt_byte_in_a_banded_chunk_fails_the_load_naming_it(rank_pool, tm
     # Found where the three ranks' disjoint parts of the chunk meet (before banding every tp rank
     # read the chunk whole, and the first to finish named it alone).
     assert "read in parts by several ranks" in str(failed.value)
+
+
+def test_a_corrupt_chunk_a_member_reads_whole_fails_it_and_every_member_is_told(rank_pool, tmp_path, s3_store):
+    """fsdp4 -> tp2: each member's share of `wo`'s band holds two whole fsdp chunks, read whole and
+    verified as they land. The member reading the corrupt one names it; it still takes part in
+    every scatter, so its peer, whose columns it would have sent, is told the load failed instead
+    of waiting (every rank answers)."""
+    from rayshard.plans.errors import StepFailed
+
+    url = _source(s3_store, ParallelLayout(fsdp=4), "whole")
+    chunks, _ = read_manifest(url)
+    wo = next(c for c in chunks if c.name == "layers.0.attention.wo.weight" and c.kind == "param")
+    store = Store(s3_store)
+    path = f"{url.removeprefix('s3://')}/{wo.file}"
+    data = bytearray(store.fs.cat_file(path))
+    data[(wo.byte_start + wo.byte_end) // 2] ^= 0xFF
+    store.fs.pipe_file(path, bytes(data))
+    group = RankGroup(_config(tmp_path, s3_store, ParallelLayout(tp=2), "whole-again"), rank_pool)
+    try:
+        group.call("configure_storage", store.storage_conf)
+        with pytest.raises(StepFailed) as failed:
+            group.call_reporting_failures("load", url)
+    finally:
+        group.shutdown()
+    errors = failed.value.failures
+    assert failed.value.silent == [] and sorted(errors) == [0, 1], errors
+    named = [rank for rank, message in errors.items() if "checksum mismatch for layers.0.attention.wo.weight (param)" in message]
+    assert len(named) == 1, errors  # one member read the chunk, whole
+    assert "a replica of this rank could not load" in errors[1 - named[0]], errors
