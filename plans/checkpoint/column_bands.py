@@ -54,9 +54,12 @@ def band_of(regions: Sequence[Box]) -> Box | None:
     if not regions or len(regions[0][0]) < 2:
         return None
     first_offsets, first_sizes = regions[0]
-    others = lambda box: (box[0][:1] + box[0][2:], box[1][:1] + box[1][2:])  # noqa: E731
-    reference = others(regions[0])
-    if any(others(box) != reference for box in regions) or 0 in reference[1]:
+
+    def past_dim_1(box: Box) -> Box:  # the box without its dim 1
+        return box[0][:1] + box[0][2:], box[1][:1] + box[1][2:]
+
+    reference = past_dim_1(regions[0])
+    if any(past_dim_1(box) != reference for box in regions) or 0 in reference[1]:
         return None
     spans = sorted({(offsets[1], offsets[1] + sizes[1]) for offsets, sizes in regions if sizes[1] > 0})
     if len(spans) < 2 or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
@@ -170,7 +173,7 @@ def banded_target_table(targets: TargetTable, index, layout: ParallelLayout, min
         return targets
     count = len(added["rank"])
     rank_all = np.r_[rank, np.array(added["rank"], np.int64)]
-    order = np.argsort(rank_all, kind="stable")  # rows stay in rank order, each rank's blocks after its pieces
+    order = np.argsort(rank_all, kind="stable")  # rows stay in rank order, each rank's shares after its pieces
     return TargetTable(targets.world_size, targets.names, targets.kinds, rank_all[order],
                        np.r_[targets.name_code, np.array(added["name"], np.int32)][order],
                        np.r_[targets.kind_code, np.array(added["kind"], np.int32)][order],
