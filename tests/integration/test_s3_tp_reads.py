@@ -6,7 +6,6 @@ read `wo` and `down` whole), bit-exact by digests, and a corrupt byte in a chunk
 still fails the load naming the chunk."""
 from __future__ import annotations
 
-
 import pytest
 
 from rayshard.cluster.catalog.store import Store
