@@ -20,6 +20,12 @@ measures the same page-cache path. Peak RSS above the rank's baseline during eac
 sampled every 2 ms.
 
     .venv/bin/python bench/checkpoint.py [--model small] [--repeats 5] [--root /tmp/rayshard-bench-ckpt]
+        [--layout-b tp=3] [--object-store]
+
+--object-store: layout B's ranks also load A's checkpoint once from an S3 server (moto, started
+here on 127.0.0.1, the server the tests use) and the read amplification of that resharded load
+is printed: on object stores short row segments are read as whole rows, so a tp that cuts the
+row-parallel weights' rows reads them as bands, once per tp group (docs/decisions.md 146).
 """
 from __future__ import annotations
 
@@ -291,9 +297,44 @@ def _phase_b(rank, config, port, root, repeats, queue):
             seconds, extra = _timed(load)
             results[f"reshard/{method}"].append(seconds)
             memory[f"reshard/{method}"].append(extra)
-    queue.put((rank, results, memory, {"bytes_read": stats.get("bytes_read", 0), "bytes_needed": stats.get("bytes_needed", 0)},
-               _peak_rss()))
+    reads = {"bytes_read": stats.get("bytes_read", 0), "bytes_needed": stats.get("bytes_needed", 0)}
+    object_store = os.environ.get(OBJECT_STORE_URL)
+    if object_store:  # untimed, once: the bytes are the figure (moto reads a whole object per ranged GET)
+        loaded = _our_load(trainer, object_store)
+        reads.update({"s3_read": loaded["bytes_read"], "s3_needed": loaded.get("bytes_needed", 0),
+                      "s3_received": loaded["bytes_received"]})
+    queue.put((rank, results, memory, reads, _peak_rss()))
     trainer.shutdown()
+
+
+OBJECT_STORE_URL = "RAYSHARD_BENCH_OBJECT_STORE_URL"  # where phase B's ranks find the checkpoint on S3
+
+
+def _upload_to_moto(local_checkpoint: str):
+    """Start a moto S3 server on 127.0.0.1, copy the checkpoint into a bucket and point this process's
+    environment (inherited by the spawned ranks) at it. Returns (the checkpoint's s3 URL, the server)."""
+    import logging
+
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
+                       "AWS_ENDPOINT_URL": f"http://{host}:{port}"})
+    from rayshard.storage.options import configure
+
+    configure()
+    import boto3
+
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(Bucket="bench")
+    fs = fsspec.filesystem("s3")
+    fs.put(local_checkpoint, "bench/checkpoint", recursive=True)
+    url = "s3://bench/checkpoint"
+    os.environ[OBJECT_STORE_URL] = url
+    return url, server
 
 
 def _peak_rss() -> int:
@@ -320,6 +361,9 @@ def main() -> None:
     parser.add_argument("--layout-b", default="fsdp=4", type=ParallelLayout.parse, metavar="LAYOUT",
                         help="the resharded load's layout (default fsdp=4; tp=4 reads the row-parallel weights' "
                              "column slices, issue 42)")
+    parser.add_argument("--object-store", action="store_true",
+                        help="layout B also loads A's checkpoint once from an S3 server (moto on 127.0.0.1) and prints "
+                             "that resharded load's read amplification")
     args = parser.parse_args()
     shutil.rmtree(args.root, ignore_errors=True)
     os.makedirs(args.root)
@@ -328,7 +372,12 @@ def main() -> None:
     config_a = TrainConfig(layout=LAYOUT_A, **common).validate()
     config_b = TrainConfig(layout=args.layout_b, **common).validate()
     phase_a = _spawn(_phase_a, config_a, args.root, args.repeats)
-    phase_b = _spawn(_phase_b, config_b, args.root, args.repeats)
+    server = _upload_to_moto(f"{args.root}/rayshard-0")[1] if args.object_store else None
+    try:
+        phase_b = _spawn(_phase_b, config_b, args.root, args.repeats)
+    finally:
+        if server is not None:
+            server.stop()
 
     times = {**phase_a[0][1], **phase_b[0][1]}  # every rank got the same (slowest-rank) times
     medians = {key: statistics.median(values) for key, values in times.items()}
@@ -363,6 +412,12 @@ def main() -> None:
     print(f"resharded load to {args.layout_b.describe()}: rayshard read {read / MiB:.2f} MiB for {needed / MiB:.2f} MiB its "
           f"ranks hold: read amplification {read / max(1, needed):.4f}x (goal <= 1.05; beyond the bytes needed: "
           "safetensors headers checked on partly read files, and row segments read whole where the rest of a row is small)")
+    if args.object_store:
+        read, needed = (sum(item[3][key] for item in phase_b) for key in ("s3_read", "s3_needed"))
+        received = sum(item[3]["s3_received"] for item in phase_b)
+        print(f"resharded load to {args.layout_b.describe()} from S3 (moto): rayshard read {read / MiB:.2f} MiB for "
+              f"{needed / MiB:.2f} MiB its ranks hold: read amplification {read / max(1, needed):.4f}x (goal <= 1.05; "
+              f"{received / MiB:.2f} MiB more handed over between ranks: replicas' pieces and tp groups' column slices)")
     print("extra RSS above each rank's baseline during the operation, max over ranks and repeats (MiB):")
     for key in ("save", "load", "reshard"):
         phase = phase_a if key != "reshard" else phase_b

@@ -18,14 +18,16 @@ from torch.distributed.tensor import DTensor
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.actors.checkpoint.rank_pieces import MOMENTS, local_tensor, ties_embeddings, rank_layout, replicated_dims, state_tensors
 from rayshard.actors.checkpoint.read_executor import Destination
-from rayshard.actors.checkpoint.replica_broadcast import HandedPiece, broadcast_pieces, buckets
+from rayshard.actors.checkpoint.replica_broadcast import HandedPiece, SlicedPiece, broadcast_pieces, buckets
 from rayshard.actors.checkpoint.shard_writer import dtype_name
-from rayshard.actors.checkpoint.stored import StoredCheckpoint
-from rayshard.actors.parallel.shards import local_region
+from rayshard.actors.checkpoint.stored import StoredCheckpoint, min_segment_bytes_for
+from rayshard.actors.parallel.shards import local_region, region_at
 from rayshard.plans.checkpoint.chunks import PARAM, Chunk
+from rayshard.plans.checkpoint.column_bands import (BAND_BLOCK_BYTES, BandBlock, band_of, reader_shares, split_band,
+                                                   worth_banding)
 from rayshard.plans.checkpoint.model_check import raise_if_mismatched
 from rayshard.plans.checkpoint.reshard import Target
-from rayshard.plans.checkpoint.replicas import assign_readers, group_salt, handover_dims
+from rayshard.plans.checkpoint.replicas import assign_readers, group_salt, handover_dims, replica_members, replica_rank
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS, STAGE_MESH_DIMS, ParallelLayout, RankCoords
 from rayshard.storage.backends.registry import open_url
@@ -63,15 +65,34 @@ class SharedPiece:
     handover_dims: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class BandedPiece:
+    """This rank's column slice of a banded tensor (`plans/checkpoint/column_bands.py`): its
+    hand-over group (`dims`) reads the band's whole rows once, block by block, and every member
+    takes its columns of each block (docs/decisions.md 146)."""
+
+    target: Target
+    tensor: torch.Tensor  # this rank's local tensor
+    dims: tuple[str, ...]
+    band: tuple[tuple[int, ...], tuple[int, ...]]
+    regions: tuple  # every member's (offsets, sizes), by member index (= group rank)
+    blocks: tuple[BandBlock, ...]
+    share: Target | None  # the rows of the band this rank reads (its blocks, back to back), if any
+    staging: torch.Tensor | None  # where it reads them
+
+
 @dataclass(frozen=True)
 class LoadTargets:
     """What a rank's load fills: `destinations`, what this rank reads itself; `shared`, the pieces
     it holds with its replicas (every member lists them in the same order); `readers`, the global
-    rank that reads each shared piece (this rank's own are among the destinations)."""
+    rank that reads each shared piece (this rank's own are among the destinations); `banded`, its
+    column slices that its tp group reads as whole rows once (their blocks this rank reads are
+    among the destinations)."""
 
     destinations: dict[Target, Destination]
     shared: list[SharedPiece]
     readers: list[int]
+    banded: list[BandedPiece] = ()
 
 
 @contextlib.contextmanager
@@ -107,7 +128,8 @@ def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: 
     layout, coords = rank_layout(model)
     # Decided from the URL and the layout alone, so the same on every rank: all of them then take
     # part in the hand-over and in both agreements below, whatever fails where.
-    hands_over = read_once_for(checkpoint_url) and layout.dp > 1
+    # A tp group hands over too: the column slices of banded weights (decision 146).
+    hands_over = read_once_for(checkpoint_url) and (layout.dp > 1 or layout.tp > 1)
     device = next((local_tensor(t).device for _, _, t in state_tensors(model, optimizer)), torch.device("cpu"))
     seconds: dict = {}
     scope = LoadScope(only, moments)
@@ -161,8 +183,9 @@ def _prepare_load(model, optimizer, checkpoint_url: str, all_parameter_names: se
                    else torch.empty_like(param) for kind in MOMENTS}
         # Fused AdamW keeps its step count on the parameter's device (a GPU's, for a GPU rank).
         optimizer.state[param] = {"step": torch.tensor(float(step), device=param.device), **moments}
-    targets = load_destinations(model, optimizer, hands_over, placement, scope)
     stored = StoredCheckpoint(checkpoint_url, chunks, metadata, keys_checked=True)
+    targets = load_destinations(model, optimizer, hands_over, placement, scope,
+                                bands=(stored.index, min_segment_bytes_for(stored.fs)) if hands_over else None)
     return step, metadata, stored, targets
 
 
@@ -191,17 +214,43 @@ def _read_and_hand_over(stored: StoredCheckpoint, targets: LoadTargets, groups: 
     shared = targets.shared
     pieces = [HandedPiece(local_tensor(piece.tensor), groups[piece.handover_dims]) for piece in shared]
     phases = [HANDOVER_KINDS.index(piece.handover_dims) for piece in shared]  # the same order on every rank
+    readers = list(targets.readers)
+    read_as = [piece.target for piece in shared]  # the target each piece is read as, by its reader
+    for banded in targets.banded:
+        blocks, block_readers, block_targets = _sliced_blocks(banded, groups[banded.dims], layout, coords)
+        pieces += blocks
+        readers += block_readers
+        read_as += block_targets
+        phases += [HANDOVER_KINDS.index(banded.dims)] * len(blocks)
     my_rank = layout.rank_of(coords)
-    cut = buckets(pieces, targets.readers, BROADCAST_BUCKET_BYTES, phases)
-    position_of = {shared[index].target: position
-                   for position, bucket in enumerate(cut) if bucket.reader == my_rank for index in bucket.members}
+    cut = buckets(pieces, readers, BROADCAST_BUCKET_BYTES, phases)
+    # A bucket is in place once every target it is cut from is read (a share of a band may span
+    # several buckets, and a bucket hold several shares' blocks); targets are read in the order of
+    # the first bucket that needs them, each its own group so each reports when done.
+    needs: dict[int, set[Target]] = {position: {read_as[index] for index in bucket.members}
+                                    for position, bucket in enumerate(cut) if bucket.reader == my_rank}
+    buckets_of: dict[Target, list[int]] = {}
+    for position, needed in needs.items():
+        for target in needed:
+            buckets_of.setdefault(target, []).append(position)
+    read_order = sorted(buckets_of, key=lambda target: buckets_of[target][0])
+    group_of = {target: number for number, target in enumerate(read_order)}
     in_place = [threading.Event() for _ in cut]
+
+    def target_done(number: int) -> None:
+        target = read_order[number]
+        for position in buckets_of[target]:
+            needs[position].discard(target)
+            if not needs[position]:
+                in_place[position].set()
+
     outcome: dict = {}
     started = time.perf_counter()
 
+    @torch.no_grad()  # grad mode is per thread: a plain parameter (a norm under tp alone) is filled here
     def read_all() -> None:
         try:
-            outcome["stats"] = stored.read(targets.destinations, groups=position_of, group_done=lambda p: in_place[p].set())
+            outcome["stats"] = stored.read(targets.destinations, groups=group_of, group_done=target_done)
         except BaseException as error:  # reported after the hand-over, which must not wait on it
             outcome["error"] = error
         finally:
@@ -217,9 +266,32 @@ def _read_and_hand_over(stored: StoredCheckpoint, targets: LoadTargets, groups: 
     return outcome.get("stats", {}), received, outcome.get("error")
 
 
-# Every kind of replica group a read-once load hands pieces over in (`handover_dims`), in the
-# order every rank broadcasts them.
-HANDOVER_KINDS = (("dp",), DATA_MESH_DIMS, ("dp", "tp"), STAGE_MESH_DIMS)
+def _sliced_blocks(banded: BandedPiece, group, layout: ParallelLayout, coords: RankCoords):
+    """A banded piece's blocks as `SlicedPiece`s (every member lists them in the same order), the
+    global rank reading each, and the target each is read in (this rank's share, where it reads
+    the block; else None)."""
+    band_offsets, _ = banded.band
+    columns = tuple((offsets[1] - band_offsets[1], offsets[1] - band_offsets[1] + sizes[1])
+                    for offsets, sizes in banded.regions)
+    local = local_tensor(banded.tensor)
+    my_row = banded.target.offsets[0]
+    pieces, readers, targets = [], [], []
+    me = replica_members(layout, coords, banded.dims)[0]
+    for block in banded.blocks:
+        if block.reader == me:  # a view of the share this rank reads
+            read = banded.staging.narrow(0, block.offsets[0] - banded.share.offsets[0], block.sizes[0])
+        else:
+            read = torch.empty((), dtype=local.dtype, device=local.device).expand(block.sizes)
+        mine = local.narrow(0, block.offsets[0] - my_row, block.sizes[0])
+        pieces.append(SlicedPiece(read, group, columns, mine))
+        readers.append(replica_rank(layout, coords, banded.dims, block.reader))
+        targets.append(banded.share if block.reader == me else None)
+    return pieces, readers, targets
+
+
+# Every kind of replica group a read-once load hands pieces over in (`handover_dims`; ("tp",): a
+# banded tensor's tp group without dp replicas), in the order every rank hands them over.
+HANDOVER_KINDS = (("dp",), DATA_MESH_DIMS, ("dp", "tp"), STAGE_MESH_DIMS, ("tp",))
 
 
 class HandoverGroups:
@@ -243,6 +315,8 @@ class HandoverGroups:
                 for rank in range(layout.world_size):
                     members.setdefault(group_salt(dims, layout.coords_of(rank)), []).append(rank)
                 enumeration = tuple(sorted(map(tuple, members.values())))
+                if all(len(group) == 1 for group in enumeration):
+                    continue  # nothing is handed over within a group of one (dp 1, or tp 1)
                 if enumeration not in by_members:
                     by_members[enumeration], _ = dist.new_subgroups_by_enumeration([list(m) for m in enumeration])
                 made[dims] = by_members[enumeration]
@@ -278,23 +352,31 @@ def _fill_local_copies(model, optimizer, scope: LoadScope | None = None) -> None
 
 def load_destinations(model, optimizer, read_once: bool = True,
                       placement: tuple[ParallelLayout, RankCoords] | None = None,
-                      scope: LoadScope | None = None) -> LoadTargets:
+                      scope: LoadScope | None = None, bands: tuple | None = None) -> LoadTargets:
     """What this rank fills on load, and which of it it reads itself.
 
     read_once: each replica group (`handover_dims`: dp, and tp or fsdp where a piece is copied
     there too) reads its pieces once, split by bytes as on save, and broadcasts them, so storage
     serves the checkpoint once, not once per replica. placement: this rank's `rank_layout`, if
-    the caller has it (reading it walks every parameter's mesh)."""
+    the caller has it (reading it walks every parameter's mesh). bands: (the checkpoint's
+    `ChunkIndex`, the store's min_segment_bytes) to band row-parallel weights whose column slices
+    the store would read as whole rows (`_banded`); None: no banding."""
     layout, coords = placement or rank_layout(model)
-    destinations, shared, seen = {}, [], set()
+    destinations, shared, seen, banded = {}, [], set(), []
     hand_over = read_once and layout.dp > 1
     for name, kind, tensor in (scope or LoadScope()).tensors(model, optimizer):
         offsets, sizes = local_region(tensor)
         if (name, kind, offsets) in seen:
             continue  # a second copy on this rank (a tied embedding's, V placement): filled after the read
         seen.add((name, kind, offsets))
-        dims = handover_dims(replicated_dims(tensor, layout)) if hand_over and isinstance(tensor, DTensor) else ()
         target = Target(name, kind, offsets, sizes)
+        band = _banded(target, tensor, layout, coords, *bands) if read_once and bands and layout.tp > 1 else None
+        if band is not None:
+            banded.append(band)
+            if band.share is not None:
+                destinations[band.share] = Destination(band.staging, band.share.offsets)
+            continue
+        dims = handover_dims(replicated_dims(tensor, layout)) if hand_over and isinstance(tensor, DTensor) else ()
         if dims and all(sizes):
             shared.append(SharedPiece(target, tensor, dims))
         else:
@@ -306,7 +388,38 @@ def load_destinations(model, optimizer, read_once: bool = True,
     for piece, local, reader in zip(shared, locals_, readers):
         if reader == my_rank:
             destinations[piece.target] = Destination(local, piece.target.offsets)
-    return LoadTargets(destinations, shared, readers)
+    return LoadTargets(destinations, shared, readers, banded)
+
+
+def _banded(target: Target, tensor: torch.Tensor, layout: ParallelLayout, coords: RankCoords, index,
+            min_segment_bytes: int) -> BandedPiece | None:
+    """This piece as a banded one, if its tp group's regions form a band (`band_of`) that some member
+    would over-read alone (`worth_banding`): the group is the tp ranks, with their dp replicas
+    when dp > 1 (every member computes the same blocks from the same regions and chunks)."""
+    if (not isinstance(tensor, DTensor) or len(target.sizes) < 2 or "tp" not in (tensor.device_mesh.mesh_dim_names or ())
+            or (target.name, target.kind) not in index):
+        return None
+    mesh = tensor.device_mesh
+    tp_dim = mesh.mesh_dim_names.index("tp")
+    coordinate = list(mesh.get_coordinate())
+    dims = ("dp", "tp") if layout.dp > 1 else ("tp",)
+    _, members = replica_members(layout, coords, dims)
+    regions = []
+    for member in range(members):
+        coordinate[tp_dim] = layout.coords_of(replica_rank(layout, coords, dims, member)).tp
+        regions.append(region_at(tuple(tensor.shape), tuple(mesh.shape), list(coordinate), tensor.placements))
+    band = band_of(regions)
+    if band is None or not worth_banding(index[(target.name, target.kind)].overlapping(*band), regions, band,
+                                         min_segment_bytes):
+        return None
+    local = local_tensor(tensor)
+    blocks = split_band(band, members, local.element_size(), BAND_BLOCK_BYTES, target.name)
+    share = reader_shares(blocks).get(replica_members(layout, coords, dims)[0])
+    if share is None:  # a band of fewer rows than members: this one reads nothing
+        return BandedPiece(target, tensor, dims, band, tuple(regions), tuple(blocks), None, None)
+    staging = torch.empty(share[1], dtype=local.dtype, device=local.device)
+    return BandedPiece(target, tensor, dims, band, tuple(regions), tuple(blocks),
+                       Target(target.name, target.kind, *share), staging)
 
 
 def check_matches(model, stored: dict[tuple[str, str], Chunk], all_parameter_names: set[str], where: str,

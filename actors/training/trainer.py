@@ -278,7 +278,8 @@ class Trainer:
         result = load_rank_shard(self.model, self.optimizer, checkpoint_url, set(self.roles.stored_names),
                                  manifest, handover=self.handover_groups, only=self.stored_names)
         self.step = result["step"]
-        return {"step": result["step"], "bytes_read": result["bytes_read"], "seconds": result["seconds"],
+        return {"step": result["step"], "bytes_read": result["bytes_read"], "bytes_needed": result.get("bytes_needed", 0),
+                "bytes_received": result["bytes_received"], "seconds": result["seconds"],
                 "partial_reads": result["partial_reads"]}
 
     def load_base(self, checkpoint_url: str) -> dict:

@@ -12,7 +12,8 @@ from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.checkpoint.model_check import check_against_own_model
 from rayshard.plans.checkpoint.layout_plan import LayoutPlan, plan_layout
-from rayshard.plans.checkpoint.reshard import DEFAULT_MIN_SEGMENT_BYTES
+from rayshard.plans.checkpoint.column_bands import banded_target_table
+from rayshard.plans.checkpoint.reshard import DEFAULT_MIN_SEGMENT_BYTES, index_chunks
 from rayshard.plans.checkpoint.regions import check_layout_fits, layout_target_table
 
 MiB = 2**20
@@ -28,7 +29,11 @@ def build_plan(chunks: ChunkTable | list[Chunk], metadata: dict, layout: Paralle
     held = chunks.kinds()
     kinds = [k for k in ("param", "exp_avg", "exp_avg_sq") if k in held]
     # Columns end to end (targets, overlaps, requests): a 12,288-rank plan makes no record per piece.
-    plan = plan_layout(chunks, layout_target_table(model, layout, kinds, partition, read_once), min_segment_bytes)
+    targets = layout_target_table(model, layout, kinds, partition, read_once)
+    # On a store that reads short row segments as whole rows, tp groups read row-parallel weights
+    # as bands, once, as the load does (decision 146).
+    targets = banded_target_table(targets, index_chunks(chunks), layout, min_segment_bytes, read_once)
+    plan = plan_layout(chunks, targets, min_segment_bytes)
     return plan, time.perf_counter() - started
 
 
@@ -61,7 +66,8 @@ def format_plan(plan: LayoutPlan, layout: ParallelLayout, source: str, metadata:
                      f"median {statistics.median(reads):.2f} max {max(reads):.2f}; requests per rank min {min(requests)} "
                      f"median {statistics.median(requests):g} max {max(requests)}")
     amplification = plan.bytes_read / plan.bytes_needed if plan.bytes_needed else 1.0
-    sharing = (f"{plan.bytes_received / MiB:.2f} MiB more reach dp replicas by broadcast (each piece read once per replica group)"
+    sharing = (f"{plan.bytes_received / MiB:.2f} MiB more reach replicas by broadcast, and tp ranks by scatter (each piece "
+               "or band of whole rows read once per group)"
                if plan.bytes_received else "every rank reads what it holds (no broadcast)")
     lines += amplification_lines(plan)
     lines += [f"  total: {plan.bytes_read / MiB:.2f} MiB read from storage for {plan.bytes_needed / MiB:.2f} MiB needed "

@@ -239,6 +239,22 @@ def _items_for_overlap(chunk: Chunk, inter_off, inter_size, min_segment_bytes: i
     return [ReadItem(chunk, start, start + inter_size[0] * row_bytes, held_off, held_size, inter_off, inter_size)]
 
 
+def overlap_bytes_read(chunk: Chunk, inter_off, inter_size, min_segment_bytes: int) -> int:
+    """The bytes `_items_for_overlap` reads for this overlap, without making its items: exact when
+    the overlap is whole rows or read one segment per row, whole rows otherwise."""
+    if not chunk.sizes:
+        return chunk.byte_end - chunk.byte_start
+    row_bytes = _volume(chunk.sizes[1:]) * chunk.itemsize
+    needed = _volume(inter_size) * chunk.itemsize
+    if inter_size[1:] == chunk.sizes[1:]:
+        return needed
+    if len(chunk.sizes) >= 2 and inter_size[2:] == chunk.sizes[2:]:
+        segment_bytes = inter_size[1] * _volume(chunk.sizes[2:]) * chunk.itemsize
+        if segment_bytes >= min_segment_bytes and reads_by_row(row_bytes, segment_bytes):
+            return needed
+    return inter_size[0] * row_bytes
+
+
 def reads_by_row(row_bytes, segment_bytes):
     """Whether a column split is read as one range per row (the rest of the row is more than
     1/OVERREAD_DENOMINATOR of the segment) rather than as whole rows. Works on numpy columns too."""

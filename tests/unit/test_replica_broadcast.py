@@ -73,3 +73,40 @@ def test_phases_go_one_after_another_whatever_the_piece_order():
               HandedPiece(tensors[3], dp_group), HandedPiece(tensors[4], dp_tp_group)]
     cut = buckets(pieces, [3, 0, 1, 2, 3], bucket_bytes=1024, phases=[1, 0, 1, 0, 1])
     assert [(b.reader, b.members) for b in cut] == [(0, [1]), (2, [3]), (1, [2]), (3, [0, 4])]
+
+
+# ---- banded tensors: column slices of whole-row blocks, scattered (docs/decisions.md 146) ---------
+
+# A 7 x 10 x 2 band over three members with uneven columns (4, 3, 3), cut into row blocks read by
+# different members; one broadcast piece in the same group between them.
+COLUMNS = ((0, 4), (4, 7), (7, 10))
+BLOCKS = ((0, 3, 1), (3, 5, 2), (5, 7, 0))  # (first row, stop, reader)
+
+
+def _run_sliced(rank: int, init_method: str, world_size: int, results) -> None:
+    from rayshard.actors.checkpoint.replica_broadcast import SlicedPiece
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        group = dist.new_group([0, 1, 2])
+        band = torch.randn(7, 10, 2, generator=torch.Generator().manual_seed(3))
+        start, stop = COLUMNS[rank]
+        local = torch.full((7, stop - start, 2), -1.0)
+        norm = torch.arange(5.0) if rank == 2 else torch.zeros(5)
+        pieces, readers = [HandedPiece(norm, group)], [2]
+        for first, last, reader in BLOCKS:
+            read = band[first:last].clone() if reader == rank else torch.empty(()).expand(last - first, 10, 2)
+            pieces.append(SlicedPiece(read, group, COLUMNS, local.narrow(0, first, last - first)))
+            readers.append(reader)
+        received = broadcast_pieces(pieces, buckets(pieces, readers, bucket_bytes=80), rank)
+        results[rank] = (torch.equal(local, band[:, start:stop]), torch.equal(norm, torch.arange(5.0)), received)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_column_slices_of_whole_row_blocks_reach_every_member_bit_for_bit():
+    outcome = run_ranks(_run_sliced, 3)
+    for rank in range(3):
+        columns = COLUMNS[rank][1] - COLUMNS[rank][0]
+        from_others = sum(last - first for first, last, reader in BLOCKS if reader != rank) * columns * 2 * 4
+        assert outcome[rank] == (True, True, from_others + (0 if rank == 2 else 5 * 4)), (rank, outcome[rank])
