@@ -69,13 +69,18 @@ def _saves_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 class HuggingFaceLoop:
     """The plain loop: one LlamaForCausalLM, AdamW, autocast for bf16."""
 
-    def __init__(self, config: TrainConfig, device: torch.device):
+    def __init__(self, config: TrainConfig, device: torch.device, convert=None):
+        """convert: a function of the built model returning the model to train (bench/lora.py's
+        `peft.get_peft_model`); the optimizer and the clip then cover its trainable parameters."""
         settings = hf_config(config.model.spec, "float32")
         settings.pop("torch_dtype"), settings.pop("dtype")
         torch.manual_seed(config.seed)
         self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).to(device).train()
+        if convert is not None:
+            self.model = convert(self.model)
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
         opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+        self.optimizer = torch.optim.AdamW(self.trained, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
                                            weight_decay=opt.weight_decay, fused=True)
         self.config, self.device = config, device
         if config.numerics.ac != "none":
@@ -101,7 +106,7 @@ class HuggingFaceLoop:
             logits = self.model(input_ids=inputs, use_cache=False).logits  # training: no KV cache
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optimizer.grad_clip, foreach=True)
+        torch.nn.utils.clip_grad_norm_(self.trained, self.config.optimizer.grad_clip, foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss.item()
@@ -168,11 +173,12 @@ class AnchorProcess:
     """The parent's handle on `_anchor_process`. Every wait is bounded, and ends early with the
     child's exit code if the child dies (an import error, memory)."""
 
-    def __init__(self, args: argparse.Namespace, timeout_s: float = 600.0):
+    def __init__(self, args: argparse.Namespace, timeout_s: float = 600.0, target=_anchor_process):
+        """target: the child's function, (conn, vars(args)) -> None, stepping as `_anchor_process` does."""
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.timeout_s = timeout_s
-        self.process = context.Process(target=_anchor_process, args=(child, vars(args)), daemon=True)
+        self.process = context.Process(target=target, args=(child, vars(args)), daemon=True)
         self.process.start()
         child.close()  # the child's end lives in the child alone, so its death closes the pipe
         self._receive("build the model")
