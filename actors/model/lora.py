@@ -20,6 +20,8 @@ No rank ever gathers an adapter or a base weight.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,9 +29,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rayshard.actors.model.feed_forward import FeedForward
+from rayshard.actors.model.moe import MoEFeedForward
 from rayshard.actors.model.transformer import Attention
 from rayshard.plans.config.lora import LoraConfig
-from rayshard.plans.training.lora import ATTENTION_TARGETS, FEED_FORWARD_TARGETS, projection_dims
+from rayshard.plans.training.lora import ATTENTION_TARGETS, FEED_FORWARD_TARGETS, projection_dims, user_adapted_modules
 
 
 def freeze(model: nn.Module, dtype: torch.dtype | None) -> None:
@@ -154,16 +157,51 @@ def apply_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torch.dty
     frozen_dtype: the base's dtype where it differs from float32 (bf16 in a bf16 run: compute reads
     it in bf16 anyway, and nothing steps it, so no float32 master is kept)."""
     freeze(model, frozen_dtype)
-    dims, targets, scale = projection_dims(spec), lora.target_list, lora.scale
-    layers = model.layers.values() if model.layers is not None else ()
-    for layer in layers:
+    targets, scale = lora.target_list, lora.scale
+    layers = model.layers.items() if model.layers is not None else ()
+    for key, layer in layers:
+        index = int(key)
+        dims = projection_dims(spec, index)
+        feed_forward = layer.feed_forward
+        if isinstance(feed_forward, MoEFeedForward):  # routed experts take none; its shared expert does
+            feed_forward = feed_forward.shared
         for module, names, kind in ((layer.attention, ATTENTION_TARGETS, LoraAttention),
-                                    (layer.feed_forward, FEED_FORWARD_TARGETS, LoraFeedForward)):
+                                    (feed_forward, FEED_FORWARD_TARGETS, LoraFeedForward)):
             chosen = [name for name in names if name in targets]
-            if not chosen:
+            if not chosen or module is None:
                 continue
             device = next(module.parameters()).device
             with torch.device(device):
                 module.lora = nn.ModuleDict({name: LoraAdapter(*dims[name], lora.rank, scale, lora.dropout,
                                                                name in ("o", "down")) for name in chosen})
             module.__class__ = kind
+
+
+def _add_adapter_output(adapter: LoraAdapter, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook on a user's Linear: its output plus its adapter's delta of the same input."""
+    return output + adapter(args[0])
+
+
+@torch.no_grad()
+def apply_user_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:
+    """The converter for a user's model (`--model-factory`): the base frozen as `apply_lora`
+    does, and each Linear the targets name (module-name patterns, `plans/training/lora.py`) gets
+    an adapter beside it (`blocks.0.attn.q` -> `blocks.0.attn.lora.q`) whose delta a forward
+    hook adds to the Linear's output. The user's code is untouched; on a pipeline stage, only the
+    modules it holds are adapted."""
+    freeze(model, frozen_dtype)
+    modules = dict(model.named_modules())
+    for name, (features_in, features_out) in user_adapted_modules(spec, lora).items():
+        base = modules.get(name)
+        if base is None:  # another pipeline stage's
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        device = base.weight.device
+        if "lora" not in parent._modules:
+            with torch.device(device):
+                parent.lora = nn.ModuleDict()
+        with torch.device(device):
+            adapter = LoraAdapter(features_in, features_out, lora.rank, lora.scale, lora.dropout, False)
+        parent.lora[child] = adapter
+        base.register_forward_hook(functools.partial(_add_adapter_output, adapter))

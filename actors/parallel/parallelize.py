@@ -73,7 +73,8 @@ class PositionsToSequence(ParallelStyle):
     parameter with no partial sum to add."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Replicate()]))
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Replicate()]),
+                                     requires_grad=module.weight.requires_grad)  # frozen stays frozen (LoRA)
 
         def positions_in(module, args):
             return (DTensor.from_local(args[0], device_mesh, (Replicate(),), run_check=False),)
@@ -96,7 +97,8 @@ class StackedShard(ParallelStyle):
         self.dim = dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(self.dim)]))
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(self.dim)]),
+                                     requires_grad=module.weight.requires_grad)  # frozen stays frozen (LoRA)
         return module
 
 
@@ -182,7 +184,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, tp: int, ep: int) 
     for _, layer in layers:
         for linear, split in ((layer.experts.gate_up, 1), (layer.experts.down, 2)):
             placements = [Replicate(), Shard(0), Shard(split) if tp > 1 else Replicate()]
-            linear.weight = nn.Parameter(distribute_tensor(linear.weight, stage_mesh, placements))
+            # A frozen expert (LoRA's base) stays frozen: no gradient to compute or reduce over dp.
+            linear.weight = nn.Parameter(distribute_tensor(linear.weight, stage_mesh, placements),
+                                         requires_grad=linear.weight.requires_grad)
             experts.append(linear.weight)
         layer.dispatch = AllToAllDispatch(ep_group, tp_group)
     return experts

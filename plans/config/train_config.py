@@ -80,6 +80,11 @@ class TrainConfig:
         if not self.lora.enabled:
             return
         check_lora_fits(self.model.spec, self.lora)
+        if self.model.spec.user is not None and self.layout.tp > 1:
+            # Its adapters run as forward hooks on the user's Linears, which torch's tp styles
+            # turn into DTensor modules; not done yet.
+            raise ConfigError("lora", f"rank {self.lora.rank}", "LoRA on a user's model (--model-factory) under tp > 1 "
+                              "is not supported yet", "use dp, fsdp or pp for it, or a built-in family")
         if self.lora.dropout and self.layout.tp > 1:
             # Each tp rank would draw its own mask for the input a whole A sees, and the copies of A diverge.
             raise ConfigError("lora.dropout", self.lora.dropout, "LoRA dropout under tp > 1 is not supported yet",
