@@ -84,6 +84,25 @@ class _SumOverTp(torch.autograd.Function):
         return grad, None
 
 
+class _SplitSequence(torch.autograd.Function):
+    """The rank's sequence shard (dim 1) of a tensor every tp rank holds whole; the backward
+    gathers the shards' gradients, so the whole tensor's gradient is again the same on every rank
+    (Megatron's scatter to the sequence-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return tensor.chunk(size, dim=1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        pieces = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(pieces, grad, group=ctx.group)
+        return torch.cat(pieces, dim=1), None
+
+
 class LoraAdapter(nn.Module):
     """A [rank, in] and B [out, rank] of one logical projection. `tp_group` is set when tensor
     parallelism splits one of them (`actors/parallel/parallelize.py`'s adapter styles);
@@ -96,17 +115,22 @@ class LoraAdapter(nn.Module):
         self.b = nn.Parameter(torch.empty(features_out, rank))
         self.scale, self.dropout, self.row_parallel = scale, dropout, row_parallel
         self.tp_group = None
+        # --sp beside a row-parallel base whose output is the rank's sequence shard: the whole
+        # delta is computed (it is small: rank r) and cut to that shard (`_SplitSequence`).
+        self.to_sequence = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The delta of this projection's local output: x is the base's local input (whole beside a
         column-parallel base, the rank's columns beside a row-parallel one)."""
         a, b = _local(self.a), _local(self.b)
+        x = _local(x)  # under --sp the block's input is the gathered sequence as a Replicate DTensor
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
         t = x @ a.t().to(x.dtype)
         if self.tp_group is not None:
             t = (_SumOverTp if self.row_parallel else _SumGradientOverTp).apply(t, self.tp_group)
-        return (t @ b.t().to(t.dtype)) * self.scale
+        delta = (t @ b.t().to(t.dtype)) * self.scale
+        return _SplitSequence.apply(delta, self.tp_group) if self.to_sequence else delta
 
 
 class LoraAttention(Attention):
@@ -139,6 +163,7 @@ class LoraFeedForward(FeedForward):
         return out + self.lora["down"](hidden) if "down" in self.lora else out
 
     def _adapted_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        x = _local(x)  # under --sp: the gathered sequence, a Replicate DTensor
         weight = _local(self.gate_up.weight)  # frozen: the rank's rows (gate_j, up_j) of its hidden units
         group = self.lora[next(iter(self.lora))].tp_group
         base_x = _SumGradientOverTp.apply(x, group) if group is not None else x  # its gradient is this rank's share

@@ -89,10 +89,6 @@ class TrainConfig:
             # Each tp rank would draw its own mask for the input a whole A sees, and the copies of A diverge.
             raise ConfigError("lora.dropout", self.lora.dropout, "LoRA dropout under tp > 1 is not supported yet",
                               "set --lora-dropout 0, or train without --tp")
-        for flag, on in (("--sp", self.numerics.sequence_parallel), ("--compile", self.numerics.compile)):
-            if on:
-                raise ConfigError("lora", f"rank {self.lora.rank}", f"LoRA with {flag} is not supported yet",
-                                  f"drop {flag}, or train without --lora-rank")
 
     def _tp_limits(self) -> tuple[TpSplit, ...]:
         """What the run asks of tp beyond the model: a tp hint lists only degrees that meet these too."""

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from dataclasses import replace
 
 from rayshard.plans.errors import ConfigError
-from rayshard.plans.training.model_spec import ModelConfig
+from rayshard.plans.training.model_plan import ModelPlan, UserModel
+from rayshard.plans.training.model_spec import USER_FAMILY, ModelConfig
 from rayshard.plans.training.parameter_roles import FROZEN, TRAINED, ParameterRoles
-from rayshard.plans.training.tp_plan import LORA_COLWISE, LORA_ROWWISE
+from rayshard.plans.training.tp_plan import LORA_COLWISE, LORA_ROWWISE, split_dim_under
 
 # The logical projections an adapter can target, as people name them, even where the base fuses them.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -184,3 +186,25 @@ def user_adapted_modules(model: ModelConfig, lora) -> dict[str, tuple[int, int]]
             raise ConfigError("lora.rank", lora.rank, f"exceeds module {module!r}'s dimension ({features_in} in, "
                               f"{features_out} out)", f"set --lora-rank {min(features_in, features_out)} or less")
     return adapted
+
+
+# ---- offline planners on adapter checkpoints ---------------------------------------------------
+
+def adapter_planning_model(model: ModelConfig, record: dict) -> ModelConfig:
+    """The model as the offline planners (`ckpt reshard`, `ckpt plan`) see a LoRA checkpoint (its
+    manifest's `lora` record): the adapters as its only parameters, each with its tp split, cut
+    into pipeline stages as the base's blocks are. Written as a user-model record of the adapters,
+    so regions, stage cuts and writers read it as they read any model (decision 140)."""
+    targets = tuple(t.strip() for t in str(record["targets"]).split(",") if t.strip())
+    shapes = adapter_shapes(model, int(record["rank"]), targets)
+    base_plan = model.plan
+    styles = () if model.user is not None else tuple(
+        (f"layers.*.{part}.lora.{t}", LORA_ROWWISE if t in ROW_PARALLEL_TARGETS else LORA_COLWISE)
+        for t in targets for part in (("attention",) if t in ATTENTION_TARGETS else ("feed_forward", "feed_forward.shared")))
+    plan = ModelPlan(tp_styles=styles, blocks=base_plan.blocks, first_stage=base_plan.first_stage,
+                     last_stage=base_plan.last_stage, hidden_size=base_plan.hidden_size or model.dim,
+                     vocab_size=base_plan.vocab_size or model.vocab_size, max_seq_len=base_plan.max_seq_len or model.max_seq_len)
+    splits = tuple((name, shape, -1 if (dim := split_dim_under(name, styles)) is None else dim)
+                   for name, shape in shapes.items())
+    user = UserModel(factory=f"the LoRA adapters of a {model.family} model", plan=plan, parameters=splits)
+    return replace(model, family=USER_FAMILY, user=user, tie_embeddings=False)

@@ -140,6 +140,8 @@ class UserModel:
 
 def stage_part(plan: ModelPlan, name: str) -> str | int:
     """"first", "last", or the block index a parameter belongs to (its pipeline stage's part)."""
+    if name.startswith("lora."):  # a LoRA adapter of a top-level module (`lora.lm_head.a`) goes with it
+        name = name[len("lora."):]
     prefix = plan.blocks + "."
     if name.startswith(prefix):
         return int(name[len(prefix):].split(".")[0])

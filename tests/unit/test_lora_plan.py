@@ -234,3 +234,23 @@ def test_a_user_model_takes_targets_by_module_name_pattern():
 
     with pytest.raises(ConfigError, match="under tp > 1 is not supported yet"):
         TrainConfig(model=gpt2, layout=ParallelLayout(tp=2), lora=LoraConfig(rank=4)).validate()
+
+
+def test_offline_planners_see_an_adapter_checkpoint_as_its_adapters():
+    """`ckpt reshard` / `ckpt plan` plan a LoRA checkpoint's adapters alone, split under tp as the
+    trainer splits them, each in its layer's pipeline stage."""
+    from rayshard.plans.checkpoint.regions import pipeline_partition, rank_regions
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+    from rayshard.plans.training.lora import adapter_planning_model
+
+    model = preset("tiny")
+    view = adapter_planning_model(model, {"rank": 4, "alpha": 8.0, "targets": "q,down"})
+    assert parameter_shapes(view) == run_roles(TrainConfig(lora=LoraConfig(rank=4, targets="q,down"))).stored_shapes
+    layout = ParallelLayout(tp=2, pp=2)
+    regions = {r.name: r for r in rank_regions(view, layout, 1, pipeline_partition(view, layout))}  # pp 0, tp 1
+    assert set(regions) == {f"layers.{i}.{m}.{ab}" for i in (0, 1) for m in ("attention.lora.q", "feed_forward.lora.down")
+                            for ab in "ab"}
+    assert (regions["layers.0.attention.lora.q.b"].offsets, regions["layers.0.attention.lora.q.b"].sizes) == ((32, 0), (32, 4))
+    assert regions["layers.0.attention.lora.q.a"].sizes == (4, 64)  # copied over tp
+    assert (regions["layers.1.feed_forward.lora.down.a"].offsets, regions["layers.1.feed_forward.lora.down.a"].sizes) == \
+        ((0, 80), (4, 80))
