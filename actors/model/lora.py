@@ -33,6 +33,7 @@ from rayshard.actors.model.moe import MoEFeedForward
 from rayshard.actors.model.transformer import Attention
 from rayshard.plans.config.lora import LoraConfig
 from rayshard.plans.training.lora import ATTENTION_TARGETS, FEED_FORWARD_TARGETS, projection_dims, user_adapted_modules
+from rayshard.plans.training.tp_plan import ROWWISE, module_style
 
 
 def freeze(model: nn.Module, dtype: torch.dtype | None) -> None:
@@ -207,6 +208,23 @@ def _add_adapter_output(adapter: LoraAdapter, module: nn.Module, args: tuple, ou
     return output + adapter(args[0])
 
 
+def hook_beside(adapter: LoraAdapter, base: nn.Module) -> None:
+    """Add `adapter`'s delta to `base`'s output by a forward hook. Kept in the adapter's __dict__
+    (not as a submodule: the base is the user's, with its own name) so that tensor parallelism can
+    hook it again after torch's tp styles have added theirs (`rehook`)."""
+    adapter.__dict__["_hooked"] = (base, base.register_forward_hook(functools.partial(_add_adapter_output, adapter)))
+
+
+def rehook(adapter: nn.Module) -> None:
+    """Run the adapter's hook after those torch's tp style put on its base since `hook_beside`, so
+    it sees the base's local output (`use_local_output`) and adds the local delta to it."""
+    hooked = adapter.__dict__.get("_hooked")
+    if hooked is not None:
+        base, handle = hooked
+        handle.remove()
+        hook_beside(adapter, base)
+
+
 @torch.no_grad()
 def apply_user_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:
     """The converter for a user's model (`--model-factory`): the base frozen as `apply_lora`
@@ -216,6 +234,7 @@ def apply_user_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torc
     modules it holds are adapted."""
     freeze(model, frozen_dtype)
     modules = dict(model.named_modules())
+    styles = dict(spec.plan.tp_styles)
     for name, (features_in, features_out) in user_adapted_modules(spec, lora).items():
         base = modules.get(name)
         if base is None:  # another pipeline stage's
@@ -227,6 +246,7 @@ def apply_user_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torc
             with torch.device(device):
                 parent.lora = nn.ModuleDict()
         with torch.device(device):
-            adapter = LoraAdapter(features_in, features_out, lora.rank, lora.scale, lora.dropout, False)
+            adapter = LoraAdapter(features_in, features_out, lora.rank, lora.scale, lora.dropout,
+                                  module_style(name, styles) == ROWWISE)
         parent.lora[child] = adapter
-        base.register_forward_hook(functools.partial(_add_adapter_output, adapter))
+        hook_beside(adapter, base)

@@ -27,6 +27,7 @@ from rayshard.actors.parallel.precision import compute_dtype, fsdp_policy, uses_
 from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS
 from rayshard.plans.training.model_plan import ModelPlan
 from rayshard.plans.training.model_spec import REFERENCE_PLAN
+from rayshard.actors.model.lora import rehook
 from rayshard.plans.training.tp_plan import (ADAPTER_SPLIT, LORA_ROWWISE_TO_SEQUENCE, COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE,
                                     POSITIONS_TO_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE, SEQUENCE_PARALLEL,
                                     VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
@@ -117,6 +118,7 @@ class AdapterShard(ParallelStyle):
                                                                requires_grad=param.requires_grad))
         module.tp_group = device_mesh.get_group()
         module.to_sequence = self.to_sequence
+        rehook(module)  # a user model's adapter: its hook after the base's tp style's (actors/model/lora.py)
         return module
 
 

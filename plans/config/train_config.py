@@ -22,7 +22,7 @@ from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.options import option, section, sections
 from rayshard.plans.run_names import RUN_NAME, check_run_name
-from rayshard.plans.training.lora import check_lora_fits
+from rayshard.plans.training.lora import check_lora_fits, check_user_lora_under_tp
 from rayshard.plans.training.model_spec import PRESETS, ModelConfig, preset
 from rayshard.plans.training.tp_fit import TpSplit
 
@@ -81,10 +81,7 @@ class TrainConfig:
             return
         check_lora_fits(self.model.spec, self.lora)
         if self.model.spec.user is not None and self.layout.tp > 1:
-            # Its adapters run as forward hooks on the user's Linears, which torch's tp styles
-            # turn into DTensor modules; not done yet.
-            raise ConfigError("lora", f"rank {self.lora.rank}", "LoRA on a user's model (--model-factory) under tp > 1 "
-                              "is not supported yet", "use dp, fsdp or pp for it, or a built-in family")
+            check_user_lora_under_tp(self.model.spec, self.lora)
         if self.lora.dropout and self.layout.tp > 1:
             # Each tp rank would draw its own mask for the input a whole A sees, and the copies of A diverge.
             raise ConfigError("lora.dropout", self.lora.dropout, "LoRA dropout under tp > 1 is not supported yet",

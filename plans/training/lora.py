@@ -24,7 +24,7 @@ from rayshard.plans.errors import ConfigError
 from rayshard.plans.training.model_plan import ModelPlan, UserModel
 from rayshard.plans.training.model_spec import USER_FAMILY, ModelConfig
 from rayshard.plans.training.parameter_roles import FROZEN, TRAINED, ParameterRoles
-from rayshard.plans.training.tp_plan import LORA_COLWISE, LORA_ROWWISE, split_dim_under
+from rayshard.plans.training.tp_plan import COLWISE, LORA_COLWISE, LORA_ROWWISE, ROWWISE, module_style, split_dim_under
 
 # The logical projections an adapter can target, as people name them, even where the base fuses them.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -188,6 +188,29 @@ def user_adapted_modules(model: ModelConfig, lora) -> dict[str, tuple[int, int]]
     return adapted
 
 
+def user_adapter_tp_styles(model: ModelConfig, targets: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The tp styles of a user model's adapters: beside a column-parallel Linear B splits as its
+    output, beside a row-parallel one A as its input (decision 124); beside an unsplit Linear
+    both are copied. Other styles (a vocab-parallel head) take no adapter under tp
+    (`check_user_lora_under_tp`)."""
+    styles = dict(model.user.plan.tp_styles)
+    adapter_styles = {COLWISE: LORA_COLWISE, ROWWISE: LORA_ROWWISE}
+    return tuple((user_adapter_module(module), adapter_styles[style]) for module in _user_targets(model, targets)
+                 if (style := module_style(module, styles)) in adapter_styles)
+
+
+def check_user_lora_under_tp(model: ModelConfig, lora) -> None:
+    """Under tp a user model's adapter sits beside a column- or row-parallel Linear, or one tp
+    leaves whole; beside any other style (the vocab-parallel head) it is refused in one line."""
+    styles = dict(model.user.plan.tp_styles)
+    for module in _user_targets(model, lora.target_list):
+        style = module_style(module, styles)
+        if style not in (None, COLWISE, ROWWISE):
+            raise ConfigError("lora.targets", lora.targets, f"adapts {module}, which tp splits as {style!r}: an adapter "
+                              "can sit only beside a column- or row-parallel Linear, or one tp leaves whole",
+                              f"leave {module} out of --lora-targets, or train without --tp")
+
+
 # ---- offline planners on adapter checkpoints ---------------------------------------------------
 
 def adapter_planning_model(model: ModelConfig, record: dict) -> ModelConfig:
@@ -198,7 +221,7 @@ def adapter_planning_model(model: ModelConfig, record: dict) -> ModelConfig:
     targets = tuple(t.strip() for t in str(record["targets"]).split(",") if t.strip())
     shapes = adapter_shapes(model, int(record["rank"]), targets)
     base_plan = model.plan
-    styles = () if model.user is not None else tuple(
+    styles = user_adapter_tp_styles(model, targets) if model.user is not None else tuple(
         (f"layers.*.{part}.lora.{t}", LORA_ROWWISE if t in ROW_PARALLEL_TARGETS else LORA_COLWISE)
         for t in targets for part in (("attention",) if t in ATTENTION_TARGETS else ("feed_forward", "feed_forward.shared")))
     plan = ModelPlan(tp_styles=styles, blocks=base_plan.blocks, first_stage=base_plan.first_stage,

@@ -1,6 +1,6 @@
 """LoRA on a user's own model (`examples/gpt2` through `--model-factory`): targets by module-name
-pattern or by the names its plan declares (docs/decisions.md 141). One LoRA step on pp2 equals one
-rank's: the loss and every adapter gradient, and nothing else takes a gradient."""
+pattern or by the names its plan declares (docs/decisions.md 141). One LoRA step on pp2, and on
+tp2, equals one rank's: the loss and every adapter gradient, and nothing else takes a gradient."""
 from __future__ import annotations
 
 import pytest
@@ -16,9 +16,9 @@ FACTORY = "examples.gpt2.model:tiny_gpt2"
 LORA = LoraConfig(rank=4, alpha=8.0, targets="q,v,blocks.*.mlp.*,lm_head")
 
 
-def _config(tmp_path, layout, run, **overrides):
+def _config(tmp_path, layout, run, lora=LORA, **overrides):
     return small_config(tmp_path, layout, model=ModelChoice(FACTORY, describe_factory(FACTORY)), global_batch=8,
-                        seq_len=16, run=run, lora=LORA, steps=3, **overrides)
+                        seq_len=16, run=run, lora=lora, steps=3, **overrides)
 
 
 def test_one_user_model_lora_step_on_pp2_matches_one_rank(rank_pool, tmp_path):
@@ -31,4 +31,16 @@ def test_one_user_model_lora_step_on_pp2_matches_one_rank(rank_pool, tmp_path):
     assert loss == pytest.approx(one_loss, rel=1e-6)
     for name, gradient in one.items():
         assert gradient.abs().max() > 0, name
+        torch.testing.assert_close(gradients[name], gradient, rtol=1.3e-6, atol=1e-5, msg=name)
+
+
+def test_one_user_model_lora_step_on_tp2_matches_one_rank(rank_pool, tmp_path):
+    """Every name the plan declares (q, k, v, o, up, down): adapters beside column-parallel q, k, v
+    and fc (B split) and row-parallel projections (A split), hooked after torch's tp styles."""
+    every = LoraConfig(rank=4, alpha=8.0)
+    one_loss, one = _second_step_gradients(rank_pool, _config(tmp_path, ParallelLayout(), "one", every))
+    loss, gradients = _second_step_gradients(rank_pool, _config(tmp_path, ParallelLayout(tp=2), "tp", every))
+    assert set(one) == set(gradients) and len(one) == 4 * 6 * 2
+    assert loss == pytest.approx(one_loss, rel=1e-6)
+    for name, gradient in one.items():
         torch.testing.assert_close(gradients[name], gradient, rtol=1.3e-6, atol=1e-5, msg=name)

@@ -232,8 +232,15 @@ def test_a_user_model_takes_targets_by_module_name_pattern():
         TrainConfig(model=gpt2, lora=LoraConfig(rank=65, targets="q")).validate()
     from rayshard.plans.layout.parallel_layout import ParallelLayout
 
-    with pytest.raises(ConfigError, match="under tp > 1 is not supported yet"):
-        TrainConfig(model=gpt2, layout=ParallelLayout(tp=2), lora=LoraConfig(rank=4)).validate()
+    # Under tp: adapters beside column- and row-parallel Linears split as the built-in ones do; the
+    # vocab-parallel head takes none (one line).
+    tp2 = TrainConfig(model=gpt2, layout=ParallelLayout(tp=2), lora=LoraConfig(rank=4)).validate()
+    styles = run_plan(tp2).tp_styles
+    assert (split_dim_under("blocks.1.attn.lora.q.a", styles), split_dim_under("blocks.1.attn.lora.q.b", styles)) == (None, 0)
+    assert (split_dim_under("blocks.1.mlp.lora.proj.a", styles), split_dim_under("blocks.1.mlp.lora.proj.b", styles)) == (1, None)
+    with pytest.raises(ConfigError, match="adapts lm_head, which tp splits as 'vocab_head'") as error:
+        TrainConfig(model=gpt2, layout=ParallelLayout(tp=2), lora=LoraConfig(rank=4, targets="q,lm_head")).validate()
+    assert "\n" not in str(error.value)
 
 
 def test_offline_planners_see_an_adapter_checkpoint_as_its_adapters():
