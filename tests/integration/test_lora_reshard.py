@@ -4,8 +4,6 @@ pipeline stages with their layers. A LoRA checkpoint written on tp2 resharded of
 and to fsdp2 keeps every tensor's digest, back on tp2 it is the same chunks, and the copy resumes."""
 from __future__ import annotations
 
-import pytest
-
 from rayshard.cluster.catalog.store import Store
 from rayshard.cluster.checkpoint.offline_reshard import reshard_checkpoint
 from rayshard.cluster.checkpoint.reshard_report import build_plan
