@@ -17,8 +17,10 @@ LORA = LoraConfig(rank=4, alpha=8.0, targets="q,v,blocks.*.mlp.*,lm_head")
 
 
 def _config(tmp_path, layout, run, lora=LORA, **overrides):
-    return small_config(tmp_path, layout, model=ModelChoice(FACTORY, describe_factory(FACTORY)), global_batch=8,
-                        seq_len=16, run=run, lora=lora, steps=3, **overrides)
+    values = dict(model=ModelChoice(FACTORY, describe_factory(FACTORY)), global_batch=8, seq_len=16, run=run, lora=lora,
+                  steps=3)
+    values.update(overrides)
+    return small_config(tmp_path, layout, **values)
 
 
 def test_one_user_model_lora_step_on_pp2_matches_one_rank(rank_pool, tmp_path):
@@ -34,12 +36,17 @@ def test_one_user_model_lora_step_on_pp2_matches_one_rank(rank_pool, tmp_path):
         torch.testing.assert_close(gradients[name], gradient, rtol=1.3e-6, atol=1e-5, msg=name)
 
 
-def test_one_user_model_lora_step_on_tp2_matches_one_rank(rank_pool, tmp_path):
+@pytest.mark.parametrize("factory, sp", [(FACTORY, False), ("examples.gpt2.model:tiny_gpt2_without_positions", True)],
+                         ids=["tp2", "tp2-sp"])
+def test_one_user_model_lora_step_on_tp2_matches_one_rank(rank_pool, tmp_path, factory, sp):
     """Every name the plan declares (q, k, v, o, up, down): adapters beside column-parallel q, k, v
-    and fc (B split) and row-parallel projections (A split), hooked after torch's tp styles."""
+    and fc (B split) and row-parallel projections (A split), hooked after torch's tp styles; with
+    --sp the row-parallel ones' deltas cut to the rank's sequence shard."""
     every = LoraConfig(rank=4, alpha=8.0)
-    one_loss, one = _second_step_gradients(rank_pool, _config(tmp_path, ParallelLayout(), "one", every))
-    loss, gradients = _second_step_gradients(rank_pool, _config(tmp_path, ParallelLayout(tp=2), "tp", every))
+    model = ModelChoice(factory, describe_factory(factory))
+    one_loss, one = _second_step_gradients(rank_pool, _config(tmp_path, ParallelLayout(), "one", every, model=model))
+    loss, gradients = _second_step_gradients(rank_pool, _config(tmp_path, ParallelLayout(tp=2), "tp", every, model=model,
+                                                                sequence_parallel=sp))
     assert set(one) == set(gradients) and len(one) == 4 * 6 * 2
     assert loss == pytest.approx(one_loss, rel=1e-6)
     for name, gradient in one.items():
