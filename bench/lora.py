@@ -20,7 +20,7 @@ Two comparisons, each measured in the same run as its anchor:
    single-threaded). Goal ours/peft >= 1.0 on a CPU (report on a GPU).
 
     .venv/bin/python bench/lora.py [--preset small] [--layout dp=2] [--precision fp32|bf16] [--ac none|full|selective]
-                                   [--lora-rank 8] [--lora-alpha 16] [--lora-targets q,k,v,o,gate,up,down]
+                                   [--compile] [--lora-rank 8] [--lora-alpha 16] [--lora-targets q,k,v,o,gate,up,down]
                                    [--batch 4] [--seq-len N] [--steps 6] [--repeat 3] [--device cpu|cuda]
 
 On cuda the preset defaults to `1b` and sequences to 2048 tokens (as bench/throughput.py); one GPU
@@ -60,6 +60,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--layout", default="dp=1", help="layout of the LoRA/full comparison, e.g. dp=2 or fsdp=2,tp=2")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--ac", choices=("none", "full", "selective"), default="none")
+    parser.add_argument("--compile", action="store_true", help="ours per block as the trainer does; peft's model whole")
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lora-alpha", type=float, default=16.0)
     parser.add_argument("--lora-targets", default="q,k,v,o,gate,up,down")
@@ -74,8 +75,6 @@ def _parse_args() -> argparse.Namespace:
         args.preset = "small" if args.device == "cpu" else "1b"
     if args.seq_len is None:
         args.seq_len = 128 if args.device == "cpu" else 2048
-    # throughput.py's config and anchor read these too
-    args.compile = False  # LoRA under compile is refused for now (docs/decisions.md 124)
     return args
 
 
@@ -134,7 +133,8 @@ def lora_against_full(args: argparse.Namespace) -> None:
     peak = {name: [statistics.median(run[r] for run in runs) for r in range(layout.world_size)]
             for name, runs in peaks.items()}
     what = "CUDA allocator peak" if args.device == "cuda" else "peak resident set above the process's before the model"
-    print(f"LoRA / full fine-tuning on {layout.describe()} ({args.preset}, {args.precision}, ac {args.ac}, "
+    print(f"LoRA / full fine-tuning on {layout.describe()} ({args.preset}, {args.precision}, ac {args.ac}"
+          f"{', compile' if args.compile else ''}, "
           f"rank {args.lora_rank}, targets {args.lora_targets}), medians of {args.repeat}:")
     print(f"  step time   full {step['full'] * 1e3:.1f} ms, LoRA {step['lora'] * 1e3:.1f} ms: "
           f"LoRA/full = {step['lora'] / step['full']:.2f}")
@@ -193,7 +193,7 @@ def ours_against_peft(args: argparse.Namespace) -> None:
             anchor.close()
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"ours / transformers + peft, 1 rank, {args.preset}, batch {args.batch} x {args.seq_len}, {args.precision}, "
-          f"ac {args.ac}, rank {args.lora_rank} on {args.lora_targets} ({trainable / 1e6:.2f}M trainable), "
+          f"ac {args.ac}{', compile' if args.compile else ''}, rank {args.lora_rank} on {args.lora_targets} ({trainable / 1e6:.2f}M trainable), "
           f"{device_name}, {args.steps} timed steps each after {WARMUP} warm-up, alternating")
     wall = {name: statistics.median(samples) for name, samples in times.items()}
     cpu = {name: statistics.median(samples) for name, samples in cpu_times.items()}

@@ -20,6 +20,8 @@ No rank ever gathers an adapter or a base weight.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,9 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from rayshard.actors.model.feed_forward import FeedForward
 from rayshard.actors.model.swiglu import ACTIVATIONS
+from rayshard.actors.model.moe import MoEFeedForward
 from rayshard.actors.model.transformer import Attention
 from rayshard.plans.config.lora import LoraConfig
-from rayshard.plans.training.lora import ATTENTION_TARGETS, FEED_FORWARD_TARGETS, projection_dims
+from rayshard.plans.training.lora import ATTENTION_TARGETS, FEED_FORWARD_TARGETS, projection_dims, user_adapted_modules
+from rayshard.plans.training.tp_plan import ROWWISE, module_style
 
 
 def freeze(model: nn.Module, dtype: torch.dtype | None) -> None:
@@ -82,6 +86,25 @@ class _SumOverTp(torch.autograd.Function):
         return grad, None
 
 
+class _SplitSequence(torch.autograd.Function):
+    """The rank's sequence shard (dim 1) of a tensor every tp rank holds whole; the backward
+    gathers the shards' gradients, so the whole tensor's gradient is again the same on every rank
+    (Megatron's scatter to the sequence-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return tensor.chunk(size, dim=1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        pieces = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(pieces, grad, group=ctx.group)
+        return torch.cat(pieces, dim=1), None
+
+
 class LoraAdapter(nn.Module):
     """A [rank, in] and B [out, rank] of one logical projection. `tp_group` is set when tensor
     parallelism splits one of them (`actors/parallel/parallelize.py`'s adapter styles);
@@ -94,17 +117,22 @@ class LoraAdapter(nn.Module):
         self.b = nn.Parameter(torch.empty(features_out, rank))
         self.scale, self.dropout, self.row_parallel = scale, dropout, row_parallel
         self.tp_group = None
+        # --sp beside a row-parallel base whose output is the rank's sequence shard: the whole
+        # delta is computed (it is small: rank r) and cut to that shard (`_SplitSequence`).
+        self.to_sequence = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The delta of this projection's local output: x is the base's local input (whole beside a
         column-parallel base, the rank's columns beside a row-parallel one)."""
         a, b = _local(self.a), _local(self.b)
+        x = _local(x)  # under --sp the block's input is the gathered sequence as a Replicate DTensor
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
         t = x @ a.t().to(x.dtype)
         if self.tp_group is not None:
             t = (_SumOverTp if self.row_parallel else _SumGradientOverTp).apply(t, self.tp_group)
-        return (t @ b.t().to(t.dtype)) * self.scale
+        delta = (t @ b.t().to(t.dtype)) * self.scale
+        return _SplitSequence.apply(delta, self.tp_group) if self.to_sequence else delta
 
 
 class LoraAttention(Attention):
@@ -137,6 +165,7 @@ class LoraFeedForward(FeedForward):
         return out + self.lora["down"](hidden) if "down" in self.lora else out
 
     def _adapted_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        x = _local(x)  # under --sp: the gathered sequence, a Replicate DTensor
         weight = _local(self.gate_up.weight)  # frozen: the rank's rows (gate_j, up_j) of its hidden units
         group = self.lora[next(iter(self.lora))].tp_group
         base_x = _SumGradientOverTp.apply(x, group) if group is not None else x  # its gradient is this rank's share
@@ -155,16 +184,70 @@ def apply_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torch.dty
     frozen_dtype: the base's dtype where it differs from float32 (bf16 in a bf16 run: compute reads
     it in bf16 anyway, and nothing steps it, so no float32 master is kept)."""
     freeze(model, frozen_dtype)
-    dims, targets, scale = projection_dims(spec), lora.target_list, lora.scale
-    layers = model.layers.values() if model.layers is not None else ()
-    for layer in layers:
+    targets, scale = lora.target_list, lora.scale
+    layers = model.layers.items() if model.layers is not None else ()
+    for key, layer in layers:
+        index = int(key)
+        dims = projection_dims(spec, index)
+        feed_forward = layer.feed_forward
+        if isinstance(feed_forward, MoEFeedForward):  # routed experts take none; its shared expert does
+            feed_forward = feed_forward.shared
         for module, names, kind in ((layer.attention, ATTENTION_TARGETS, LoraAttention),
-                                    (layer.feed_forward, FEED_FORWARD_TARGETS, LoraFeedForward)):
+                                    (feed_forward, FEED_FORWARD_TARGETS, LoraFeedForward)):
             chosen = [name for name in names if name in targets]
-            if not chosen:
+            if not chosen or module is None:
                 continue
             device = next(module.parameters()).device
             with torch.device(device):
                 module.lora = nn.ModuleDict({name: LoraAdapter(*dims[name], lora.rank, scale, lora.dropout,
                                                                name in ("o", "down")) for name in chosen})
             module.__class__ = kind
+
+
+def _add_adapter_output(adapter: LoraAdapter, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook on a user's Linear: its output plus its adapter's delta of the same input."""
+    return output + adapter(args[0])
+
+
+def hook_beside(adapter: LoraAdapter, base: nn.Module) -> None:
+    """Add `adapter`'s delta to `base`'s output by a forward hook. Kept in the adapter's __dict__
+    (not as a submodule: the base is the user's, with its own name) so that tensor parallelism can
+    hook it again after torch's tp styles have added theirs (`rehook`)."""
+    adapter.__dict__["_hooked"] = (base, base.register_forward_hook(functools.partial(_add_adapter_output, adapter)))
+
+
+def rehook(adapter: nn.Module) -> None:
+    """Run the adapter's hook after those torch's tp style put on its base since `hook_beside`, so
+    it sees the base's local output (`use_local_output`) and adds the local delta to it."""
+    hooked = adapter.__dict__.get("_hooked")
+    if hooked is not None:
+        base, handle = hooked
+        handle.remove()
+        hook_beside(adapter, base)
+
+
+@torch.no_grad()
+def apply_user_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:
+    """The converter for a user's model (`--model-factory`): the base frozen as `apply_lora`
+    does, and each Linear the targets name (module-name patterns, `plans/training/lora.py`) gets
+    an adapter beside it (`blocks.0.attn.q` -> `blocks.0.attn.lora.q`) whose delta a forward
+    hook adds to the Linear's output. The user's code is untouched; on a pipeline stage, only the
+    modules it holds are adapted."""
+    freeze(model, frozen_dtype)
+    modules = dict(model.named_modules())
+    styles = dict(spec.plan.tp_styles)
+    for name, (features_in, features_out) in user_adapted_modules(spec, lora).items():
+        base = modules.get(name)
+        if base is None:  # another pipeline stage's
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        device = base.weight.device
+        if "lora" not in parent._modules:
+            with torch.device(device):
+                parent.lora = nn.ModuleDict()
+        with torch.device(device):
+            adapter = LoraAdapter(features_in, features_out, lora.rank, lora.scale, lora.dropout,
+                                  module_style(name, styles) == ROWWISE)
+        parent.lora[child] = adapter
+        hook_beside(adapter, base)

@@ -27,7 +27,7 @@ def init_std(name: str, shape: tuple[int, ...], n_layers: int, zero_norms: bool 
     """None means 'ones' (norm weights), 0.0 zeros (biases, as transformers starts them).
     Output projections are scaled down with depth (GPT-2). zero_norms: norm weights start at
     zeros, Gemma's (1 + weight) norms' identity (ModelConfig.norm "rmsnorm_plus_one")."""
-    if ".lora." in name:  # LoRA adapters: B zero (a run starts at its base), A of PEFT's default size
+    if ".lora." in f".{name}":  # LoRA adapters (a user model's top-level Linear's: `lora.lm_head.a`): B zero (a run starts at its base), A of PEFT's default size
         return 0.0 if name.endswith(".b") else 1.0 / math.sqrt(shape[1])
     if name.endswith("norm.weight"):
         return 0.0 if zero_norms else None

@@ -27,7 +27,8 @@ from rayshard.actors.parallel.precision import compute_dtype, fsdp_policy, uses_
 from rayshard.plans.layout.parallel_layout import DATA_MESH_DIMS
 from rayshard.plans.training.model_plan import ModelPlan
 from rayshard.plans.training.model_spec import REFERENCE_PLAN
-from rayshard.plans.training.tp_plan import (ADAPTER_SPLIT, COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE,
+from rayshard.actors.model.lora import rehook
+from rayshard.plans.training.tp_plan import (ADAPTER_SPLIT, LORA_ROWWISE_TO_SEQUENCE, COLWISE, EXPERT_COLWISE, EXPERT_ROWWISE, GATHER_SEQUENCE,
                                     POSITIONS_TO_SEQUENCE, ROWWISE, ROWWISE_TO_SEQUENCE, SEQUENCE_PARALLEL,
                                     SEQUENCE_PARALLEL_TO_LOCAL,
                                     VOCAB_EMBEDDING, VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD,
@@ -93,7 +94,8 @@ class PositionsToSequence(ParallelStyle):
     parameter with no partial sum to add."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Replicate()]))
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Replicate()]),
+                                     requires_grad=module.weight.requires_grad)  # frozen stays frozen (LoRA)
 
         def positions_in(module, args):
             return (DTensor.from_local(args[0], device_mesh, (Replicate(),), run_check=False),)
@@ -116,23 +118,27 @@ class StackedShard(ParallelStyle):
         self.dim = dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(self.dim)]))
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(self.dim)]),
+                                     requires_grad=module.weight.requires_grad)  # frozen stays frozen (LoRA)
         return module
 
 
 class AdapterShard(ParallelStyle):
     """A LoRA adapter (`actors/model/lora.py`): its `parameter` split along `dim` over tp, the other
-    copied; the adapter computes on its local pieces and learns the tp group from here."""
+    copied; the adapter computes on its local pieces and learns the tp group from here.
+    to_sequence: beside a base whose output is the rank's sequence shard (--sp), so is the delta."""
 
-    def __init__(self, parameter: str, dim: int):
+    def __init__(self, parameter: str, dim: int, to_sequence: bool = False):
         super().__init__()
-        self.parameter, self.dim = parameter, dim
+        self.parameter, self.dim, self.to_sequence = parameter, dim, to_sequence
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         param = getattr(module, self.parameter)
         module.register_parameter(self.parameter, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(self.dim)]),
                                                                requires_grad=param.requires_grad))
         module.tp_group = device_mesh.get_group()
+        module.to_sequence = self.to_sequence
+        rehook(module)  # a user model's adapter: its hook after the base's tp style's (actors/model/lora.py)
         return module
 
 
@@ -153,7 +159,8 @@ TORCH_STYLES: dict[str, ParallelStyle] = {
     POSITIONS_TO_SEQUENCE: PositionsToSequence(),
     EXPERT_COLWISE: StackedShard(1),
     EXPERT_ROWWISE: StackedShard(2),
-    **{style: AdapterShard(parameter, dim) for style, (parameter, dim) in ADAPTER_SPLIT.items()},
+    **{style: AdapterShard(parameter, dim, style == LORA_ROWWISE_TO_SEQUENCE)
+       for style, (parameter, dim) in ADAPTER_SPLIT.items()},
 }
 EXPERT_STYLES = (EXPERT_COLWISE, EXPERT_ROWWISE)
 
@@ -169,7 +176,13 @@ def resolve_tp_plan(model: nn.Module, patterns: dict[str, ParallelStyle]) -> dic
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, patterns: dict[str, ParallelStyle]) -> None:
+    # torch's styles re-create the parameters they place (SequenceParallel's norm weights, for
+    # one) with requires_grad=True: a frozen weight (LoRA's base) must stay frozen.
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, resolve_tp_plan(model, patterns))
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def torch_plan(styles: tuple[tuple[str, str], ...], sequence_parallel: bool,
@@ -203,7 +216,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, tp: int, ep: int) 
     for _, layer in layers:
         for linear, split in ((layer.experts.gate_up, 1), (layer.experts.down, 2)):
             placements = [Replicate(), Shard(0), Shard(split) if tp > 1 else Replicate()]
-            linear.weight = nn.Parameter(distribute_tensor(linear.weight, stage_mesh, placements))
+            # A frozen expert (LoRA's base) stays frozen: no gradient to compute or reduce over dp.
+            linear.weight = nn.Parameter(distribute_tensor(linear.weight, stage_mesh, placements),
+                                         requires_grad=linear.weight.requires_grad)
             experts.append(linear.weight)
         layer.dispatch = AllToAllDispatch(ep_group, tp_group)
     return experts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rayshard.actors.model.lora import apply_lora
+from rayshard.actors.model.lora import apply_lora, apply_user_lora
 from rayshard.actors.parallel.precision import compute_dtype
 
 
@@ -19,5 +19,6 @@ def convert_model(model: nn.Module, config) -> nn.Module:
     lora = config.lora
     if lora.enabled:
         precision = config.numerics.precision
-        apply_lora(model, config.model.spec, lora, compute_dtype(precision) if precision != "fp32" else None)
+        convert = apply_user_lora if config.model.spec.user is not None else apply_lora
+        convert(model, config.model.spec, lora, compute_dtype(precision) if precision != "fp32" else None)
     return model

@@ -32,7 +32,7 @@ from rayshard.storage.options import apply_conf
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.checkpoint.model_check import check_against_own_model, require_model_record
+from rayshard.plans.checkpoint.model_check import model_to_plan, require_model_record
 from rayshard.plans.interop.model_description import MANIFEST_KEY, ModelDescription
 from rayshard.plans.training.model_spec import ModelConfig
 from rayshard.plans.checkpoint.reshard import Target
@@ -82,7 +82,7 @@ def target_partition(metadata: dict, layout: ParallelLayout, schedule: str | Non
 
 def planned_writes(chunks: list[Chunk], metadata: dict, layout: ParallelLayout, schedule: str | None = None,
                    stage_layout: list[int] | None = None) -> list[list[PlannedPiece]]:
-    model = check_against_own_model(chunks, metadata, metadata.get("run", "being resharded"))
+    model = model_to_plan(chunks, metadata, metadata.get("run", "being resharded"))
     check_layout_fits(model, layout)
     kinds = sorted({c.kind for c in chunks}, key=lambda k: ("param", "exp_avg", "exp_avg_sq").index(k)
                    if k in ("param", "exp_avg", "exp_avg_sq") else 9)

@@ -10,7 +10,7 @@ import numpy as np
 from rayshard.plans.checkpoint.chunk_table import ChunkTable, as_table
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.layout.parallel_layout import ParallelLayout
-from rayshard.plans.checkpoint.model_check import check_against_own_model
+from rayshard.plans.checkpoint.model_check import model_to_plan
 from rayshard.plans.checkpoint.layout_plan import LayoutPlan, plan_layout
 from rayshard.plans.checkpoint.column_bands import banded_target_table
 from rayshard.plans.checkpoint.reshard import DEFAULT_MIN_SEGMENT_BYTES, index_chunks
@@ -23,7 +23,7 @@ def build_plan(chunks: ChunkTable | list[Chunk], metadata: dict, layout: Paralle
                min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES, read_once: bool = True) -> tuple[LayoutPlan, float]:
     """(plan, seconds) for loading this checkpoint onto `layout`; metadata only, no data read."""
     started = time.perf_counter()
-    model = check_against_own_model(chunks, metadata, metadata.get("run", "to plan"))
+    model = model_to_plan(chunks, metadata, metadata.get("run", "to plan"))
     check_layout_fits(model, layout)
     chunks = as_table(chunks)  # columns: the plan makes records only for the chunks it reads
     held = chunks.kinds()

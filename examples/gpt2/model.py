@@ -114,8 +114,13 @@ SEQUENCE_PARALLEL_ADDITIONS = {
 }
 
 
+# LoRA's target names (`--lora-targets q,v`) as module-name patterns; patterns may be given too.
+LORA_TARGETS = {"q": "blocks.*.attn.q", "k": "blocks.*.attn.k", "v": "blocks.*.attn.v", "o": "blocks.*.attn.proj",
+                "up": "blocks.*.mlp.fc", "down": "blocks.*.mlp.proj"}
+
+
 def gpt2_plan(dim: int, vocab: int, max_seq_len: int, positions: bool = True) -> ModelPlan:
-    return ModelPlan(tp_styles=TP_STYLES, sequence_parallel={} if positions else SEQUENCE_PARALLEL_ADDITIONS,
+    return ModelPlan(tp_styles=TP_STYLES, lora_targets=LORA_TARGETS, sequence_parallel={} if positions else SEQUENCE_PARALLEL_ADDITIONS,
                      blocks="blocks", first_stage=("wte", "wpe") if positions else ("wte",),
                      last_stage=("norm", "lm_head"), hidden_size=dim, vocab_size=vocab, max_seq_len=max_seq_len)
 

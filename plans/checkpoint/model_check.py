@@ -7,7 +7,7 @@ from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.checkpoint.state_dict_keys import column_of
 from rayshard.plans.errors import CheckpointError
-from rayshard.plans.training.lora import recorded_adapter_shapes
+from rayshard.plans.training.lora import adapter_planning_model, recorded_adapter_shapes
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 
 SHOWN = 20
@@ -106,3 +106,10 @@ def check_state_dict_matches(tensors: dict[str, tuple[tuple[int, ...], str]], va
         raise CheckpointError(f"{where}: the state dict does not match the checkpoint: {problems[0]}{more}. Fix: build "
                               "the model and optimizer the checkpoint was saved from (any layout), or load a "
                               "checkpoint of this model")
+
+
+def model_to_plan(chunks, metadata: dict, where: str) -> ModelConfig:
+    """`check_against_own_model`, as the offline planners (`ckpt reshard`, `ckpt plan`) must see
+    it: a LoRA checkpoint's adapters alone (`plans/training/lora.py`), any other its model."""
+    model = check_against_own_model(chunks, metadata, where)
+    return adapter_planning_model(model, metadata["lora"]) if metadata.get("lora") else model

@@ -21,7 +21,8 @@ class LoraConfig:
     alpha: float = option(16.0, flag="--lora-alpha", metavar="A", help="LoRA scale numerator: adapters add (alpha/rank) B A")
     dropout: float = option(0.0, flag="--lora-dropout", metavar="P", help="dropout on the adapters' input")
     targets: str = option(",".join(LORA_TARGETS), flag="--lora-targets", metavar="LIST",
-                          help="comma-separated projections to adapt: q,k,v,o,gate,up,down")
+                          help="comma-separated projections to adapt: q,k,v,o,gate,up,down; on a user's model "
+                               "(--model-factory) module-name patterns, or names its plan's lora_targets gives")
     base: str | None = option(None, flag="--lora-base", metavar="CKPT",
                               help="checkpoint with the frozen base weights (RUN, RUN@STEP, URL); default: the seeded init")
 
@@ -33,7 +34,9 @@ class LoraConfig:
     def target_list(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
-    def validate(self) -> None:
+    def validate(self, user_model: bool = False) -> None:
+        """user_model: targets are module-name patterns (checked against the model by
+        `plans/training/lora.py`), not the built-in decoder's projection names."""
         if self.rank < 0:
             raise ConfigError("lora.rank", self.rank, "must be 0 (off) or positive", "set --lora-rank 8, say, or 0")
         if not self.enabled:
@@ -43,6 +46,16 @@ class LoraConfig:
         if not 0 <= self.dropout < 1:
             raise ConfigError("lora.dropout", self.dropout, "must be in [0, 1)", "set --lora-dropout 0.05, say, or 0")
         targets = self.target_list
+        if user_model:
+            if not targets:
+                raise ConfigError("lora.targets", self.targets, "names nothing", "give module-name patterns, e.g. "
+                                  "--lora-targets 'blocks.*.attn.q,blocks.*.attn.v'")
+            return
+        routed = [t for t in targets if t.startswith("expert")]
+        if routed:
+            raise ConfigError("lora.targets", self.targets, "adapters on routed experts are not supported (gate, up and "
+                              "down adapt an MoE layer's shared expert and the dense layers)",
+                              f"leave {','.join(routed)} out, e.g. --lora-targets q,k,v,o,gate,up,down")
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or not targets:
             raise ConfigError("lora.targets", self.targets, f"names {unknown or 'nothing'}; the projections that exist "

@@ -22,7 +22,7 @@ from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.options import option, section, sections
 from rayshard.plans.run_names import RUN_NAME, check_run_name
-from rayshard.plans.training.lora import check_lora_fits
+from rayshard.plans.training.lora import check_lora_fits, check_user_lora_under_tp
 from rayshard.plans.training.model_spec import PRESETS, ModelConfig, preset
 from rayshard.plans.training.tp_fit import TpSplit
 
@@ -80,14 +80,12 @@ class TrainConfig:
         if not self.lora.enabled:
             return
         check_lora_fits(self.model.spec, self.lora)
+        if self.model.spec.user is not None and self.layout.tp > 1:
+            check_user_lora_under_tp(self.model.spec, self.lora)
         if self.lora.dropout and self.layout.tp > 1:
             # Each tp rank would draw its own mask for the input a whole A sees, and the copies of A diverge.
             raise ConfigError("lora.dropout", self.lora.dropout, "LoRA dropout under tp > 1 is not supported yet",
                               "set --lora-dropout 0, or train without --tp")
-        for flag, on in (("--sp", self.numerics.sequence_parallel), ("--compile", self.numerics.compile)):
-            if on:
-                raise ConfigError("lora", f"rank {self.lora.rank}", f"LoRA with {flag} is not supported yet",
-                                  f"drop {flag}, or train without --lora-rank")
 
     def _tp_limits(self) -> tuple[TpSplit, ...]:
         """What the run asks of tp beyond the model: a tp hint lists only degrees that meet these too."""

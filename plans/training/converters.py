@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rayshard.plans.training.lora import lora_roles, lora_tp_styles
+from rayshard.plans.training.lora import lora_roles, lora_tp_styles, user_adapter_tp_styles
 from rayshard.plans.training.model_plan import ModelPlan
 from rayshard.plans.training.model_spec import ModelConfig
 from rayshard.plans.training.parameter_roles import ParameterRoles, full_training
@@ -31,7 +31,10 @@ def run_roles(config) -> ParameterRoles:
 
 def run_plan(config) -> ModelPlan:
     """The model's parallelize plan with the tp styles of the run's converters' parameters."""
-    plan = config.model.spec.plan
+    model = config.model.spec
+    plan = model.plan
     if config.lora.enabled:
-        plan = replace(plan, tp_styles=plan.tp_styles + lora_tp_styles(config.lora))
+        styles = (user_adapter_tp_styles(model, config.lora.target_list) if model.user is not None
+                  else lora_tp_styles(config.lora))
+        plan = replace(plan, tp_styles=plan.tp_styles + styles)
     return plan

@@ -66,6 +66,10 @@ class ModelPlan:
     # the rank's heads (Qwen3's per-head q/k norms): each tp rank's gradient is a partial sum, and
     # the ranks add them after the backward (`actors/parallel/parallelize.sum_partial_gradients`).
     tp_partial_gradients: tuple[str, ...] = ()
+    # LoRA (`--lora-targets`, plans/training/lora.py): names people use -> module-name patterns
+    # (fnmatch, global names), e.g. {"q": "blocks.*.attn.q"}; --lora-targets takes these names or
+    # patterns, and without the flag a LoRA run adapts every module named here.
+    lora_targets: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "tp_partial_gradients", tuple(str(p) for p in self.tp_partial_gradients))
@@ -76,6 +80,7 @@ class ModelPlan:
             object.__setattr__(self, "hf_mapping", canonical(self.hf_mapping))
             object.__setattr__(self, "hf_config", _json_object(self.hf_config))
         object.__setattr__(self, "tp_styles", _pairs(self.tp_styles))
+        object.__setattr__(self, "lora_targets", _pairs(self.lora_targets))
         object.__setattr__(self, "sequence_parallel", _pairs(self.sequence_parallel))
         object.__setattr__(self, "first_stage", tuple(self.first_stage))
         object.__setattr__(self, "last_stage", tuple(self.last_stage))
@@ -135,6 +140,8 @@ class UserModel:
 
 def stage_part(plan: ModelPlan, name: str) -> str | int:
     """"first", "last", or the block index a parameter belongs to (its pipeline stage's part)."""
+    if name.startswith("lora."):  # a LoRA adapter of a top-level module (`lora.lm_head.a`) goes with it
+        name = name[len("lora."):]
     prefix = plan.blocks + "."
     if name.startswith(prefix):
         return int(name[len(prefix):].split(".")[0])

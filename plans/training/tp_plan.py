@@ -46,7 +46,11 @@ VOCAB_STYLES = frozenset({VOCAB_EMBEDDING, VOCAB_HEAD, VOCAB_EMBEDDING_TO_SEQUEN
 # their parameters are placed; the adapter's forward computes on local pieces (actors/model/lora.py).
 LORA_COLWISE = "lora_colwise"    # beside a column-parallel base: B split by rows (the base's output), A copied
 LORA_ROWWISE = "lora_rowwise"    # beside a row-parallel base: A split by columns (the base's input), B copied
-ADAPTER_SPLIT = {LORA_COLWISE: ("b", 0), LORA_ROWWISE: ("a", 1)}  # style -> (the parameter split, its dim)
+# Under --sp, beside a base whose output is reduce-scattered on the sequence: the delta is cut to the
+# rank's sequence shard as well (same parameter split).
+LORA_ROWWISE_TO_SEQUENCE = "lora_rowwise_to_sequence"
+ADAPTER_SPLIT = {LORA_COLWISE: ("b", 0), LORA_ROWWISE: ("a", 1),  # style -> (the parameter split, its dim)
+                 LORA_ROWWISE_TO_SEQUENCE: ("a", 1)}
 
 # Which weight dimension each style splits; a parameter under no pattern is copied on every tp rank.
 WEIGHT_SPLIT_DIM = {COLWISE: 0, ROWWISE: 1, VOCAB_EMBEDDING: 0, VOCAB_HEAD: 0, EXPERT_COLWISE: 1, EXPERT_ROWWISE: 2,
@@ -70,7 +74,7 @@ DEFAULT_TP_STYLES: dict[str, str] = {
 
 # The sequence-parallel form of each TP style whose end meets the residual stream.
 _TO_SEQUENCE = {ROWWISE: ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING: VOCAB_EMBEDDING_TO_SEQUENCE,
-                VOCAB_HEAD: VOCAB_HEAD_FROM_SEQUENCE}
+                VOCAB_HEAD: VOCAB_HEAD_FROM_SEQUENCE, LORA_ROWWISE: LORA_ROWWISE_TO_SEQUENCE}
 # What sequence parallelism adds for the reference model: its residual-stream norms, and the
 # blocks' two halves, whose column-parallel matmuls need the whole sequence.
 SEQUENCE_PARALLEL_ADDITIONS: dict[str, str] = {
@@ -105,7 +109,7 @@ def module_style(module_name: str, plan: dict[str, str] = DEFAULT_TP_STYLES) -> 
 
 ALL_STYLES = frozenset({COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, EXPERT_COLWISE, EXPERT_ROWWISE, ROWWISE_TO_SEQUENCE, VOCAB_EMBEDDING_TO_SEQUENCE,
                         VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL, SEQUENCE_PARALLEL_TO_LOCAL, GATHER_SEQUENCE, POSITIONS_TO_SEQUENCE,
-                        LORA_COLWISE, LORA_ROWWISE})
+                        LORA_COLWISE, LORA_ROWWISE, LORA_ROWWISE_TO_SEQUENCE})
 
 
 def tp_split_dim(parameter_name: str) -> int | None:

@@ -10,6 +10,7 @@
 # web client) and the rest is xz-compressed: about 29 MB. Checked with Python 3.12 and core Ray's
 # other declared dependencies installed as the image has them (click, filelock, msgpack,
 # packaging, protobuf, pyyaml, requests, attrs): ray.init, an actor and a placement group work.
+# peft (with accelerate and psutil, which it imports) is bench/lora.py's anchor: transformers + peft.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 work=$(mktemp -d)
@@ -22,7 +23,7 @@ done
 # (executable bits of Ray's gcs_server and raylet kept), without needing that Python here.
 python3 -m pip install --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" --target "$work/site" \
-  ray==2.60.0 crc32c isal jsonschema jsonschema-specifications referencing rpds-py
+  ray==2.60.0 crc32c isal jsonschema jsonschema-specifications referencing rpds-py peft accelerate psutil
 rm -rf "$work/site/ray/jars" "$work/site/ray/rllib" "$work/site/ray/serve" "$work/site/ray/llm" \
   "$work/site/ray/dashboard/client/build" "$work/site/bin"
 find "$work/site" -name __pycache__ -prune -exec rm -rf {} +

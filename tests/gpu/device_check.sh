@@ -13,7 +13,8 @@
 # Here first: bash tests/gpu/bundle.sh   (Ray and the rest the image lacks, .gpu-bundle/)
 # Then the device tool's run, with carry [".gpu-bundle"] and timeout_s 600:
 #   bash tests/gpu/device_check.sh          (budget 540 s; `... 300` for a shorter second call,
-#                                            `PARTS="rest" bash ...` for chosen parts)
+#                                            `PARTS="rest" bash ...` for chosen parts;
+#                                            `PARTS="lora"`: bench/lora.py, named only)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 budget=${1:-540}
@@ -62,4 +63,6 @@ part() {
 part bench 150 300 python3 bench/throughput.py --device cuda --precision bf16 --compile --ac selective --steps 4
 part bf16 150 300 python3 -m pytest tests/gpu -q -rA --durations=0 -k bf16
 part rest 150 600 python3 -m pytest tests/gpu -q -rA --durations=0 -k "not bf16"
+# Only when named (PARTS="lora"): issue 39's LoRA bench, 1b preset, bf16, one GPU.
+part lora 150 300 python3 bench/lora.py --device cuda --precision bf16 --steps 4 --repeat 1
 echo "budget: $((deadline - SECONDS)) s of $budget left" | tee -a "$out/summary.txt"

@@ -50,6 +50,9 @@ def single_rank(rank_pool, tmp_path_factory):
 
 @pytest.mark.parametrize("layout, pipeline", [
     (ParallelLayout(dp=2, tp=2), {}),
+    pytest.param(ParallelLayout(tp=2), {"sequence_parallel": True}, id="tp2-sp"),
+    pytest.param(ParallelLayout(fsdp=2), {"compile": True}, id="fsdp2-compile", marks=pytest.mark.slow),
+    pytest.param(ParallelLayout(tp=2), {"compile": True}, id="tp2-compile", marks=pytest.mark.slow),
     pytest.param(ParallelLayout(fsdp=2, tp=2), {}, marks=pytest.mark.slow),
     pytest.param(ParallelLayout(tp=2, pp=2), {}, marks=pytest.mark.slow),
     # A split backward (I, then W from the graph's own weight leaves) over a frozen base.

@@ -11,7 +11,7 @@ import argparse
 import pytest
 import torch
 
-from rayshard.plans.config import LoraConfig, TrainConfig
+from rayshard.plans.config import LoraConfig, ModelChoice, TrainConfig
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.training.model_spec import parameter_shapes, preset
 from rayshard.plans.training.converters import parameter_roles, run_plan, run_roles
@@ -67,10 +67,40 @@ def test_the_config_file_section():
 
 
 def test_lora_refuses_what_it_does_not_run_on_yet():
-    from rayshard.plans.config import ModelChoice
+    with pytest.raises(ConfigError, match="routed experts are not supported") as error:
+        TrainConfig(model=ModelChoice.named("moe-tiny"), lora=LoraConfig(rank=4, targets="q,experts")).validate()
+    assert "\n" not in str(error.value) and "Fix:" in str(error.value)
+    # MoE layers without a shared expert and no dense layer: gate/up/down would adapt nothing.
+    routed_only = ModelChoice("moe", preset("moe-tiny", moe_every=1, shared_expert_ffn_dim=0))
+    with pytest.raises(ConfigError, match="'down' adapts nothing in qwen2_moe"):
+        TrainConfig(model=routed_only, lora=LoraConfig(rank=4, targets="q,down")).validate()
+    TrainConfig(model=routed_only, lora=LoraConfig(rank=4, targets="q,k,v,o")).validate()
 
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        TrainConfig(model=ModelChoice.named("moe-tiny"), lora=LoraConfig(rank=4)).validate()
+
+def test_moe_adapters_sit_on_attention_dense_layers_and_the_shared_expert():
+    """moe-tiny: layers 1 and 3 MoE (shared expert of 64 hidden units), 0 and 2 dense (160)."""
+    model = preset("moe-tiny")
+    config = TrainConfig(model=ModelChoice("moe-tiny", model),
+                         lora=LoraConfig(rank=4, targets="q,gate,down")).validate()
+    roles = run_roles(config)
+    assert roles.frozen_names == set(parameter_shapes(model))  # routers and routed experts included
+    ffn = {0: "feed_forward", 1: "feed_forward.shared", 2: "feed_forward", 3: "feed_forward.shared"}
+    hidden = {0: 160, 1: 64, 2: 160, 3: 64}
+    assert roles.stored_shapes == {
+        **{f"layers.{i}.attention.lora.q.{ab}": shape for i in range(4) for ab, shape in zip("ab", ((4, 64), (64, 4)))},
+        **{f"layers.{i}.{ffn[i]}.lora.gate.{ab}": shape for i in range(4)
+           for ab, shape in zip("ab", ((4, 64), (hidden[i], 4)))},
+        **{f"layers.{i}.{ffn[i]}.lora.down.{ab}": shape for i in range(4)
+           for ab, shape in zip("ab", ((4, hidden[i]), (64, 4)))}}
+    styles = run_plan(config).tp_styles
+    assert (split_dim_under("layers.1.feed_forward.shared.lora.gate.a", styles),
+            split_dim_under("layers.1.feed_forward.shared.lora.gate.b", styles)) == (None, 0)
+    assert (split_dim_under("layers.3.feed_forward.shared.lora.down.a", styles),
+            split_dim_under("layers.3.feed_forward.shared.lora.down.b", styles)) == (1, None)
+    # The rank is checked against every adapted projection: here the shared expert's 32 hidden units.
+    narrow = ModelChoice("moe", preset("moe-tiny", shared_expert_ffn_dim=32))
+    with pytest.raises(ConfigError, match="exceeds target 'gate''s dimension \\(64 in, 32 out\\)"):
+        TrainConfig(model=narrow, lora=LoraConfig(rank=40, targets="gate")).validate()
 
 
 def test_lora_flags_fill_the_section():
@@ -87,31 +117,33 @@ def test_lora_flags_fill_the_section():
 def _merged_into_fused(model_config, base: dict, adapters: dict, scale: float) -> dict:
     """The base weights with every adapter merged at its projection's rows of the fused tensors."""
     hd, r = model_config.head_dim, model_config.heads_per_group
-    groups, ffn = model_config.n_kv_heads, model_config.ffn_dim
+    groups = model_config.n_kv_heads
     merged = {name: tensor.clone() for name, tensor in base.items()}
     q_rows = torch.tensor([g * (r + 2) * hd + j * hd + d for g in range(groups) for j in range(r) for d in range(hd)])
     k_rows = torch.tensor([g * (r + 2) * hd + r * hd + d for g in range(groups) for d in range(hd)])
-    rows = {"q": q_rows, "k": k_rows, "v": k_rows + hd, "gate": torch.arange(ffn) * 2, "up": torch.arange(ffn) * 2 + 1}
-    fused = {"q": "attention.qkv", "k": "attention.qkv", "v": "attention.qkv", "o": "attention.wo",
-             "gate": "feed_forward.gate_up", "up": "feed_forward.gate_up", "down": "feed_forward.down"}
-    for layer in range(model_config.n_layers):
-        for target, module in fused.items():
-            prefix = f"layers.{layer}.{'attention' if target in 'qkvo' else 'feed_forward'}.lora.{target}"
-            delta = scale * adapters[prefix + ".b"] @ adapters[prefix + ".a"]
-            weight = merged[f"layers.{layer}.{module}.weight"]
-            if target in rows:
-                weight[rows[target]] += delta
-            else:
-                weight += delta
+    rows = {"q": q_rows, "k": k_rows, "v": k_rows + hd, "gate": 0, "up": 1}  # gate_up interleaves (gate_j, up_j)
+    fused = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "wo", "gate": "gate_up", "up": "gate_up", "down": "down"}
+    for name in {name.rsplit(".", 1)[0] for name in adapters}:  # layers.L.<module>.lora.<target>
+        module, target = name.split(".lora.")
+        delta = scale * adapters[name + ".b"] @ adapters[name + ".a"]
+        weight = merged[f"{module}.{fused[target]}.weight"]
+        if target in ("gate", "up"):
+            weight[rows[target]::2] += delta
+        elif target in rows:
+            weight[rows[target]] += delta
+        else:
+            weight += delta
     return merged
 
 
-def test_adapters_on_fused_weights_act_as_separate_projections():
+@pytest.mark.parametrize("model", ["tiny", "moe-tiny"])
+def test_adapters_on_fused_weights_act_as_separate_projections(model):
+    """On moe-tiny the feed-forward adapters of its MoE layers sit on the shared expert."""
     from rayshard.actors.model.lora import apply_lora
     from rayshard.actors.model.transformer import Transformer
 
     torch.manual_seed(0)
-    spec = preset("tiny", n_layers=2)
+    spec = preset(model, n_layers=2)
     lora = LoraConfig(rank=3, alpha=5.0)
     base_model = Transformer(spec)
     with torch.no_grad():
@@ -174,3 +206,58 @@ def test_a_bf16_run_counts_its_frozen_weights_at_two_bytes():
     work = Workload(8, 64, precision="fp32", trained_parameters=adapters)
     assert fp32.model_state < estimate_memory(model, layout, work).model_state
     assert estimate_memory(model, layout, work).model_state == pytest.approx(4 * parameter_count(model) + 16 * adapters)
+
+
+def test_a_user_model_takes_targets_by_module_name_pattern():
+    """examples/gpt2: targets are its plan's names (q -> blocks.*.attn.q) or module-name patterns;
+    without --lora-targets, every name the plan declares."""
+    from rayshard.actors.model.user_model import describe_factory
+
+    gpt2 = ModelChoice("examples.gpt2.model:tiny_gpt2", describe_factory("examples.gpt2.model:tiny_gpt2"))
+    config = TrainConfig(model=gpt2, lora=LoraConfig(rank=4, targets="q,blocks.?.mlp.fc")).validate()
+    assert run_roles(config).stored_shapes == {
+        **{f"blocks.{i}.attn.lora.q.{ab}": shape for i in range(4) for ab, shape in zip("ab", ((4, 64), (64, 4)))},
+        **{f"blocks.{i}.mlp.lora.fc.{ab}": shape for i in range(4) for ab, shape in zip("ab", ((4, 64), (256, 4)))}}
+    assert run_roles(config).frozen_names == set(gpt2.spec.user.shapes)
+    every = run_roles(TrainConfig(model=gpt2, lora=LoraConfig(rank=4)).validate()).stored_shapes
+    assert {name.rsplit(".", 1)[0] for name in every} == {
+        f"blocks.{i}.{part}" for i in range(4) for part in ("attn.lora.q", "attn.lora.k", "attn.lora.v", "attn.lora.proj",
+                                                            "mlp.lora.fc", "mlp.lora.proj")}
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(model=gpt2, lora=LoraConfig(rank=4, targets="q,blocks.*.attn.c_attn")).validate()
+    assert ("lora.targets='blocks.*.attn.c_attn': matches no module of the model; its Linear modules are blocks.*.attn.q, "
+            "blocks.*.attn.k, blocks.*.attn.v, blocks.*.attn.proj, blocks.*.mlp.fc, blocks.*.mlp.proj, lm_head") in str(error.value)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="exceeds module 'blocks.0.attn.q''s dimension"):
+        TrainConfig(model=gpt2, lora=LoraConfig(rank=65, targets="q")).validate()
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+
+    # Under tp: adapters beside column- and row-parallel Linears split as the built-in ones do; the
+    # vocab-parallel head takes none (one line).
+    tp2 = TrainConfig(model=gpt2, layout=ParallelLayout(tp=2), lora=LoraConfig(rank=4)).validate()
+    styles = run_plan(tp2).tp_styles
+    assert (split_dim_under("blocks.1.attn.lora.q.a", styles), split_dim_under("blocks.1.attn.lora.q.b", styles)) == (None, 0)
+    assert (split_dim_under("blocks.1.mlp.lora.proj.a", styles), split_dim_under("blocks.1.mlp.lora.proj.b", styles)) == (1, None)
+    with pytest.raises(ConfigError, match="adapts lm_head, which tp splits as 'vocab_head'") as error:
+        TrainConfig(model=gpt2, layout=ParallelLayout(tp=2), lora=LoraConfig(rank=4, targets="q,lm_head")).validate()
+    assert "\n" not in str(error.value)
+
+
+def test_offline_planners_see_an_adapter_checkpoint_as_its_adapters():
+    """`ckpt reshard` / `ckpt plan` plan a LoRA checkpoint's adapters alone, split under tp as the
+    trainer splits them, each in its layer's pipeline stage."""
+    from rayshard.plans.checkpoint.regions import pipeline_partition, rank_regions
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+    from rayshard.plans.training.lora import adapter_planning_model
+
+    model = preset("tiny")
+    view = adapter_planning_model(model, {"rank": 4, "alpha": 8.0, "targets": "q,down"})
+    assert parameter_shapes(view) == run_roles(TrainConfig(lora=LoraConfig(rank=4, targets="q,down"))).stored_shapes
+    layout = ParallelLayout(tp=2, pp=2)
+    regions = {r.name: r for r in rank_regions(view, layout, 1, pipeline_partition(view, layout))}  # pp 0, tp 1
+    assert set(regions) == {f"layers.{i}.{m}.{ab}" for i in (0, 1) for m in ("attention.lora.q", "feed_forward.lora.down")
+                            for ab in "ab"}
+    assert (regions["layers.0.attention.lora.q.b"].offsets, regions["layers.0.attention.lora.q.b"].sizes) == ((32, 0), (32, 4))
+    assert regions["layers.0.attention.lora.q.a"].sizes == (4, 64)  # copied over tp
+    assert (regions["layers.1.feed_forward.lora.down.a"].offsets, regions["layers.1.feed_forward.lora.down.a"].sizes) == \
+        ((0, 80), (4, 80))
