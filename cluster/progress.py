@@ -34,3 +34,13 @@ def set_total(progress, total: int) -> None:
 def advance(progress, nbytes: int) -> None:
     if progress is not None:
         progress.update(nbytes)
+
+
+def counted(load, progress):
+    """load, wrapped to advance progress by the bytes of the tensor it returns (an importer's
+    lazy tensors count as the save writes them)."""
+    def load_and_count():
+        tensor = load()
+        advance(progress, tensor.numel() * tensor.element_size())
+        return tensor
+    return load_and_count

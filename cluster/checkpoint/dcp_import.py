@@ -36,7 +36,7 @@ from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.dcp_metadata import DcpContents, DcpTensor, read_dcp_metadata
 from rayshard.cluster.checkpoint.dcp_records import MAX_VALUE_BYTES, ChunkBytes, locate_chunk, read_plain_value
 from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, Buffers, bands, fill_band, one_torch_thread, row_origins
-from rayshard.cluster.progress import advance, set_total
+from rayshard.cluster.progress import counted, set_total
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
 from rayshard.plans.checkpoint.reshard import check_chunks_disjoint_and_complete
 from rayshard.plans.checkpoint.safetensors_layout import ITEMSIZE
@@ -419,7 +419,7 @@ def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, re
             for name, shape in ours.items():
                 for first, end in bands(tuple(shape), itemsize, band_bytes):
                     band = (end - first, *shape[1:])
-                    pieces.append(Piece(name, kind, LazyTensor(target, band, _counted(
+                    pieces.append(Piece(name, kind, LazyTensor(target, band, counted(
                         lambda band=band: buffers.take("band", band, target).zero_(), progress)), tuple(shape),
                                         (first,) + (0,) * (len(shape) - 1)))
             continue
@@ -445,17 +445,10 @@ def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, re
                              source_dtypes=source_dtypes, read_rows=read_rows, row_view=row_view):
                         return fill_band(origin, first, end, buffers.take("band", band, target), source_shapes,
                                          source_dtypes, read_rows, buffers.take, row_view)
-                    pieces.append(Piece(name, kind, LazyTensor(target, band, _counted(load, progress)), shape,
+                    pieces.append(Piece(name, kind, LazyTensor(target, band, counted(load, progress)), shape,
                                         (first,) + (0,) * (len(shape) - 1) if shape else ()))
     return pieces
 
-
-def _counted(load, progress):
-    def counted() -> torch.Tensor:
-        tensor = load()
-        advance(progress, tensor.numel() * tensor.element_size())
-        return tensor
-    return counted
 
 
 def _files(pieces: list[Piece], limit: int):

@@ -17,6 +17,7 @@ the base digest it recorded.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 
@@ -28,7 +29,7 @@ from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.digest import weights_digest
 from rayshard.cluster.checkpoint.hf_interop import (CONFIG, MOMENTS, RUN_METADATA, GroupStream, tensor_reader,
                                                     read_json_object, read_safetensors_index)
-from rayshard.cluster.progress import advance, set_total
+from rayshard.cluster.progress import counted, set_total
 from rayshard.plans.checkpoint.chunks import PARAM
 from rayshard.plans.checkpoint.model_check import check_against_own_model
 from rayshard.plans.config import LoraConfig
@@ -98,11 +99,11 @@ def _import_holding_the_lease(directory, store, run, base_url, log, progress) ->
     dtype = getattr(torch, ADAPTER_DTYPE)
     pieces = [(name, PARAM, lambda n=name: stream.take(n)) for name in stream.order()]
     pieces += [(name, kind, lambda s=shape: torch.zeros(s, dtype=dtype)) for kind in MOMENTS for name, shape in shapes.items()]
-    set_total(progress, sum(4 * _count(shapes[name]) for name, _, _ in pieces))
+    set_total(progress, sum(4 * math.prod(shapes[name]) for name, _, _ in pieces))
     pending = store.begin(run, 0)
     target_fs, target_base = fsspec.core.url_to_fs(pending.url)
     written = write_shard(target_fs, target_base, pending.file_for(0, stem="import"),
-                          [Piece(name, kind, LazyTensor(dtype, shapes[name], _counted(load, progress)), shapes[name],
+                          [Piece(name, kind, LazyTensor(dtype, shapes[name], counted(load, progress)), shapes[name],
                                  (0,) * len(shapes[name])) for name, kind, load in pieces])
     metadata = {"run": run, "step": 0, "model": model.to_dict(), "model_preset": base_metadata.get("model_preset"),
                 "layout": ParallelLayout().to_dict(), "parent": None, "imported_from": directory,
@@ -159,16 +160,3 @@ def _refuse_another_recorded_base(fs, path: str, digest: str, base_url: str) -> 
                               f"pass --base {recorded.get('url')} (or the checkpoint holding the same weights)")
 
 
-def _count(shape) -> int:
-    count = 1
-    for extent in shape:
-        count *= extent
-    return count
-
-
-def _counted(load, progress):
-    def counted() -> torch.Tensor:
-        tensor = load()
-        advance(progress, tensor.numel() * tensor.element_size())
-        return tensor
-    return counted

@@ -14,12 +14,10 @@ import pytest
 import torch
 import transformers
 
-from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.catalog.store import Store
 from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
-from rayshard.plans.training.model_spec import parameter_shapes
 from tests.integration.test_hf_family_training import _config
-from tests.unit.test_hf_families import ours_from
+from tests.unit.test_hf_families import assert_same_state, ours_from
 from tests.unit.test_hf_gpt2 import SIZES, gpt2_model
 
 
@@ -61,14 +59,7 @@ def test_an_imported_gpt2_trains_on_dp2_tp2_with_sp_like_one_rank_and_exports_ba
     assert abs(loss.item() - theirs.loss.item()) <= 1e-6 * theirs.loss.item()
 
     # The export with its moments imports back to the trained checkpoint, element for element.
-    again = import_hf(str(tmp_path / "out"), Store(store), "again", log=lambda *_: None)
-    trained, reimported = StoredCheckpoint(url), StoredCheckpoint(again)
-    config, _ = ours_from(url)
-    for kind in ("param", "exp_avg", "exp_avg_sq"):
-        for name, shape in parameter_shapes(config).items():
-            origin = (0,) * len(shape)
-            assert torch.equal(trained.read_region(name, kind, origin, shape),
-                               reimported.read_region(name, kind, origin, shape)), (kind, name)
+    assert_same_state(url, import_hf(str(tmp_path / "out"), Store(store), "again", log=lambda *_: None))
 
 
 @pytest.mark.slow

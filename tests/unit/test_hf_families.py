@@ -61,6 +61,18 @@ def ours_from(url: str):
     return config, model.eval()
 
 
+def assert_same_state(url: str, other_url: str) -> None:
+    """Every parameter and both AdamW moments of two checkpoints of one model, element for element
+    (an export with its moments, imported back, against the checkpoint it was exported from)."""
+    config, _ = ours_from(url)
+    first, second = StoredCheckpoint(url), StoredCheckpoint(other_url)
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        for name, shape in parameter_shapes(config).items():
+            origin = (0,) * len(shape)
+            assert torch.equal(first.read_region(name, kind, origin, shape),
+                               second.read_region(name, kind, origin, shape)), (kind, name)
+
+
 CASES = [pytest.param(family, tied, id=f"{family}-{'tied' if tied else 'untied'}")
          for family in FAMILIES for tied in (False, True)]
 
