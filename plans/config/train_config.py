@@ -23,6 +23,7 @@ from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.options import option, section, sections
 from rayshard.plans.run_names import RUN_NAME, check_run_name
 from rayshard.plans.training.lora import check_lora_fits, check_user_lora_under_tp
+from rayshard.plans.training.rope_scaling import longest_sequence
 from rayshard.plans.training.model_spec import PRESETS, ModelConfig, preset
 from rayshard.plans.training.tp_fit import TpSplit
 
@@ -101,9 +102,11 @@ class TrainConfig:
         m, data_ranks = self.model.spec, self.layout.data_parallel_size
         if self.seq_len < 1:
             raise ConfigError("seq_len", self.seq_len, "sequence length must be positive", "set --seq-len to 1 or more")
-        if self.seq_len > m.max_seq_len:
-            raise ConfigError("seq_len", self.seq_len, f"exceeds model.max_seq_len ({m.max_seq_len})",
-                              f"set --seq-len {m.max_seq_len} or less")
+        longest = longest_sequence(m.max_seq_len, m.rope_scaling)
+        if self.seq_len > longest:
+            scaled = f", times its dynamic RoPE factor ({m.rope_scaling.factor:g})" if longest != m.max_seq_len else ""
+            raise ConfigError("seq_len", self.seq_len, f"exceeds model.max_seq_len ({m.max_seq_len}{scaled})",
+                              f"set --seq-len {longest} or less")
         if self.steps < 1:
             raise ConfigError("steps", self.steps, "must be at least 1", "set --steps 1 or more")
         if self.global_batch < 1 or self.global_batch % data_ranks:

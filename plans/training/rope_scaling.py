@@ -128,3 +128,13 @@ def _check_value(name: str, field: str, value) -> None:
     if field == "attention_factor" and value < 0:
         raise ConfigError(name, value, "must be 0 or more (cos and sin are multiplied by it)",
                           "remove it to take yarn's default from factor")
+
+
+def longest_sequence(max_seq_len: int, scaling: RopeScaling | None) -> int:
+    """The longest sequence a model trains on. `max_seq_len` is transformers'
+    max_position_embeddings: the context it was trained to, except under `dynamic` scaling, where
+    it is the *original* context and the base grows past it with the sequence (its whole point),
+    up to `factor` times it. Every other type already states its extended context there."""
+    if scaling is not None and scaling.rope_type == "dynamic" and scaling.factor:
+        return int(max_seq_len * scaling.factor)
+    return max_seq_len

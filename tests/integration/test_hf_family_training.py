@@ -21,6 +21,17 @@ def _config(store: str, run: str, resume: str, steps: int, *layout: str):
     return config_from_args(args)
 
 
+def loss_on_rayshards_batch(model, config, step: int) -> float:
+    """transformers' loss on the global batch rayshard trains on at `step` (counted from 1)."""
+    from rayshard.actors.training.data import global_batch, load_corpus
+
+    corpus = load_corpus(config.data.source, config.data.max_bytes)
+    inputs, targets = global_batch(corpus, config.seed, step - 1, config.global_batch, config.seq_len)
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item()
+
+
 @pytest.mark.parametrize("family", [pytest.param(family, marks=() if family in ("qwen3", "mistral") else pytest.mark.slow)
                                     for family in FAMILIES])
 def test_an_imported_family_trains_resumes_across_layouts_and_exports(run_training, tmp_path, family):

@@ -14,7 +14,7 @@ import torch
 
 from rayshard.cluster.catalog.store import Store
 from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
-from tests.integration.test_hf_family_training import _config
+from tests.integration.test_hf_family_training import _config, loss_on_rayshards_batch
 from tests.integration.test_hf_gpt2_training import _follows
 from tests.unit.test_hf_families import assert_same_state, ours_from
 from tests.unit.test_hf_gemma import FAMILIES, SIZES, gemma_model
@@ -79,17 +79,6 @@ def test_gemma_norms_on_sequence_shards_give_tp_without_sp_gradients():
         torch.testing.assert_close(sequence[1][name], gradient, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def _loss_on_rayshards_batch(model, config, step: int) -> float:
-    """transformers' loss on the global batch rayshard trains on at `step` (counted from 1)."""
-    from rayshard.actors.training.data import global_batch, load_corpus
-
-    corpus = load_corpus(config.data.source, config.data.max_bytes)
-    inputs, targets = global_batch(corpus, config.seed, step - 1, config.global_batch, config.seq_len)
-    with torch.no_grad():
-        logits = model(inputs).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family, sp", [("gemma2", ("--sp",)), ("gemma3", ())], ids=["gemma2-sp", "gemma3"])
 def test_an_imported_gemma_follows_one_rank_on_dp2_tp2_and_pp2_and_exports_back(run_training, tmp_path, family, sp):
@@ -101,7 +90,7 @@ def test_an_imported_gemma_follows_one_rank_on_dp2_tp2_and_pp2_and_exports_back(
     one = run_training(first)
     assert one.losses[10] < one.losses[1]  # it trains
     # rayshard's first loss is transformers' (eager attention, fp32) on the same batch.
-    theirs = _loss_on_rayshards_batch(gemma_model(family, tied=family == "gemma2"), first, 1)
+    theirs = loss_on_rayshards_batch(gemma_model(family, tied=family == "gemma2"), first, 1)
     assert abs(one.losses[1] - theirs) <= 1e-6 * theirs, (one.losses[1], theirs)
     split = run_training(_config(store, "split", "imported@0", 10, "--dp", "2", "--tp", "2", *sp))
     _follows(split, one, range(1, 11))
@@ -123,7 +112,7 @@ def test_an_imported_gemma_follows_one_rank_on_dp2_tp2_and_pp2_and_exports_back(
     # The export reproduces rayshard's next loss: step 11 of the run, on one rank, in transformers.
     following = _config(store, "next", "split@10", 11, "--dp", "1", "--tp", "1")
     step_11 = run_training(following).losses[11]
-    theirs_11 = _loss_on_rayshards_batch(loaded, following, 11)
+    theirs_11 = loss_on_rayshards_batch(loaded, following, 11)
     assert abs(step_11 - theirs_11) <= 1e-6 * theirs_11, (step_11, theirs_11)
 
     assert_same_state(url, import_hf(str(tmp_path / "out"), Store(store), "again", log=lambda *_: None))

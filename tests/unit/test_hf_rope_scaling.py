@@ -160,3 +160,18 @@ def test_a_config_files_rope_scaling_is_validated_naming_the_field(scaling, name
 def test_the_scaling_travels_through_metadata():
     model = ModelConfig(max_seq_len=64, rope_scaling=SCALINGS["llama3"]).validate()
     assert ModelConfig.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+
+
+def test_a_dynamic_model_trains_past_its_original_context_up_to_factor_times_it():
+    """Dynamic NTK scaling's max_position_embeddings is the original context, and the point of it
+    is running past that: training may go up to factor times it, and no further (one line)."""
+    from rayshard.plans.config import ModelChoice, TrainConfig
+    from rayshard.plans.training.model_spec import preset
+
+    spec = preset("tiny", max_seq_len=16, rope_scaling=RopeScaling("dynamic", factor=3.0))
+    assert TrainConfig(model=ModelChoice(spec=spec), seq_len=48, global_batch=4).validate().seq_len == 48
+    with pytest.raises(ConfigError, match=r"exceeds model.max_seq_len \(16, times its dynamic RoPE factor \(3\)\)"):
+        TrainConfig(model=ModelChoice(spec=spec), seq_len=49, global_batch=4).validate()
+    plain = preset("tiny", max_seq_len=16)
+    with pytest.raises(ConfigError, match=r"exceeds model.max_seq_len \(16\)\. Fix: set --seq-len 16 or less"):
+        TrainConfig(model=ModelChoice(spec=plain), seq_len=17, global_batch=4).validate()
