@@ -1,0 +1,223 @@
+"""Supervised fine-tuning (`data prepare --format sft`, `--objective sft`): examples from JSONL and
+Parquet become token shards with loss masks (1 on completion tokens); a conversation is rendered
+as transformers' `apply_chat_template` renders it; one step's loss equals transformers' loss with
+labels -100 on the prompt, and prompt-only tokens get no gradient; dp2 x tp2 and pp2 give the
+1-rank loss and gradients; bad rows are refused in one line naming the file and row."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rayshard.actors.training.dataset_reader import PreparedDataset
+from rayshard.cluster.cli.main import main
+from rayshard.cluster.data.documents import ReadOptions
+from rayshard.cluster.data.prepare import prepare_dataset
+from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from rayshard.plans.config import DataConfig, ModelChoice
+from rayshard.plans.data.sample_order import batch_sample_ids
+from rayshard.plans.errors import ConfigError
+from rayshard.plans.layout.parallel_layout import ParallelLayout
+from tests.conftest import small_config
+
+SFT = ReadOptions(format="sft")
+# A ChatML-style template, as Qwen's tokenizer_config.json carries one.
+TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+            "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+         "upsilon phi chi psi omega").split()
+PROMPT_ONLY = "QQQQ"  # a word only prompts hold: its token's embedding row must get no gradient
+
+
+def _rows(count: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    words = lambda n: " ".join(rng.choice(WORDS, n))  # noqa: E731
+    return [{"prompt": f"{PROMPT_ONLY} {words(int(rng.integers(2, 8)))}:", "completion": " " + words(int(rng.integers(1, 6)))}
+            for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def sft_data(ray_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    (root / "text.txt").write_text(" ".join(WORDS * 20) + f" {PROMPT_ONLY} " + "<|im_start|> <|im_end|>")
+    tokenizer = train_tokenizer([str(root / "text.txt")], 300)
+    tokenizer = replace(tokenizer, config_json=json.dumps({"eos_token": tokenizer.eos_token, "chat_template": TEMPLATE}))
+    save_tokenizer(tokenizer, str(root / "tok"))
+    tokenizer = load_tokenizer(str(root / "tok"))
+    rows = _rows(24, 0)
+    (root / "in").mkdir()
+    (root / "in" / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:12]) + "\n")
+    pq.write_table(pa.Table.from_pylist(rows[12:]), root / "in" / "b.parquet")
+    prepare_dataset([str(root / "in")], tokenizer, str(root / "ds"), SFT, cpus_per_task=0, log=lambda *_: None)
+    return root, tokenizer, rows
+
+
+def test_examples_become_tokens_with_masks_on_the_completion(sft_data):
+    root, tokenizer, rows = sft_data
+    reader = PreparedDataset(str(root / "ds"), 40, sft=True)
+    assert reader.samples == len(rows) and reader.meta.kind == "sft"
+    windows, masks = reader.read_examples(np.arange(len(rows)))
+    eos = tokenizer.eos_id
+    for row, window, mask in zip(rows, windows, masks):
+        prompt = tokenizer.tokenizer.encode(row["prompt"], add_special_tokens=False).ids
+        completion = tokenizer.tokenizer.encode(row["completion"], add_special_tokens=False).ids + [eos]
+        length = len(prompt) + len(completion)
+        assert window[:length].tolist() == prompt + completion
+        assert mask.tolist() == [False] * len(prompt) + [True] * len(completion) + [False] * (41 - length)
+        assert (window[length:] == eos).all()  # padding, masked out
+    # Global batch step 0's completion targets, from the index alone, are those the masks hold.
+    _, _, counted = reader.rank_examples(7, 0, 8, 0, 2)
+    ids = batch_sample_ids(7, 0, 8, reader.samples)
+    assert counted == int(masks[ids][:, 1:].sum())
+
+
+def test_a_conversation_is_rendered_as_transformers_renders_it(sft_data, tmp_path):
+    from transformers import AutoTokenizer
+
+    root, tokenizer, _ = sft_data
+    messages = [{"role": "system", "content": "alpha beta"}, {"role": "user", "content": "gamma delta?"},
+                {"role": "assistant", "content": "epsilon zeta"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    prepare_dataset([str(tmp_path / "chat.jsonl")], tokenizer, str(tmp_path / "ds"), SFT, cpus_per_task=0, log=lambda *_: None)
+    window, mask = PreparedDataset(str(tmp_path / "ds"), 160, sft=True).read_examples(np.asarray([0]))
+    hf = AutoTokenizer.from_pretrained(str(root / "tok"))
+    whole = hf.apply_chat_template(messages, tokenize=False)
+    prompt = hf.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    ids = (tokenizer.tokenizer.encode(prompt, add_special_tokens=False).ids
+           + tokenizer.tokenizer.encode(whole[len(prompt):], add_special_tokens=False).ids + [tokenizer.eos_id])
+    assert tokenizer.tokenizer.decode(window[0, :len(ids)].tolist(), skip_special_tokens=False) == whole + tokenizer.eos_token
+    assert window[0, :len(ids)].tolist() == ids
+    assert tokenizer.tokenizer.decode(window[0][mask[0]].tolist(), skip_special_tokens=False) == \
+        "epsilon zeta<|im_end|>\n" + tokenizer.eos_token
+
+
+def test_bad_rows_are_named_in_one_line_and_counted_when_skipped(sft_data, tmp_path, capsys):
+    root, _, _ = sft_data
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([json.dumps({"prompt": "a", "completion": "b"}), json.dumps({"prompt": "a"}),
+                              "{not json", json.dumps({"prompt": "a", "completion": ""}),
+                              json.dumps({"messages": [{"role": "user", "content": "x"}]})]) + "\n")
+    args = ["data", "prepare", "--format", "sft", "--tokenizer", str(root / "tok"), "--cpus-per-task", "0", "--quiet"]
+    assert main([*args, "--input", str(bad), "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{bad}" in err[0] and "row 2" in err[0] and "'completion'" in err[0], err
+    assert not (tmp_path / "refused" / "index.parquet").exists()
+    assert main([*args, "--input", str(bad), "--out", str(tmp_path / "kept"), "--skip-bad"]) == 0
+    captured = capsys.readouterr()
+    assert "4 bad input(s) skipped" in captured.out
+    skipped = [line for line in captured.err.splitlines() if line.startswith("skipped:")]
+    assert [("row 2" in s, "row 3" in s, "row 4" in s, "row 5" in s) for s in skipped] == [
+        (True, False, False, False), (False, True, False, False), (False, False, True, False), (False, False, False, True)]
+    assert "'assistant'" in skipped[3]
+    # --max-tokens refuses a longer example, naming it.
+    assert main([*args, "--input", str(root / "in" / "a.jsonl"), "--out", str(tmp_path / "long"), "--max-tokens", "3"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "a.jsonl" in line and "row 1" in line and "--max-tokens 3" in line and "\n" not in line
+    # A conversation with a tokenizer that has no chat template.
+    plain = tmp_path / "plain-tok"
+    tokenizer = load_tokenizer(str(root / "tok"))
+    save_tokenizer(replace(tokenizer, config_json=json.dumps({"eos_token": tokenizer.eos_token})), str(plain))
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
+    args[args.index("--tokenizer") + 1] = str(plain)
+    assert main([*args, "--input", str(tmp_path / "chat.jsonl"), "--out", str(tmp_path / "nochat")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "chat template" in line and "row 1" in line and "\n" not in line
+
+
+def _sft_config(tmp_path, url: str, layout=None, **overrides):
+    values = dict(model=ModelChoice.named("tiny", vocab_size=320), data=DataConfig(dataset=url), global_batch=8,
+                  seq_len=40, objective="sft", run="sft")
+    values.update(overrides)
+    return small_config(tmp_path, layout, **values)
+
+
+def test_sft_on_a_text_dataset_or_too_short_sequences_is_refused(sft_data, tmp_path):
+    root, _, _ = sft_data
+    with pytest.raises(ConfigError, match="seq_len.*row.*--max-tokens"):
+        PreparedDataset(str(root / "ds"), 6, sft=True)
+    from rayshard.cluster.data.training_data import check_training_data
+
+    with pytest.raises(ConfigError, match="is text, not a prepared SFT dataset"):
+        check_training_data(small_config(tmp_path, objective="sft"), None, None)
+
+
+def _one_step(rank_pool, config, load: str | None = None) -> dict:
+    from rayshard.cluster.run.rank_group import RankGroup
+
+    group = RankGroup(config, rank_pool)
+    try:
+        if load is not None:
+            group.call("load", load)
+        results = group.call("full_gradients")
+    finally:
+        group.shutdown()
+    assert len({result["loss"] for result in results}) == 1, "ranks disagree on the loss"
+    gradients = {}
+    for result in results:
+        gradients.update(result["gradients"])
+    return {"loss": results[0]["loss"], "gradients": gradients}
+
+
+def test_one_step_matches_transformers_and_prompts_get_no_gradient(sft_data, rank_pool, tmp_path):
+    import transformers
+
+    from rayshard.actors.checkpoint.stored import StoredCheckpoint
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.checkpoint.hf_interop import import_hf
+    from rayshard.plans.checkpoint.model_check import check_against_own_model
+
+    root, tokenizer, _ = sft_data
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False))
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    store = Store(str(tmp_path / "store"))
+    import_hf(str(tmp_path / "hf"), store, "imported", log=lambda *_: None)
+    url = store.resolve("imported@0").url
+    stored = StoredCheckpoint(url)
+    spec = check_against_own_model(stored.chunks, stored.metadata, url)
+    config = _sft_config(tmp_path, str(root / "ds"), model=ModelChoice(preset="imported", spec=spec), microbatches=2)
+    ours = _one_step(rank_pool, config, load=url)
+
+    reader = PreparedDataset(str(root / "ds"), config.seq_len, sft=True)
+    windows, masks = reader.read_examples(batch_sample_ids(config.seed, 0, config.global_batch, reader.samples))
+    inputs = torch.from_numpy(windows)
+    labels = inputs.masked_fill(~torch.from_numpy(masks), -100)
+    hf.train()
+    expected = hf(input_ids=inputs, labels=labels).loss
+    expected.backward()
+    assert abs(ours["loss"] - expected.item()) <= 1e-6, (ours["loss"], expected.item())
+    embedding = ours["gradients"]["tok_embeddings.weight"]
+    torch.testing.assert_close(embedding, hf.model.embed_tokens.weight.grad, rtol=1e-5, atol=1e-7)
+    # Tokens only prompts hold (the PROMPT_ONLY word) feed no completion target: zero gradient rows.
+    prompt_only = tokenizer.tokenizer.encode(PROMPT_ONLY, add_special_tokens=False).ids
+    assert prompt_only and all(token not in windows[masks] for token in prompt_only)
+    for token in prompt_only:
+        assert token in windows  # it is in the batch, as input
+        assert torch.count_nonzero(embedding[token]) == 0
+    # Its output row gets gradient as a wrong answer's softmax share (every row does), not from any target.
+    assert ours["gradients"]["output.weight"].shape[0] == 320
+
+
+@pytest.mark.slow
+def test_dp2_tp2_and_pp2_give_the_one_rank_step(sft_data, rank_pool, tmp_path):
+    root, _, _ = sft_data
+    url = str(root / "ds")
+    reference = _one_step(rank_pool, _sft_config(tmp_path / "one", url))
+    for name, layout, microbatches in (("dp2xtp2", ParallelLayout(dp=2, tp=2), 2), ("pp2", ParallelLayout(pp=2), 4),
+                                       ("fsdp2", ParallelLayout(fsdp=2), 1)):
+        result = _one_step(rank_pool, _sft_config(tmp_path / name, url, layout, microbatches=microbatches))
+        assert abs(result["loss"] - reference["loss"]) <= 1e-6 * abs(reference["loss"]), (name, result["loss"], reference["loss"])
+        assert result["gradients"].keys() == reference["gradients"].keys(), name
+        for key, expected in reference["gradients"].items():
+            torch.testing.assert_close(result["gradients"][key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {key}: {m}")
