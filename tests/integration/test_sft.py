@@ -197,16 +197,39 @@ def test_one_step_matches_transformers_and_prompts_get_no_gradient(sft_data, ran
     expected = hf(input_ids=inputs, labels=labels).loss
     expected.backward()
     assert abs(ours["loss"] - expected.item()) <= 1e-6, (ours["loss"], expected.item())
-    embedding = ours["gradients"]["tok_embeddings.weight"]
-    torch.testing.assert_close(embedding, hf.model.embed_tokens.weight.grad, rtol=1e-5, atol=1e-7)
-    # Tokens only prompts hold (the PROMPT_ONLY word) feed no completion target: zero gradient rows.
+    # Every gradient of the embedding and the output layer is transformers' masked one.
+    for name, theirs in (("tok_embeddings.weight", hf.model.embed_tokens.weight), ("output.weight", hf.lm_head.weight)):
+        torch.testing.assert_close(ours["gradients"][name], theirs.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    # A prompt token is context (completion positions attend to it, so its embedding does get
+    # gradient, in transformers too), never a target: the loss's gradient at prompt positions is 0.
+    # Positions whose targets are only prompt tokens: the output row of a token only prompts hold
+    # gets no "-1 at its target" term, which it would with the prompt counted.
     prompt_only = tokenizer.tokenizer.encode(PROMPT_ONLY, add_special_tokens=False).ids
-    assert prompt_only and all(token not in windows[masks] for token in prompt_only)
+    assert prompt_only and all(token in windows and token not in windows[masks] for token in prompt_only)
+    hf.zero_grad()
+    hf(input_ids=inputs, labels=inputs).loss.backward()  # the prompt counted
     for token in prompt_only:
-        assert token in windows  # it is in the batch, as input
-        assert torch.count_nonzero(embedding[token]) == 0
-    # Its output row gets gradient as a wrong answer's softmax share (every row does), not from any target.
-    assert ours["gradients"]["output.weight"].shape[0] == 320
+        assert not torch.allclose(ours["gradients"]["output.weight"][token], hf.lm_head.weight.grad[token], atol=1e-4)
+
+
+def test_prompt_positions_get_no_gradient():
+    """The criterion alone: a prompt or padding target (IGNORE) gets exactly zero gradient, and the
+    loss is its completion tokens' sum times data_ranks / the global count."""
+    from rayshard.actors.training.completion_loss import IGNORE, CompletionLoss
+
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5))
+    targets[0, :3] = IGNORE
+    targets[1, :1] = IGNORE
+    criterion = CompletionLoss(data_ranks=2)
+    criterion.set_step(12)
+    loss = criterion(logits, targets)
+    loss.backward()
+    assert (logits.grad[0, :3] == 0).all() and (logits.grad[1, :1] == 0).all()
+    assert (logits.grad[0, 3:] != 0).all()
+    kept = targets != IGNORE
+    expected = torch.nn.functional.cross_entropy(logits[kept], targets[kept], reduction="sum") * 2 / 12
+    assert torch.allclose(loss, expected)
 
 
 @pytest.mark.slow
