@@ -232,7 +232,6 @@ def test_prompt_positions_get_no_gradient():
     assert torch.allclose(loss, expected)
 
 
-@pytest.mark.slow
 def test_dp2_tp2_and_pp2_give_the_one_rank_step(sft_data, rank_pool, tmp_path):
     root, _, _ = sft_data
     url = str(root / "ds")
@@ -244,3 +243,23 @@ def test_dp2_tp2_and_pp2_give_the_one_rank_step(sft_data, rank_pool, tmp_path):
         assert result["gradients"].keys() == reference["gradients"].keys(), name
         for key, expected in reference["gradients"].items():
             torch.testing.assert_close(result["gradients"][key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {key}: {m}")
+
+
+def test_an_sft_run_records_its_objective_and_data_and_resumes_on_pp2(sft_data, run_training, tmp_path):
+    from rayshard.actors.checkpoint.stored import StoredCheckpoint
+    from rayshard.cluster.cli.commands.train import config_from_args
+    from rayshard.cluster.cli.main import build_parser
+
+    root, _, _ = sft_data
+    args = ["train", "--store", str(tmp_path / "store"), "--data", str(root / "ds"), "--objective", "sft",
+            "--global-batch", "8", "--seq-len", "40", "--ckpt-every", "2", "--seed", "7", "--dp", "2"]
+    whole = run_training(config_from_args(build_parser().parse_args([*args, "--run", "whole", "--steps", "4"])))
+    metadata = StoredCheckpoint(whole.checkpoints[0]).metadata
+    assert metadata["objective"] == "sft"
+    assert metadata["data_position"]["dataset"]["index_hash"] == PreparedDataset(str(root / "ds"), 40).meta.index_hash
+    args[args.index("--dp") + 1] = "1"
+    piped = run_training(config_from_args(build_parser().parse_args([*args, "--run", "piped", "--steps", "4", "--pp", "2",
+                                                                      "--resume", "whole@2"])))
+    assert sorted(piped.losses) == [3, 4]
+    for step, loss in piped.losses.items():
+        assert abs(loss - whole.losses[step]) <= 1e-5 * whole.losses[step], (step, loss, whole.losses[step])
