@@ -17,6 +17,8 @@ from functools import lru_cache
 
 import fsspec
 import pyarrow as pa
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 import pyarrow.parquet as pq
 
 from rayshard.cluster.data.documents import JSONL_SUFFIXES, PARQUET_SUFFIXES, ReadOptions, _first_line, _utf8
@@ -50,9 +52,6 @@ class ChatTemplate:
 def _compiled(template: str):
     # The sandboxed environment with the options transformers renders chat templates with, so a
     # template renders here exactly as `apply_chat_template` renders it.
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise TemplateError(message)
 
