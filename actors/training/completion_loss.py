@@ -28,8 +28,8 @@ class CompletionLoss:
         self.scale: float | None = None
 
     def set_step(self, global_loss_tokens: int) -> None:
-        # A batch of prompts alone (every completion truncated away cannot happen: examples are
-        # whole) would divide by zero; its loss is 0 and nothing trains.
+        # Every example has a completion target (prepare refuses an empty completion, and the
+        # end-of-document token is one), so N >= 1; the max only keeps a malformed index from dividing by 0.
         self.scale = self.data_ranks / max(1, int(global_loss_tokens))
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
