@@ -7,12 +7,14 @@ document a read holds whole is checked against the index's CRC32 (actors/trainin
 """
 from __future__ import annotations
 
+import zlib
+
 import fsspec
 import numpy as np
 import torch
 
 from rayshard.actors.training.document_checks import DocumentChecks
-from rayshard.plans.data.dataset_index import INDEX, DatasetIdentity, decode_index
+from rayshard.plans.data.dataset_index import INDEX, SFT, DatasetIdentity, decode_index
 from rayshard.plans.data.packing import sample_count, sample_reads
 from rayshard.plans.data.sample_order import batch_sample_ids
 from rayshard.plans.errors import ConfigError, RayshardError
@@ -27,7 +29,10 @@ def holds_prepared_dataset(url: str) -> bool:
 
 
 class PreparedDataset:
-    def __init__(self, url: str, seq_len: int):
+    """Packed windows of the token stream (objective lm, any dataset), or, with sft=True, one
+    example per sample (an SFT dataset's, padded to seq_len + 1, with its loss mask)."""
+
+    def __init__(self, url: str, seq_len: int, sft: bool = False):
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         index_path = f"{self.root}/{INDEX}"
@@ -39,13 +44,33 @@ class PreparedDataset:
         self.meta, documents = decode_index(data, f"{self.url}/{INDEX}")
         self.checks = DocumentChecks(documents, len(self.meta.shards))
         self.seq_len = seq_len
-        self.samples = sample_count(self.meta.tokens, seq_len)
+        self.sft = sft
+        if sft:
+            self._open_examples(documents, url)
+        self.samples = self.meta.documents if sft else sample_count(self.meta.tokens, seq_len)
         if self.samples < 1:
             raise ConfigError("seq_len", seq_len, f"dataset {url} holds {self.meta.tokens} tokens, fewer than one sample "
                               f"of {seq_len + 1}", "prepare more text or lower --seq-len")
         self.shard_paths = [f"{self.root}/{shard}" for shard in self.meta.shards]
         self.shard_starts = self.meta.shard_starts
         self.dtype = np.dtype(self.meta.dtype).newbyteorder("<")
+
+    def _open_examples(self, documents, url: str) -> None:
+        if self.meta.kind != SFT:
+            raise ConfigError("objective", "sft", f"dataset {url} holds text, not examples with loss masks",
+                              "prepare one with `rayshard data prepare --format sft`, or train with --objective lm")
+        if self.meta.longest > self.seq_len + 1:
+            longest = int(np.argmax(documents.column("tokens").to_numpy()))
+            where = f"{documents.column('source')[longest].as_py()}, row {documents.column('row')[longest].as_py()}"
+            raise ConfigError("seq_len", self.seq_len, f"dataset {url} holds an example of {self.meta.longest} tokens "
+                              f"({where}); a sample holds seq_len + 1 = {self.seq_len + 1}",
+                              f"pass --seq-len {self.meta.longest - 1} or more, or prepare again with "
+                              f"--max-tokens {self.seq_len + 1} --skip-bad")
+        column = lambda name: documents.column(name).to_numpy().astype(np.int64)  # noqa: E731
+        self.example_shard, self.example_start = column("shard"), column("token_start")
+        self.example_tokens, self.example_loss_tokens = column("tokens"), column("loss_tokens")
+        self.mask_crc32 = column("mask_crc32")
+        self.mask_paths = [f"{self.root}/{mask}" for mask in self.meta.masks]
 
     def identity(self) -> DatasetIdentity:
         return DatasetIdentity(self.url, self.meta.index_hash, self.meta.tokenizer_hash,
@@ -56,6 +81,45 @@ class PreparedDataset:
         per_rank = batch // data_ranks
         ids = batch_sample_ids(seed, step, batch, self.samples)[data_rank * per_rank:(data_rank + 1) * per_rank]
         return torch.from_numpy(self.read_samples(ids))
+
+    def rank_examples(self, seed: int, step: int, batch: int, data_rank: int,
+                      data_ranks: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This data rank's rows of global batch `step` of an SFT dataset: windows [rows, seq_len + 1]
+        (each an example padded with the end-of-document token), their loss masks (bool, same
+        shape; 0 on prompt and padding), and the completion targets of the whole global batch,
+        from the index: every rank knows the mean's denominator without a collective."""
+        per_rank = batch // data_ranks
+        ids = batch_sample_ids(seed, step, batch, self.samples)
+        global_loss_tokens = int(self.example_loss_tokens[ids].sum())
+        windows, masks = self.read_examples(ids[data_rank * per_rank:(data_rank + 1) * per_rank])
+        return torch.from_numpy(windows), torch.from_numpy(masks), global_loss_tokens
+
+    def read_examples(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Whole examples by byte ranges (tokens and masks, each checked against the index's CRC32),
+        padded to seq_len + 1."""
+        itemsize = self.dtype.itemsize
+        shards, starts, counts = self.example_shard[ids], self.example_start[ids], self.example_tokens[ids]
+        paths = [self.shard_paths[s] for s in shards] + [self.mask_paths[s] for s in shards]
+        begin = np.concatenate([starts * itemsize, starts])
+        end = np.concatenate([(starts + counts) * itemsize, starts + counts])
+        blobs = self.fs.cat_ranges(paths, begin.tolist(), end.tolist(), on_error="return")
+        for path, start, stop, blob in zip(paths, begin, end, blobs):
+            if isinstance(blob, BaseException) or len(blob) != stop - start:
+                problem = f"{type(blob).__name__}: {blob}" if isinstance(blob, BaseException) else f"{len(blob)} bytes returned"
+                raise RayshardError(f"{path}: reading bytes [{start}, {stop}) failed ({problem}); the dataset is "
+                                    "incomplete or was changed. Fix: prepare it again, or check the store")
+        windows = np.full((len(ids), self.seq_len + 1), self.meta.eos_id, dtype=np.int64)
+        masks = np.zeros((len(ids), self.seq_len + 1), dtype=bool)
+        for row, (shard, start, count) in enumerate(zip(shards, starts, counts)):
+            tokens, mask = np.frombuffer(blobs[row], dtype=self.dtype), blobs[len(ids) + row]
+            self.checks.verify(int(shard), int(start), tokens, self.shard_paths[shard])  # the example is read whole
+            if zlib.crc32(mask) != int(self.mask_crc32[ids[row]]):
+                raise RayshardError(f"{self.mask_paths[shard]}: the loss mask at tokens [{start}, {start + count}) does "
+                                    "not match the index's CRC32; the mask file was damaged after it was prepared. "
+                                    "Fix: prepare the dataset again")
+            windows[row, :count] = tokens
+            masks[row, :count] = np.frombuffer(mask, dtype=np.uint8).astype(bool)
+        return windows, masks
 
     def read_samples(self, ids: np.ndarray) -> np.ndarray:
         """Rows of seq_len + 1 token ids, one per sample id, read by byte ranges."""

@@ -27,7 +27,7 @@ from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies
 from rayshard.actors.model.stage import RankStages, build_stage_on_meta, carve_stage, local_tensor, stage_global_names
 from rayshard.actors.model.user_model import build_user_on_meta
 from rayshard.actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail
-from rayshard.actors.training.step_runner import loss_context, microbatch_loss
+from rayshard.actors.training.step_runner import loss_context, microbatch_loss, objective_criterion
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.layout.parallel_layout import RankCoords
 from rayshard.plans.pipeline.plan import PipelinePlan
@@ -91,7 +91,8 @@ class PipelinedRunner:
         microbatch_size = config.global_batch // self.layout.data_parallel_size // config.pipeline.microbatches
         # A user model's own loss (the factory's; it runs where the last stage runs).
         user = config.model.spec.user
-        criterion = build_user_on_meta(user).loss if user is not None else None
+        criterion = objective_criterion(config) or (build_user_on_meta(user).loss if user is not None else None)
+        self.criterion = criterion
         self.interpreter = PipelineRunner(
             plan.schedule.ranks[self.coords.pp], stages.modules, num_stages=plan.partition.num_stages,
             microbatches=config.pipeline.microbatches, rank=rank, global_rank_of=self._global_rank_of,

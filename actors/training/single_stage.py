@@ -17,7 +17,7 @@ from rayshard.actors.training.converters import convert_model
 from rayshard.plans.training.converters import run_plan
 from rayshard.actors.model.transformer import build_on_meta
 from rayshard.actors.model.user_model import Criterion, build_user_on_meta
-from rayshard.actors.training.step_runner import loss_context, microbatch_loss
+from rayshard.actors.training.step_runner import loss_context, microbatch_loss, objective_criterion
 from rayshard.plans.config import TrainConfig
 
 
@@ -47,7 +47,8 @@ class SingleStageRunner:
             # to_empty swaps each module's parameter separately, which unties shared ones.
             model.output.weight = model.tok_embeddings.weight
         initialize_parameters(model, config.seed, spec.n_layers, zero_norms=spec.norm == "rmsnorm_plus_one")
-        return cls(model, layout.tp, config.pipeline.microbatches, device, made.loss if made is not None else None)
+        criterion = objective_criterion(config) or (made.loss if made is not None else None)
+        return cls(model, layout.tp, config.pipeline.microbatches, device, criterion)
 
     def forward_backward(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[torch.Tensor, None]:
         sharded = hasattr(self.model, "set_requires_gradient_sync")

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from rayshard.actors.parallel.shards import PipelineCopies
 from rayshard.actors.pipeline.interpreter import StepRecord
+from rayshard.actors.training.completion_loss import CompletionLoss
 
 
 class ModelParts(Protocol):
@@ -64,8 +65,15 @@ def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, microbatches: i
     criterion: a user model's own (logits, targets) -> mean loss, kept apart from the model; it
     runs under the same `loss_context` (vocab-sharded logits under tp). None: cross-entropy."""
     if criterion is not None:
+        if getattr(criterion, "sums_microbatches", False):  # --objective sft (actors/training/completion_loss.py)
+            return criterion(logits.float(), targets)
         return criterion(logits.float(), targets) / microbatches
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / microbatches
+
+
+def objective_criterion(config) -> CompletionLoss | None:
+    """--objective sft's loss (None: lm's, or a user model's own)."""
+    return CompletionLoss(config.layout.data_parallel_size) if config.objective == "sft" else None
 
 
 def loss_context(tp: int) -> ContextManager:

@@ -202,6 +202,8 @@ class Trainer:
         """Gradients of this step's batch, reduced over data ranks (and the tied embedding
         summed over its two stages); returns this rank's share of the loss."""
         inputs, targets = self._batch()
+        if self.config.objective == "sft":  # the mean's denominator: the global batch's completion targets
+            self.runner.criterion.set_step(self.data.global_loss_tokens(self.step))
         total_loss, record = self.runner.forward_backward(inputs, targets)
         if self.tp_partial:
             sum_partial_gradients(self.tp_partial, self.mesh["tp"], self.runner.collective_timeout)

@@ -20,12 +20,14 @@ import pyarrow as pa
 import ray
 
 from rayshard.cluster.data.documents import ReadOptions, input_files
+from rayshard.cluster.data.examples import chat_template_of
 from rayshard.cluster.data.prepare_pipeline import run_units
 from rayshard.cluster.data.prepare_task import UnitResult
 from rayshard.cluster.data.tokenizer import LoadedTokenizer, save_tokenizer
 from rayshard.storage import options as storage_options
 from rayshard.storage.backends.registry import backend_for
-from rayshard.plans.data.dataset_index import INDEX, INDEX_SCHEMA, DatasetMeta, encode_index, index_hash, token_dtype_for
+from rayshard.plans.data.dataset_index import (INDEX, INDEX_SCHEMA, SFT, SFT_INDEX_SCHEMA, TEXT, DatasetMeta, encode_index,
+                                               table_hash, token_dtype_for)
 from rayshard.plans.errors import RayshardError
 
 UNIT_BYTES = 64 << 20  # input bytes per task at most: a shard per unit, a few per CPU on small inputs
@@ -83,14 +85,15 @@ def prepare_dataset(inputs: list[str], tokenizer: LoadedTokenizer, out_url: str,
     dtype = token_dtype_for(tokenizer.vocab_size)
     log(f"preparing {len(files)} file(s) in {len(units)} unit(s) with Ray Data ({workers} CPUs), tokens as {dtype}")
     try:
+        chat = chat_template_of(tokenizer.config_json, tokenizer.source)
         results = _run_units(units, files, tokenizer.json_text, tokenizer.eos_id, dtype, url, attempt, options,
-                             cpus_per_task, min(workers, len(units)), task_timeout_s, progress)
+                             cpus_per_task, min(workers, len(units)), task_timeout_s, progress, chat)
         bad = next((r.error for r in results if r.error is not None), None)
         if bad is not None:
             raise bad
         tokenizer_dir = f"{attempt}/tokenizer"
         save_tokenizer(tokenizer, f"{url}/{tokenizer_dir}")
-        meta, documents = _index(results, tokenizer, dtype, tokenizer_dir)
+        meta, documents = _index(results, tokenizer, dtype, tokenizer_dir, SFT if options.format == "sft" else TEXT)
         if meta.documents == 0:
             raise RayshardError(f"no documents in {inputs} ({meta.skipped} bad input(s) skipped). "
                                 "Fix: pass files that hold text")
@@ -105,13 +108,13 @@ def prepare_dataset(inputs: list[str], tokenizer: LoadedTokenizer, out_url: str,
 
 
 def _run_units(units, files, tokenizer_json, eos_id, dtype, url, attempt, options, cpus_per_task, concurrency,
-               task_timeout_s, progress) -> list[UnitResult]:
+               task_timeout_s, progress, chat=None) -> list[UnitResult]:
     """Every unit's result in unit order, or only the first bad input's unit when not skipping."""
     sizes = dict(files)
     storage_conf = storage_options.configure()  # the tasks reach the store as the driver does
     results: dict[int, UnitResult] = {}
     stream = run_units(units, tokenizer_json, eos_id, dtype, url, attempt, options, storage_conf, cpus_per_task,
-                       concurrency, task_timeout_s)
+                       concurrency, task_timeout_s, chat)
     try:
         for result in stream:
             results[result.unit] = result
@@ -124,10 +127,12 @@ def _run_units(units, files, tokenizer_json, eos_id, dtype, url, attempt, option
     return [results[unit] for unit in range(len(units))]
 
 
-def _index(results: list[UnitResult], tokenizer: LoadedTokenizer, dtype: str, tokenizer_dir: str) -> tuple[DatasetMeta, pa.Table]:
+def _index(results: list[UnitResult], tokenizer: LoadedTokenizer, dtype: str, tokenizer_dir: str,
+           kind: str = TEXT) -> tuple[DatasetMeta, pa.Table]:
     itemsize = np.dtype(dtype).itemsize
     kept = [r for r in results if r.tokens]  # a unit whose every input was skipped writes an empty shard
-    columns: dict[str, list] = {name: [] for name in INDEX_SCHEMA.names}
+    schema = SFT_INDEX_SCHEMA if kind == SFT else INDEX_SCHEMA
+    columns: dict[str, list] = {name: [] for name in schema.names}
     for shard, result in enumerate(kept):
         counts = np.asarray(result.tokens, dtype=np.int64)
         token_starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -139,12 +144,16 @@ def _index(results: list[UnitResult], tokenizer: LoadedTokenizer, dtype: str, to
         columns["byte_start"] += (token_starts * itemsize).tolist()
         columns["byte_end"] += ((token_starts + counts) * itemsize).tolist()
         columns["crc32"] += result.crc32
-    documents = pa.Table.from_pydict(columns, schema=INDEX_SCHEMA)
+        if kind == SFT:
+            columns["loss_tokens"] += result.loss_tokens
+            columns["mask_crc32"] += result.mask_crc32
+    documents = pa.Table.from_pydict(columns, schema=schema)
     shard_tokens = tuple(int(sum(r.tokens)) for r in kept)
-    digest = index_hash(tokenizer.hash, dtype, np.asarray(columns["tokens"], dtype=np.int64),
-                        np.asarray(columns["crc32"], dtype=np.int64))
+    digest = table_hash(tokenizer.hash, dtype, kind, documents)
     meta = DatasetMeta(tokenizer_hash=tokenizer.hash, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, dtype=dtype,
                        shards=tuple(r.shard for r in kept), shard_tokens=shard_tokens, tokenizer=tokenizer_dir,
                        documents=documents.num_rows, tokens=int(sum(shard_tokens)),
-                       skipped=sum(len(r.skipped) for r in results), index_hash=digest)
+                       skipped=sum(len(r.skipped) for r in results), index_hash=digest, kind=kind,
+                       masks=tuple(r.mask for r in kept) if kind == SFT else (),
+                       longest=max((r.longest for r in kept), default=0))
     return meta, documents

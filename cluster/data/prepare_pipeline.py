@@ -18,23 +18,26 @@ import ray
 import ray.data
 
 from rayshard.cluster.data.documents import ReadOptions
+from rayshard.cluster.data.examples import ChatTemplate
 from rayshard.cluster.data.prepare_task import UnitResult, tokenize_unit
 from rayshard.plans.data.errors import DataInputError
 from rayshard.plans.errors import RayshardError
 
-_LIST_COLUMNS = ("sources", "rows", "tokens", "crc32", "skipped")
+_LIST_COLUMNS = ("sources", "rows", "tokens", "crc32", "skipped", "loss_tokens", "mask_crc32")
 
 
 def tokenize_units(batch: dict[str, np.ndarray], *, tokenizer_json: str, eos_id: int, dtype: str, dataset_url: str,
-                   attempt: str, options: ReadOptions, storage_conf: dict) -> dict[str, list]:
+                   attempt: str, options: ReadOptions, storage_conf: dict, chat: ChatTemplate | None = None) -> dict[str, list]:
     """map_batches' function: each row is a unit (its number and files); returns one row per unit."""
-    columns: dict[str, list] = {name: [] for name in ("unit", "shard", "input_bytes", "error", *_LIST_COLUMNS)}
+    columns: dict[str, list] = {name: [] for name in ("unit", "shard", "mask", "longest", "input_bytes", "error", *_LIST_COLUMNS)}
     for unit, files in zip(batch["unit"], batch["files"]):
         unit = int(unit)
         result = tokenize_unit(unit, [str(f) for f in files], tokenizer_json, eos_id, dtype, dataset_url,
-                               f"{attempt}/shard-{unit:05d}.tokens", options, storage_conf)
+                               f"{attempt}/shard-{unit:05d}.tokens", options, storage_conf, chat)
         columns["unit"].append(unit)
         columns["shard"].append(result.shard)
+        columns["mask"].append(result.mask)
+        columns["longest"].append(result.longest)
         columns["input_bytes"].append(result.input_bytes)
         # A DataInputError crosses as its four fields, and becomes the same error on the driver.
         error = result.error
@@ -49,12 +52,14 @@ def _unit_result(row: dict) -> UnitResult:
     return UnitResult(int(row["unit"]), row["shard"], sources=[str(s) for s in row["sources"]],
                       rows=[int(r) for r in row["rows"]], tokens=[int(t) for t in row["tokens"]],
                       crc32=[int(c) for c in row["crc32"]], input_bytes=int(row["input_bytes"]),
-                      skipped=[str(s) for s in row["skipped"]], error=error)
+                      skipped=[str(s) for s in row["skipped"]], error=error, mask=str(row["mask"]),
+                      loss_tokens=[int(t) for t in row["loss_tokens"]], mask_crc32=[int(c) for c in row["mask_crc32"]],
+                      longest=int(row["longest"]))
 
 
 def run_units(units: list[list[str]], tokenizer_json: str, eos_id: int, dtype: str, dataset_url: str, attempt: str,
               options: ReadOptions, storage_conf: dict, cpus_per_task: float, concurrency: int,
-              task_timeout_s: float) -> Iterator[UnitResult]:
+              task_timeout_s: float, chat: ChatTemplate | None = None) -> Iterator[UnitResult]:
     """Each unit's result as it finishes (in no fixed order). Raises when no unit finishes within
     task_timeout_s; closing the iterator (the caller stops at bad input) stops the dataset."""
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # its notes on progress bars and plans, not ours
@@ -69,7 +74,7 @@ def run_units(units: list[list[str]], tokenizer_json: str, eos_id: int, dtype: s
     dataset = ray.data.from_items(items, override_num_blocks=len(units)).map_batches(
         tokenize_units, batch_size=1, batch_format="numpy", num_cpus=cpus_per_task,
         compute=ray.data.TaskPoolStrategy(size=concurrency), fn_kwargs=dict(tokenizer_json=tokenizer_json, eos_id=eos_id, dtype=dtype, dataset_url=dataset_url,
-                                      attempt=attempt, options=options, storage_conf=storage_conf))
+                                      attempt=attempt, options=options, storage_conf=storage_conf, chat=chat))
     # Ray Data has no per-task deadline: a thread consumes the stream and the driver waits on it
     # with one, so a stuck store or a cluster with no free CPU fails in one line instead of hanging.
     results: queue.Queue = queue.Queue()  # one small row per unit; Ray Data bounds the work in flight

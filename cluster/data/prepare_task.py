@@ -16,6 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from rayshard.cluster.data.documents import ReadOptions, read_documents
+from rayshard.cluster.data.examples import ChatTemplate, Example, read_examples
 from rayshard.plans.data.errors import DataInputError
 from rayshard.storage.options import apply_conf
 
@@ -35,6 +36,10 @@ class UnitResult:
     skipped: list[str] = field(default_factory=list)
     error: DataInputError | None = None
     seconds: float = 0.0
+    mask: str = ""  # --format sft: the shard's loss masks (one uint8 per token), relative to the dataset URL
+    loss_tokens: list[int] = field(default_factory=list)
+    mask_crc32: list[int] = field(default_factory=list)
+    longest: int = 0
 
 
 def _tokenizer(json_text: str) -> Tokenizer:
@@ -44,7 +49,8 @@ def _tokenizer(json_text: str) -> Tokenizer:
 
 
 def tokenize_unit(unit: int, files: list[str], tokenizer_json: str, eos_id: int, dtype: str,
-                  dataset_url: str, shard: str, options: ReadOptions, storage_conf: dict) -> UnitResult:
+                  dataset_url: str, shard: str, options: ReadOptions, storage_conf: dict,
+                  chat: ChatTemplate | None = None) -> UnitResult:
     """Tokenize `files` in order into dataset_url/shard; every document ends with eos_id.
     storage_conf: the driver's object-store options (endpoint, retries; never credentials)."""
     apply_conf(storage_conf)
@@ -57,6 +63,8 @@ def tokenize_unit(unit: int, files: list[str], tokenizer_json: str, eos_id: int,
     fs, root = fsspec.core.url_to_fs(dataset_url.rstrip("/"))
     path = f"{root}/{shard}"
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # a local directory must exist; S3 has none
+    if options.format == "sft":
+        return _tokenize_examples(result, files, tokenizer, eos_id, token_dtype, fs, path, options, chat, started)
     try:
         with fs.open(path, "wb") as out:
             batch = []
@@ -89,3 +97,56 @@ def _write_batch(tokenizer: Tokenizer, batch, eos_id: int, token_dtype, out, res
         result.tokens.append(len(ids))
         result.crc32.append(zlib.crc32(data))
 
+
+
+def _tokenize_examples(result: UnitResult, files, tokenizer: Tokenizer, eos_id: int, token_dtype, fs, path: str,
+                       options: ReadOptions, chat: ChatTemplate, started: float) -> UnitResult:
+    """--format sft: each example is prompt tokens, completion tokens and the end-of-document token,
+    with a mask beside it (0 on the prompt, 1 on the completion and the end of document: the model
+    learns to stop). Prompt and completion are encoded apart, so no token straddles the boundary."""
+    result.mask = result.shard.removesuffix(".tokens") + ".mask"
+    mask_path = path.removesuffix(".tokens") + ".mask"
+    try:
+        with fs.open(path, "wb") as out, fs.open(mask_path, "wb") as masks:
+            batch: list[Example] = []
+            for url in files:
+                for example in read_examples(url, options, chat, result.skipped):
+                    result.input_bytes += len(example.prompt.encode()) + len(example.completion.encode())
+                    batch.append(example)
+                    if len(batch) >= ENCODE_BATCH:
+                        _write_examples(tokenizer, batch, eos_id, token_dtype, out, masks, result, options)
+                        batch = []
+            _write_examples(tokenizer, batch, eos_id, token_dtype, out, masks, result, options)
+    except DataInputError as error:
+        result.error = error
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _write_examples(tokenizer: Tokenizer, batch: list[Example], eos_id: int, token_dtype, out, masks,
+                    result: UnitResult, options: ReadOptions) -> None:
+    if not batch:
+        return
+    prompts = tokenizer.encode_batch_fast([e.prompt for e in batch], add_special_tokens=False)
+    completions = tokenizer.encode_batch_fast([e.completion for e in batch], add_special_tokens=False)
+    for example, prompt, completion in zip(batch, prompts, completions):
+        ids = np.asarray(prompt.ids + completion.ids + [eos_id], dtype=token_dtype)
+        if options.max_tokens is not None and len(ids) > options.max_tokens:
+            bad = DataInputError(example.source, example.row, f"the example is {len(ids)} tokens, more than "
+                                 f"--max-tokens {options.max_tokens}", "shorten it, raise --max-tokens, or pass --skip-bad")
+            if not options.skip_bad:
+                raise bad
+            result.skipped.append(str(bad))
+            continue
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        mask[len(prompt.ids):] = 1
+        data, mask_data = ids.tobytes(), mask.tobytes()
+        out.write(data)
+        masks.write(mask_data)
+        result.sources.append(example.source)
+        result.rows.append(example.row)
+        result.tokens.append(len(ids))
+        result.crc32.append(zlib.crc32(data))
+        result.loss_tokens.append(int(mask[1:].sum()))  # position 0 is never a target
+        result.mask_crc32.append(zlib.crc32(mask_data))
+        result.longest = max(result.longest, len(ids))

@@ -380,6 +380,8 @@ def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data
         "model_preset": config.model.preset,
         "model": config.model.spec.to_dict(),
         "config": json.loads(json.dumps(config.to_dict(), default=str)),
+        # What the loss was: a resume may change it (sft after lm pretraining), the record says which.
+        "objective": config.objective,
         "data_position": {"seed": config.seed, "next_step": step, "corpus": data_fingerprint,
                           "source": config.data.source, "dataset": dataset_record(config)},
         # No rank-local RNG stream survives a step: every random draw is seeded by (seed, step).

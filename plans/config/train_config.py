@@ -46,6 +46,9 @@ class TrainConfig:
     global_batch: int = option(8, metavar="N", help="sequences per step over all data ranks")
     seq_len: int = option(64, metavar="N", help="tokens per sequence")
     seed: int = option(1234, metavar="N", help="seed of the initial weights and the sample order")
+    objective: str = option("lm", choices=("lm", "sft"),
+                            help="lm: next-token loss over every token (default); sft: the mean loss over the global "
+                                 "batch's completion tokens of a `data prepare --format sft` dataset")
     model: ModelChoice = section(ModelChoice, "which model trains")
     layout: ParallelLayout = section(ParallelLayout, "how the ranks split the work: dp x fsdp x tp x pp (vpp, ep)")
     pipeline: PipelineConfig = section(PipelineConfig, "microbatches and, with --pp > 1, the schedule and stage cut")
@@ -72,9 +75,17 @@ class TrainConfig:
         check_run_name(self.run, "run")
         self.optimizer.validate()
         self.data.validate(self.seq_len)
+        self._validate_objective()
         self.numerics.validate(self.model.spec, self.layout, self.seq_len)
         self._validate_lora()
         return self
+
+    def _validate_objective(self) -> None:
+        if self.objective not in ("lm", "sft"):
+            raise ConfigError("objective", self.objective, "is not an objective", "set objective: lm or sft")
+        if self.objective == "sft" and self.model.spec.user is not None:
+            raise ConfigError("objective", self.objective, "a user model's own loss cannot take the completion mask yet",
+                              "train a built-in or imported model with --objective sft, or use --objective lm")
 
     def _validate_lora(self) -> None:
         """The adapters against the model, and what LoRA does not run on yet, in one line each."""

@@ -2,6 +2,7 @@
 
     URL/index.parquet                          the commit: created last, create-only
     URL/attempt-<id>/shard-00000.tokens        little-endian uint16 or uint32 token ids, no header
+    URL/attempt-<id>/shard-00000.mask          SFT datasets only: one uint8 loss mask per token (1: completion)
     URL/attempt-<id>/tokenizer/tokenizer.json  the tokenizer that made them (and tokenizer_config.json)
 
 Pure: bytes in, records out (like the checkpoint manifest codec). The index hash is computed from
@@ -34,6 +35,14 @@ INDEX_SCHEMA = pa.schema([
     ("byte_end", pa.int64()),
     ("crc32", pa.int64()),       # zlib.crc32 of those bytes
 ])
+TEXT, SFT = "text", "sft"  # what a dataset's documents are: text to pack, or examples with loss masks
+# An SFT dataset's index: each document is one example (prompt tokens, completion tokens, end of
+# document), its loss mask stored beside it in the shard's .mask file at the same token offsets.
+SFT_INDEX_SCHEMA = pa.schema([
+    *INDEX_SCHEMA,
+    ("loss_tokens", pa.int64()),  # targets the loss counts: mask ones at positions 1.. (position 0 is never a target)
+    ("mask_crc32", pa.int64()),   # zlib.crc32 of the example's mask bytes
+])
 
 
 def token_dtype_for(vocab_size: int) -> str:
@@ -54,6 +63,9 @@ class DatasetMeta:
     tokens: int
     skipped: int                  # inputs left out under --skip-bad
     index_hash: str
+    kind: str = TEXT              # TEXT | SFT (datasets prepared before SFT existed are text)
+    masks: tuple[str, ...] = ()   # SFT: each shard's mask file, relative to the dataset URL
+    longest: int = 0              # SFT: the longest example's tokens (a sample must hold it)
 
     @property
     def itemsize(self) -> int:
@@ -78,18 +90,34 @@ class DatasetIdentity:
         return asdict(self)
 
 
-def index_hash(tokenizer_hash: str, dtype: str, tokens: np.ndarray, checksums: np.ndarray) -> str:
+def index_hash(tokenizer_hash: str, dtype: str, tokens: np.ndarray, checksums: np.ndarray,
+               loss_tokens: np.ndarray | None = None, mask_checksums: np.ndarray | None = None) -> str:
     """Of the token stream alone: how documents were grouped into shards (which depends on the
-    CPUs that prepared them) changes neither the samples nor the hash."""
+    CPUs that prepared them) changes neither the samples nor the hash. An SFT dataset's masks
+    (their checksums and per-example counts) are hashed too; a text dataset's hash is as it was."""
     digest = hashlib.sha256(f"{FORMAT}|{tokenizer_hash}|{dtype}|".encode())
     digest.update(np.asarray(tokens, dtype="<i8").tobytes())
     digest.update(np.asarray(checksums, dtype="<i8").tobytes())
+    if mask_checksums is not None:
+        digest.update(f"|{SFT}|".encode())
+        digest.update(np.asarray(loss_tokens, dtype="<i8").tobytes())
+        digest.update(np.asarray(mask_checksums, dtype="<i8").tobytes())
     return digest.hexdigest()[:32]
+
+
+def table_hash(meta_tokenizer_hash: str, dtype: str, kind: str, table: pa.Table) -> str:
+    """index_hash of a document table of either kind."""
+    column = lambda name: table.column(name).to_numpy()  # noqa: E731
+    if kind == SFT:
+        return index_hash(meta_tokenizer_hash, dtype, column("tokens"), column("crc32"), column("loss_tokens"),
+                          column("mask_crc32"))
+    return index_hash(meta_tokenizer_hash, dtype, column("tokens"), column("crc32"))
 
 
 def encode_index(documents: pa.Table, meta: DatasetMeta) -> bytes:
     document = dict(asdict(meta), format=FORMAT)
-    table = documents.cast(INDEX_SCHEMA).replace_schema_metadata({METADATA_KEY: json.dumps(document).encode()})
+    schema = SFT_INDEX_SCHEMA if meta.kind == SFT else INDEX_SCHEMA
+    table = documents.cast(schema).replace_schema_metadata({METADATA_KEY: json.dumps(document).encode()})
     sink = io.BytesIO()
     pq.write_table(table, sink, compression="zstd")
     return sink.getvalue()
@@ -105,9 +133,12 @@ def decode_index(data: bytes, where: str) -> tuple[DatasetMeta, pa.Table]:
                             "Fix: point at the --out URL of `rayshard data prepare`") from None
     if document.pop("format", None) != FORMAT:
         raise RayshardError(f"{where}: dataset format is not {FORMAT}. Fix: prepare it again with this rayshard")
-    meta = DatasetMeta(**{**document, "shards": tuple(document["shards"]), "shard_tokens": tuple(document["shard_tokens"])})
-    found = index_hash(meta.tokenizer_hash, meta.dtype, table.column("tokens").to_numpy(),
-                       table.column("crc32").to_numpy())
+    meta = DatasetMeta(**{**document, "shards": tuple(document["shards"]), "shard_tokens": tuple(document["shard_tokens"]),
+                          "masks": tuple(document.get("masks", ()))})
+    if meta.kind not in (TEXT, SFT) or (meta.kind == SFT and len(meta.masks) != len(meta.shards)):
+        raise RayshardError(f"{where}: unknown dataset kind {meta.kind!r} or masks missing. "
+                            "Fix: prepare it again with this rayshard")
+    found = table_hash(meta.tokenizer_hash, meta.dtype, meta.kind, table)
     if found != meta.index_hash:
         raise RayshardError(f"{where}: the index's documents hash to {found}, its metadata says {meta.index_hash}; "
                             "the index was edited or is corrupt. Fix: prepare the dataset again")
