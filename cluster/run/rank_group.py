@@ -223,11 +223,17 @@ class RankGroup:
     def shutdown(self) -> None:
         # After a failed call, ranks may sit in a collective until their timeout: owned actors
         # are killed at once; borrowed ones get a short chance to leave their process group.
-        if not (self.broken and self.owned):
+        if not self.broken:
             try:
-                ray.get([actor.shutdown.remote() for actor in self.actors], timeout=5 if self.broken else 60)
+                ray.get([actor.shutdown.remote() for actor in self.actors], timeout=60)
             except Exception:  # a dead or stuck rank cannot shut down cleanly; killing it below is enough
                 pass
+        elif not self.owned:
+            # Not waited for: a rank that failed has left its group already (actors/rank.py), a
+            # stuck one would only answer after its collective timeout, and the next setup on a
+            # reused actor runs after this call and leaves any group first anyway.
+            for actor in self.actors:
+                actor.shutdown.remote()
         if self.owned:
             for actor in self.actors:
                 ray.kill(actor)
