@@ -77,8 +77,11 @@ def _wait_alive(actors: list, timeout_s: float) -> None:
 
 
 # After a rank's process dies, its peers are stuck in collectives with it until their own
-# timeout (minutes); waiting the full grace for their errors would only delay recovery.
-DEAD_RANK_GRACE_S = 2.0
+# timeout (minutes); waiting the full grace for their errors would only delay recovery. Peers
+# whose sockets saw the death fail within milliseconds; one still silent after this is replaced
+# alongside the dead rank by an elastic run (cluster/run/rank_pool.py), which costs no more than
+# the dead rank's own restart, so waiting longer for it buys nothing (issue 41: was 2 s).
+DEAD_RANK_GRACE_S = 0.5
 # After a rank's own error, its peers fail within a second or two once it has left the group
 # (actors/rank.py); a peer still silent after this is stuck where leaving did not reach it (a
 # pending transfer keeps a gloo group alive), and waiting out its timeout (up to an hour for a

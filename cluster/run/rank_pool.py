@@ -32,6 +32,12 @@ class RankPool:
         self.start_timeout_s, self.log = start_timeout_s, log
         self.placement, self.actors, self.bundle = None, [], None
         self.last_recovery = ""  # one line: which ranks were reused, which restarted
+        self.condemned: set[int] = set()  # ranks the failed attempt found dead or silent: replaced unprobed
+
+    def condemn(self, ranks) -> None:
+        """Ranks to replace without asking: dead, or silent in a collective with a dead peer
+        (waiting for them would cost more than restarting them alongside the dead one)."""
+        self.condemned.update(ranks)
 
     def actors_for(self, world: int, bundle: dict[str, float]) -> list:
         """world live actors with `bundle` each: the pool's, repaired, when it has that shape."""
@@ -51,8 +57,9 @@ class RankPool:
 
     def _repair(self) -> None:
         started = time.monotonic()
-        probes = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(self.actors)}
-        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=REUSE_PROBE_S)
+        condemned, self.condemned = self.condemned, set()
+        probes = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(self.actors) if rank not in condemned}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=REUSE_PROBE_S) if probes else ([], [])
         answered = set()
         for ref in ready:
             try:
