@@ -9,7 +9,7 @@ policy decides whether to go again. More ranks appearing triggers a resize at th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -17,6 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from rayshard.cluster.run.controller import Controller, Outcome, RunResult
 from rayshard.cluster.ray_connection import connect_ray
 from rayshard.cluster.run.rank_group import StepFailed
+from rayshard.cluster.run.rank_pool import RankPool
 from rayshard.cluster.run.train import train
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy
@@ -37,7 +38,9 @@ class TrainingWorkerGroup:
     # Ranks the pinned dimensions need: with no --cpus-per-rank, each rank gets an equal share of
     # the CPUs over this many ranks (at most one CPU), as a non-elastic job does over its world.
     wanted_ranks: int = 1
-    actors: list | None = None  # live RankActors each attempt borrows, as train() takes them (else it starts its own)
+    actors: list | None = None  # live RankActors each attempt borrows, as train() takes them (else the pool's)
+    # Without given actors: the ranks kept across attempts, so a recovery restarts only the lost ones.
+    pool: RankPool | None = field(default=None, repr=False)
 
     def rank_bundle(self, world: int | None = None) -> dict[str, float]:
         """CPU ranks: a share fixed over wanted_ranks, so the rank count follows from the CPUs.
@@ -46,6 +49,16 @@ class TrainingWorkerGroup:
         cluster, cpus, gpus = ray.cluster_resources(), resources.cpus_per_rank, resources.gpus_per_rank
         bundle = rank_bundle(cluster, self.wanted_ranks, cpus, gpus)
         return rank_bundle(cluster, world, cpus, gpus) if "GPU" in bundle and world else bundle
+
+    def _pool(self) -> RankPool:
+        if self.pool is None:
+            self.pool = RankPool(self.config.resources.start_timeout_s)
+        return self.pool
+
+    def release(self) -> None:
+        """Kill the pool's ranks and free their resources (given actors stay the caller's)."""
+        if self.pool is not None:
+            self.pool.release()
 
     def available_ranks(self) -> int:
         cluster, bundle = ray.cluster_resources(), self.rank_bundle()
@@ -64,9 +77,13 @@ class TrainingWorkerGroup:
                          resources=replace(self.config.resources, cpus_per_rank=bundle.get("CPU", 0),
                                            gpus_per_rank=bundle.get("GPU", 0)))
         try:
-            result = train(config, self.actors, stop_after_checkpoint=lambda step: should_resize())
+            actors = self.actors if self.actors is not None else self._pool().actors_for(layout.world_size, bundle)
+            result = train(config, actors, stop_after_checkpoint=lambda step: should_resize())
         except RANK_FAILURES as error:
+            if self.pool is not None and isinstance(error, StepFailed):
+                self.pool.condemn([*error.dead_ranks, *error.silent])
             return RunResult(Outcome.FAILED, error, f"{type(error).__name__}: {_first_line(error)}")
+        self.release()  # done or resizing: a new world starts its own ranks
         if result.stopped_early:
             return RunResult(Outcome.RESIZE, detail=f"more ranks available; resizing after step {max(result.losses)}")
         return RunResult(Outcome.FINISHED, detail=f"step {config.steps} reached")
@@ -122,4 +139,7 @@ def train_elastic(config: TrainConfig, pinned: dict[str, int], scaling: ScalingP
     controller = Controller(group, layout_chooser_for(config, pinned, memory_per_rank_bytes, ranks_per_node,
                                                       group.capacity),
                             failure_policy=failure, scaling_policy=scaling)
-    return controller, controller.run()
+    try:
+        return controller, controller.run()
+    finally:
+        group.release()

@@ -53,7 +53,7 @@ def start_actors(world: int, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, c
         for rank in range(world)
     ]
     try:
-        _wait_alive(actors, start_timeout_s)
+        wait_alive(actors, start_timeout_s)
     except BaseException:
         for actor in actors:
             ray.kill(actor)
@@ -62,7 +62,7 @@ def start_actors(world: int, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, c
     return placement, actors
 
 
-def _wait_alive(actors: list, timeout_s: float) -> None:
+def wait_alive(actors: list, timeout_s: float) -> None:
     pending = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(actors)}
     ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
     for ref in ready:
@@ -77,8 +77,11 @@ def _wait_alive(actors: list, timeout_s: float) -> None:
 
 
 # After a rank's process dies, its peers are stuck in collectives with it until their own
-# timeout (minutes); waiting the full grace for their errors would only delay recovery.
-DEAD_RANK_GRACE_S = 2.0
+# timeout (minutes); waiting the full grace for their errors would only delay recovery. Peers
+# whose sockets saw the death fail within milliseconds; one still silent after this is replaced
+# alongside the dead rank by an elastic run (cluster/run/rank_pool.py), which costs no more than
+# the dead rank's own restart, so waiting longer for it buys nothing (issue 41: was 2 s).
+DEAD_RANK_GRACE_S = 0.5
 # After a rank's own error, its peers fail within a second or two once it has left the group
 # (actors/rank.py); a peer still silent after this is stuck where leaving did not reach it (a
 # pending transfer keeps a gloo group alive), and waiting out its timeout (up to an hour for a
@@ -223,11 +226,17 @@ class RankGroup:
     def shutdown(self) -> None:
         # After a failed call, ranks may sit in a collective until their timeout: owned actors
         # are killed at once; borrowed ones get a short chance to leave their process group.
-        if not (self.broken and self.owned):
+        if not self.broken:
             try:
-                ray.get([actor.shutdown.remote() for actor in self.actors], timeout=5 if self.broken else 60)
+                ray.get([actor.shutdown.remote() for actor in self.actors], timeout=60)
             except Exception:  # a dead or stuck rank cannot shut down cleanly; killing it below is enough
                 pass
+        elif not self.owned:
+            # Not waited for: a rank that failed has left its group already (actors/rank.py), a
+            # stuck one would only answer after its collective timeout, and the next setup on a
+            # reused actor runs after this call and leaves any group first anyway.
+            for actor in self.actors:
+                actor.shutdown.remote()
         if self.owned:
             for actor in self.actors:
                 ray.kill(actor)

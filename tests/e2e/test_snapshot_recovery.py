@@ -4,6 +4,7 @@ Each scenario runs in a subprocess that owns its cluster (tests/e2e/snapshot_sce
 snapshot every step, no durable checkpoint before the end, a fault after step 4's snapshot.
 """
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,11 @@ def test_a_rank_killed_resumes_from_memory_with_at_most_one_step_redone(tmp_path
     assert f"recovery: the snapshot of step {KILL_AT} is whole in memory; resuming from memory" in lines, lines
     assert any(line.startswith(f"loaded step {KILL_AT}: ") and "from the snapshot in memory" in line for line in lines), lines
     assert {layout for layout in result["layouts"].values()} == {"dp=2,fsdp=1,tp=2,pp=1,vpp=1"}
+    # Only the lost rank (and any peer stuck with it) got a new actor; one line says which (decision 149).
+    [pool_line] = [line for line in result["log"] if line.startswith("recovery: ranks reused")]
+    reused, restarted = re.match(r"recovery: ranks reused (\S+), restarted (\S+) ", pool_line).groups()
+    numbers = lambda listed: [] if listed == "none" else [int(r) for r in listed.strip("[]").split(",")]  # noqa: E731
+    assert numbers(restarted) and sorted(numbers(reused) + numbers(restarted)) == [0, 1, 2, 3], pool_line
     _assert_continues_the_reference(result)
     # The metrics and the store's note say which snapshot exists and where its copies live.
     assert result["snapshot_steps"][str(STEPS)] in (STEPS - 2, STEPS - 1)  # committed a step after it is taken
