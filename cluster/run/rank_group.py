@@ -16,7 +16,7 @@ from rayshard.plans.errors import ConfigError, RayshardError, ResourcesUnavailab
 from rayshard.plans.layout.resources import GRAIN, not_ready_failure, placement_failure, rank_bundle
 from rayshard.plans.pipeline.plan import build_pipeline_plan
 
-__all__ = ["RankGroup", "StepFailed", "start_actors", "bundle_for_rank"]
+__all__ = ["RankGroup", "StepFailed", "start_actors", "bundle_for_rank", "wait_alive"]
 
 DEFAULT_START_TIMEOUT_S = 60.0
 
