@@ -138,6 +138,7 @@ def test_a_preset_with_data_takes_the_tokenizers_vocabulary_and_trains(run_train
         run_training(given)  # a vocabulary given is kept, and refused before any rank starts
 
 
+@pytest.mark.slow  # decision 153: the reader's store access is test_data_prepare's and the S3 training tests'
 def test_training_reads_the_dataset_from_an_object_store(run_training, dataset, uninterrupted, object_store):
     """The same inputs prepared on the S3 test server (or Azurite) have the same identity, so the
     same batches."""

@@ -43,6 +43,7 @@ def test_a_rank_that_dies_mid_step_fails_the_step_without_waiting_out_the_timeou
     assert isinstance(failed.value, RANK_FAILURES)
 
 
+@pytest.mark.slow  # decision 153: the dead-rank and stalled-rank cases keep "never a silent hang" in the default suite
 @pytest.mark.timeout(300)
 def test_a_rank_that_raises_mid_step_stops_its_peers_at_once_and_is_named_first(ray_session, tmp_path):
     """Rank 3 of dp2 x pp2 raises inside its first step, alive, while its peers wait on it in a

@@ -69,7 +69,7 @@ def test_bf16_is_not_fp32(one_rank):
 
 @pytest.mark.parametrize("degrees, schedule", [
     _layout_case("fsdp2", fsdp=2),  # per-block checkpointing under FSDP2
-    _layout_case("tp2xpp2-zbh1", "zbh1", tp=2, pp=2),  # stage recompute under the I/W split
+    _layout_case("tp2xpp2-zbh1", "zbh1", slow=True, tp=2, pp=2),  # stage recompute under the I/W split (decision 153)
     _layout_case("tp2", slow=True, tp=2),
     _layout_case("pp2-1f1b", slow=True, pp=2),
     _layout_case("pp2-zbv", "zbv", slow=True, pp=2, vpp=2),
@@ -86,7 +86,7 @@ def test_activation_checkpointing_changes_no_bit(run_training, tmp_path, degrees
     # One rank compiled is also test_moe_compile's case (in the test process); the default run keeps tp2.
     pytest.param({}, "1f1b", "none", "fp32", id="one-rank", marks=pytest.mark.slow),
     # The first block's input is a view under TP, and full AC must wrap the compiled graph.
-    pytest.param({"tp": 2}, "1f1b", "full", "fp32", id="tp2-full-ac"),
+    pytest.param({"tp": 2}, "1f1b", "full", "fp32", id="tp2-full-ac", marks=pytest.mark.slow),  # decision 153
     pytest.param({"tp": 2, "pp": 2}, "1f1b", "full", "fp32", id="tp2xpp2-1f1b-full-ac", marks=pytest.mark.slow),
     pytest.param({"fsdp": 2, "tp": 2}, "1f1b", "selective", "bf16", id="fsdp2xtp2-bf16-selective", marks=pytest.mark.slow),
     pytest.param({"dp": 2, "pp": 2}, "interleaved1f1b", "selective", "fp32", id="dp2xpp2-interleaved-selective",

@@ -265,6 +265,7 @@ def test_an_sft_run_records_its_objective_and_data_and_resumes_on_pp2(sft_data, 
         assert abs(loss - whole.losses[step]) <= 1e-5 * whole.losses[step], (step, loss, whole.losses[step])
 
 
+@pytest.mark.slow  # decision 153: object-store prepare is test_data_prepare's; this adds the masks
 def test_examples_on_an_object_store_prepare_to_the_same_dataset(sft_data, object_store, capsys):
     """Inputs and output on S3 (moto; Azurite under -m slow): the same examples give the same index
     hash (tokens and masks) as the local preparation, and read back the same."""
