@@ -73,14 +73,20 @@ def input_files(urls: list[str], max_bytes: int | None = None) -> list[tuple[str
     return found
 
 
+def read_input_file(url: str) -> bytes:
+    """An input file's bytes, whole (one GET on an object store); an empty one is a bad input."""
+    with fsspec.open(url, "rb") as handle:
+        data = handle.read()
+    if not data:
+        raise DataInputError(url, None, "the file is empty", "remove it from the inputs, or pass --skip-bad")
+    return data
+
+
 def read_documents(url: str, options: ReadOptions, skipped: list[str]) -> Iterator[Document]:
     """The file's documents; under options.skip_bad, a bad row (or file) is left out and described
     in `skipped` instead of raising."""
     try:
-        with fsspec.open(url, "rb") as handle:
-            data = handle.read()
-        if not data:
-            raise DataInputError(url, None, "the file is empty", "remove it from the inputs, or pass --skip-bad")
+        data = read_input_file(url)
         lower = url.lower()
         if lower.endswith(PARQUET_SUFFIXES):
             yield from _parquet_documents(url, data, options, skipped)

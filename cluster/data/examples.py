@@ -15,13 +15,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
-import fsspec
 import pyarrow as pa
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import pyarrow.parquet as pq
 
-from rayshard.cluster.data.documents import JSONL_SUFFIXES, PARQUET_SUFFIXES, ReadOptions, _first_line, _utf8
+from rayshard.cluster.data.documents import JSONL_SUFFIXES, PARQUET_SUFFIXES, ReadOptions, _first_line, _utf8, read_input_file
 from rayshard.plans.data.errors import DataInputError
 
 
@@ -72,10 +71,7 @@ def chat_template_of(config_json: str | None, source: str) -> ChatTemplate:
 def read_examples(url: str, options: ReadOptions, chat: ChatTemplate, skipped: list[str]) -> Iterator[Example]:
     """The file's examples; under options.skip_bad a bad row (or file) is described in `skipped`."""
     try:
-        with fsspec.open(url, "rb") as handle:
-            data = handle.read()
-        if not data:
-            raise DataInputError(url, None, "the file is empty", "remove it from the inputs, or pass --skip-bad")
+        data = read_input_file(url)
         lower = url.lower()
         if lower.endswith(PARQUET_SUFFIXES):
             rows = _parquet_rows(url, data)
