@@ -14,7 +14,8 @@ from rayshard.storage import options as storage_options
 
 def _read_options(args: argparse.Namespace) -> ReadOptions:
     sft = dict(format=args.format, prompt_field=args.prompt_field, completion_field=args.completion_field,
-               messages_field=args.messages_field, max_tokens=args.max_tokens) if hasattr(args, "format") else {}
+               messages_field=args.messages_field, max_tokens=args.max_tokens,
+               chosen_field=args.chosen_field, rejected_field=args.rejected_field) if hasattr(args, "format") else {}
     return ReadOptions(field=args.field, column=args.column, skip_bad=args.skip_bad, max_bytes=args.max_bytes, **sft)
 
 
