@@ -30,6 +30,7 @@ from rayshard.actors.training.dataset_source import open_training_data
 from rayshard.actors.training.device_memory import device_name, peak_memory_bytes, reset_peak_memory
 from rayshard.actors.training.host_allocator import keep_freed_host_memory
 from rayshard.actors.training.pipelined import PipelinedRunner
+from rayshard.actors.training.preference_loss import REWARD_METRICS
 from rayshard.actors.training.reports import StepMetrics
 from rayshard.actors.training.single_stage import SingleStageRunner
 from rayshard.actors.training.step_runner import StepRunner
@@ -184,11 +185,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             total_loss = self._mean_loss(total_loss)
             routing = self._routing_statistics()
+            rewards = self._reward_metrics()
         self.step += 1
         return StepMetrics(self.step, total_loss.item(), float(grad_norm), lr, time.perf_counter() - started, record,
                            tokens=config.global_batch // self.layout.data_parallel_size * config.seq_len,
                            peak_memory_bytes=peak_memory_bytes(self.device), device_name=device_name(self.device),
-                           batch_hash=self.batch_hash, **routing)
+                           batch_hash=self.batch_hash, rewards=rewards, **routing)
 
     def _batch(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This data rank's microbatches of global batch number self.step."""
@@ -202,7 +204,7 @@ class Trainer:
         """Gradients of this step's batch, reduced over data ranks (and the tied embedding
         summed over its two stages); returns this rank's share of the loss."""
         inputs, targets = self._batch()
-        if self.config.objective == "sft":  # the mean's denominator: the global batch's completion targets
+        if self.config.objective in ("sft", "dpo"):  # the mean's denominator: the global batch's completion targets, or pairs
             self.runner.criterion.set_step(self.data.global_loss_tokens(self.step))
         total_loss, record = self.runner.forward_backward(inputs, targets)
         if self.tp_partial:
@@ -239,6 +241,17 @@ class Trainer:
         return {"expert_tokens": {layer: [int(count) for count in table[layer, :experts].tolist()] for layer in moe},
                 "aux_loss": aux, "all_to_all_bytes": int(table[:, experts + 1].sum()),
                 "all_to_all_peer_bytes": int(table[:, experts + 2].sum())}
+
+    def _reward_metrics(self) -> dict[str, float] | None:
+        """--objective dpo: the step's rewards and accuracy, means over the global batch's pairs,
+        reduced as the loss is (each rank's sums already carry data_ranks / pairs)."""
+        if self.config.objective != "dpo":
+            return None
+        criterion = self.runner.criterion
+        sums = criterion.rewards.to(self.device)
+        self.runner.wait(dist.all_reduce(sums, async_op=True), "the DPO rewards all-reduce")
+        means = (sums / (self.layout.world_size // self.layout.pp)).cpu().tolist()
+        return dict(zip(REWARD_METRICS, means))
 
     def _mean_loss(self, total_loss: torch.Tensor) -> torch.Tensor:
         """Every rank reports the same number: the mean over data ranks. tp peers hold equal
@@ -292,6 +305,15 @@ class Trainer:
         result = load_rank_shard(view, self.optimizer, checkpoint_url, set(frozen), handover=self.handover_groups,
                                  only=frozen, moments=False)
         view.write_back()
+        return {"bytes_read": result["bytes_read"], "seconds": result["seconds"], "partial_reads": result["partial_reads"]}
+
+    def load_reference(self, checkpoint_url: str) -> dict:
+        """--objective dpo without LoRA: the reference's weights (a frozen copy, no moments) from
+        the checkpoint the run started from, written by any layout."""
+        reference = self.runner.reference
+        names = {name for name, _ in reference.named_parameters()}
+        result = load_rank_shard(reference, torch.optim.SGD(reference.parameters(), lr=0.0), checkpoint_url, names,
+                                 handover=self.handover_groups, only=frozenset(names), moments=False)
         return {"bytes_read": result["bytes_read"], "seconds": result["seconds"], "partial_reads": result["partial_reads"]}
 
     def data_fingerprint(self) -> str:

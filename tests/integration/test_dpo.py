@@ -132,3 +132,130 @@ def test_bad_rows_are_named_in_one_line_and_counted_when_skipped(preference_data
     assert main([*args, "--input", str(tmp_path / "chat.jsonl"), "--out", str(tmp_path / "nochat")]) == 2
     line = capsys.readouterr().err.strip()
     assert "chat template" in line and "row 1" in line and "\n" not in line
+
+
+def _hf_llama(seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False))
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    """A policy and a reference of one shape with different weights, as transformers models and
+    imported into a store (so the loss's reference term does not cancel)."""
+    from rayshard.actors.checkpoint.stored import StoredCheckpoint
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.checkpoint.hf_interop import import_hf
+    from rayshard.plans.checkpoint.model_check import check_against_own_model
+
+    root = tmp_path_factory.mktemp("models")
+    store = Store(str(root / "store"))
+    models, urls = {}, {}
+    for name, seed in (("policy", 5), ("reference", 6)):
+        models[name] = _hf_llama(seed)
+        models[name].save_pretrained(str(root / name))
+        import_hf(str(root / name), store, name, log=lambda *_: None)
+        urls[name] = store.resolve(f"{name}@0").url
+    stored = StoredCheckpoint(urls["policy"])
+    spec = check_against_own_model(stored.chunks, stored.metadata, urls["policy"])
+    return models, urls, spec
+
+
+def _dpo_config(tmp_path, url: str, spec, layout=None, **overrides):
+    from rayshard.plans.config import DataConfig, ModelChoice
+    from tests.conftest import small_config
+
+    values = dict(model=ModelChoice(preset="imported", spec=spec), data=DataConfig(dataset=url), global_batch=8,
+                  seq_len=40, objective="dpo", run="dpo")
+    values.update(overrides)
+    return small_config(tmp_path, layout, **values)
+
+
+def _one_step(rank_pool, config, policy: str, reference: str | None) -> dict:
+    from rayshard.cluster.run.rank_group import RankGroup
+
+    group = RankGroup(config, rank_pool)
+    try:
+        group.call("load", policy)
+        if reference is not None:
+            group.call("load_reference", reference)
+        results = group.call("full_gradients")
+    finally:
+        group.shutdown()
+    assert len({result["loss"] for result in results}) == 1, "ranks disagree on the loss"
+    gradients = {}
+    for result in results:
+        gradients.update(result["gradients"])
+    return {"loss": results[0]["loss"], "gradients": gradients}
+
+
+def _paper_loss(policy, reference, inputs: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
+    """The DPO paper's sigmoid loss, written out: log-probabilities of each response's tokens from
+    log_softmax, summed; chosen rows even, rejected odd; the mean over pairs."""
+    def logps(model):
+        logits = model(input_ids=inputs).logits[:, :-1].float()
+        targets = labels[:, 1:]
+        kept = targets != -100
+        token = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (token * kept).sum(-1)
+
+    with torch.no_grad():
+        ref = logps(reference)
+    pol = logps(policy)
+    ratio = (pol[0::2] - ref[0::2]) - (pol[1::2] - ref[1::2])
+    return -torch.nn.functional.logsigmoid(beta * ratio).mean()
+
+
+def test_one_step_matches_the_paper_loss_with_two_transformers_models(preference_data, two_models, rank_pool, tmp_path):
+    root, _, _ = preference_data
+    models, urls, spec = two_models
+    config = _dpo_config(tmp_path, str(root / "ds"), spec, microbatches=2)
+    ours = _one_step(rank_pool, config, urls["policy"], urls["reference"])
+
+    reader = PreparedDataset(str(root / "ds"), config.seq_len, preference=True)
+    ids = batch_sample_ids(config.seed, 0, config.global_batch // 2, reader.samples)
+    windows, masks = reader.read_examples(np.stack([2 * ids, 2 * ids + 1], 1).reshape(-1))
+    inputs = torch.from_numpy(windows)
+    labels = inputs.masked_fill(~torch.from_numpy(masks), -100)
+    policy, reference = models["policy"], models["reference"]
+    policy.zero_grad()
+    expected = _paper_loss(policy, reference, inputs, labels, config.dpo.beta)
+    expected.backward()
+    assert abs(expected.item() - np.log(2)) > 1e-3  # the reference differs: its term does not cancel
+    assert abs(ours["loss"] - expected.item()) <= 1e-6, (ours["loss"], expected.item())
+    # The policy's gradients are transformers' (those parameters not fused here: qkv and gate_up are).
+    theirs = {"tok_embeddings.weight": policy.model.embed_tokens.weight, "output.weight": policy.lm_head.weight,
+              "norm.weight": policy.model.norm.weight}
+    for index, layer in enumerate(policy.model.layers):
+        theirs.update({f"layers.{index}.attention.wo.weight": layer.self_attn.o_proj.weight,
+                       f"layers.{index}.feed_forward.down.weight": layer.mlp.down_proj.weight,
+                       f"layers.{index}.attention_norm.weight": layer.input_layernorm.weight,
+                       f"layers.{index}.ffn_norm.weight": layer.post_attention_layernorm.weight})
+    for name, param in theirs.items():
+        torch.testing.assert_close(ours["gradients"][name], param.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    # Every gradient is the policy's: the reference is frozen and has none.
+    assert len(ours["gradients"]) == 15 and all(not name.startswith("reference") for name in ours["gradients"])
+
+
+def test_dp2_tp2_and_fsdp2_give_the_one_rank_step(preference_data, two_models, rank_pool, tmp_path):
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+
+    root, _, _ = preference_data
+    _, urls, spec = two_models
+    url = str(root / "ds")
+    one = _one_step(rank_pool, _dpo_config(tmp_path / "one", url, spec, microbatches=2), urls["policy"], urls["reference"])
+    for name, layout, microbatches in (("dp2xtp2", ParallelLayout(dp=2, tp=2), 2), ("fsdp2", ParallelLayout(fsdp=2), 1)):
+        result = _one_step(rank_pool, _dpo_config(tmp_path / name, url, spec, layout, microbatches=microbatches),
+                           urls["policy"], urls["reference"])
+        assert abs(result["loss"] - one["loss"]) <= 1e-6 * abs(one["loss"]), (name, result["loss"], one["loss"])
+        assert result["gradients"].keys() == one["gradients"].keys(), name
+        for key, expected in one["gradients"].items():
+            torch.testing.assert_close(result["gradients"][key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {key}: {m}")
