@@ -259,3 +259,44 @@ def test_dp2_tp2_and_fsdp2_give_the_one_rank_step(preference_data, two_models, r
         assert result["gradients"].keys() == one["gradients"].keys(), name
         for key, expected in one["gradients"].items():
             torch.testing.assert_close(result["gradients"][key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {key}: {m}")
+
+
+@pytest.mark.slow  # two short runs (dp2, then tp2) and a LoRA run; the default suite's DPO numerics are the tests above
+def test_a_dpo_run_records_its_reference_reports_rewards_and_resumes_on_another_layout(preference_data, two_models,
+                                                                                       run_training, tmp_path):
+    from rayshard.actors.checkpoint.stored import StoredCheckpoint
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.run.lora_base import base_digest
+    from rayshard.cluster.run.metrics_sinks import read_metrics
+    from rayshard.plans.config import LoraConfig
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+
+    root, _, _ = preference_data
+    _, urls, spec = two_models
+    store = str(tmp_path / "store")
+    Store(store)
+    # The run starts from the imported policy: that checkpoint is its reference (a frozen copy).
+    config = lambda **kw: _dpo_config(tmp_path, str(root / "ds"), spec, store=store, **{"steps": 3, **kw})  # noqa: E731
+    whole = run_training(config(layout=ParallelLayout(dp=2), run="whole", resume=urls["policy"], ckpt_every=2))
+    metadata = StoredCheckpoint(whole.checkpoints[0]).metadata
+    assert metadata["objective"] == "dpo" and metadata["dpo"]["beta"] == 0.1
+    assert metadata["dpo_reference"] == {"kind": "frozen-copy", "url": urls["policy"], "seed": 7,
+                                         "digest": base_digest(urls["policy"])}
+    records = {r["step"]: r for r in read_metrics(Store(store), "whole")}
+    # Step 1: the policy is the reference, so every reward is 0 and the loss is log 2.
+    assert abs(whole.losses[1] - np.log(2)) <= 1e-6 and records[1]["rewards_margin"] == 0
+    # Later steps' pairs are others than those trained on: the policy has moved, the margin is no longer 0.
+    assert records[3]["rewards_margin"] != 0 and 0 <= records[3]["rewards_accuracy"] <= 1
+    assert records[3]["rewards_margin"] == pytest.approx(records[3]["rewards_chosen"] - records[3]["rewards_rejected"], abs=1e-6)
+    # Resumed on tp2 (a new run from whole@2): the recorded reference is adopted; step 3 is the same.
+    branch = run_training(config(layout=ParallelLayout(tp=2), run="branch", resume=f"{whole.checkpoints[0]}"))
+    assert sorted(branch.losses) == [3]
+    assert abs(branch.losses[3] - whole.losses[3]) <= 1e-5 * whole.losses[3], (branch.losses, whole.losses)
+    assert StoredCheckpoint(branch.checkpoints[-1]).metadata["dpo_reference"] == metadata["dpo_reference"]
+    # LoRA: the reference is the base with adapters disabled; step 1 computes log 2 (B starts at 0).
+    lora = run_training(config(run="lora", steps=2, lora=LoraConfig(rank=4, base=urls["policy"])))
+    # Step 2: the adapters moved, the reference (the base alone) did not, so the loss left log 2
+    # (a reference that kept the adapters would give log 2 at every step).
+    assert abs(lora.losses[1] - np.log(2)) <= 1e-6 and abs(lora.losses[2] - np.log(2)) > 1e-4
+    recorded = StoredCheckpoint(lora.checkpoints[-1]).metadata["dpo_reference"]
+    assert recorded["kind"] == "adapters-disabled" and recorded["url"] == urls["policy"]
