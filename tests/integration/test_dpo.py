@@ -300,3 +300,72 @@ def test_a_dpo_run_records_its_reference_reports_rewards_and_resumes_on_another_
     assert abs(lora.losses[1] - np.log(2)) <= 1e-6 and abs(lora.losses[2] - np.log(2)) > 1e-4
     recorded = StoredCheckpoint(lora.checkpoints[-1]).metadata["dpo_reference"]
     assert recorded["kind"] == "adapters-disabled" and recorded["url"] == urls["policy"]
+
+
+def test_the_criterion_is_the_papers_sigmoid_and_ipo_loss_with_label_smoothing():
+    """The criterion alone on made-up logits: the loss, rewards and accuracy against the formulas;
+    prompt and padding targets (IGNORE) get exactly zero gradient."""
+    from rayshard.actors.training.completion_loss import IGNORE
+    from rayshard.actors.training.preference_loss import PreferenceLoss
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (4, 6))
+    targets[:, :2] = IGNORE
+    targets[1, 4:] = IGNORE  # a shorter rejected response
+    reference = torch.randn(4)
+    logps = (torch.log_softmax(logits.detach(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+             * (targets != IGNORE)).sum(-1)
+    z = (logps[0::2] - reference[0::2]) - (logps[1::2] - reference[1::2])
+    for loss, smoothing, expected in (
+            ("sigmoid", 0.0, -torch.nn.functional.logsigmoid(0.5 * z)),
+            ("sigmoid", 0.2, -0.8 * torch.nn.functional.logsigmoid(0.5 * z) - 0.2 * torch.nn.functional.logsigmoid(-0.5 * z)),
+            ("ipo", 0.0, (z - 1 / (2 * 0.5)) ** 2)):
+        criterion = PreferenceLoss(data_ranks=2, beta=0.5, loss=loss, label_smoothing=smoothing)
+        criterion.set_step(global_pairs=8)
+        criterion.set_reference(reference)
+        got = criterion(logits, targets)
+        torch.testing.assert_close(got, expected.sum() * 2 / 8, msg=loss)
+        chosen, rejected = 0.5 * (logps[0::2] - reference[0::2]), 0.5 * (logps[1::2] - reference[1::2])
+        assert criterion.rewards.tolist() == pytest.approx(
+            [float(chosen.sum()) / 4, float(rejected.sum()) / 4, float((chosen - rejected).sum()) / 4,
+             float((chosen > rejected).sum()) / 4], rel=1e-5)
+    logits.grad = None
+    got.backward()
+    assert (logits.grad[:, :2] == 0).all() and (logits.grad[1, 4:] == 0).all() and (logits.grad[0, 4:] != 0).any()
+
+
+def test_bad_dpo_settings_and_a_changed_reference_are_refused_in_one_line(preference_data, two_models, tmp_path):
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.cluster.run.dpo_reference import resolve_reference
+    from rayshard.plans.config import DpoConfig
+    from rayshard.plans.errors import CheckpointError
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+
+    root, _, _ = preference_data
+    _, urls, spec = two_models
+    url = str(root / "ds")
+    for overrides, match in (
+            (dict(layout=ParallelLayout(pp=2), microbatches=2), "does not run on pp > 1"),
+            (dict(global_batch=6), "multiple of 2 x dp\\*fsdp x microbatches = 4"),
+            (dict(dpo=DpoConfig(beta=0.0)), "dpo.beta"),
+            (dict(dpo=DpoConfig(loss="ipo", label_smoothing=0.1)), "applies to the sigmoid loss"),
+            (dict(dpo=DpoConfig(label_smoothing=0.5)), "must be in \\[0, 0.5\\)")):
+        layout = overrides.pop("layout", None)
+        microbatches = overrides.pop("microbatches", 2)
+        with pytest.raises(ConfigError, match=match) as refused:
+            _dpo_config(tmp_path, url, spec, layout, microbatches=microbatches, **overrides)
+        assert "\n" not in str(refused.value)
+    # Text is not preference data.
+    from rayshard.cluster.data.training_data import check_training_data
+    from tests.conftest import small_config
+
+    with pytest.raises(ConfigError, match="is text, not a prepared preference dataset.*--format preference"):
+        check_training_data(small_config(tmp_path, objective="dpo"), None, None)
+    # A resume whose recorded reference is another model's weights (its digest differs) is refused.
+    config = _dpo_config(tmp_path, url, spec, microbatches=2)
+    store = Store(str(tmp_path / "store"))
+    recorded = {"dpo_reference": {"kind": "frozen-copy", "url": urls["reference"], "seed": 7, "digest": "sha256:other"}}
+    with pytest.raises(CheckpointError, match="DPO reference .* has digest .* trained against digest sha256:other") as refused:
+        resolve_reference(config, store, recorded, "some-run@2", None)
+    assert "\n" not in str(refused.value)
