@@ -55,6 +55,9 @@ def resolve_reference(config: TrainConfig, store: Store, metadata: dict | None, 
             raise CheckpointError(f"{resumed_url} is a LoRA DPO checkpoint (reference: the base with adapters disabled), "
                                   "but this run has no adapters. Fix: resume it with its --lora-* settings, or start a new --run")
     seed = int(recorded.get("seed", config.seed)) if recorded is not None else config.seed
+    if url is None and seed != config.seed:  # the frozen copy is built from this run's seed
+        raise CheckpointError(f"{resumed_url} was trained against the seeded initial weights of seed {seed}, but this "
+                              f"run's seed is {config.seed}. Fix: pass --seed {seed}, or start a new --run")
     reference = DpoReference(FROZEN_COPY, url, seed, base_digest(url) if url else f"{SEEDED}:{seed}")
     if recorded is not None and recorded.get("digest") != reference.digest:
         raise CheckpointError(f"the DPO reference {reference.describe()} has digest {reference.digest[:19]}..., but "

@@ -369,3 +369,37 @@ def test_bad_dpo_settings_and_a_changed_reference_are_refused_in_one_line(prefer
     with pytest.raises(CheckpointError, match="DPO reference .* has digest .* trained against digest sha256:other") as refused:
         resolve_reference(config, store, recorded, "some-run@2", None)
     assert "\n" not in str(refused.value)
+
+
+def test_lora_dpo_on_dp2_tp2_gives_the_one_rank_step(preference_data, two_models, rank_pool, tmp_path):
+    """With LoRA the reference is the base with adapters disabled: B starts at 0, so step 0's loss
+    is log 2, and the adapters' gradients are the same on dp2 x tp2 as on one rank."""
+    from rayshard.cluster.run.rank_group import RankGroup
+    from rayshard.plans.config import LoraConfig
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+
+    root, _, _ = preference_data
+    _, urls, spec = two_models
+
+    def step(layout, name):
+        config = _dpo_config(tmp_path / name, str(root / "ds"), spec, layout, microbatches=2,
+                             lora=LoraConfig(rank=4, base=urls["policy"]))
+        group = RankGroup(config, rank_pool)
+        try:
+            group.call("load_base", urls["policy"])
+            results = group.call("full_gradients")
+        finally:
+            group.shutdown()
+        gradients = {}
+        for result in results:
+            gradients.update(result["gradients"])
+        return results[0]["loss"], gradients
+
+    loss, gradients = step(None, "one")
+    assert abs(loss - np.log(2)) <= 1e-6
+    assert gradients and all(".lora." in name for name in gradients)
+    assert any(grad.abs().sum() > 0 for name, grad in gradients.items() if name.endswith(".b"))
+    tp_loss, tp_gradients = step(ParallelLayout(dp=2, tp=2), "dp2xtp2")
+    assert abs(tp_loss - loss) <= 1e-6 and tp_gradients.keys() == gradients.keys()
+    for key, expected in gradients.items():
+        torch.testing.assert_close(tp_gradients[key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
