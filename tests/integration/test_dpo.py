@@ -403,3 +403,17 @@ def test_lora_dpo_on_dp2_tp2_gives_the_one_rank_step(preference_data, two_models
     assert abs(tp_loss - loss) <= 1e-6 and tp_gradients.keys() == gradients.keys()
     for key, expected in gradients.items():
         torch.testing.assert_close(tp_gradients[key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+def test_dpo_settings_come_from_flags_and_from_a_config_file():
+    from rayshard.cluster.cli.commands.train import config_from_args
+    from rayshard.cluster.cli.main import build_parser
+    from rayshard.plans.config import DpoConfig, TrainConfig
+
+    args = build_parser().parse_args(["train", "--objective", "dpo", "--dpo-beta", "0.25", "--dpo-loss", "ipo"])
+    config = config_from_args(args)
+    assert config.objective == "dpo" and config.dpo == DpoConfig(beta=0.25, loss="ipo")
+    assert TrainConfig.from_dict({"objective": "dpo", "dpo": {"beta": 0.5, "label_smoothing": 0.1}}).dpo == \
+        DpoConfig(beta=0.5, label_smoothing=0.1)
+    with pytest.raises(ConfigError, match="dpo"):
+        TrainConfig.from_dict({"dpo": {"betta": 0.5}})
