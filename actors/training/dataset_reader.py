@@ -15,6 +15,7 @@ import torch
 
 from rayshard.actors.training.document_checks import DocumentChecks
 from rayshard.plans.data.dataset_index import INDEX, PREFERENCE, SFT, DatasetIdentity, decode_index
+from rayshard.plans.data.reference_logprobs import REFERENCE_LOGPROBS, decode_reference_logprobs
 from rayshard.plans.data.packing import sample_count, sample_reads
 from rayshard.plans.data.sample_order import batch_sample_ids
 from rayshard.plans.errors import ConfigError, RayshardError
@@ -99,16 +100,31 @@ class PreparedDataset:
         windows, masks = self.read_examples(ids[data_rank * per_rank:(data_rank + 1) * per_rank])
         return torch.from_numpy(windows), torch.from_numpy(masks), global_loss_tokens
 
+    def read_reference_logprobs(self) -> None:
+        """--dpo-precomputed: the reference's log-probability of every example, from the dataset
+        (the driver checked the reference's digest; the examples' index hash is checked here too)."""
+        where = f"{self.url}/{REFERENCE_LOGPROBS}"
+        with self.fs.open(f"{self.root}/{REFERENCE_LOGPROBS}", "rb") as f:
+            logps, meta = decode_reference_logprobs(f.read(), where)
+        if meta.get("index_hash") != self.meta.index_hash or len(logps) != self.meta.documents:
+            raise RayshardError(f"{where} was computed for index hash {meta.get('index_hash')}, not this dataset's "
+                                f"{self.meta.index_hash}. Fix: run `rayshard data reference-logprobs` again")
+        self.reference_logps = logps
+
     def rank_pairs(self, seed: int, step: int, batch: int, data_rank: int,
-                   data_ranks: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+                   data_ranks: int) -> tuple[torch.Tensor, torch.Tensor, int] | tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """This data rank's rows of global batch `step` of a preference dataset: `batch` counts
         sequences, so the step holds batch / 2 pairs, drawn as sample ids (a pure function of seed
         and step); each pair's chosen then rejected example, adjacent, so an even cut of the rows
-        (data ranks, microbatches) never splits a pair. Returns windows, masks and the global pairs."""
+        (data ranks, microbatches) never splits a pair. Returns windows, masks and the global pairs,
+        and, after read_reference_logprobs, the rows' reference log-probabilities."""
         pairs, per_rank = batch // 2, batch // 2 // data_ranks
         ids = batch_sample_ids(seed, step, pairs, self.samples)[data_rank * per_rank:(data_rank + 1) * per_rank]
         examples = np.stack([2 * ids, 2 * ids + 1], axis=1).reshape(-1)
         windows, masks = self.read_examples(examples)
+        if getattr(self, "reference_logps", None) is not None:
+            return (torch.from_numpy(windows), torch.from_numpy(masks), pairs,
+                    torch.from_numpy(self.reference_logps[examples].astype(np.float32)))
         return torch.from_numpy(windows), torch.from_numpy(masks), pairs
 
     def read_examples(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

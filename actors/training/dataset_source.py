@@ -67,11 +67,14 @@ class DatasetBatches:
         self.prefetcher: StepPrefetcher | None = None
         # step -> the global batch's completion targets (--objective sft) or its pairs (dpo)
         self.loss_tokens: dict[int, int] = {}
+        self.reference_logps: dict[int, torch.Tensor] = {}  # --dpo-precomputed: step -> this rank's rows'
 
     def _open(self) -> StepPrefetcher:
         config = self.config
         self.dataset = open_prepared(self.url, config.seq_len, config.objective)
         check_vocab_fits(config.model.spec.vocab_size, self.dataset.meta.vocab_size, self.url)
+        if config.objective == "dpo" and config.dpo.precomputed:
+            self.dataset.read_reference_logprobs()
         dataset, data_rank, data_ranks = self.dataset, self.data_rank, self.data_ranks
         read = {"sft": "rank_examples", "dpo": "rank_pairs"}.get(config.objective, "rank_windows")
         read = getattr(dataset, read)
@@ -87,7 +90,9 @@ class DatasetBatches:
         fetched = self.prefetcher.get(step)
         if self.config.objective == "lm":
             return fetched[:, :-1], fetched[:, 1:]
-        windows, masks, self.loss_tokens[step] = fetched
+        windows, masks, self.loss_tokens[step] = fetched[:3]
+        if len(fetched) == 4:
+            self.reference_logps[step] = fetched[3]
         return windows[:, :-1], windows[:, 1:].masked_fill(~masks[:, 1:], IGNORE)
 
     def global_loss_tokens(self, step: int) -> int:

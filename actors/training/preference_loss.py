@@ -55,8 +55,9 @@ class PreferenceLoss:
     sums_microbatches = True  # already a share of the batch: microbatch_loss must not divide it again
     needs_reference = True    # the runner computes the reference's log-probabilities of each microbatch
 
-    def __init__(self, data_ranks: int, beta: float, loss: str, label_smoothing: float):
+    def __init__(self, data_ranks: int, beta: float, loss: str, label_smoothing: float, precomputed: bool = False):
         self.data_ranks, self.beta, self.loss, self.label_smoothing = data_ranks, beta, loss, label_smoothing
+        self.precomputed = precomputed  # the trainer sets the references from the dataset; the runner runs none
         self.scale: float | None = None
         self.references: list[torch.Tensor] = []
         self.rewards = torch.zeros(len(REWARD_METRICS), dtype=torch.float64)

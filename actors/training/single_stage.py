@@ -42,7 +42,7 @@ class SingleStageRunner:
         and initialized."""
         model, made = cls._build_model(config, mesh, device)
         reference = None
-        if config.objective == "dpo" and not config.lora.enabled:
+        if config.objective == "dpo" and not config.lora.enabled and not config.dpo.precomputed:
             # Built and seeded exactly as the policy: it holds the seeded initial weights until the
             # driver loads the run's reference checkpoint into it (Trainer.load_reference).
             reference, _ = cls._build_model(config, mesh, device)
@@ -84,7 +84,7 @@ class SingleStageRunner:
         for index, (x, y) in enumerate(zip(inputs, targets)):
             if sharded:  # reduce gradients once per step, on the last microbatch
                 self.model.set_requires_gradient_sync(index == len(inputs) - 1)
-            if getattr(self.criterion, "needs_reference", False):
+            if getattr(self.criterion, "needs_reference", False) and not self.criterion.precomputed:
                 self.criterion.set_reference(self.reference_logps(x, y))
             logits = self.model(x)
             with loss_context(self.tp):

@@ -76,7 +76,7 @@ def objective_criterion(config) -> CompletionLoss | PreferenceLoss | None:
     """--objective sft's or dpo's loss (None: lm's, or a user model's own)."""
     if config.objective == "dpo":
         dpo = config.dpo
-        return PreferenceLoss(config.layout.data_parallel_size, dpo.beta, dpo.loss, dpo.label_smoothing)
+        return PreferenceLoss(config.layout.data_parallel_size, dpo.beta, dpo.loss, dpo.label_smoothing, dpo.precomputed)
     return CompletionLoss(config.layout.data_parallel_size) if config.objective == "sft" else None
 
 

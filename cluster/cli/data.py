@@ -61,3 +61,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                          help="--format sft/preference: an example of more tokens is a bad row (refused, or counted under --skip-bad)")
     progress.add_arguments(prepare)
     prepare.set_defaults(run_command="rayshard.cluster.cli.commands.data:run_prepare")
+    logprobs = data.add_parser("reference-logprobs", help="precompute a DPO reference's log-probabilities into a "
+                               "preference dataset", description="Load the reference checkpoint on one rank actor and write "
+                               "every example's summed response log-probability beside the dataset's index, keyed by "
+                               "its index hash and the reference's digest; train with --dpo-precomputed.")
+    logprobs.add_argument("--data", required=True, metavar="URL", help="the --out of `data prepare --format preference`")
+    logprobs.add_argument("--from", dest="reference", required=True, metavar="CKPT",
+                          help="the reference checkpoint: RUN@STEP, RUN or a URL (a LoRA run's base, not its adapters)")
+    logprobs.add_argument("--store", default="./runs", metavar="URL", help="store holding the checkpoint (default ./runs)")
+    logprobs.set_defaults(run_command="rayshard.cluster.cli.commands.data:run_reference_logprobs")

@@ -17,6 +17,8 @@ from rayshard.storage.manifest_io import manifest_bytes, read_manifest
 from rayshard.actors.checkpoint.stored import check_loaded_parts
 from rayshard.cluster.catalog import commit_window, leases, writer_lease
 from rayshard.cluster.run.async_save import AsyncCheckpointer
+from rayshard.actors.training.dataset_source import prepared_dataset_url
+from rayshard.cluster.run.reference_logprobs import check_precomputed
 from rayshard.cluster.run.dpo_reference import FROZEN_COPY, DpoReference, resolve_reference
 from rayshard.cluster.run.lora_base import LoraBase, resolve_base, with_resumed_lora
 from rayshard.cluster.ray_connection import connect_ray
@@ -140,7 +142,10 @@ def resolve_start(config: TrainConfig, store: Store, snapshots: Snapshots | None
     point.dpo_reference = resolve_reference(config, store, metadata, resume.url if resume is not None else None,
                                             point.lora_base)
     if point.dpo_reference is not None:
-        _log(f"DPO ({config.dpo.loss}, beta {config.dpo.beta:g}); reference: {point.dpo_reference.describe()}")
+        _log(f"DPO ({config.dpo.loss}, beta {config.dpo.beta:g}); reference: {point.dpo_reference.describe()}"
+             + (", log-probabilities precomputed in the dataset" if config.dpo.precomputed else ""))
+        if config.dpo.precomputed:
+            check_precomputed(prepared_dataset_url(config), point.dpo_reference)
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
     check_sinks(point.config)
     return point
@@ -186,7 +191,8 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
             load_base(group, point)
         if point.resume is not None:
             load_resumed(group, point)
-        if point.dpo_reference is not None and point.dpo_reference.kind == FROZEN_COPY and point.dpo_reference.url:
+        reference = point.dpo_reference
+        if reference is not None and reference.kind == FROZEN_COPY and reference.url and not config.dpo.precomputed:
             load_reference(group, point)
         for _ in range(point.step, config.steps):
             if point.lease is not None:

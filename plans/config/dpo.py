@@ -23,6 +23,9 @@ class DpoConfig:
                        help="sigmoid: the DPO paper's loss (default); ipo: IPO's squared loss")
     label_smoothing: float = option(0.0, flag="--dpo-label-smoothing", metavar="S",
                                     help="sigmoid loss: the probability that a pair's preference is flipped (0 to 0.5)")
+    precomputed: bool = option(False, flag="--dpo-precomputed",
+                               help="read the reference's log-probabilities from the dataset (`rayshard data "
+                                    "reference-logprobs`) instead of running the reference each step")
 
     def validate(self) -> None:
         if not self.beta > 0:

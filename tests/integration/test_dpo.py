@@ -417,3 +417,64 @@ def test_dpo_settings_come_from_flags_and_from_a_config_file():
         DpoConfig(beta=0.5, label_smoothing=0.1)
     with pytest.raises(ConfigError, match="dpo"):
         TrainConfig.from_dict({"dpo": {"betta": 0.5}})
+
+
+def test_precomputed_reference_logprobs_give_the_live_step_and_another_reference_is_refused(
+        preference_data, two_models, rank_pool, tmp_path):
+    import shutil
+
+    from rayshard.cluster.run.reference_logprobs import check_precomputed, compute_reference_logprobs
+    from rayshard.cluster.run.dpo_reference import FROZEN_COPY, DpoReference
+    from rayshard.cluster.run.lora_base import base_digest
+    from rayshard.plans.config import DpoConfig
+
+    root, _, _ = preference_data
+    _, urls, spec = two_models
+    shutil.copytree(root / "ds", tmp_path / "ds")
+    url = str(tmp_path / "ds")
+    reference = DpoReference(FROZEN_COPY, urls["reference"], 7, base_digest(urls["reference"]))
+    with pytest.raises(ConfigError, match="holds no reference log-probabilities.*reference-logprobs --data") as refused:
+        check_precomputed(url, reference)
+    assert "\n" not in str(refused.value)
+    store = urls["reference"].split("/reference/")[0]
+    compute_reference_logprobs(url, urls["reference"], store, actors=rank_pool, log=lambda *_: None)
+    check_precomputed(url, reference)  # its own reference: accepted
+    live = _one_step(rank_pool, _dpo_config(tmp_path / "live", url, spec, microbatches=2), urls["policy"], urls["reference"])
+    precomputed = _one_step(rank_pool, _dpo_config(tmp_path / "pre", url, spec, microbatches=2,
+                                                   dpo=DpoConfig(precomputed=True)), urls["policy"], None)
+    assert abs(precomputed["loss"] - live["loss"]) <= 1e-7, (precomputed["loss"], live["loss"])
+    for key, expected in live["gradients"].items():
+        torch.testing.assert_close(precomputed["gradients"][key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+    # A run whose reference is another checkpoint (the policy's weights) is refused in one line.
+    other = DpoReference(FROZEN_COPY, urls["policy"], 7, base_digest(urls["policy"]))
+    with pytest.raises(ConfigError, match="was computed with reference .*but this run's reference is") as refused:
+        check_precomputed(url, other)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow  # a precompute and a run; the default suite checks the same numbers above
+def test_a_precomputed_run_runs_no_reference(preference_data, two_models, rank_pool, run_training, tmp_path):
+    """The run's driver checks the file against its reference and loads none. (The CLI's own actor
+    cannot start here: the session's actor pool holds every CPU; so the command's function runs on
+    the pool, and the parser is checked apart.)"""
+    import shutil
+
+    from rayshard.plans.config import DpoConfig
+
+    root, _, _ = preference_data
+    _, urls, spec = two_models
+    shutil.copytree(root / "ds", tmp_path / "ds")
+    url = str(tmp_path / "ds")
+    store = urls["policy"].split("/policy/")[0]
+    from rayshard.cluster.cli.main import build_parser
+    from rayshard.cluster.run.reference_logprobs import compute_reference_logprobs
+
+    args = build_parser().parse_args(["data", "reference-logprobs", "--data", url, "--from", "policy@0", "--store", store])
+    assert (args.data, args.reference, args.store) == (url, "policy@0", store)
+    lines = []
+    compute_reference_logprobs(args.data, args.reference, args.store, actors=rank_pool, log=lines.append)
+    assert "reference-logprobs.parquet: 48 examples" in lines[0]
+    # The run starts from the policy, which is therefore its reference: step 1's loss is log 2.
+    result = run_training(_dpo_config(tmp_path, url, spec, steps=1, run="pre", resume=urls["policy"],
+                                      dpo=DpoConfig(precomputed=True)))
+    assert abs(result.losses[1] - np.log(2)) <= 1e-6

@@ -6,6 +6,7 @@ import sys
 
 from rayshard.cluster.data.documents import ReadOptions
 from rayshard.cluster.data.prepare import prepare_dataset
+from rayshard.cluster.run.reference_logprobs import compute_reference_logprobs
 from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from rayshard.cluster.progress import byte_bar
 from rayshard.cluster.ray_connection import connect_ray
@@ -39,4 +40,10 @@ def run_prepare(args: argparse.Namespace) -> int:
     for line in summary.skipped:
         print(f"skipped: {line}", file=sys.stderr)
     print(summary.line())
+    return 0
+
+
+def run_reference_logprobs(args: argparse.Namespace) -> int:
+    storage_options.configure()
+    compute_reference_logprobs(args.data, args.reference, args.store)
     return 0
