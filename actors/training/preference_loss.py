@@ -65,6 +65,10 @@ class PreferenceLoss:
     def set_step(self, global_pairs: int) -> None:
         self.scale = self.data_ranks / max(1, int(global_pairs))
         self.rewards = torch.zeros(len(REWARD_METRICS), dtype=torch.float64)
+        # A pipeline rank off the last stage is handed its rows' values too but never takes them:
+        # each step starts afresh. The last stage takes them in microbatch order (every schedule
+        # runs a stage's forwards in microbatch order).
+        self.references = []
 
     def set_reference(self, reference_logps: torch.Tensor) -> None:
         """The reference's row log-probabilities of the microbatch the next call takes."""

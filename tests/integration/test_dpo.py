@@ -439,12 +439,18 @@ def test_precomputed_reference_logprobs_give_the_live_step_and_another_reference
     store = urls["reference"].split("/reference/")[0]
     compute_reference_logprobs(url, urls["reference"], store, actors=rank_pool, log=lambda *_: None)
     check_precomputed(url, reference)  # its own reference: accepted
+    from rayshard.plans.layout.parallel_layout import ParallelLayout
+
     live = _one_step(rank_pool, _dpo_config(tmp_path / "live", url, spec, microbatches=2), urls["policy"], urls["reference"])
-    precomputed = _one_step(rank_pool, _dpo_config(tmp_path / "pre", url, spec, microbatches=2,
-                                                   dpo=DpoConfig(precomputed=True)), urls["policy"], None)
-    assert abs(precomputed["loss"] - live["loss"]) <= 1e-7, (precomputed["loss"], live["loss"])
-    for key, expected in live["gradients"].items():
-        torch.testing.assert_close(precomputed["gradients"][key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+    # Precomputed, on one rank and on pp2 (which a live reference does not run on).
+    for name, layout, microbatches in (("one", None, 2), ("pp2", ParallelLayout(pp=2), 4)):
+        precomputed = _one_step(rank_pool, _dpo_config(tmp_path / name, url, spec, layout, microbatches=microbatches,
+                                                       dpo=DpoConfig(precomputed=True)), urls["policy"], None)
+        assert abs(precomputed["loss"] - live["loss"]) <= 1e-7, (name, precomputed["loss"], live["loss"])
+        assert precomputed["gradients"].keys() == live["gradients"].keys(), name
+        for key, expected in live["gradients"].items():
+            torch.testing.assert_close(precomputed["gradients"][key], expected, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{name} {key}: {m}")
     # A run whose reference is another checkpoint (the policy's weights) is refused in one line.
     other = DpoReference(FROZEN_COPY, urls["policy"], 7, base_digest(urls["policy"]))
     with pytest.raises(ConfigError, match="was computed with reference .*but this run's reference is") as refused:
