@@ -127,6 +127,16 @@ class RankActor:
         return self.trainer.load_base(checkpoint_url)
 
     @leaves_its_group_on_failure
+    def load_reference(self, checkpoint_url: str) -> dict:
+        """--objective dpo without LoRA: the reference's frozen weights, from the checkpoint the run started from."""
+        return self.trainer.load_reference(checkpoint_url)
+
+    @leaves_its_group_on_failure
+    def reference_logprobs(self, dataset_url: str) -> list[float]:
+        """`rayshard data reference-logprobs`: the loaded model's log-probabilities of a preference dataset's examples."""
+        return self.trainer.reference_logprobs(dataset_url)
+
+    @leaves_its_group_on_failure
     def train_step(self) -> StepMetrics:
         return self.trainer.train_step()
 

@@ -20,7 +20,9 @@ No rank ever gathers an adapter or a base weight.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -133,6 +135,21 @@ class LoraAdapter(nn.Module):
             t = (_SumOverTp if self.row_parallel else _SumGradientOverTp).apply(t, self.tp_group)
         delta = (t @ b.t().to(t.dtype)) * self.scale
         return _SplitSequence.apply(delta, self.tp_group) if self.to_sequence else delta
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model alone: every adapter's delta is 0 (scale 0, no dropout) inside, as it was
+    after. --objective dpo's reference with LoRA: the same weights, no second copy (decision 159)."""
+    adapters = [module for module in model.modules() if isinstance(module, LoraAdapter)]
+    saved = [(adapter.scale, adapter.dropout) for adapter in adapters]
+    for adapter in adapters:
+        adapter.scale, adapter.dropout = 0.0, 0.0
+    try:
+        yield
+    finally:
+        for adapter, (scale, dropout) in zip(adapters, saved):
+            adapter.scale, adapter.dropout = scale, dropout
 
 
 class LoraAttention(Attention):

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from rayshard.actors.training.document_checks import DocumentChecks
-from rayshard.plans.data.dataset_index import INDEX, SFT, DatasetIdentity, decode_index
+from rayshard.plans.data.dataset_index import INDEX, PREFERENCE, SFT, DatasetIdentity, decode_index
+from rayshard.plans.data.reference_logprobs import REFERENCE_LOGPROBS, decode_reference_logprobs
 from rayshard.plans.data.packing import sample_count, sample_reads
 from rayshard.plans.data.sample_order import batch_sample_ids
 from rayshard.plans.errors import ConfigError, RayshardError
@@ -30,9 +31,10 @@ def holds_prepared_dataset(url: str) -> bool:
 
 class PreparedDataset:
     """Packed windows of the token stream (objective lm, any dataset), or, with sft=True, one
-    example per sample (an SFT dataset's, padded to seq_len + 1, with its loss mask)."""
+    example per sample (an SFT dataset's, padded to seq_len + 1, with its loss mask), or, with
+    preference=True, one preference pair per sample (its chosen and rejected examples, so)."""
 
-    def __init__(self, url: str, seq_len: int, sft: bool = False):
+    def __init__(self, url: str, seq_len: int, sft: bool = False, preference: bool = False):
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         index_path = f"{self.root}/{INDEX}"
@@ -44,10 +46,11 @@ class PreparedDataset:
         self.meta, documents = decode_index(data, f"{self.url}/{INDEX}")
         self.checks = DocumentChecks(documents, len(self.meta.shards))
         self.seq_len = seq_len
-        self.sft = sft
-        if sft:
+        self.sft, self.preference = sft, preference
+        if sft or preference:
             self._open_examples(documents, url)
-        self.samples = self.meta.documents if sft else sample_count(self.meta.tokens, seq_len)
+        self.samples = (self.meta.documents // 2 if preference else self.meta.documents if sft
+                        else sample_count(self.meta.tokens, seq_len))
         if self.samples < 1:
             raise ConfigError("seq_len", seq_len, f"dataset {url} holds {self.meta.tokens} tokens, fewer than one sample "
                               f"of {seq_len + 1}", "prepare more text or lower --seq-len")
@@ -56,9 +59,12 @@ class PreparedDataset:
         self.dtype = np.dtype(self.meta.dtype).newbyteorder("<")
 
     def _open_examples(self, documents, url: str) -> None:
-        if self.meta.kind != SFT:
-            raise ConfigError("objective", "sft", f"dataset {url} holds text, not examples with loss masks",
-                              "prepare one with `rayshard data prepare --format sft`, or train with --objective lm")
+        wanted, objective = (PREFERENCE, "dpo") if self.preference else (SFT, "sft")
+        if self.meta.kind != wanted:
+            held = {SFT: "SFT examples", PREFERENCE: "preference pairs"}.get(self.meta.kind, "text")
+            raise ConfigError("objective", objective, f"dataset {url} holds {held}, not "
+                              f"{'preference pairs' if self.preference else 'SFT examples'}",
+                              f"prepare one with `rayshard data prepare --format {wanted}`, or train with another --objective")
         if self.meta.longest > self.seq_len + 1:
             longest = int(np.argmax(documents.column("tokens").to_numpy()))
             where = f"{documents.column('source')[longest].as_py()}, row {documents.column('row')[longest].as_py()}"
@@ -93,6 +99,33 @@ class PreparedDataset:
         global_loss_tokens = int(self.example_loss_tokens[ids].sum())
         windows, masks = self.read_examples(ids[data_rank * per_rank:(data_rank + 1) * per_rank])
         return torch.from_numpy(windows), torch.from_numpy(masks), global_loss_tokens
+
+    def read_reference_logprobs(self) -> None:
+        """--dpo-precomputed: the reference's log-probability of every example, from the dataset
+        (the driver checked the reference's digest; the examples' index hash is checked here too)."""
+        where = f"{self.url}/{REFERENCE_LOGPROBS}"
+        with self.fs.open(f"{self.root}/{REFERENCE_LOGPROBS}", "rb") as f:
+            logps, meta = decode_reference_logprobs(f.read(), where)
+        if meta.get("index_hash") != self.meta.index_hash or len(logps) != self.meta.documents:
+            raise RayshardError(f"{where} was computed for index hash {meta.get('index_hash')}, not this dataset's "
+                                f"{self.meta.index_hash}. Fix: run `rayshard data reference-logprobs` again")
+        self.reference_logps = logps
+
+    def rank_pairs(self, seed: int, step: int, batch: int, data_rank: int,
+                   data_ranks: int) -> tuple[torch.Tensor, torch.Tensor, int] | tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """This data rank's rows of global batch `step` of a preference dataset: `batch` counts
+        sequences, so the step holds batch / 2 pairs, drawn as sample ids (a pure function of seed
+        and step); each pair's chosen then rejected example, adjacent, so an even cut of the rows
+        (data ranks, microbatches) never splits a pair. Returns windows, masks and the global pairs,
+        and, after read_reference_logprobs, the rows' reference log-probabilities."""
+        pairs, per_rank = batch // 2, batch // 2 // data_ranks
+        ids = batch_sample_ids(seed, step, pairs, self.samples)[data_rank * per_rank:(data_rank + 1) * per_rank]
+        examples = np.stack([2 * ids, 2 * ids + 1], axis=1).reshape(-1)
+        windows, masks = self.read_examples(examples)
+        if getattr(self, "reference_logps", None) is not None:
+            return (torch.from_numpy(windows), torch.from_numpy(masks), pairs,
+                    torch.from_numpy(self.reference_logps[examples].astype(np.float32)))
+        return torch.from_numpy(windows), torch.from_numpy(masks), pairs
 
     def read_examples(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Whole examples by byte ranges (tokens and masks, each checked against the index's CRC32),

@@ -27,15 +27,16 @@ def prepared_dataset_url(config: TrainConfig) -> str | None:
     return source if is_mixture(source) or holds_prepared_dataset(source) else None
 
 
-def open_prepared(url: str, seq_len: int, sft: bool = False) -> PreparedDataset | MixedDataset:
-    """One dataset, or a weighted mixture of several (plans/data/mixture.py). sft: one example
-    per sample, with loss masks (an SFT dataset; a mixture of them is not supported yet)."""
+def open_prepared(url: str, seq_len: int, objective: str = "lm") -> PreparedDataset | MixedDataset:
+    """One dataset, or a weighted mixture of several (plans/data/mixture.py). objective sft: one
+    example per sample, with loss masks (an SFT dataset); dpo: one preference pair per sample; a
+    mixture of either is not supported yet."""
     if is_mixture(url):
-        if sft:
-            raise ConfigError("objective", "sft", f"a mixture of datasets ({url}) is not supported with sft yet",
+        if objective != "lm":
+            raise ConfigError("objective", objective, f"a mixture of datasets ({url}) is not supported with {objective} yet",
                               "prepare the examples into one dataset, or train with --objective lm")
         return MixedDataset(parse_mixture(url), seq_len)
-    return PreparedDataset(url, seq_len, sft)
+    return PreparedDataset(url, seq_len, sft=objective == "sft", preference=objective == "dpo")
 
 
 class ByteText:
@@ -64,30 +65,38 @@ class DatasetBatches:
         self.data_rank, self.data_ranks = data_rank, data_ranks
         self.dataset: PreparedDataset | MixedDataset | None = None
         self.prefetcher: StepPrefetcher | None = None
-        self.loss_tokens: dict[int, int] = {}  # step -> the global batch's completion targets (--objective sft)
+        # step -> the global batch's completion targets (--objective sft) or its pairs (dpo)
+        self.loss_tokens: dict[int, int] = {}
+        self.reference_logps: dict[int, torch.Tensor] = {}  # --dpo-precomputed: step -> this rank's rows'
 
     def _open(self) -> StepPrefetcher:
         config = self.config
-        self.dataset = open_prepared(self.url, config.seq_len, config.objective == "sft")
+        self.dataset = open_prepared(self.url, config.seq_len, config.objective)
         check_vocab_fits(config.model.spec.vocab_size, self.dataset.meta.vocab_size, self.url)
+        if config.objective == "dpo" and config.dpo.precomputed:
+            self.dataset.read_reference_logprobs()
         dataset, data_rank, data_ranks = self.dataset, self.data_rank, self.data_ranks
-        read = dataset.rank_examples if config.objective == "sft" else dataset.rank_windows
+        read = {"sft": "rank_examples", "dpo": "rank_pairs"}.get(config.objective, "rank_windows")
+        read = getattr(dataset, read)
         return StepPrefetcher(lambda step: read(config.seed, step, config.global_batch, data_rank, data_ranks),
                               config.data.prefetch_steps, config.data.read_timeout_s, self.url)
 
     def rank_batch(self, step: int, data_rank: int, data_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets); under --objective sft a target the loss skips (prompt, padding) is IGNORE."""
+        """(inputs, targets); under --objective sft or dpo a target the loss skips (prompt, padding) is
+        IGNORE (under dpo the rows are pairs: chosen, rejected, chosen, ...)."""
         assert (data_rank, data_ranks) == (self.data_rank, self.data_ranks), "a rank's data slice is fixed at setup"
         if self.prefetcher is None:
             self.prefetcher = self._open()
         fetched = self.prefetcher.get(step)
-        if self.config.objective != "sft":
+        if self.config.objective == "lm":
             return fetched[:, :-1], fetched[:, 1:]
-        windows, masks, self.loss_tokens[step] = fetched
+        windows, masks, self.loss_tokens[step] = fetched[:3]
+        if len(fetched) == 4:
+            self.reference_logps[step] = fetched[3]
         return windows[:, :-1], windows[:, 1:].masked_fill(~masks[:, 1:], IGNORE)
 
     def global_loss_tokens(self, step: int) -> int:
-        """--objective sft: the completion targets of global batch `step` (after its rank_batch)."""
+        """--objective sft: the completion targets of global batch `step` (after its rank_batch); dpo: its pairs."""
         return self.loss_tokens.pop(step)
 
     def fingerprint(self) -> str:

@@ -47,3 +47,5 @@ class StepMetrics:
     # (dispatch and return; the backward moves as many again), and the part sent to other ranks.
     all_to_all_bytes: int = 0
     all_to_all_peer_bytes: int = 0
+    # --objective dpo: rewards_chosen, rewards_rejected, rewards_margin, rewards_accuracy (means over the global batch's pairs).
+    rewards: dict[str, float] | None = None

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from rayshard.actors.parallel.shards import PipelineCopies
 from rayshard.actors.pipeline.interpreter import StepRecord
 from rayshard.actors.training.completion_loss import CompletionLoss
+from rayshard.actors.training.preference_loss import PreferenceLoss
 
 
 class ModelParts(Protocol):
@@ -65,14 +66,17 @@ def microbatch_loss(logits: torch.Tensor, targets: torch.Tensor, microbatches: i
     criterion: a user model's own (logits, targets) -> mean loss, kept apart from the model; it
     runs under the same `loss_context` (vocab-sharded logits under tp). None: cross-entropy."""
     if criterion is not None:
-        if getattr(criterion, "sums_microbatches", False):  # --objective sft (actors/training/completion_loss.py)
+        if getattr(criterion, "sums_microbatches", False):  # --objective sft or dpo (completion_loss.py, preference_loss.py)
             return criterion(logits.float(), targets)
         return criterion(logits.float(), targets) / microbatches
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / microbatches
 
 
-def objective_criterion(config) -> CompletionLoss | None:
-    """--objective sft's loss (None: lm's, or a user model's own)."""
+def objective_criterion(config) -> CompletionLoss | PreferenceLoss | None:
+    """--objective sft's or dpo's loss (None: lm's, or a user model's own)."""
+    if config.objective == "dpo":
+        dpo = config.dpo
+        return PreferenceLoss(config.layout.data_parallel_size, dpo.beta, dpo.loss, dpo.label_smoothing, dpo.precomputed)
     return CompletionLoss(config.layout.data_parallel_size) if config.objective == "sft" else None
 
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,9 +31,12 @@ from rayshard.actors.training.dataset_source import open_training_data
 from rayshard.actors.training.device_memory import device_name, peak_memory_bytes, reset_peak_memory
 from rayshard.actors.training.host_allocator import keep_freed_host_memory
 from rayshard.actors.training.pipelined import PipelinedRunner
+from rayshard.actors.training.completion_loss import IGNORE
+from rayshard.actors.training.dataset_reader import PreparedDataset
+from rayshard.actors.training.preference_loss import REWARD_METRICS, sequence_logps
 from rayshard.actors.training.reports import StepMetrics
 from rayshard.actors.training.single_stage import SingleStageRunner
-from rayshard.actors.training.step_runner import StepRunner
+from rayshard.actors.training.step_runner import StepRunner, loss_context
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.layout.parallel_layout import MESH_DIM_NAMES
@@ -184,11 +188,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             total_loss = self._mean_loss(total_loss)
             routing = self._routing_statistics()
+            rewards = self._reward_metrics()
         self.step += 1
         return StepMetrics(self.step, total_loss.item(), float(grad_norm), lr, time.perf_counter() - started, record,
                            tokens=config.global_batch // self.layout.data_parallel_size * config.seq_len,
                            peak_memory_bytes=peak_memory_bytes(self.device), device_name=device_name(self.device),
-                           batch_hash=self.batch_hash, **routing)
+                           batch_hash=self.batch_hash, rewards=rewards, **routing)
 
     def _batch(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This data rank's microbatches of global batch number self.step."""
@@ -202,8 +207,11 @@ class Trainer:
         """Gradients of this step's batch, reduced over data ranks (and the tied embedding
         summed over its two stages); returns this rank's share of the loss."""
         inputs, targets = self._batch()
-        if self.config.objective == "sft":  # the mean's denominator: the global batch's completion targets
+        if self.config.objective in ("sft", "dpo"):  # the mean's denominator: the global batch's completion targets, or pairs
             self.runner.criterion.set_step(self.data.global_loss_tokens(self.step))
+        if self.config.objective == "dpo" and self.config.dpo.precomputed:  # no reference forward: read with the rows
+            for rows in self.data.reference_logps.pop(self.step).to(self.device).chunk(self.config.pipeline.microbatches):
+                self.runner.criterion.set_reference(rows)
         total_loss, record = self.runner.forward_backward(inputs, targets)
         if self.tp_partial:
             sum_partial_gradients(self.tp_partial, self.mesh["tp"], self.runner.collective_timeout)
@@ -239,6 +247,17 @@ class Trainer:
         return {"expert_tokens": {layer: [int(count) for count in table[layer, :experts].tolist()] for layer in moe},
                 "aux_loss": aux, "all_to_all_bytes": int(table[:, experts + 1].sum()),
                 "all_to_all_peer_bytes": int(table[:, experts + 2].sum())}
+
+    def _reward_metrics(self) -> dict[str, float] | None:
+        """--objective dpo: the step's rewards and accuracy, means over the global batch's pairs,
+        reduced as the loss is (each rank's sums already carry data_ranks / pairs)."""
+        if self.config.objective != "dpo":
+            return None
+        criterion = self.runner.criterion
+        sums = criterion.rewards.to(self.device)
+        self.runner.wait(dist.all_reduce(sums, async_op=True), "the DPO rewards all-reduce")
+        means = (sums / (self.layout.world_size // self.layout.pp)).cpu().tolist()
+        return dict(zip(REWARD_METRICS, means))
 
     def _mean_loss(self, total_loss: torch.Tensor) -> torch.Tensor:
         """Every rank reports the same number: the mean over data ranks. tp peers hold equal
@@ -293,6 +312,29 @@ class Trainer:
                                  only=frozen, moments=False)
         view.write_back()
         return {"bytes_read": result["bytes_read"], "seconds": result["seconds"], "partial_reads": result["partial_reads"]}
+
+    def load_reference(self, checkpoint_url: str) -> dict:
+        """--objective dpo without LoRA: the reference's weights (a frozen copy, no moments) from
+        the checkpoint the run started from, written by any layout."""
+        reference = self.runner.reference
+        names = {name for name, _ in reference.named_parameters()}
+        result = load_rank_shard(reference, torch.optim.SGD(reference.parameters(), lr=0.0), checkpoint_url, names,
+                                 handover=self.handover_groups, only=frozenset(names), moments=False)
+        return {"bytes_read": result["bytes_read"], "seconds": result["seconds"], "partial_reads": result["partial_reads"]}
+
+    @torch.no_grad()
+    def reference_logprobs(self, dataset_url: str, rows: int = 8) -> list[float]:
+        """`rayshard data reference-logprobs`: this (whole, loaded) model's summed response
+        log-probability of every example of a preference dataset, in document order."""
+        dataset = PreparedDataset(dataset_url, self.config.seq_len, preference=True)
+        found = []
+        for start in range(0, dataset.meta.documents, rows):
+            windows, masks = dataset.read_examples(np.arange(start, min(start + rows, dataset.meta.documents)))
+            windows, masks = torch.from_numpy(windows).to(self.device), torch.from_numpy(masks).to(self.device)
+            targets = windows[:, 1:].masked_fill(~masks[:, 1:], IGNORE)
+            with loss_context(self.layout.tp):
+                found += sequence_logps(self.model(windows[:, :-1]).float(), targets).tolist()
+        return found
 
     def data_fingerprint(self) -> str:
         return self.data.fingerprint()

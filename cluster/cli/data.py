@@ -41,17 +41,32 @@ def register(commands: argparse._SubParsersAction) -> None:
     prepare.add_argument("--task-timeout", type=POSITIVE, default=600.0, metavar="SECONDS",
                          help="fail when no tokenizing task finishes within this")
     _input_arguments(prepare)
-    prepare.add_argument("--format", choices=("text", "sft"), default="text",
+    prepare.add_argument("--format", choices=("text", "sft", "preference"), default="text",
                          help="text: documents packed for next-token loss (default); sft: one example per sample, "
-                              "prompt/completion fields or a messages list, with loss masks on the completion")
+                              "prompt/completion fields or a messages list, with loss masks on the completion; "
+                              "preference: prompt/chosen/rejected rows for --objective dpo, two examples per pair")
     prepare.add_argument("--prompt-field", default="prompt", metavar="NAME",
-                         help="--format sft: the JSONL field or Parquet column of the prompt (default prompt)")
+                         help="--format sft/preference: the JSONL field or Parquet column of the prompt (default prompt; "
+                              "under preference it may hold a messages list, rendered with the chat template)")
     prepare.add_argument("--completion-field", default="completion", metavar="NAME",
                          help="--format sft: the field or column of the completion (default completion)")
     prepare.add_argument("--messages-field", default="messages", metavar="NAME",
                          help="--format sft: a list of {role, content} rendered with the tokenizer's chat template; "
                               "the last (assistant) message is the completion (default messages)")
+    prepare.add_argument("--chosen-field", default="chosen", metavar="NAME",
+                         help="--format preference: the field or column of the preferred response (default chosen)")
+    prepare.add_argument("--rejected-field", default="rejected", metavar="NAME",
+                         help="--format preference: the field or column of the dispreferred response (default rejected)")
     prepare.add_argument("--max-tokens", type=AT_LEAST_ONE, metavar="N",
-                         help="--format sft: an example of more tokens is a bad row (refused, or counted under --skip-bad)")
+                         help="--format sft/preference: an example of more tokens is a bad row (refused, or counted under --skip-bad)")
     progress.add_arguments(prepare)
     prepare.set_defaults(run_command="rayshard.cluster.cli.commands.data:run_prepare")
+    logprobs = data.add_parser("reference-logprobs", help="precompute a DPO reference's log-probabilities into a "
+                               "preference dataset", description="Load the reference checkpoint on one rank actor and write "
+                               "every example's summed response log-probability beside the dataset's index, keyed by "
+                               "its index hash and the reference's digest; train with --dpo-precomputed.")
+    logprobs.add_argument("--data", required=True, metavar="URL", help="the --out of `data prepare --format preference`")
+    logprobs.add_argument("--from", dest="reference", required=True, metavar="CKPT",
+                          help="the reference checkpoint: RUN@STEP, RUN or a URL (a LoRA run's base, not its adapters)")
+    logprobs.add_argument("--store", default="./runs", metavar="URL", help="store holding the checkpoint (default ./runs)")
+    logprobs.set_defaults(run_command="rayshard.cluster.cli.commands.data:run_reference_logprobs")

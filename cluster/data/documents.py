@@ -36,11 +36,14 @@ class ReadOptions:
     column: str = "text"  # the Parquet column that holds it
     skip_bad: bool = False
     max_bytes: int | None = None  # only the first input files, in order, up to this many bytes (--max-bytes)
-    format: str = "text"  # "text": documents packed for next-token loss; "sft": prompt/completion examples with loss masks
+    format: str = "text"  # "text": documents packed for next-token loss; "sft": prompt/completion examples with loss
+    # masks; "preference": prompt/chosen/rejected pairs, stored as two adjacent examples with loss masks
     prompt_field: str = "prompt"          # --format sft: a JSONL field or Parquet column
     completion_field: str = "completion"
     messages_field: str = "messages"      # or a conversation the tokenizer's chat template renders
-    max_tokens: int | None = None         # --format sft: an example longer than this is a bad row (--max-tokens)
+    max_tokens: int | None = None         # --format sft/preference: an example longer than this is a bad row (--max-tokens)
+    chosen_field: str = "chosen"          # --format preference: the preferred response
+    rejected_field: str = "rejected"      # and the dispreferred one
 
 
 def input_files(urls: list[str], max_bytes: int | None = None) -> list[tuple[str, int]]:

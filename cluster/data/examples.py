@@ -3,6 +3,10 @@ holds either a prompt and a completion (two text fields), or a conversation (a l
 {role, content} messages) that the tokenizer's chat template renders. Bad rows raise
 DataInputError naming the file and row (under --skip-bad they are counted instead).
 
+A preference row (`--format preference`) holds a prompt and two responses, chosen and rejected
+(text fields); the prompt may instead be a list of messages, rendered with the chat template and
+its generation prompt. It becomes two examples of the same prompt, read as one (a `PreferencePair`).
+
 A conversation trains on its last message, which must be the assistant's: the prompt is the
 template's rendering of the messages before it with the generation prompt, the completion what the
 full rendering adds after that prompt (the assistant's text and the template's end-of-turn).
@@ -30,6 +34,18 @@ class Example:
     row: int  # the JSONL line or Parquet row, from 1
     prompt: str
     completion: str
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One preference row: the chosen and the rejected example, the same prompt in both."""
+
+    chosen: Example
+    rejected: Example
+
+    @property
+    def examples(self) -> tuple[Example, Example]:
+        return self.chosen, self.rejected
 
 
 @dataclass(frozen=True)
@@ -68,8 +84,11 @@ def chat_template_of(config_json: str | None, source: str) -> ChatTemplate:
                         token(config.get("bos_token")), token(config.get("eos_token")))
 
 
-def read_examples(url: str, options: ReadOptions, chat: ChatTemplate, skipped: list[str]) -> Iterator[Example]:
-    """The file's examples; under options.skip_bad a bad row (or file) is described in `skipped`."""
+def read_examples(url: str, options: ReadOptions, chat: ChatTemplate,
+                  skipped: list[str]) -> Iterator[Example | PreferencePair]:
+    """The file's examples (--format sft) or preference pairs (--format preference); under
+    options.skip_bad a bad row (or file) is described in `skipped`."""
+    parse = _pair if options.format == "preference" else _example
     try:
         data = read_input_file(url)
         lower = url.lower()
@@ -78,13 +97,13 @@ def read_examples(url: str, options: ReadOptions, chat: ChatTemplate, skipped: l
         elif lower.endswith(JSONL_SUFFIXES):
             rows = _jsonl_rows(url, data)
         else:
-            raise DataInputError(url, None, "--format sft reads JSONL (.jsonl) or Parquet (.parquet) files",
+            raise DataInputError(url, None, f"--format {options.format} reads JSONL (.jsonl) or Parquet (.parquet) files",
                                  "convert it, or pass --format text")
         for number, record in rows:
             try:
                 if isinstance(record, DataInputError):
                     raise record
-                yield _example(url, number, record, options, chat)
+                yield parse(url, number, record, options, chat)
             except DataInputError as error:
                 if not options.skip_bad:
                     raise
@@ -139,26 +158,62 @@ def _example(url: str, row: int, record: dict, options: ReadOptions, chat: ChatT
     return Example(url, row, prompt, completion)
 
 
-def _rendered(url: str, row: int, messages, field: str, chat: ChatTemplate) -> tuple[str, str]:
+def _pair(url: str, row: int, record: dict, options: ReadOptions, chat: ChatTemplate) -> PreferencePair:
+    names = (options.prompt_field, options.chosen_field, options.rejected_field)
+    missing = [name for name in names if record.get(name) is None]
+    if missing:
+        raise DataInputError(url, row, f"no {', '.join(map(repr, missing))} field (fields: {sorted(record)})",
+                             "pass --prompt-field/--chosen-field/--rejected-field naming them, or --skip-bad")
+    prompt = record[options.prompt_field]
+    if isinstance(prompt, list):  # a conversation to answer: the template's rendering with the generation prompt
+        _check_template(url, row, options.prompt_field, chat)
+        _check_messages(url, row, prompt, options.prompt_field)
+        prompt = _render(url, row, chat, [{"role": m["role"], "content": m["content"]} for m in prompt], True)
+    for name in names:
+        value = prompt if name == options.prompt_field else record[name]
+        if not isinstance(value, str):
+            raise DataInputError(url, row, f"field {name!r} holds {type(value).__name__}, not text",
+                                 f"give every row text {', '.join(map(repr, names))} fields, or pass --skip-bad")
+    for name in names[1:]:
+        if not record[name]:
+            raise DataInputError(url, row, f"an empty {name!r} response (a pair needs both responses)",
+                                 "fill it, or pass --skip-bad")
+    return PreferencePair(Example(url, row, prompt, record[options.chosen_field]),
+                          Example(url, row, prompt, record[options.rejected_field]))
+
+
+def _check_template(url: str, row: int, field: str, chat: ChatTemplate) -> None:
     if chat.template is None:
         raise DataInputError(url, row, f"{field!r} needs a chat template; tokenizer {chat.source} has none "
                              "(no chat_template in its tokenizer_config.json)",
-                             "pass a --tokenizer with a chat template, or prompt/completion fields")
+                             "pass a --tokenizer with a chat template, or text prompts")
+
+
+def _check_messages(url: str, row: int, messages, field: str) -> None:
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in messages)):
         raise DataInputError(url, row, f"{field!r} is not a list of {{role, content}} messages with text content",
                              "fix the row, or pass --skip-bad")
+
+
+def _render(url: str, row: int, chat: ChatTemplate, messages: list[dict], add_generation_prompt: bool) -> str:
+    try:
+        return chat.render(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # noqa: BLE001 - a template's own error (raise_exception, bad syntax) names the row
+        raise DataInputError(url, row, f"the chat template failed: {type(error).__name__}: {_first_line(error)}",
+                             "fix the row or the template, or pass --skip-bad") from None
+
+
+def _rendered(url: str, row: int, messages, field: str, chat: ChatTemplate) -> tuple[str, str]:
+    _check_template(url, row, field, chat)
+    _check_messages(url, row, messages, field)
     if messages[-1]["role"] != "assistant":
         raise DataInputError(url, row, f"the last message's role is {messages[-1]['role']!r}, not 'assistant' "
                              "(the completion trained on is the last assistant message)", "fix the row, or pass --skip-bad")
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    try:
-        prompt = chat.render(messages[:-1], add_generation_prompt=True)
-        whole = chat.render(messages, add_generation_prompt=False)
-    except Exception as error:  # noqa: BLE001 - a template's own error (raise_exception, bad syntax) names the row
-        raise DataInputError(url, row, f"the chat template failed: {type(error).__name__}: {_first_line(error)}",
-                             "fix the row or the template, or pass --skip-bad") from None
+    prompt = _render(url, row, chat, messages[:-1], True)
+    whole = _render(url, row, chat, messages, False)
     if not whole.startswith(prompt):
         raise DataInputError(url, row, "the chat template's rendering of the conversation does not begin with its "
                              "rendering of the prompt, so the completion cannot be cut off it",

@@ -26,8 +26,8 @@ from rayshard.cluster.data.prepare_task import UnitResult
 from rayshard.cluster.data.tokenizer import LoadedTokenizer, save_tokenizer
 from rayshard.storage import options as storage_options
 from rayshard.storage.backends.registry import backend_for
-from rayshard.plans.data.dataset_index import (INDEX, INDEX_SCHEMA, SFT, SFT_INDEX_SCHEMA, TEXT, DatasetMeta, encode_index,
-                                               table_hash, token_dtype_for)
+from rayshard.plans.data.dataset_index import (INDEX, INDEX_SCHEMA, MASKED_KINDS, PREFERENCE, SFT, SFT_INDEX_SCHEMA, TEXT,
+                                               DatasetMeta, encode_index, table_hash, token_dtype_for)
 from rayshard.plans.errors import RayshardError
 
 UNIT_BYTES = 64 << 20  # input bytes per task at most: a shard per unit, a few per CPU on small inputs
@@ -93,7 +93,7 @@ def prepare_dataset(inputs: list[str], tokenizer: LoadedTokenizer, out_url: str,
             raise bad
         tokenizer_dir = f"{attempt}/tokenizer"
         save_tokenizer(tokenizer, f"{url}/{tokenizer_dir}")
-        meta, documents = _index(results, tokenizer, dtype, tokenizer_dir, SFT if options.format == "sft" else TEXT)
+        meta, documents = _index(results, tokenizer, dtype, tokenizer_dir, {"sft": SFT, "preference": PREFERENCE}.get(options.format, TEXT))
         if meta.documents == 0:
             raise RayshardError(f"no documents in {inputs} ({meta.skipped} bad input(s) skipped). "
                                 "Fix: pass files that hold text")
@@ -131,7 +131,7 @@ def _index(results: list[UnitResult], tokenizer: LoadedTokenizer, dtype: str, to
            kind: str = TEXT) -> tuple[DatasetMeta, pa.Table]:
     itemsize = np.dtype(dtype).itemsize
     kept = [r for r in results if r.tokens]  # a unit whose every input was skipped writes an empty shard
-    schema = SFT_INDEX_SCHEMA if kind == SFT else INDEX_SCHEMA
+    schema = SFT_INDEX_SCHEMA if kind in MASKED_KINDS else INDEX_SCHEMA
     columns: dict[str, list] = {name: [] for name in schema.names}
     for shard, result in enumerate(kept):
         counts = np.asarray(result.tokens, dtype=np.int64)
@@ -144,7 +144,7 @@ def _index(results: list[UnitResult], tokenizer: LoadedTokenizer, dtype: str, to
         columns["byte_start"] += (token_starts * itemsize).tolist()
         columns["byte_end"] += ((token_starts + counts) * itemsize).tolist()
         columns["crc32"] += result.crc32
-        if kind == SFT:
+        if kind in MASKED_KINDS:
             columns["loss_tokens"] += result.loss_tokens
             columns["mask_crc32"] += result.mask_crc32
     documents = pa.Table.from_pydict(columns, schema=schema)
@@ -154,6 +154,6 @@ def _index(results: list[UnitResult], tokenizer: LoadedTokenizer, dtype: str, to
                        shards=tuple(r.shard for r in kept), shard_tokens=shard_tokens, tokenizer=tokenizer_dir,
                        documents=documents.num_rows, tokens=int(sum(shard_tokens)),
                        skipped=sum(len(r.skipped) for r in results), index_hash=digest, kind=kind,
-                       masks=tuple(r.mask for r in kept) if kind == SFT else (),
+                       masks=tuple(r.mask for r in kept) if kind in MASKED_KINDS else (),
                        longest=max((r.longest for r in kept), default=0))
     return meta, documents

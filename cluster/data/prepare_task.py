@@ -16,7 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from rayshard.cluster.data.documents import ReadOptions, read_documents
-from rayshard.cluster.data.examples import ChatTemplate, Example, read_examples
+from rayshard.cluster.data.examples import ChatTemplate, Example, PreferencePair, read_examples
 from rayshard.plans.data.errors import DataInputError
 from rayshard.storage.options import apply_conf
 
@@ -63,7 +63,7 @@ def tokenize_unit(unit: int, files: list[str], tokenizer_json: str, eos_id: int,
     fs, root = fsspec.core.url_to_fs(dataset_url.rstrip("/"))
     path = f"{root}/{shard}"
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # a local directory must exist; S3 has none
-    if options.format == "sft":
+    if options.format in ("sft", "preference"):
         return _tokenize_examples(result, files, tokenizer, eos_id, token_dtype, fs, path, options, chat, started)
     try:
         with fs.open(path, "wb") as out:
@@ -103,16 +103,19 @@ def _tokenize_examples(result: UnitResult, files, tokenizer: Tokenizer, eos_id: 
                        options: ReadOptions, chat: ChatTemplate, started: float) -> UnitResult:
     """--format sft: each example is prompt tokens, completion tokens and the end-of-document token,
     with a mask beside it (0 on the prompt, 1 on the completion and the end of document: the model
-    learns to stop). Prompt and completion are encoded apart, so no token straddles the boundary."""
+    learns to stop). Prompt and completion are encoded apart, so no token straddles the boundary.
+    --format preference: each pair is its chosen then its rejected example, written together or
+    not at all (a bad one, e.g. past --max-tokens, leaves the pair out), so pair i is documents 2i, 2i + 1."""
     result.mask = result.shard.removesuffix(".tokens") + ".mask"
     mask_path = path.removesuffix(".tokens") + ".mask"
     try:
         with fs.open(path, "wb") as out, fs.open(mask_path, "wb") as masks:
-            batch: list[Example] = []
+            batch: list[tuple[Example, ...]] = []  # groups written whole: an example, or a pair's two
             for url in files:
-                for example in read_examples(url, options, chat, result.skipped):
-                    result.input_bytes += len(example.prompt.encode()) + len(example.completion.encode())
-                    batch.append(example)
+                for read in read_examples(url, options, chat, result.skipped):
+                    group = read.examples if isinstance(read, PreferencePair) else (read,)
+                    result.input_bytes += sum(len(e.prompt.encode()) + len(e.completion.encode()) for e in group)
+                    batch.append(group)
                     if len(batch) >= ENCODE_BATCH:
                         _write_examples(tokenizer, batch, eos_id, token_dtype, out, masks, result, options)
                         batch = []
@@ -123,30 +126,41 @@ def _tokenize_examples(result: UnitResult, files, tokenizer: Tokenizer, eos_id: 
     return result
 
 
-def _write_examples(tokenizer: Tokenizer, batch: list[Example], eos_id: int, token_dtype, out, masks,
+def _write_examples(tokenizer: Tokenizer, batch: list[tuple[Example, ...]], eos_id: int, token_dtype, out, masks,
                     result: UnitResult, options: ReadOptions) -> None:
     if not batch:
         return
-    prompts = tokenizer.encode_batch_fast([e.prompt for e in batch], add_special_tokens=False)
-    completions = tokenizer.encode_batch_fast([e.completion for e in batch], add_special_tokens=False)
-    for example, prompt, completion in zip(batch, prompts, completions):
-        ids = np.asarray(prompt.ids + completion.ids + [eos_id], dtype=token_dtype)
-        if options.max_tokens is not None and len(ids) > options.max_tokens:
-            bad = DataInputError(example.source, example.row, f"the example is {len(ids)} tokens, more than "
+    flat = [example for group in batch for example in group]
+    prompts = tokenizer.encode_batch_fast([e.prompt for e in flat], add_special_tokens=False)
+    completions = tokenizer.encode_batch_fast([e.completion for e in flat], add_special_tokens=False)
+    encoded = iter(zip(flat, prompts, completions))
+    for group in batch:
+        members = [next(encoded) for _ in group]
+        written = [(example, np.asarray(prompt.ids + completion.ids + [eos_id], dtype=token_dtype), len(prompt.ids))
+                   for example, prompt, completion in members]
+        longest = max(written, key=lambda item: len(item[1]))
+        if options.max_tokens is not None and len(longest[1]) > options.max_tokens:
+            which = "the example" if len(group) == 1 else ("the chosen example" if longest is written[0] else "the rejected example")
+            bad = DataInputError(longest[0].source, longest[0].row, f"{which} is {len(longest[1])} tokens, more than "
                                  f"--max-tokens {options.max_tokens}", "shorten it, raise --max-tokens, or pass --skip-bad")
             if not options.skip_bad:
                 raise bad
             result.skipped.append(str(bad))
             continue
-        mask = np.zeros(len(ids), dtype=np.uint8)
-        mask[len(prompt.ids):] = 1
-        data, mask_data = ids.tobytes(), mask.tobytes()
-        out.write(data)
-        masks.write(mask_data)
-        result.sources.append(example.source)
-        result.rows.append(example.row)
-        result.tokens.append(len(ids))
-        result.crc32.append(zlib.crc32(data))
-        result.loss_tokens.append(int(mask[1:].sum()))  # position 0 is never a target
-        result.mask_crc32.append(zlib.crc32(mask_data))
-        result.longest = max(result.longest, len(ids))
+        for example, ids, prompt_tokens in written:
+            _write_example(example, ids, prompt_tokens, out, masks, result)
+
+
+def _write_example(example: Example, ids: np.ndarray, prompt_tokens: int, out, masks, result: UnitResult) -> None:
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    mask[prompt_tokens:] = 1
+    data, mask_data = ids.tobytes(), mask.tobytes()
+    out.write(data)
+    masks.write(mask_data)
+    result.sources.append(example.source)
+    result.rows.append(example.row)
+    result.tokens.append(len(ids))
+    result.crc32.append(zlib.crc32(data))
+    result.loss_tokens.append(int(mask[1:].sum()))  # position 0 is never a target
+    result.mask_crc32.append(zlib.crc32(mask_data))
+    result.longest = max(result.longest, len(ids))

@@ -35,15 +35,17 @@ def check_training_data(config: TrainConfig, resumed_metadata: dict | None, chec
     url = prepared_dataset_url(config)
     recorded = ((resumed_metadata or {}).get("data_position") or {}).get("dataset")
     if url is None:
-        if config.objective == "sft":
-            raise ConfigError("objective", "sft", f"data {config.data.source!r} is text, not a prepared SFT dataset",
-                              "pass --data the --out of `rayshard data prepare --format sft`, or --objective lm")
+        if config.objective != "lm":
+            kind = {"sft": "sft", "dpo": "preference"}[config.objective]
+            raise ConfigError("objective", config.objective, f"data {config.data.source!r} is text, not a prepared "
+                              f"{'SFT' if kind == 'sft' else 'preference'} dataset",
+                              f"pass --data the --out of `rayshard data prepare --format {kind}`, or --objective lm")
         if recorded is not None:  # trained on a prepared dataset, resumed on text: the data would change
             raise DatasetMismatch(
                 f"{checkpoint_url} was trained on dataset {recorded.get('url')} (index hash {recorded.get('index_hash')}), "
                 f"but this run reads text from {config.data.source!r}. Fix: pass --data {recorded.get('url')}, or start a new --run")
         return
-    dataset = open_prepared(url, config.seq_len, config.objective == "sft")
+    dataset = open_prepared(url, config.seq_len, config.objective)
     check_vocab_fits(config.model.spec.vocab_size, dataset.meta.vocab_size, url)
     record = _records[(url, config.seq_len)] = _record_of(dataset)
     if recorded is not None:
@@ -87,7 +89,7 @@ def dataset_record(config: TrainConfig) -> dict | None:
         return None
     key = (url, config.seq_len)
     if key not in _records:
-        _records[key] = _record_of(open_prepared(url, config.seq_len, config.objective == "sft"))
+        _records[key] = _record_of(open_prepared(url, config.seq_len, config.objective))
     return _records[key]
 
 

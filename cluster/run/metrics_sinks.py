@@ -27,7 +27,8 @@ from rayshard.plans.errors import ConfigError
 
 # The numbers a step record carries that are worth a curve.
 SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_rank", "tflops_per_rank", "mfu",
-           "peak_memory_gib", "step_s", "aux_loss", "expert_load_imbalance")
+           "peak_memory_gib", "step_s", "aux_loss", "expert_load_imbalance",
+           "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy")  # the last four: --objective dpo
 
 
 class MetricsLog:

@@ -17,6 +17,9 @@ from rayshard.storage.manifest_io import manifest_bytes, read_manifest
 from rayshard.actors.checkpoint.stored import check_loaded_parts
 from rayshard.cluster.catalog import commit_window, leases, writer_lease
 from rayshard.cluster.run.async_save import AsyncCheckpointer
+from rayshard.actors.training.dataset_source import prepared_dataset_url
+from rayshard.cluster.run.reference_logprobs import check_precomputed
+from rayshard.cluster.run.dpo_reference import FROZEN_COPY, DpoReference, resolve_reference
 from rayshard.cluster.run.lora_base import LoraBase, resolve_base, with_resumed_lora
 from rayshard.cluster.ray_connection import connect_ray
 from rayshard.cluster.run.rank_group import RankGroup
@@ -64,6 +67,7 @@ class StartPoint:
     snapshots: Snapshots | None = None  # --snapshot-every: the run's snapshots in the nodes' memory
     from_memory: bool = False  # the resume reads a snapshot, not the store
     lora_base: LoraBase | None = None  # a LoRA run's frozen weights (cluster/run/lora_base.py)
+    dpo_reference: DpoReference | None = None  # --objective dpo's reference (cluster/run/dpo_reference.py)
 
 
 def train(config: TrainConfig, actors: list | None = None,
@@ -135,6 +139,13 @@ def resolve_start(config: TrainConfig, store: Store, snapshots: Snapshots | None
     point.lora_base = resolve_base(config, store, metadata)
     if point.lora_base is not None:
         _log(f"LoRA rank {config.lora.rank} on {config.lora.targets}; base: {point.lora_base.describe()}")
+    point.dpo_reference = resolve_reference(config, store, metadata, resume.url if resume is not None else None,
+                                            point.lora_base)
+    if point.dpo_reference is not None:
+        _log(f"DPO ({config.dpo.loss}, beta {config.dpo.beta:g}); reference: {point.dpo_reference.describe()}"
+             + (", log-probabilities precomputed in the dataset" if config.dpo.precomputed else ""))
+        if config.dpo.precomputed:
+            check_precomputed(prepared_dataset_url(config), point.dpo_reference)
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
     check_sinks(point.config)
     return point
@@ -173,13 +184,16 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
     if point.snapshots is not None and saves.background is None:  # one background save per rank at a time
         point.snapshots.in_background(group, config.layout.world_size,
                                       lambda step, parent: checkpoint_metadata(config, step, parent, saves.fingerprint,
-                                                                               saves.lora_base))
+                                                                               saves.lora_base, saves.dpo_reference))
     timings = PipelineTimings(config)
     try:
         if point.lora_base is not None and point.lora_base.url is not None:
             load_base(group, point)
         if point.resume is not None:
             load_resumed(group, point)
+        reference = point.dpo_reference
+        if reference is not None and reference.kind == FROZEN_COPY and reference.url and not config.dpo.precomputed:
+            load_reference(group, point)
         for _ in range(point.step, config.steps):
             if point.lease is not None:
                 point.lease.check()  # a trainer that lost the run to another stops before its next step
@@ -232,6 +246,15 @@ def load_base(group: RankGroup, point: StartPoint) -> None:
     _log(f"loaded the LoRA base: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over {len(loaded)} ranks")
 
 
+def load_reference(group: RankGroup, point: StartPoint) -> None:
+    """Every rank reads its part of a DPO run's frozen reference (any layout wrote it)."""
+    ref = point.store.resolve(point.dpo_reference.url)
+    with leases.reading(point.store, ref):
+        loaded = group.call("load_reference", ref.url)
+        check_loaded_parts(ref.url, loaded)
+    _log(f"loaded the DPO reference: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over {len(loaded)} ranks")
+
+
 def load_resumed(group: RankGroup, point: StartPoint) -> None:
     """Every rank reads its part of the checkpoint (and, with checkpoint.verify_resume, the loaded
     state is proved equal to it) while a lease keeps `ckpt gc` from removing it."""
@@ -266,7 +289,7 @@ def take_snapshot(group: RankGroup, snapshots: Snapshots, config: TrainConfig, s
     started = time.perf_counter()
     try:
         save_checkpoint(group, snapshots.store, config, step, saves.parent, saves.fingerprint, saves.lora_base,
-                        rank_method="save_snapshot_shard")
+                        rank_method="save_snapshot_shard", dpo_reference=saves.dpo_reference)
     except Exception as error:  # noqa: BLE001 - only a snapshot's own failures are swallowed
         why = snapshot_failure(error)
         if why is None:
@@ -297,17 +320,21 @@ def report_step(config: TrainConfig, per_rank: list, seconds: float, result: Tra
               "peak_memory_gib": max(peaks) / 2**30, "peak_memory_bytes_per_rank": peaks,
               "step_s": seconds, "layout": str(config.layout), "precision": config.numerics.precision,
               "time": time.time(), "batch_hash": step_batch_hash(per_rank, config.layout), **(snapshot or {})}
-    moe = ""
+    extra = ""
+    if metrics.rewards is not None:  # --objective dpo
+        record.update(metrics.rewards)
+        extra = (f" | rewards chosen {metrics.rewards['rewards_chosen']:.4f} rejected {metrics.rewards['rewards_rejected']:.4f}"
+               f" margin {metrics.rewards['rewards_margin']:.4f} accuracy {metrics.rewards['rewards_accuracy']:.2f}")
     if metrics.expert_tokens is not None:
         result.expert_tokens[done] = metrics.expert_tokens
         record.update(aux_loss=metrics.aux_loss, expert_tokens={str(k): v for k, v in metrics.expert_tokens.items()},
                       expert_load_imbalance=load_imbalance(metrics.expert_tokens),
                       all_to_all_bytes=metrics.all_to_all_bytes, all_to_all_peer_bytes=metrics.all_to_all_peer_bytes)
-        moe = f" | aux {metrics.aux_loss:.4f} | expert load max/mean {record['expert_load_imbalance']:.2f}"
+        extra += f" | aux {metrics.aux_loss:.4f} | expert load max/mean {record['expert_load_imbalance']:.2f}"
     for sink in sinks:
         sink.append(record)
     _log(f"step {done:>5}/{config.steps} | loss {metrics.loss:.4f} | grad_norm {metrics.grad_norm:.3f} "
-         f"| lr {metrics.lr:.2e} | {speed.describe()} | mem {record['peak_memory_gib']:.2f} GiB{moe}")
+         f"| lr {metrics.lr:.2e} | {speed.describe()} | mem {record['peak_memory_gib']:.2f} GiB{extra}")
     return done
 
 
@@ -319,11 +346,12 @@ class Saves:
     def __init__(self, group: RankGroup, point: StartPoint, result: TrainResult, sinks: list):
         self.group, self.store, self.config = group, point.store, point.config
         self.parent, self.result, self.sinks, self.lease = point.parent, result, sinks, point.lease
-        self.lora_base = point.lora_base
+        self.lora_base, self.dpo_reference = point.lora_base, point.dpo_reference
         self.fingerprint = group.setup_info[0].data_fingerprint
         self.background = (AsyncCheckpointer(group, self.store, self.config.run, self.config.layout.world_size,
                                              lambda step, parent: checkpoint_metadata(self.config, step, parent,
-                                                                                      self.fingerprint, self.lora_base),
+                                                                                      self.fingerprint, self.lora_base,
+                                                                                      self.dpo_reference),
                                              self.committed)
                            if self.config.checkpoint.async_save else None)
 
@@ -347,7 +375,7 @@ class Saves:
                 self.background.wait()
         else:
             self.parent = save_checkpoint(self.group, self.store, self.config, step, self.parent, self.fingerprint,
-                                          self.lora_base)
+                                          self.lora_base, dpo_reference=self.dpo_reference)
             self.committed(step, self.parent)
 
 
@@ -358,22 +386,25 @@ def load_imbalance(expert_tokens: dict[int, list[int]]) -> float:
 
 
 def save_checkpoint(group: RankGroup, store: Store, config: TrainConfig, step: int, parent: str | None,
-                    data_fingerprint: str, lora_base: LoraBase | None = None, rank_method: str = "save_shard") -> str:
+                    data_fingerprint: str, lora_base: LoraBase | None = None, rank_method: str = "save_shard",
+                    dpo_reference: DpoReference | None = None) -> str:
     """Every rank writes its chunks under a fresh attempt prefix; the manifest commits them."""
     pending = store.begin(config.run, step)
     calls = [(pending.url, pending.file_for(rank)) for rank in range(config.layout.world_size)]
     # Each rank answers with its rows as columns (a ChunkTable); concatenating columns keeps the
     # driver free of a record per chunk (826k at 16k FSDP ranks: gather + check + encode ~1.7 s).
     chunks = ChunkTable.concat(group.call_each(rank_method, calls))
-    return pending.commit(chunks, checkpoint_metadata(config, step, parent, data_fingerprint, lora_base))
+    return pending.commit(chunks, checkpoint_metadata(config, step, parent, data_fingerprint, lora_base, dpo_reference))
 
 
 def checkpoint_metadata(config: TrainConfig, step: int, parent: str | None, data_fingerprint: str,
-                        lora_base: LoraBase | None = None) -> dict:
+                        lora_base: LoraBase | None = None, dpo_reference: DpoReference | None = None) -> dict:
     """Run metadata stored in the manifest next to the chunk table; a LoRA run's names its adapters'
-    settings and its base (cluster/run/lora_base.py)."""
+    settings and its base (cluster/run/lora_base.py), a DPO run's its settings and reference
+    (cluster/run/dpo_reference.py)."""
     lora = {"lora": asdict(config.lora), "lora_base": lora_base.to_dict()} if lora_base is not None else {}
-    return {**lora,
+    dpo = {"dpo": asdict(config.dpo), "dpo_reference": dpo_reference.to_dict()} if dpo_reference is not None else {}
+    return {**lora, **dpo,
         "run": config.run,
         "step": step,
         "layout": config.layout.to_dict(),

@@ -11,12 +11,14 @@
     resources   resources.py    ranks, CPUs/GPUs per rank, start/call/collective timeouts
     metrics     metrics.py      TensorBoard, Weights & Biases
     lora        lora.py         low-rank adapters on a frozen base (plans/training/lora.py)
+    dpo         dpo.py          --objective dpo's beta, loss and label smoothing
 
 Each field declares its flag, or that it has none (plans/options.py); values.py checks a file's
 values against the fields' types; flat_keys.py reads the flat keys of before the sections.
 """
 from rayshard.plans.config.checkpoint import CheckpointConfig
 from rayshard.plans.config.data import DataConfig
+from rayshard.plans.config.dpo import DpoConfig
 from rayshard.plans.config.lora import LoraConfig
 from rayshard.plans.config.metrics import MetricsConfig
 from rayshard.plans.config.model import ModelChoice
@@ -28,4 +30,4 @@ from rayshard.plans.config.train_config import RUN_NAME, TrainConfig, with_overr
 
 __all__ = ["TrainConfig", "with_overrides", "RUN_NAME", "ModelChoice", "PipelineConfig", "NumericsConfig",
            "PRECISIONS", "ACTIVATION_CHECKPOINTING", "DataConfig", "OptimizerConfig", "CheckpointConfig",
-           "ResourcesConfig", "MetricsConfig", "LoraConfig"]
+           "ResourcesConfig", "MetricsConfig", "LoraConfig", "DpoConfig"]

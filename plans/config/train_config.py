@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 
 from rayshard.plans.config.checkpoint import CheckpointConfig
 from rayshard.plans.config.data import DataConfig
+from rayshard.plans.config.dpo import DpoConfig
 from rayshard.plans.config.flat_keys import sectioned
 from rayshard.plans.config.lora import LoraConfig
 from rayshard.plans.config.metrics import MetricsConfig
@@ -29,6 +30,9 @@ from rayshard.plans.training.tp_fit import TpSplit
 
 
 
+OBJECTIVES = ("lm", "sft", "dpo")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training job.
@@ -46,9 +50,10 @@ class TrainConfig:
     global_batch: int = option(8, metavar="N", help="sequences per step over all data ranks")
     seq_len: int = option(64, metavar="N", help="tokens per sequence")
     seed: int = option(1234, metavar="N", help="seed of the initial weights and the sample order")
-    objective: str = option("lm", choices=("lm", "sft"),
+    objective: str = option("lm", choices=OBJECTIVES,
                             help="lm: next-token loss over every token (default); sft: the mean loss over the global "
-                                 "batch's completion tokens of a `data prepare --format sft` dataset")
+                                 "batch's completion tokens of a `data prepare --format sft` dataset; dpo: the DPO loss "
+                                 "over the pairs of a `data prepare --format preference` dataset (--dpo-*)")
     model: ModelChoice = section(ModelChoice, "which model trains")
     layout: ParallelLayout = section(ParallelLayout, "how the ranks split the work: dp x fsdp x tp x pp (vpp, ep)")
     pipeline: PipelineConfig = section(PipelineConfig, "microbatches and, with --pp > 1, the schedule and stage cut")
@@ -59,6 +64,7 @@ class TrainConfig:
     resources: ResourcesConfig = section(ResourcesConfig, "what each rank asks of the cluster, and how long to wait")
     metrics: MetricsConfig = section(MetricsConfig, "where step metrics go besides metrics.jsonl")
     lora: LoraConfig = section(LoraConfig, "low-rank adapters on a frozen base (--lora-rank > 0)")
+    dpo: DpoConfig = section(DpoConfig, "--objective dpo: beta, loss and label smoothing")
 
     def __post_init__(self):
         if isinstance(self.model, ModelConfig):  # the shape alone, as TrainConfig took it before the sections
@@ -81,11 +87,24 @@ class TrainConfig:
         return self
 
     def _validate_objective(self) -> None:
-        if self.objective not in ("lm", "sft"):
-            raise ConfigError("objective", self.objective, "is not an objective", "set objective: lm or sft")
-        if self.objective == "sft" and self.model.spec.user is not None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError("objective", self.objective, "is not an objective", "set objective: lm, sft or dpo")
+        if self.objective != "lm" and self.model.spec.user is not None:
             raise ConfigError("objective", self.objective, "a user model's own loss cannot take the completion mask yet",
-                              "train a built-in or imported model with --objective sft, or use --objective lm")
+                              f"train a built-in or imported model with --objective {self.objective}, or use --objective lm")
+        if self.objective != "dpo":
+            return
+        self.dpo.validate()
+        if self.layout.pp > 1 and not self.dpo.precomputed:
+            # docs/decisions.md 160: the reference's forward would need a second pass through the stages.
+            raise ConfigError("objective", "dpo", "DPO with a live reference does not run on pp > 1 yet",
+                              "precompute it (`rayshard data reference-logprobs`, then --dpo-precomputed), or train "
+                              "DPO on dp/fsdp/tp (a checkpoint resumes on any layout)")
+        rows = 2 * self.layout.data_parallel_size * self.pipeline.microbatches
+        if self.global_batch % rows:
+            raise ConfigError("global_batch", self.global_batch, f"under dpo counts sequences, two per pair, and every data "
+                              f"rank's microbatch must hold whole pairs: a multiple of 2 x dp*fsdp x microbatches = {rows}",
+                              f"set --global-batch to a multiple of {rows}")
 
     def _validate_lora(self) -> None:
         """The adapters against the model, and what LoRA does not run on yet, in one line each."""

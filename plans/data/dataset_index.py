@@ -36,6 +36,10 @@ INDEX_SCHEMA = pa.schema([
     ("crc32", pa.int64()),       # zlib.crc32 of those bytes
 ])
 TEXT, SFT = "text", "sft"  # what a dataset's documents are: text to pack, or examples with loss masks
+# Preference pairs: documents 2i and 2i + 1 are pair i's chosen and rejected examples (prompt +
+# response + end of document), each with its loss mask on the response, as an SFT example's.
+PREFERENCE = "preference"
+MASKED_KINDS = (SFT, PREFERENCE)  # kinds whose shards carry .mask files and whose index has SFT_INDEX_SCHEMA
 # An SFT dataset's index: each document is one example (prompt tokens, completion tokens, end of
 # document), its loss mask stored beside it in the shard's .mask file at the same token offsets.
 SFT_INDEX_SCHEMA = pa.schema([
@@ -63,7 +67,7 @@ class DatasetMeta:
     tokens: int
     skipped: int                  # inputs left out under --skip-bad
     index_hash: str
-    kind: str = TEXT              # TEXT | SFT (datasets prepared before SFT existed are text)
+    kind: str = TEXT              # TEXT | SFT | PREFERENCE (datasets prepared before SFT existed are text)
     masks: tuple[str, ...] = ()   # SFT: each shard's mask file, relative to the dataset URL
     longest: int = 0              # SFT: the longest example's tokens (a sample must hold it)
 
@@ -91,7 +95,8 @@ class DatasetIdentity:
 
 
 def index_hash(tokenizer_hash: str, dtype: str, tokens: np.ndarray, checksums: np.ndarray,
-               loss_tokens: np.ndarray | None = None, mask_checksums: np.ndarray | None = None) -> str:
+               loss_tokens: np.ndarray | None = None, mask_checksums: np.ndarray | None = None,
+               kind: str = SFT) -> str:
     """Of the token stream alone: how documents were grouped into shards (which depends on the
     CPUs that prepared them) changes neither the samples nor the hash. An SFT dataset's masks
     (their checksums and per-example counts) are hashed too; a text dataset's hash is as it was."""
@@ -99,7 +104,7 @@ def index_hash(tokenizer_hash: str, dtype: str, tokens: np.ndarray, checksums: n
     digest.update(np.asarray(tokens, dtype="<i8").tobytes())
     digest.update(np.asarray(checksums, dtype="<i8").tobytes())
     if mask_checksums is not None:
-        digest.update(f"|{SFT}|".encode())
+        digest.update(f"|{kind}|".encode())  # a preference dataset never hashes as the SFT one of the same examples
         digest.update(np.asarray(loss_tokens, dtype="<i8").tobytes())
         digest.update(np.asarray(mask_checksums, dtype="<i8").tobytes())
     return digest.hexdigest()[:32]
@@ -108,15 +113,15 @@ def index_hash(tokenizer_hash: str, dtype: str, tokens: np.ndarray, checksums: n
 def table_hash(meta_tokenizer_hash: str, dtype: str, kind: str, table: pa.Table) -> str:
     """index_hash of a document table of either kind."""
     column = lambda name: table.column(name).to_numpy()  # noqa: E731
-    if kind == SFT:
+    if kind in MASKED_KINDS:
         return index_hash(meta_tokenizer_hash, dtype, column("tokens"), column("crc32"), column("loss_tokens"),
-                          column("mask_crc32"))
+                          column("mask_crc32"), kind)
     return index_hash(meta_tokenizer_hash, dtype, column("tokens"), column("crc32"))
 
 
 def encode_index(documents: pa.Table, meta: DatasetMeta) -> bytes:
     document = dict(asdict(meta), format=FORMAT)
-    schema = SFT_INDEX_SCHEMA if meta.kind == SFT else INDEX_SCHEMA
+    schema = SFT_INDEX_SCHEMA if meta.kind in MASKED_KINDS else INDEX_SCHEMA
     table = documents.cast(schema).replace_schema_metadata({METADATA_KEY: json.dumps(document).encode()})
     sink = io.BytesIO()
     pq.write_table(table, sink, compression="zstd")
@@ -135,7 +140,8 @@ def decode_index(data: bytes, where: str) -> tuple[DatasetMeta, pa.Table]:
         raise RayshardError(f"{where}: dataset format is not {FORMAT}. Fix: prepare it again with this rayshard")
     meta = DatasetMeta(**{**document, "shards": tuple(document["shards"]), "shard_tokens": tuple(document["shard_tokens"]),
                           "masks": tuple(document.get("masks", ()))})
-    if meta.kind not in (TEXT, SFT) or (meta.kind == SFT and len(meta.masks) != len(meta.shards)):
+    if (meta.kind not in (TEXT, *MASKED_KINDS) or (meta.kind in MASKED_KINDS and len(meta.masks) != len(meta.shards))
+            or (meta.kind == PREFERENCE and meta.documents % 2)):
         raise RayshardError(f"{where}: unknown dataset kind {meta.kind!r} or masks missing. "
                             "Fix: prepare it again with this rayshard")
     found = table_hash(meta.tokenizer_hash, meta.dtype, meta.kind, table)
