@@ -82,10 +82,12 @@ def _load_tp(rank: int, init_method: str, world_size: int, results, spec: dict) 
         mesh = init_device_mesh("cpu", tuple(size for _, size in spec["mesh"]), mesh_dim_names=tuple(names))
         outer = [Shard(0)] if "dp_shard" in names else []
         flat = {name: distribute_tensor(torch.zeros(ROWS, COLUMNS), mesh, outer + [Shard(1)]) for name in NAMES}
+        expected = {name: distribute_tensor(_global(name), mesh, flat[name].placements).to_local() for name in NAMES}
+        if rank == spec.get("without_exp_avg_on"):  # this rank's loop asks for the weight only
+            del flat[NAMES[1]]
         plan = ckpt.plan(_nested(flat), spec["where"])
         ckpt.load(_nested(flat), spec["where"])
-        expected = {name: distribute_tensor(_global(name), mesh, flat[name].placements).to_local() for name in NAMES}
-        results[rank] = {"exact": all(torch.equal(flat[name].to_local(), expected[name]) for name in NAMES),
+        results[rank] = {"exact": all(torch.equal(flat[name].to_local(), expected[name]) for name in flat),
                          "planned_read": plan.bytes_read, "planned_requests": sum(r.requests for r in plan.ranks)}
     except Exception as error:  # noqa: BLE001
         results[rank] = {"error": f"{type(error).__name__}: {error}"}
@@ -139,3 +141,35 @@ def test_an_fsdp2_x_tp2_load_from_s3_bands_within_each_tp_group_bit_exact(s3_sto
     outcome = _load_twice(fault_proxy, where, [["dp_shard", 2], ["tp", 2]])
     banded, alone = outcome["auto"][0], outcome["0"][0]
     assert (alone, banded) == (4 * 2, 4)  # alone: every rank reads its fsdp half's two files; banded: each once
+
+
+def test_members_that_ask_for_different_tensors_read_those_alone_and_wait_on_nobody(s3_store, fault_proxy):
+    """Rank 1's state dict leaves the moment out: the band of the moment is not agreed (rank 1 would
+    never join its scatters), so rank 0 reads its slice of it alone; the weight is still banded."""
+    where = _saved(s3_store)
+    reports = run_ranks(_load_tp, 2, {"where": where, "mesh": [["tp", 2]], "read_once": "auto", "without_exp_avg_on": 1})
+    assert all(report.get("exact") for report in reports.values()), reports
+    # The weight's four chunks once across the pair (rank 1: two GETs), the moment's four by rank 0
+    # alone, two of them in one GET with its share of the weight (back to back in a file): 2 + 4.
+    assert _data_gets(fault_proxy)[0] == 6
+
+
+def test_a_corrupt_byte_in_a_chunk_read_in_shares_fails_every_rank_naming_it(s3_store, fault_proxy):
+    """One stored chunk per tensor (saved by one process): the band's two shares each read half of
+    it, so neither member can check it alone; where the parts meet, the flipped byte is found."""
+    from rayshard.cluster.catalog.store import Store
+    from rayshard.storage.manifest_io import read_manifest
+
+    where = f"{s3_store}/one"
+    ref = ckpt.save(_nested({name: _global(name) for name in NAMES}), where, step=1)
+    down = next(chunk for chunk in read_manifest(ref.url)[0] if chunk.kind == "param")
+    store = Store(s3_store)
+    path = f"{ref.url.removeprefix('s3://')}/{down.file}"
+    data = bytearray(store.fs.cat_file(path))
+    data[down.byte_start + 4 * COLUMNS * 40 + 8] ^= 0x40  # row 40: the second share's
+    store.fs.pipe_file(path, bytes(data))
+    reports = run_ranks(_load_tp, 2, {"where": where, "mesh": [["tp", 2]], "read_once": "auto"})
+    errors = [reports[rank].get("error", "") for rank in range(2)]
+    assert "checksum mismatch" in errors[0] and "down.weight (param)" in errors[0], errors
+    assert "read in parts by several ranks" in errors[0], errors
+    assert errors[1].startswith(f"RanksFailed: load of {where} failed on rank 0: "), errors
