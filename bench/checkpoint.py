@@ -408,6 +408,10 @@ def main() -> None:
             state_dict = medians[f"{key}/sd"]
             print(f"  {'':<32}of which get/set_state_dict {state_dict:.3f}s; without it DCP/API "
                   f"{(dcp - state_dict) / max(1e-9, api - state_dict):5.2f}")
+    print("  per-repeat seconds (slowest rank), to judge the spread on a shared machine:")
+    for key in ("load", "reshard"):
+        print(f"    {key:<8}" + "  ".join(f"{m} " + ",".join(f"{t:.3f}" for t in times[f"{key}/{m}"])
+                                       for m in ("api", "rayshard", "dcp")))
     read = sum(item[3]["bytes_read"] for item in phase_b)
     needed = sum(item[3]["bytes_needed"] for item in phase_b)
     print(f"resharded load to {args.layout_b.describe()}: rayshard read {read / MiB:.2f} MiB for {needed / MiB:.2f} MiB its "
