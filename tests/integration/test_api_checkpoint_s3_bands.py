@@ -7,7 +7,8 @@ store reads a column slice as whole rows.
 Each load runs twice on the same checkpoint: banded (the default on an object store) and with
 `RAYSHARD_READ_ONCE=0` (every rank reads its own pieces, the API's load before decision 172). Both
 are bit-exact; the banded one reads each stored chunk of a banded tensor once across its group
-instead of once per member, in fewer GET requests and about 1/tp the bytes."""
+instead of once per member, in fewer GET requests and about 1/tp the bytes. A user's loop
+(RowwiseParallel over tp) resumes through bands bit for bit and trains on as before."""
 from __future__ import annotations
 
 import pytest
@@ -173,3 +174,35 @@ def test_a_corrupt_byte_in_a_chunk_read_in_shares_fails_every_rank_naming_it(s3_
     assert "checksum mismatch" in errors[0] and "down.weight (param)" in errors[0], errors
     assert "read in parts by several ranks" in errors[0], errors
     assert errors[1].startswith(f"RanksFailed: load of {where} failed on rank 0: "), errors
+
+
+def test_a_loop_resumes_on_tp2_from_s3_through_bands_bit_for_bit(s3_store, tmp_path, monkeypatch):
+    """A user's loop (tests/integration/api_checkpoint_job.py: RowwiseParallel `down`, whose weight
+    and moments are Shard(1) on tp) saves on fsdp2 to S3 and resumes on tp2 from it: the resumed
+    state saved again equals the saved one tensor for tensor, and training continues as before."""
+    from rayshard.cluster.checkpoint.digest import diff_checkpoints
+    from tests.integration.api_checkpoint_job import forked_job
+
+    saved = run_ranks(forked_job, 2, {"mesh": [["dp_shard", 2]], "where": f"{s3_store}/loop", "steps": 4,
+                                      "save_at": [2]})
+    assert all("exception" not in saved[rank] for rank in range(2)), saved
+    import os
+
+    import rayshard.cluster.api.checkpoint as api
+
+    real, marks = api.hand_over_lists, tmp_path / "banded"
+    marks.mkdir()
+
+    def noting(bands):  # the forked ranks inherit it: each notes the keys it banded
+        (marks / str(os.getpid())).write_text("\n".join(sorted(band.key for band in bands)))
+        return real(bands)
+
+    monkeypatch.setattr(api, "hand_over_lists", noting)
+    resumed = run_ranks(forked_job, 2, {"mesh": [["tp", 2]], "load": f"{s3_store}/loop",
+                                        "resave": str(tmp_path / "runs" / "again"), "steps": 4})
+    assert all("exception" not in resumed[rank] for rank in range(2)), resumed
+    assert [d for d in diff_checkpoints(saved[0]["refs"][0], resumed[0]["resaved"]) if d.status != "equal"] == []
+    banded = [mark.read_text().split() for mark in marks.iterdir()]
+    assert banded == [["model.down.weight", "optim.state.down.weight.exp_avg", "optim.state.down.weight.exp_avg_sq"]] * 2
+    for step, loss in resumed[0]["losses"].items():
+        assert abs(loss - saved[0]["losses"][step]) <= 2.5e-6 * abs(saved[0]["losses"][step]), step
