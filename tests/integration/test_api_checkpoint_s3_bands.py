@@ -155,6 +155,7 @@ def test_members_that_ask_for_different_tensors_read_those_alone_and_wait_on_nob
     assert _data_gets(fault_proxy)[0] == 6
 
 
+@pytest.mark.slow  # the default suite's budget: test_a_tp2_load_... runs the same path
 def test_a_corrupt_byte_in_a_chunk_read_in_shares_fails_every_rank_naming_it(s3_store, fault_proxy):
     """One stored chunk per tensor (saved by one process): the band's two shares each read half of
     it, so neither member can check it alone; where the parts meet, the flipped byte is found."""
@@ -176,6 +177,7 @@ def test_a_corrupt_byte_in_a_chunk_read_in_shares_fails_every_rank_naming_it(s3_
     assert errors[1].startswith(f"RanksFailed: load of {where} failed on rank 0: "), errors
 
 
+@pytest.mark.slow  # the default suite's budget: test_a_tp2_load_... runs the same path
 def test_a_loop_resumes_on_tp2_from_s3_through_bands_bit_for_bit(s3_store, tmp_path, monkeypatch):
     """A user's loop (tests/integration/api_checkpoint_job.py: RowwiseParallel `down`, whose weight
     and moments are Shard(1) on tp) saves on fsdp2 to S3 and resumes on tp2 from it: the resumed
