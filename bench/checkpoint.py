@@ -9,7 +9,7 @@ then, repeatedly and in rotating order:
 - load on the same layout: rayshard (`load_rank_shard`), DCP (`dcp.load` + `set_state_dict`),
   raw (plain reads of exactly the byte ranges rayshard's load reads, each into its own place in one
   pre-touched buffer), checked (the raw reads plus the checksum of every chunk or part rayshard reads).
-Then four fresh ranks on layout B (fsdp4) load what A saved: rayshard, DCP, raw and checked reads of
+Then four fresh ranks on layout B (--layout-b, default fsdp4) load what A saved: rayshard, DCP, raw and checked reads of
 exactly the byte ranges rayshard's plan reads. "api" is `rayshard.checkpoint` (issue 38) on DCP's own
 state dict (`get_state_dict` of the same model and optimizer, then `set_state_dict` after a load, as
 DCP's path does): `save` into a run (writer lease, attempt, create-only manifest, LATEST) and
@@ -395,7 +395,8 @@ def main() -> None:
           "   checked: the raw reads plus the checksum of everything rayshard verifies, no planning or placement, so\n"
           "   raw/checked is what verification alone costs and chk/ours what is left to rayshard's own work)")
     print("rayshard.checkpoint (the API, on get_state_dict's state dict) against DCP on the same state and ranks:")
-    for title, key in (("save, dp2 x tp2", "save"), ("load, same layout", "load"), ("load, resharded to fsdp4", "reshard")):
+    for title, key in (("save, dp2 x tp2", "save"), ("load, same layout", "load"),
+                       (f"load, resharded to {args.layout_b.describe()}", "reshard")):
         api, dcp = medians[f"{key}/api"], medians[f"{key}/dcp"]
         goal = "goal >= 2" if key == "save" else "goal >= 6"
         print(f"  {title:<32}API {api:.3f}s  DCP {dcp:.3f}s  DCP/API {dcp / api:5.2f}  ({goal}; trainer path DCP/ours "
@@ -407,6 +408,10 @@ def main() -> None:
             state_dict = medians[f"{key}/sd"]
             print(f"  {'':<32}of which get/set_state_dict {state_dict:.3f}s; without it DCP/API "
                   f"{(dcp - state_dict) / max(1e-9, api - state_dict):5.2f}")
+    print("  per-repeat seconds (slowest rank), to judge the spread on a shared machine:")
+    for key in ("load", "reshard"):
+        print(f"    {key:<8}" + "  ".join(f"{m} " + ",".join(f"{t:.3f}" for t in times[f"{key}/{m}"])
+                                       for m in ("api", "rayshard", "dcp")))
     read = sum(item[3]["bytes_read"] for item in phase_b)
     needed = sum(item[3]["bytes_needed"] for item in phase_b)
     print(f"resharded load to {args.layout_b.describe()}: rayshard read {read / MiB:.2f} MiB for {needed / MiB:.2f} MiB its "

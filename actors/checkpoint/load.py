@@ -222,7 +222,18 @@ def _read_and_hand_over(stored: StoredCheckpoint, targets: LoadTargets, groups: 
         readers += block_readers
         read_as += block_targets
         phases += [HANDOVER_KINDS.index(banded.dims)] * len(blocks)
-    my_rank = layout.rank_of(coords)
+    return read_and_hand_over(stored, targets.destinations, pieces, readers, read_as, phases, layout.rank_of(coords),
+                              seconds)
+
+
+def read_and_hand_over(stored: StoredCheckpoint, destinations: dict[Target, Destination],
+                       pieces: list[HandedPiece | SlicedPiece], readers: list[int], read_as: list[Target | None],
+                       phases: list[int], my_rank: int, seconds: dict) -> tuple[dict, int, BaseException | None]:
+    """The hand-over itself, for the trainer's ranks and `rayshard.checkpoint.load` alike: read
+    `destinations` in a background thread, the targets the pieces are read as (`read_as`, by the
+    reader `readers[i]`) first, bucket by bucket, while this thread hands each bucket over as soon
+    as it is in place. Every member of a group lists its pieces in the same order, phases as every
+    other member does. Returns (read stats, bytes received, this rank's read error)."""
     cut = buckets(pieces, readers, BROADCAST_BUCKET_BYTES, phases)
     # A bucket is in place once every target it is cut from is read (a share of a band may span
     # several buckets, and a bucket hold several shares' blocks); targets are read in the order of
@@ -250,7 +261,7 @@ def _read_and_hand_over(stored: StoredCheckpoint, targets: LoadTargets, groups: 
     @torch.no_grad()  # grad mode is per thread: a plain parameter (a norm under tp alone) is filled here
     def read_all() -> None:
         try:
-            outcome["stats"] = stored.read(targets.destinations, groups=group_of, group_done=target_done)
+            outcome["stats"] = stored.read(destinations, groups=group_of, group_done=target_done)
         except BaseException as error:  # reported after the hand-over, which must not wait on it
             outcome["error"] = error
         finally:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import threading
 import time
@@ -31,13 +32,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import fsspec
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rayshard.actors.checkpoint.coordination import Coordination, Failure
+from rayshard.actors.checkpoint.load import read_and_hand_over, read_once_for
+from rayshard.actors.checkpoint.mesh_bands import (MeshBand, agreed_bands, destinations_with_bands, hand_over_lists,
+                                                   mesh_bands)
 from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
 from rayshard.actors.checkpoint.staging import HostStaging
 from rayshard.actors.checkpoint.state_dict import FlatState, destinations, fill_values, flatten
-from rayshard.actors.checkpoint.stored import StoredCheckpoint, verify_parts
+from rayshard.actors.checkpoint.stored import StoredCheckpoint, min_segment_bytes_for, verify_parts
 from rayshard.cluster.api.locations import RunLocation, resolve_checkpoint, run_location
 from rayshard.cluster.catalog import leases, writer_lease
 from rayshard.cluster.catalog.pending import PendingCheckpoint
@@ -389,13 +394,23 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
     (flat, own), metadata = _flattened(state_dict), {}
     with contextlib.ExitStack() as held_by_first:  # the first rank's reader lease
         opened = _open(coordination, what, held_by_first)
-        stats = None
+        stats, stored, bands = None, None, []
+        # Decided from the URL alone, so alike on every rank: all of them take part in the agreement.
+        banding = coordination.size > 1 and read_once_for(opened.url)
         try:
             if own is not None:
                 raise own
             stored, metadata = _check(flat, opened, what)
-            stats = stored.read(destinations(flat))
-            stats["partial_reads"] = stored.take_partial_reads()
+            if banding:
+                bands = mesh_bands(flat, stored.index, min_segment_bytes_for(stored.fs))
+        except Exception as error:
+            own = error
+        if banding:
+            bands = _agree_on_bands(coordination, own, bands)
+        try:
+            if own is None:
+                stats = _read(stored, flat, bands)
+                stats["partial_reads"] = stored.take_partial_reads()
         except Exception as error:
             own = error
         gathered = coordination.gather("collecting what each rank read", _record(coordination, own, stats))
@@ -406,6 +421,35 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
         coordination.raise_failures(outcome, own or (verified if isinstance(verified, BaseException) else None))
     fill_values(flat, metadata.get("state") or {})
     return LoadedCheckpoint(opened.url, opened.run, _step_of(opened, metadata), metadata.get("metadata"))
+
+
+def _agree_on_bands(coordination: Coordination, own: BaseException | None, bands: list[MeshBand]) -> list[MeshBand]:
+    """The bands every member of their group listed alike (`agreed_bands`), or, where a rank failed
+    before reading, that failure on every rank: nobody starts a scatter a peer never joins."""
+    listed = coordination.gather("agreeing on the bands read once per group",
+                                 _record(coordination, own, (dist.get_rank(), [band.signature for band in bands])))
+    agreed = None
+    if coordination.is_root:
+        agreed = _failures(listed) or agreed_bands(listed)
+    agreed = coordination.broadcast("sending the agreed bands", agreed)
+    if isinstance(agreed, list):
+        coordination.raise_failures(agreed, own)
+    return [band for band in bands if (band.ranks, band.key) in agreed]
+
+
+def _read(stored: StoredCheckpoint, flat: FlatState, bands: list[MeshBand]) -> dict:
+    """Read this rank's pieces; the banded ones through its groups' hand-over (decision 172). A
+    member whose read fails still takes part in every scatter; its error then fails every rank at
+    the next exchange."""
+    wanted = destinations(flat)
+    if not bands:
+        return stored.read(wanted)
+    pieces, readers, read_as, phases = hand_over_lists(bands)
+    stats, received, failure = read_and_hand_over(stored, destinations_with_bands(wanted, bands), pieces, readers,
+                                                  read_as, phases, dist.get_rank(), {})
+    if failure is not None:
+        raise failure
+    return {**stats, "bytes_received": received}
 
 
 def _flattened(state_dict: Mapping) -> tuple[dict | None, Exception | None]:
@@ -435,9 +479,14 @@ def plan(state_dict: Mapping, what: str, *, process_group=None) -> LoadPlan:
             if own is not None:
                 raise own
             stored, metadata = _check(flat, opened, what)
-            read = stored.plan(destinations(flat))
-            mine = RankPlan(coordination.rank, len(flat.pieces), read.bytes_needed, read.bytes_read,
-                            len(read.requests), read.files)
+            wanted = destinations(flat)
+            # As the load reads: banded pieces through their shares (unagreed: a plan waits on no scatter).
+            bands = (mesh_bands(flat, stored.index, min_segment_bytes_for(stored.fs))
+                     if coordination.size > 1 and read_once_for(opened.url) else [])
+            read = stored.plan(destinations_with_bands(wanted, bands))
+            needed = sum(math.prod(target.sizes) * destination.tensor.element_size()
+                         for target, destination in wanted.items())
+            mine = RankPlan(coordination.rank, len(flat.pieces), needed, read.bytes_read, len(read.requests), read.files)
         except Exception as error:
             own = error
         gathered = coordination.gather("collecting each rank's plan", _record(coordination, own, mine))
