@@ -24,7 +24,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -127,12 +126,28 @@ class LoraAdapter(nn.Module):
         a, b = _local(self.a), _local(self.b)
         x = _local(x)  # under --sp the block's input is the gathered sequence as a Replicate DTensor
         if self.dropout and self.training:
-            x = F.dropout(x, self.dropout)
+            x = self._dropout(x)
         t = x @ a.t().to(x.dtype)
         if self.tp_group is not None:
             t = (_SumOverTp if self.row_parallel else _SumGradientOverTp).apply(t, self.tp_group)
         delta = (t @ b.t().to(t.dtype)) * self.scale
         return _SplitSequence.apply(delta, self.tp_group) if self.to_sequence else delta
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """x with the adapter's dropout, drawn as one rank would draw it (decision 168): every tp
+        rank of a group draws from the same generator state (seeded without the tp coordinate,
+        `Trainer._seed_lora_dropout`), so beside a column-parallel base the whole x gets the same
+        mask on each; beside a row-parallel one each rank draws the whole input's mask and keeps
+        its own columns. Written out as CPU's F.dropout computes it (bernoulli_ on a tensor of
+        x's shape, divided by 1 - p, multiplied) so one rank draws what F.dropout drew before."""
+        keep = 1.0 - self.dropout
+        if self.row_parallel and self.tp_group is not None:
+            size, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+            whole = x.new_empty(*x.shape[:-1], self.a.shape[1]).bernoulli_(keep)
+            noise = whole.chunk(size, dim=-1)[rank]
+        else:
+            noise = torch.empty_like(x).bernoulli_(keep)
+        return x * noise.div_(keep)
 
 
 class LoraAttention(Attention):
