@@ -5,6 +5,7 @@
   `PeftModel.from_pretrained(base, DIR)` loads onto the Hugging Face export of the base or the
   directory the base was imported from. `rayshard.json` beside them names the checkpoint and its
   base (URL and weight digest), so an import of the directory can check the base it is given.
+  MoE families and users' models map as `plans/interop/peft_adapters.py` says (decision 169).
 - `export_merged`: the Hugging Face directory of the base (`hf_interop.py`'s mapping, config.json,
   tokenizer) with each adapted projection's weight replaced by W + (alpha / r) B A, computed in
   float32 from the stored values and only then cast to the export dtype. The base is the one the
