@@ -20,7 +20,14 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": None}),
+    # Mixtures of experts: Qwen2-MoE as the built-in moe-tiny is laid out (layer 0 dense, layer 1
+    # MoE with a shared expert), Mixtral (every layer MoE, no shared expert).
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                   "shared_expert_intermediate_size": 40, "decoder_sparse_step": 2, "norm_topk_prob": True}),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
+ATTENTION_MODULES = ALL_MODULES[:4]
 SMALL = dict(vocab_size=250, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=6,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
 

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -125,16 +124,48 @@ class LoraAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The delta of this projection's local output: x is the base's local input (whole beside a
-        column-parallel base, the rank's columns beside a row-parallel one)."""
-        a, b = _local(self.a), _local(self.b)
+        column-parallel base, the rank's columns beside a row-parallel one). The scale multiplies
+        B ([out, r]) rather than the delta ([tokens, out]): the same product, without a full-size
+        multiplication in the forward and another in the backward."""
+        t = self._down(x)
+        delta = t @ (_local(self.b) * self.scale).t().to(t.dtype)
+        return _SplitSequence.apply(delta, self.tp_group) if self.to_sequence else delta
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + forward(x), as one addmm (out + scale * t B^T) where `out` is a plain contiguous
+        tensor: no delta tensor written and read again by an addition. Else the addition."""
+        if isinstance(out, DTensor) or self.to_sequence or not out.is_contiguous():
+            return out + self(x)
+        t = self._down(x)
+        b = _local(self.b).to(t.dtype)
+        return torch.addmm(out.view(-1, out.shape[-1]), t.reshape(-1, t.shape[-1]), b.t(), alpha=self.scale).view(out.shape)
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
+        """t = A x (after dropout), summed over tp beside a row-parallel base (Megatron's g) or its
+        gradient summed beside a column-parallel one (f)."""
         x = _local(x)  # under --sp the block's input is the gathered sequence as a Replicate DTensor
         if self.dropout and self.training:
-            x = F.dropout(x, self.dropout)
-        t = x @ a.t().to(x.dtype)
+            x = self._dropout(x)
+        t = x @ _local(self.a).t().to(x.dtype)
         if self.tp_group is not None:
             t = (_SumOverTp if self.row_parallel else _SumGradientOverTp).apply(t, self.tp_group)
-        delta = (t @ b.t().to(t.dtype)) * self.scale
-        return _SplitSequence.apply(delta, self.tp_group) if self.to_sequence else delta
+        return t
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """x with the adapter's dropout, drawn as one rank would draw it (decision 168): every tp
+        rank of a group draws from the same generator state (seeded without the tp coordinate,
+        `Trainer._seed_lora_dropout`), so beside a column-parallel base the whole x gets the same
+        mask on each; beside a row-parallel one each rank draws the whole input's mask and keeps
+        its own columns. Written out as CPU's F.dropout computes it (bernoulli_ on a tensor of
+        x's shape, divided by 1 - p, multiplied) so one rank draws what F.dropout drew before."""
+        keep = 1.0 - self.dropout
+        if self.row_parallel and self.tp_group is not None:
+            size, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+            whole = x.new_empty(*x.shape[:-1], self.a.shape[1]).bernoulli_(keep)
+            noise = whole.chunk(size, dim=-1)[rank]
+        else:
+            noise = torch.empty_like(x).bernoulli_(keep)
+        return x * noise.div_(keep)
 
 
 @contextlib.contextmanager
@@ -166,7 +197,7 @@ class LoraAttention(Attention):
 
     def project_out(self, heads: torch.Tensor) -> torch.Tensor:
         out = self.wo(heads)
-        return out + self.lora["o"](heads) if "o" in self.lora else out
+        return self.lora["o"].add_to(out, heads) if "o" in self.lora else out
 
 
 class LoraFeedForward(FeedForward):
@@ -179,7 +210,7 @@ class LoraFeedForward(FeedForward):
         else:
             hidden = self.gate_up(x)
         out = self.down(hidden)
-        return out + self.lora["down"](hidden) if "down" in self.lora else out
+        return self.lora["down"].add_to(out, hidden) if "down" in self.lora else out
 
     def _adapted_swiglu(self, x: torch.Tensor) -> torch.Tensor:
         x = _local(x)  # under --sp: the gathered sequence, a Replicate DTensor
@@ -189,9 +220,9 @@ class LoraFeedForward(FeedForward):
         weight = weight.to(x.dtype)
         gate, up = base_x @ weight[0::2].t(), base_x @ weight[1::2].t()
         if "gate" in self.lora:
-            gate = gate + self.lora["gate"](x)
+            gate = self.lora["gate"].add_to(gate, x)
         if "up" in self.lora:
-            up = up + self.lora["up"](x)
+            up = self.lora["up"].add_to(up, x)
         return ACTIVATIONS[self.gate_up.activation][0](gate) * up
 
 
@@ -223,7 +254,7 @@ def apply_lora(model: nn.Module, spec, lora: LoraConfig, frozen_dtype: torch.dty
 
 def _add_adapter_output(adapter: LoraAdapter, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """A forward hook on a user's Linear: its output plus its adapter's delta of the same input."""
-    return output + adapter(args[0])
+    return adapter.add_to(output, args[0])
 
 
 def hook_beside(adapter: LoraAdapter, base: nn.Module) -> None:

@@ -176,10 +176,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         reset_peak_memory(self.device)
-        if config.lora.dropout:
-            # LoRA dropout's masks are drawn from (seed, step, rank): a rerun, or a resume on this
-            # layout, draws the same ones (other layouts draw others: decision 124).
-            torch.manual_seed((config.seed * 1_000_003 + self.step) * 65_537 + self.rank)
+        self._seed_lora_dropout()
         total_loss, record = self._forward_backward()
         with self.runner.after_forward_backward():
             grad_norm = clip_grad_norm(self.trained_parameters(), opt.grad_clip, self.coord_map,
@@ -194,6 +191,14 @@ class Trainer:
                            tokens=config.global_batch // self.layout.data_parallel_size * config.seq_len,
                            peak_memory_bytes=peak_memory_bytes(self.device), device_name=device_name(self.device),
                            batch_hash=self.batch_hash, rewards=rewards, **routing)
+
+    def _seed_lora_dropout(self) -> None:
+        """LoRA dropout's masks are drawn from (seed, step, the rank without its tp coordinate)
+        (decisions 126, 168): a rerun, or a resume on this layout, draws the same ones, and every
+        tp rank of a group draws the same, so tp and --sp leave the masks as the run without tp
+        draws them (other dp, fsdp and pp splits draw others). Without tp the key is the rank."""
+        if self.config.lora.dropout:
+            torch.manual_seed((self.config.seed * 1_000_003 + self.step) * 65_537 + self.rank // self.layout.tp)
 
     def _batch(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This data rank's microbatches of global batch number self.step."""
@@ -271,6 +276,7 @@ class Trainer:
         """The loss and every parameter's full gradient for this step's batch, before clipping;
         no optimizer step. Each rank returns the parameters it is the primary holder of, under
         their global names (tests compare layouts with this; keep models tiny)."""
+        self._seed_lora_dropout()
         total_loss, _ = self._forward_backward()
         gradients = {}
         for name, param in self.model.named_parameters():

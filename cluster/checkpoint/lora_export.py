@@ -5,6 +5,7 @@
   `PeftModel.from_pretrained(base, DIR)` loads onto the Hugging Face export of the base or the
   directory the base was imported from. `rayshard.json` beside them names the checkpoint and its
   base (URL and weight digest), so an import of the directory can check the base it is given.
+  MoE families and users' models map as `plans/interop/peft_adapters.py` says (decision 169).
 - `export_merged`: the Hugging Face directory of the base (`hf_interop.py`'s mapping, config.json,
   tokenizer) with each adapted projection's weight replaced by W + (alpha / r) B A, computed in
   float32 from the stored values and only then cast to the export dtype. The base is the one the
@@ -31,8 +32,8 @@ from rayshard.plans.checkpoint.model_check import check_against_own_model
 from rayshard.plans.checkpoint.safetensors_layout import Entry
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.interop.hf_families import export_mapping
-from rayshard.plans.interop.peft_adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, merged_weight_names,
-                                                  ordered_targets, peft_mapping, refuse_unexportable)
+from rayshard.plans.interop.peft_adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, lora_target_list,
+                                                  merged_weight_names, peft_mapping, refuse_unexportable)
 from rayshard.plans.transforms.mapping import Meta
 from rayshard.storage.manifest_io import read_manifest
 
@@ -47,10 +48,6 @@ def adapter_settings(metadata: dict, checkpoint_url: str, asked: str) -> dict:
                               "has nothing to export. Fix: export a checkpoint of a run trained with --lora-rank, or this "
                               "one with --format hf (without --merge)")
     return lora
-
-
-def _targets(lora: dict) -> tuple[str, ...]:
-    return ordered_targets(t.strip() for t in str(lora["targets"]).split(","))
 
 
 def _weights(stored) -> dict[str, Meta]:
@@ -69,17 +66,18 @@ def export_peft(checkpoint_url: str, directory: str, dtype: str | None = None, l
     stored = open_source(checkpoint_url)
     lora = adapter_settings(stored.metadata, checkpoint_url, "--format peft")
     model = check_against_own_model(stored.chunks, stored.metadata, checkpoint_url)
-    refuse_unexportable(model, checkpoint_url, "export the merged model with --format hf --merge")
+    if model.user is None:  # a user's model: by its plan's hf_mapping, refused per module there
+        refuse_unexportable(model, checkpoint_url, "export the merged model with --format hf --merge")
     metas = _weights(stored)
     stored_dtype = next(iter(metas.values())).dtype
-    plan = peft_mapping(_targets(lora), dtype, stored_dtype).plan(metas)
+    plan = peft_mapping(lora_target_list(lora), dtype, stored_dtype, model).plan(metas)
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for name, meta in plan.outputs.items()))
     fs.makedirs(base, exist_ok=True)
     written = write_safetensors_files(fs, base, ADAPTER_WEIGHTS, plan.outputs, GroupStream(plan, _whole(stored, metas)),
                                        ONE_FILE, progress)
     stored.check_partial_reads()
     recorded_base = stored.metadata.get("lora_base") or {}
-    fs.pipe_file(f"{base}/{ADAPTER_CONFIG}", json.dumps(adapter_config(lora, _base_name(recorded_base.get("url"))),
+    fs.pipe_file(f"{base}/{ADAPTER_CONFIG}", json.dumps(adapter_config(lora, _base_name(recorded_base.get("url")), model),
                                                         indent=2).encode())
     fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "step": stored.metadata.get("step"),
                                                        "lora": lora, "lora_base": recorded_base}, indent=2).encode())
@@ -100,9 +98,9 @@ def _base_name(base_url: str | None) -> str | None:
 
 class MergedStream:
     """The base's Hugging Face tensors, each adapted projection's with (alpha / r) B A added in
-    float32 and cast to `dtype` after."""
+    float32 (transposed where the weight is, a Conv1D's) and cast to `dtype` after."""
 
-    def __init__(self, base: GroupStream, merges: dict[str, str], read_adapter, scale: float, dtype: str):
+    def __init__(self, base: GroupStream, merges: dict[str, tuple[str, bool]], read_adapter, scale: float, dtype: str):
         self.base, self.merges, self.read_adapter, self.scale = base, merges, read_adapter, scale
         self.dtype = getattr(torch, dtype)
 
@@ -111,12 +109,14 @@ class MergedStream:
 
     def take(self, name: str) -> torch.Tensor:
         weight = self.base.take(name)
-        module = self.merges.get(name)
-        if module is None:
+        merge = self.merges.get(name)
+        if merge is None:
             return weight.to(self.dtype)
+        module, transposed = merge
         a, b = (self.read_adapter(f"{module}.{matrix}").to(torch.float32) for matrix in "ab")
         # PEFT's order (get_delta_weight, then add): (B @ A) * scale, added to the weight.
-        return (weight.to(torch.float32) + (b @ a) * self.scale).to(self.dtype)
+        delta = (b @ a) * self.scale
+        return (weight.to(torch.float32) + (delta.t() if transposed else delta)).to(self.dtype)
 
 
 def export_merged(checkpoint_url: str, directory: str, dtype: str | None = None,
@@ -146,7 +146,7 @@ def export_merged(checkpoint_url: str, directory: str, dtype: str | None = None,
     out_dtype = dtype or stored_dtype
     plan = export_mapping(model, None, source_dtype=stored_dtype).plan(metas)  # no cast: merged in float32 first
     outputs = {name: Meta(meta.shape, out_dtype) for name, meta in plan.outputs.items()}
-    merges = merged_weight_names(model, _targets(lora))
+    merges = merged_weight_names(model, lora_target_list(lora))
     adapter_metas = _weights(adapters)
     stream = MergedStream(GroupStream(plan, _whole(stored, metas)), merges, _whole(adapters, adapter_metas),
                           float(lora["alpha"]) / int(lora["rank"]), out_dtype)

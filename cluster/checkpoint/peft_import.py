@@ -76,7 +76,7 @@ def _import_holding_the_lease(directory, store, run, base_url, log, progress) ->
         raise CheckpointError(f"--base {base_url}: is a LoRA run's checkpoint (adapters only), not a model. Fix: name the "
                               f"checkpoint holding the base weights{f' ({recorded})' if recorded else ''}")
     model = check_against_own_model(chunks, base_metadata, base_url)
-    refuse_unexportable(model, f"--base {base_url}", "import the adapter onto a Llama, Qwen2, Qwen3 or Mistral base")
+    refuse_unexportable(model, f"--base {base_url}", "import the adapter onto a Llama, Qwen2, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE or Mixtral base")
     _refuse_another_hf_base(adapter_settings.get("base_model_name_or_path"), model, config_path)
     refuse_unknown_keys(tensors, model, f"{path}/{ADAPTER_WEIGHTS}.safetensors")
     lora = LoraConfig(rank=settings["rank"], alpha=settings["alpha"], dropout=settings["dropout"],

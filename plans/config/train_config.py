@@ -113,10 +113,6 @@ class TrainConfig:
         check_lora_fits(self.model.spec, self.lora)
         if self.model.spec.user is not None and self.layout.tp > 1:
             check_user_lora_under_tp(self.model.spec, self.lora)
-        if self.lora.dropout and self.layout.tp > 1:
-            # Each tp rank would draw its own mask for the input a whole A sees, and the copies of A diverge.
-            raise ConfigError("lora.dropout", self.lora.dropout, "LoRA dropout under tp > 1 is not supported yet",
-                              "set --lora-dropout 0, or train without --tp")
 
     def _tp_limits(self) -> tuple[TpSplit, ...]:
         """What the run asks of tp beyond the model: a tp hint lists only degrees that meet these too."""

@@ -10,9 +10,20 @@ adapter tensor is one Rename: `layers.N.attention.lora.q.a` is PEFT's
 without it load as nothing and the model computes the base alone (the peers' silent bug).
 
 Families: those whose Hugging Face class has separate q/k/v/o and gate/up/down Linear modules
-under `model.layers.N.self_attn` / `.mlp` (Llama, Qwen2, Qwen3, Mistral). Phi-3 fuses q/k/v and
-gate/up in the Hub too (one PEFT adapter would span three of ours) and GPT-2 uses Conv1D; both are
-refused naming `--merge` as the way out.
+under `model.layers.N.self_attn` / `.mlp` (Llama, Qwen2, Qwen3, Mistral), and the mixture-of-experts
+ones (Qwen2-MoE, Qwen3-MoE, Mixtral; decision 169): attention as the dense ones, a dense layer's
+gate/up/down under `mlp`, an MoE layer's shared expert's under `mlp.shared_expert` (routed experts
+take no adapters, decision 140). Their `target_modules` then name the parent too
+(`mlp.gate_proj`, `shared_expert.gate_proj`), so PEFT, which matches a name against the end of a
+module's path, adapts exactly our modules and never a routed expert's `experts.E.gate_proj`.
+Phi-3 fuses q/k/v and gate/up in the Hub too (one PEFT adapter would span three of ours) and the
+GPT-2 family fuses q|k|v; both are refused naming `--merge` as the way out.
+
+Users' models (`--model-factory`): an adapter beside module M is PEFT's adapter on the module the
+plan's `hf_mapping` makes of M's weight, where that mapping only renames it (and perhaps
+transposes it: a Conv1D, whose PEFT adapter has the same A [r, in] and B [out, r]); a weight the
+mapping fuses or splits has no PEFT module of its own and is refused naming it
+(`user_peft_modules`).
 
 Settings: PEFT scales B A by lora_alpha / r (ours: alpha / rank); `use_rslora` (alpha / sqrt(r)),
 `rank_pattern` / `alpha_pattern` (per-module ranks), DoRA, biases, `layers_to_transform` and
@@ -25,9 +36,12 @@ from __future__ import annotations
 import re
 
 from rayshard.plans.errors import CheckpointError
-from rayshard.plans.training.lora import LORA_TARGETS, adapter_module
-from rayshard.plans.training.model_spec import ModelConfig
-from rayshard.plans.transforms.mapping import Cast, Mapping, Rename
+from rayshard.plans.interop.hf_families import refuse_unexportable_moe
+from rayshard.plans.training.lora import (ATTENTION_TARGETS, LORA_TARGETS, adapter_module, feed_forward_path,
+                                          user_adapter_module, user_target_modules)
+from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
+from rayshard.plans.transforms.codec import decode_mapping
+from rayshard.plans.transforms.mapping import Cast, Mapping, Meta, Rename, Transpose
 
 PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 ADAPTER_WEIGHTS = "adapter_model"  # .safetensors
@@ -39,17 +53,25 @@ PEFT_PREFIX = "base_model.model."
 HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 TARGET_OF_MODULE = {module.rsplit(".", 1)[1]: target for target, module in HF_MODULES.items()}  # "q_proj" -> "q"
+# Where a layer's gate/up/down adapters live (`lora.feed_forward_path`) -> their modules' parent in
+# the Hugging Face class: a dense feed-forward's `mlp`, an MoE layer's shared expert.
+HF_FEED_FORWARD = {"feed_forward": "mlp", "feed_forward.shared": "mlp.shared_expert"}
 # A PEFT key of one adapter matrix: prefix, layer, module, A or B.
-_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight\Z")
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.((?:self_attn|mlp(?:\.shared_expert)?)\.\w+)"
+                  r"\.lora_([AB])\.weight\Z")
+_KNOWN_MODULES = {*HF_MODULES.values(), *(f"{HF_FEED_FORWARD['feed_forward.shared']}.{t}_proj" for t in ("gate", "up", "down"))}
 
 
 def refuse_unexportable(model: ModelConfig, what: str, fix: str) -> None:
-    """The families whose Hugging Face modules match our adapters one to one."""
-    if model.user is not None or model.family not in PEFT_FAMILIES:
+    """The families whose Hugging Face modules match our adapters one to one (an MoE family's
+    model as its transformers class computes it, `refuse_unexportable_moe`)."""
+    if model.user is not None or model.family not in (*PEFT_FAMILIES, *MOE_FAMILIES):
         name = model.user.factory if model.user is not None else model.family
         raise CheckpointError(f"{what}: a PEFT adapter of a {name} model is not supported (PEFT's modules of that class do "
-                              f"not match rayshard's per-projection adapters; supported: {', '.join(PEFT_FAMILIES)}). "
-                              f"Fix: {fix}")
+                              f"not match rayshard's per-projection adapters; supported: "
+                              f"{', '.join((*PEFT_FAMILIES, *MOE_FAMILIES))}). Fix: {fix}")
+    if model.family in MOE_FAMILIES:
+        refuse_unexportable_moe(model)
 
 
 def ordered_targets(targets) -> tuple[str, ...]:
@@ -58,39 +80,116 @@ def ordered_targets(targets) -> tuple[str, ...]:
     return tuple(t for t in LORA_TARGETS if t in chosen)
 
 
-def peft_key(layer: int | str, target: str, matrix: str) -> str:
-    """PEFT's key of an adapter matrix ("a" or "b")."""
-    return f"{PEFT_PREFIX}model.layers.{layer}.{HF_MODULES[target]}.lora_{matrix.upper()}.weight"
+def _hf_module(target: str, part: str | None = None) -> str:
+    """The Hugging Face module (under model.layers.N) of a target; `part`: where a feed-forward
+    target's adapter lives in that layer (`lora.feed_forward_path`)."""
+    if target in ATTENTION_TARGETS:
+        return HF_MODULES[target]
+    return f"{HF_FEED_FORWARD[part or 'feed_forward']}.{target}_proj"
 
 
-def peft_mapping(targets, dtype: str | None = None, source_dtype: str = "float32") -> Mapping:
-    """Our adapter names -> PEFT's keys (cast to `dtype` if given); its inverse is the import's."""
-    rules = [Rename(f"{adapter_module('{layer}', target)}.{matrix}", peft_key("{layer}", target, matrix))
-             for target in ordered_targets(targets) for matrix in "ab"]
+def _parts(target: str) -> tuple[str, ...]:
+    return ("attention",) if target in ATTENTION_TARGETS else tuple(HF_FEED_FORWARD)
+
+
+def peft_mapping(targets, dtype: str | None = None, source_dtype: str = "float32", model: ModelConfig | None = None) -> Mapping:
+    """Our adapter names -> PEFT's keys (cast to `dtype` if given); its inverse is the import's.
+    A user's model (`model.user`) maps by its plan's hf_mapping (`user_peft_modules`)."""
+    if model is not None and model.user is not None:
+        rules = [Rename(f"{user_adapter_module(module)}.{matrix}", f"{PEFT_PREFIX}{hf_module}.lora_{matrix.upper()}.weight")
+                 for module, (hf_module, _) in user_peft_modules(model, targets).items() for matrix in "ab"]
+    else:
+        rules = [Rename(f"layers.{{layer}}.{part}.lora.{target}.{matrix}",
+                        f"{PEFT_PREFIX}model.layers.{{layer}}.{_hf_module(target, part)}.lora_{matrix.upper()}.weight")
+                 for target in ordered_targets(targets) for part in _parts(target) for matrix in "ab"]
     if dtype and dtype != source_dtype:
         rules.append(Cast("*", to=dtype, source=source_dtype))
     return Mapping(tuple(rules))
 
 
-def merged_weight_names(model: ModelConfig, targets) -> dict[str, str]:
+def merged_weight_names(model: ModelConfig, targets) -> dict[str, tuple[str, bool]]:
     """The Hugging Face export's weight of each adapted projection -> the adapter module merged
-    into it (`model.layers.0.self_attn.q_proj.weight` -> `layers.0.attention.lora.q`)."""
-    return {f"model.layers.{layer}.{HF_MODULES[target]}.weight": adapter_module(layer, target)
-            for layer in range(model.n_layers) for target in ordered_targets(targets)}
+    into it and whether that weight is stored transposed (a Conv1D)
+    (`model.layers.0.self_attn.q_proj.weight` -> (`layers.0.attention.lora.q`, False)); an MoE
+    layer's gate/up/down adapters merge into its shared expert's."""
+    if model.user is not None:
+        return {f"{hf_module}.weight": (user_adapter_module(module), transposed)
+                for module, (hf_module, transposed) in user_peft_modules(model, targets).items()}
+    return {f"model.layers.{layer}.{_hf_module(target, feed_forward_path(model, layer))}.weight":
+            (adapter_module(layer, target, model), False)
+            for layer in range(model.n_layers) for target in ordered_targets(targets)
+            if target in ATTENTION_TARGETS or feed_forward_path(model, layer) is not None}
+
+
+def user_peft_modules(model: ModelConfig, targets) -> dict[str, tuple[str, bool]]:
+    """A user model's adapted module -> (the Hugging Face module its plan's hf_mapping makes of
+    its weight, whether transposed). Refused in one line: a plan without hf_mapping, and a weight
+    the mapping does more to than rename and transpose (fused with others, split)."""
+    plan = model.user.plan
+    if plan.hf_mapping is None:
+        raise CheckpointError(f"{model.user.factory}: its plan has no hf_mapping, so its adapters have no Hugging Face "
+                              "module to sit on. Fix: add hf_mapping and hf_config to the model plan")
+    shapes = {name: Meta(tuple(shape), "float32") for name, shape in model.user.shapes.items()}
+    steps = [step for group in decode_mapping(plan.hf_mapping).plan(shapes).groups for step in group.steps]
+    found = {}
+    for module in user_target_modules(model, targets):
+        name, transposed = f"{module}.weight", False
+        for step in steps:
+            if name not in step.inputs:
+                continue
+            if isinstance(step.rule, Transpose):
+                transposed = not transposed
+            elif not isinstance(step.rule, (Rename, Cast)) or len(step.outputs) != 1:
+                raise CheckpointError(f"{model.user.factory}: the plan's hf_mapping makes {module}.weight part of "
+                                      f"{', '.join(step.outputs)} ({type(step.rule).__name__}), so its adapter has no "
+                                      f"PEFT module of its own. Fix: leave {module} out of --lora-targets, or export the "
+                                      "merged model with --format hf --merge")
+            name = step.outputs[0]
+        if not name.endswith(".weight"):
+            raise CheckpointError(f"{model.user.factory}: the plan's hf_mapping names {module}.weight {name}, which is no "
+                                  "module's weight. Fix: export the merged model with --format hf --merge")
+        found[module] = (name[: -len(".weight")], transposed)
+    return found
+
+
+def target_module_names(model: ModelConfig, targets) -> list[str]:
+    """adapter_config.json's target_modules: the projections' module names (`q_proj`); on an
+    MoE family a feed-forward target names its parent too (`mlp.gate_proj`,
+    `shared_expert.gate_proj`), so PEFT adapts no routed expert; a user's model lists the
+    Hugging Face modules themselves."""
+    if model.user is not None:
+        return [hf_module for hf_module, _ in user_peft_modules(model, targets).values()]
+    names = []
+    for target in ordered_targets(targets):
+        if target in ATTENTION_TARGETS or model.family not in MOE_FAMILIES:
+            names.append(HF_MODULES[target].rsplit(".", 1)[1])
+            continue
+        parts = dict.fromkeys(feed_forward_path(model, layer) for layer in range(model.n_layers))
+        names += [_hf_module(target, part).split(".", 1)[1] if part == "feed_forward.shared" else _hf_module(target, part)
+                  for part in HF_FEED_FORWARD if part in parts]
+    return names
+
+
+def lora_target_list(lora: dict) -> tuple[str, ...]:
+    """The targets a manifest's `lora` record names, as given (a user model's may be patterns)."""
+    return tuple(t.strip() for t in str(lora["targets"]).split(",") if t.strip())
 
 
 def _number(value: float) -> int | float:
     return int(value) if float(value).is_integer() else float(value)
 
 
-def adapter_config(lora: dict, base_model_name_or_path: str | None) -> dict:
-    """adapter_config.json for the run's LoRA settings (`lora` as the manifest records them)."""
-    targets = ordered_targets(t.strip() for t in str(lora["targets"]).split(","))
+def adapter_config(lora: dict, base_model_name_or_path: str | None, model: ModelConfig) -> dict:
+    """adapter_config.json for the run's LoRA settings (`lora` as the manifest records them).
+    fan_in_fan_out: the adapted modules are Conv1D (a user model's mapping transposes them), as
+    PEFT itself saves it for such a model."""
+    targets = lora_target_list(lora)
+    transposed = model.user is not None and any(t for _, t in user_peft_modules(model, targets).values())
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": int(lora["rank"]), "lora_alpha": _number(lora["alpha"]), "lora_dropout": float(lora.get("dropout", 0.0)),
-        "target_modules": [HF_MODULES[t].rsplit(".", 1)[1] for t in targets],
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+        "target_modules": target_module_names(model, targets),
+        "bias": "none", "fan_in_fan_out": transposed, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
@@ -156,8 +255,7 @@ def refuse_unknown_keys(keys, model: ModelConfig, where: str) -> None:
     unknown = []
     for key in sorted(keys):
         found = _KEY.match(key)
-        if (found is None or int(found.group(1)) >= model.n_layers
-                or f"{found.group(2)}.{found.group(3)}" not in HF_MODULES.values()):
+        if found is None or int(found.group(1)) >= model.n_layers or found.group(2) not in _KNOWN_MODULES:
             unknown.append(key)
     if unknown:
         raise CheckpointError(f"{where}: holds {len(unknown)} tensor(s) that are no LoRA A or B of a q/k/v/o/gate/up/down "

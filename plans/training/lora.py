@@ -89,7 +89,7 @@ def adapter_shapes(model: ModelConfig, rank: int, targets: tuple[str, ...]) -> d
     """Global name -> shape of every adapter tensor, layer by layer, in the model's module order."""
     if model.user is not None:
         return {f"{user_adapter_module(module)}.{ab}": shape
-                for module, (features_in, features_out) in _user_targets(model, targets).items()
+                for module, (features_in, features_out) in user_target_modules(model, targets).items()
                 for ab, shape in (("a", (rank, features_in)), ("b", (features_out, rank)))}
     shapes = {}
     for layer in range(model.n_layers):
@@ -157,7 +157,8 @@ def user_targets(model: ModelConfig, targets: tuple[str, ...]) -> tuple[str, ...
     return declared if declared and targets == LORA_TARGETS else targets
 
 
-def _user_targets(model: ModelConfig, targets) -> dict[str, tuple[int, int]]:
+def user_target_modules(model: ModelConfig, targets) -> dict[str, tuple[int, int]]:
+    """A user model's modules the targets (names or patterns) match, (in, out) features each."""
     linears = user_linear_modules(model)
     patterns = [_pattern_of(model, target) for target in user_targets(model, tuple(targets))]
     return {name: dims for name, dims in linears.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
@@ -180,7 +181,7 @@ def user_adapted_modules(model: ModelConfig, lora) -> dict[str, tuple[int, int]]
             raise ConfigError("lora.targets", target, f"matches no module of the model; its Linear modules are "
                               f"{', '.join(families)}", "give module-name patterns from that list, e.g. "
                               f"--lora-targets '{families[0] if families else 'name'}'")
-    adapted = _user_targets(model, lora.target_list)
+    adapted = user_target_modules(model, lora.target_list)
     for module, (features_in, features_out) in adapted.items():
         if lora.rank > min(features_in, features_out):
             raise ConfigError("lora.rank", lora.rank, f"exceeds module {module!r}'s dimension ({features_in} in, "
@@ -195,7 +196,7 @@ def user_adapter_tp_styles(model: ModelConfig, targets: tuple[str, ...]) -> tupl
     (`check_user_lora_under_tp`)."""
     styles = dict(model.user.plan.tp_styles)
     adapter_styles = {COLWISE: LORA_COLWISE, ROWWISE: LORA_ROWWISE}
-    return tuple((user_adapter_module(module), adapter_styles[style]) for module in _user_targets(model, targets)
+    return tuple((user_adapter_module(module), adapter_styles[style]) for module in user_target_modules(model, targets)
                  if (style := module_style(module, styles)) in adapter_styles)
 
 
@@ -203,7 +204,7 @@ def check_user_lora_under_tp(model: ModelConfig, lora) -> None:
     """Under tp a user model's adapter sits beside a column- or row-parallel Linear, or one tp
     leaves whole; beside any other style (the vocab-parallel head) it is refused in one line."""
     styles = dict(model.user.plan.tp_styles)
-    for module in _user_targets(model, lora.target_list):
+    for module in user_target_modules(model, lora.target_list):
         style = module_style(module, styles)
         if style not in (None, COLWISE, ROWWISE):
             raise ConfigError("lora.targets", lora.targets, f"adapts {module}, which tp splits as {style!r}: an adapter "

@@ -72,6 +72,32 @@ def test_one_lora_step_matches_one_rank(rank_pool, tmp_path, single_rank, layout
         torch.testing.assert_close(gradients[name], gradient, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.fixture(scope="module")
+def single_rank_with_dropout(rank_pool, tmp_path_factory):
+    from dataclasses import replace
+
+    return _second_step_gradients(rank_pool, _config(tmp_path_factory.mktemp("one-dropout"), ParallelLayout(),
+                                                     lora=replace(LORA, dropout=0.25)))
+
+
+@pytest.mark.parametrize("pipeline", [{}, pytest.param({"sequence_parallel": True}, marks=pytest.mark.slow)],
+                         ids=["tp2", "tp2-sp"])
+def test_lora_dropout_on_tp2_draws_one_ranks_masks(rank_pool, tmp_path, single_rank, single_rank_with_dropout, pipeline):
+    """Decision 168: every tp rank of a group draws the same masks, and beside a row-parallel base
+    keeps its columns of the whole input's mask, so a dropout step on tp2 is one rank's."""
+    from dataclasses import replace
+
+    loss, gradients = _second_step_gradients(rank_pool, _config(tmp_path, ParallelLayout(tp=2),
+                                                                lora=replace(LORA, dropout=0.25), **pipeline))
+    expected_loss, expected = single_rank_with_dropout
+    # The dropout did something: one rank's step with it is not the step without it.
+    assert not torch.allclose(torch.tensor(expected_loss), torch.tensor(single_rank[0]), rtol=RTOL, atol=ATOL)
+    assert sorted(gradients) == sorted(expected) == sorted(single_rank[1])
+    torch.testing.assert_close(torch.tensor(loss), torch.tensor(expected_loss), rtol=RTOL, atol=ATOL)
+    for name, gradient in expected.items():
+        torch.testing.assert_close(gradients[name], gradient, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
 # ---- adapter checkpoints --------------------------------------------------------------------
 
 ADAPTER_NAMES = {f"layers.{i}.{part}.lora.{t}.{ab}" for i in range(4) for ab in "ab"

@@ -122,3 +122,30 @@ def test_an_adapter_trained_by_peft_imports_and_continues(run_training, base):
     metadata = read_manifest(continued.checkpoints[-1])[1]
     assert metadata["lora"]["rank"] == 8 and metadata["lora"]["targets"] == "q,v,down"
     assert metadata["lora_base"]["url"] == base_url
+
+
+@pytest.mark.slow
+def test_a_trained_adapter_of_the_built_in_moe_loads_in_peft(run_training, tmp_path, capsys):
+    """moe-tiny (Qwen2-MoE's layout: layers 1 and 3 MoE with a shared expert) trained with LoRA on
+    tp2: its PEFT export loads onto the base's own Hugging Face export (Qwen2MoeForCausalLM), on the
+    attention, dense and shared-expert projections only, and computes our logits (decision 169)."""
+    store = str(tmp_path / "store")
+    moe = dict(model=ModelChoice.named("moe-tiny"), seq_len=16, global_batch=4)
+    run_training(small_config(tmp_path, ParallelLayout(), run="base", steps=1, **moe))
+    run = run_training(small_config(tmp_path, ParallelLayout(tp=2), run="adapt", steps=3, lora=LORA, **moe))
+    assert main(["ckpt", "export", "adapt", "--format", "peft", "--out", str(tmp_path / "peft"), "--store", store]) == 0
+    assert main(["ckpt", "export", "base", "--out", str(tmp_path / "base-hf"), "--no-optimizer", "--store", store]) == 0
+    plain = transformers.Qwen2MoeForCausalLM.from_pretrained(str(tmp_path / "base-hf"), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base_logits = plain(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(plain, str(tmp_path / "peft")).eval()
+        logits, ours = theirs(tokens).logits, our_model(run.checkpoints[-1])(tokens)
+    adapted = {name.split(".lora_A")[0].removeprefix("base_model.model.model.") for name, _ in theirs.named_modules()
+               if name.endswith(".lora_A")}
+    assert len(adapted) == 4 * 4 + 2 * 3 + 2 * 3 and not any(".experts." in name for name in adapted)
+    assert {name for name in adapted if "shared_expert" in name} == {f"layers.{i}.mlp.shared_expert.{p}_proj"
+                                                                     for i in (1, 3) for p in ("gate", "up", "down")}
+    assert (logits - base_logits).abs().max() > 1e-3  # loaded, not a no-op
+    assert (logits - ours).abs().max().item() <= 1e-5
+    capsys.readouterr()

@@ -21,7 +21,7 @@ from rayshard.cluster.checkpoint.lora_export import export_merged, export_peft
 from rayshard.cluster.checkpoint.peft_import import import_peft
 from rayshard.cluster.cli.main import main
 from rayshard.storage.manifest_io import read_manifest
-from tests.peft_models import ALL_MODULES, hf_model, our_model, peft_adapter
+from tests.peft_models import ALL_MODULES, ATTENTION_MODULES, hf_model, our_model, peft_adapter
 
 peft = pytest.importorskip("peft")
 QUIET = dict(log=lambda *_: None)
@@ -93,6 +93,55 @@ def test_the_merged_export_equals_peft_merge_and_unload(imported, tmp_path):
     rounded = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     for name, value in load_file(str(tmp_path / "merged" / "model.safetensors")).items():
         assert torch.equal(rounded[name], value.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("family, modules, expected_targets", [
+    ("qwen2_moe", ALL_MODULES, ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "shared_expert.gate_proj",
+                                "mlp.up_proj", "shared_expert.up_proj", "mlp.down_proj", "shared_expert.down_proj"]),
+    ("mixtral", ATTENTION_MODULES, ATTENTION_MODULES),
+])
+def test_an_moe_models_adapter_goes_both_ways_and_peft_loads_our_export(tmp_path, family, modules, expected_targets):
+    """Decision 169: attention, a dense layer's and a shared expert's projections are PEFT modules of
+    the Hugging Face class; the export names the parent of each feed-forward module, so PEFT adapts
+    exactly ours (no routed expert), and computes our logits."""
+    store = Store(str(tmp_path / "store"))
+    model = hf_model(family)
+    model.save_pretrained(str(tmp_path / "hf"))
+    base = import_hf(str(tmp_path / "hf"), store, "base", **QUIET)
+    peft_adapter(model, modules).save_pretrained(str(tmp_path / "adapter"))
+    url = import_peft(str(tmp_path / "adapter"), store, "adapter", base, **QUIET)
+
+    def loaded(directory):
+        hf_base = type(model).from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+        return peft.PeftModel.from_pretrained(hf_base, str(directory)).eval()
+
+    tokens = torch.randint(0, 250, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, plain = our_model(url)(tokens), hf_model(family)(tokens).logits
+        peft_logits = loaded(tmp_path / "adapter")(tokens).logits
+    assert (peft_logits - plain).abs().max() > 1e-2  # the adapters act
+    assert (ours - peft_logits).abs().max().item() <= 1e-5
+
+    export_peft(url, str(tmp_path / "out"), **QUIET)
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["target_modules"] == expected_targets and (config["r"], config["lora_alpha"]) == (4, 8)
+    written, original = (load_file(str(d / "adapter_model.safetensors")) for d in (tmp_path / "out", tmp_path / "adapter"))
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[key], value) for key, value in original.items())
+    theirs = loaded(tmp_path / "out")
+    adapted = sorted(name for name, _ in theirs.named_modules() if name.endswith(".lora_A"))
+    assert adapted == sorted(name for name, _ in loaded(tmp_path / "adapter").named_modules() if name.endswith(".lora_A"))
+    assert not any(".experts." in name for name in adapted)
+    with torch.no_grad():
+        assert (theirs(tokens).logits - ours).abs().max().item() <= 1e-5
+
+    # The merged export merges a shared expert's adapters into its own projections.
+    export_merged(url, str(tmp_path / "merged"), **QUIET)
+    merged = type(model).from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).state_dict()
+    expected = theirs.merge_and_unload().state_dict()
+    assert sorted(merged) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(merged[name], value, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 # ---- bad input, in one line, nothing committed ----------------------------------------------------
