@@ -11,6 +11,7 @@ import gc
 import importlib
 import os
 import socket
+import threading
 import time
 import traceback
 
@@ -86,11 +87,18 @@ def _drop_frames(error: BaseException) -> None:
         pending += [current.__cause__, current.__context__]
 
 
-@ray.remote
+# Saves kept answerable by checkpoint URL: the two that may be in flight, and a little history.
+SAVES_REMEMBERED = 4
+
+
+@ray.remote(concurrency_groups={"save_waits": 1})
 class RankActor:
     def __init__(self):
         torch.set_num_threads(1)
         self.trainer = None
+        # checkpoint URL -> its background save on this rank; `save_finished` (another thread) reads it
+        self.background_saves: dict[str, object] = {}
+        self._saves_changed = threading.Condition()
 
     def rendezvous_address(self) -> str:
         """A TCP address on this actor's node that rank 0 will listen on."""
@@ -149,12 +157,33 @@ class RankActor:
         """Async save: copy this rank's share of the state to CPU (all a training step waits for),
         then upload it in a background thread; the driver polls save_status."""
         trainer = self.trainer
-        self.background_save = trainer.async_saver.start(trainer.model, trainer.optimizer, checkpoint_url, file,
-                                                         trainer.rank, trainer.pipeline_copies, trainer.stored_names)
-        return self.background_save.staged
+        save = trainer.async_saver.start(trainer.model, trainer.optimizer, checkpoint_url, file,
+                                         trainer.rank, trainer.pipeline_copies, trainer.stored_names)
+        with self._saves_changed:
+            self.background_saves[checkpoint_url] = save
+            for old in list(self.background_saves)[:-SAVES_REMEMBERED]:
+                del self.background_saves[old]
+            self._saves_changed.notify_all()
+        return save.staged
 
-    def save_status(self, wait: bool = False) -> dict:
-        return self.background_save.status(wait)
+    def save_status(self, wait: bool = False, checkpoint_url: str | None = None) -> dict:
+        """The save of `checkpoint_url` (None: the latest one)."""
+        with self._saves_changed:
+            save = self.background_saves[checkpoint_url] if checkpoint_url else list(self.background_saves.values())[-1]
+        return save.status(wait)
+
+    @ray.method(concurrency_group="save_waits")
+    def save_finished(self, checkpoint_url: str, timeout_s: float) -> dict | None:
+        """Answers once this rank's upload to `checkpoint_url` has ended, so the driver learns it
+        at its next look without a round trip; runs beside the training calls (its own thread),
+        which it only reads. After timeout_s: None if the save never started here, else its
+        status with done False (the driver names the rank as not answering in its bound)."""
+        deadline = time.monotonic() + timeout_s
+        with self._saves_changed:
+            if not self._saves_changed.wait_for(lambda: checkpoint_url in self.background_saves, timeout_s):
+                return None
+            save = self.background_saves[checkpoint_url]
+        return save.status(wait=True, timeout_s=max(0.0, deadline - time.monotonic()))
 
     def shutdown(self) -> None:
         if self.trainer is not None:
