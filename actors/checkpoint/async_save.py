@@ -26,7 +26,7 @@ from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
 from rayshard.actors.checkpoint.staging import HostStaging
 from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
-from rayshard.plans.checkpoint.snapshot_memory import STAGING_BUFFERS  # a save stages while the previous one uploads
+from rayshard.plans.layout.snapshot_memory import STAGING_BUFFERS  # a save stages while the previous one uploads
 
 
 class AsyncSaver:

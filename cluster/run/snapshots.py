@@ -23,7 +23,7 @@ from rayshard.actors.snapshot.keepers import start_keepers
 from rayshard.cluster.catalog.snapshot_record import RECORD_EVERY_S, write_snapshot_record
 from rayshard.cluster.catalog.store import CheckpointRef, Store
 from rayshard.cluster.run.async_save import AsyncCheckpointer
-from rayshard.plans.checkpoint.snapshot_memory import SNAPSHOTS_IN_FLIGHT  # one per rank staging buffer
+from rayshard.plans.layout.snapshot_memory import SNAPSHOTS_IN_FLIGHT  # one per rank staging buffer
 from rayshard.plans.errors import CheckpointError
 from rayshard.storage.manifest_io import read_manifest
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
 
-from rayshard.plans.checkpoint.snapshot_memory import SHARES_PER_RANK, snapshot_host_bytes
+from rayshard.plans.layout.snapshot_memory import SHARES_PER_RANK, snapshot_host_bytes
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.experts import (ExpertFootprint, check_pinned_ep, exchange_elements, expert_degree,
                                   expert_parameters_per_layer, largest_block)
@@ -55,7 +55,7 @@ class MemoryEstimate:
     activations: float
     assumes: str = "fp32, no activation recomputation"
     experts: float = 0.0  # the part of model_state that is an MoE model's expert weights, moments and gradients
-    snapshot_host: float = 0.0  # host memory snapshots take per rank (plans/checkpoint/snapshot_memory.py)
+    snapshot_host: float = 0.0  # host memory snapshots take per rank (plans/layout/snapshot_memory.py)
     snapshot_in_budget: bool = False  # counted in total: the ranks' budget is host memory
 
     @property
@@ -107,7 +107,7 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
     (float32 for the loss, plus their gradient).
     Snapshots (`work.snapshots`): SHARES_PER_RANK copies of the rank's saved share (12 bytes per
     trained parameter: weight and moments) in host memory, counted in total when the budget is
-    host memory (CPU ranks), else reported beside it (plans/checkpoint/snapshot_memory.py).
+    host memory (CPU ranks), else reported beside it (plans/layout/snapshot_memory.py).
     The vocabulary counts as the fullest tp rank holds it: ceil(vocab / tp) rows of the
     embedding, head and logits where tp does not divide it (decision 118).
 
