@@ -106,12 +106,14 @@ def one_recovery(store: Path, snapshot_every: int, preset: str) -> dict:
     regained = next(at for at, step in after if step == done_at_kill + 1)
     metrics = read_metrics(Store(str(store)), "bench")
     blocked = [m["snapshot_blocked_s"] / m["step_s"] for m in metrics if m.get("snapshot_blocked_s") is not None]
-    for _, line in console.lines:  # cluster/run/rank_pool.py: which ranks the recovery reused
-        if line.startswith("recovery: ranks"):
-            print(f"  {line}", flush=True)
+    writes = [m["snapshot_write_s"] for m in metrics if m.get("snapshot_write_s") is not None]
+    for _, line in console.lines:  # what failed, what the recovery read, which ranks it reused (rank_pool.py)
+        if line.startswith(("recovery:", "[controller] restarting")):
+            print(f"  {line[:240]}", flush=True)
     return {"recovery_s": regained - killed, "redone": sum(1 for _, step in after if step <= done_at_kill),
             "blocked_share": statistics.median(blocked) if blocked else 0.0,
-            "step_s": statistics.median(m["step_s"] for m in metrics)}
+            "step_s": statistics.median(m["step_s"] for m in metrics),
+            "write_s": statistics.median(writes) if writes else 0.0}
 
 
 def largest_snapshot_file() -> int:
@@ -173,13 +175,15 @@ def main() -> None:
                     file_bytes = max(file_bytes, largest_snapshot_file())
             results[mode].append(r)
             print(f"repeat {repeat + 1} {mode:7s}: progress regained {r['recovery_s']:.2f} s after the kill, "
-                  f"{r['redone']} step(s) redone, step {r['step_s']:.3f} s" + (f", snapshot blocked {100 * r['blocked_share']:.1f}% of a step"
+                  f"{r['redone']} step(s) redone, step {r['step_s']:.3f} s" + (f", snapshot blocked {100 * r['blocked_share']:.1f}% of a step, "
+                                                     f"written to the keepers in {r['write_s']:.2f} s"
                                                      if mode == "memory" else ""), flush=True)
     median = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for mode, rs in results.items()}
     memory, storage = median["memory"], median["storage"]
     print(f"\n{args.preset} preset, 4 ranks on a 3-node local cluster, checkpoint every {CKPT_EVERY}, kill after step "
           f"{KILL_AFTER}, {args.repeats} repeats (medians)")
-    print(f"step time (median): {memory['step_s']:.3f} s with snapshots every step, {storage['step_s']:.3f} s without")
+    print(f"step time (median): {memory['step_s']:.3f} s with snapshots every step, {storage['step_s']:.3f} s without; "
+          f"a snapshot's slowest rank writes it to the keepers in {memory['write_s']:.2f} s")
     print(f"recovery: memory {memory['recovery_s']:.2f} s, storage {storage['recovery_s']:.2f} s, ratio "
           f"{memory['recovery_s'] / storage['recovery_s']:.2f}, steps redone {memory['redone']:g}, snapshot blocked "
           f"{100 * memory['blocked_share']:.1f}%")

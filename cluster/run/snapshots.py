@@ -61,6 +61,7 @@ class Snapshots:
         # step -> the driver's time on snapshots after that step (its poll and its start): with the
         # ranks' optimizer wait for the snapshot's copy, the time training was held for it
         self.blocked_s: dict[int, float] = {}
+        self.write_s: float | None = None  # the newest background snapshot's slowest write to the keepers
 
     def in_background(self, group, world_size: int, metadata_for) -> None:
         """Take snapshots as async saves are taken: ranks copy to host memory (training waits only
@@ -72,7 +73,11 @@ class Snapshots:
                                             in_flight=SNAPSHOTS_IN_FLIGHT)
 
     def _committed(self, step: int, url: str) -> None:
-        waits = [s.optimizer_wait_seconds for s in self.background.last_statuses]
+        statuses = self.background.last_statuses
+        waits = [s.optimizer_wait_seconds for s in statuses]
+        # The slowest rank's write to the keepers: longer than a step, and the snapshot a failure
+        # finds is one step older (decision 163).
+        self.write_s = max((s.upload_seconds or 0.0 for s in statuses), default=None)
         self.taken(step, self.blocked_s.pop(step, 0.0) + max(waits, default=0.0))
 
     def start(self, step: int, parent: str | None) -> None:
@@ -163,7 +168,9 @@ class Snapshots:
             return {}
         step, at, blocked_s = self.latest
         return {"snapshot_step": step, "snapshot_age_s": round(time.time() - at, 3),
-                "snapshot_blocked_s": round(blocked_s, 4), "snapshot_nodes": sorted(n[:12] for n in self.keeper_nodes())}
+                "snapshot_blocked_s": round(blocked_s, 4),
+                **({"snapshot_write_s": round(self.write_s, 4)} if self.write_s is not None else {}),
+                "snapshot_nodes": sorted(n[:12] for n in self.keeper_nodes())}
 
     def keeper_nodes(self) -> list[str]:
         return list(self.store.fs.keepers())
