@@ -113,6 +113,12 @@ class Snapshots:
         if self.background is not None:
             with contextlib.suppress(Exception):
                 self.background.settle()
+            # A commit that ended here was never reported (that happens at the next step's poll):
+            # remember its step, so a restart that finds it gone names it, not an older one.
+            committing = self.background.committing
+            if committing is not None and not committing.thread.is_alive() and "url" in committing.outcome:
+                key = (self.store.url, self.run)
+                _TAKEN[key] = max(_TAKEN.get(key, 0), committing.save.step)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
