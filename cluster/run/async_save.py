@@ -3,9 +3,9 @@
 `start` requests a save and returns at once: each rank copies its share of the state to host
 memory in a background thread, overlapping the next forward and backward (its next optimizer
 step waits for the copy if it is not done yet), then uploads it. After each training step the
-driver `poll`s: once every rank's upload has finished (each rank answers a `save_finished` call the moment it
-does), the manifest is committed (create-only,
-then LATEST moves) in a driver thread and reported at a later poll; when an upload failed, the
+driver `poll`s: once every rank's upload has finished (each rank answers a `save_finished`
+call the moment it does), the manifest is committed (create-only, then LATEST moves) in a driver
+thread and reported at a later poll; when an upload failed, the
 failure is raised there — at the next steps — as a CheckpointError naming the rank and the
 object; nothing was committed, so LATEST still names the last good checkpoint. At most
 `in_flight` saves are uncommitted: the next one waits for the oldest; they commit in step order.
@@ -74,8 +74,8 @@ class AsyncCheckpointer:
     every rank answered. The ranks themselves make their next optimizer step wait for the copy.
 
     in_flight: saves requested and not yet committed (each rank has two staging buffers,
-    actors/checkpoint/async_save.py). 1: a save starts once the previous one is committed. 2 (snapshots
-    every step): a save's staging overlaps the previous one's upload; they commit in step order."""
+    actors/checkpoint/async_save.py). 1: a save starts once the previous one is committed. 2
+    (snapshots): a save's staging overlaps the previous one's upload; they commit in step order."""
 
     def __init__(self, group, store: Store, run: str, world_size: int,
                  metadata_for: Callable[[int, str | None], dict], on_commit: Callable[[int, str], None],
