@@ -108,7 +108,7 @@ def one_recovery(store: Path, snapshot_every: int, preset: str) -> dict:
     blocked = [m["snapshot_blocked_s"] / m["step_s"] for m in metrics if m.get("snapshot_blocked_s") is not None]
     writes = [m["snapshot_write_s"] for m in metrics if m.get("snapshot_write_s") is not None]
     for _, line in console.lines:  # what failed, what the recovery read, which ranks it reused (rank_pool.py)
-        if line.startswith(("recovery:", "[controller] restarting")):
+        if line.startswith(("recovery:", "[controller] restarting", "snapshot")):
             print(f"  {line[:240]}", flush=True)
     return {"recovery_s": regained - killed, "redone": sum(1 for _, step in after if step <= done_at_kill),
             "blocked_share": statistics.median(blocked) if blocked else 0.0,
