@@ -11,6 +11,7 @@ import gc
 import importlib
 import os
 import socket
+import threading
 import time
 import traceback
 
@@ -86,11 +87,21 @@ def _drop_frames(error: BaseException) -> None:
         pending += [current.__cause__, current.__context__]
 
 
-@ray.remote
+# Saves kept answerable by checkpoint URL: the two that may be in flight, and a little history.
+SAVES_REMEMBERED = 4
+
+
+@ray.remote(concurrency_groups={"save_waits": 1})
 class RankActor:
     def __init__(self):
         torch.set_num_threads(1)
         self.trainer = None
+        # checkpoint URL -> its background save on this rank; `save_finished` (another thread) reads it
+        self.background_saves: dict[str, object] = {}  # None: that save failed to start here
+        self._saves_changed = threading.Condition()
+        # Bumped when the rank is set up again or shut down: a `save_finished` still waiting from an
+        # earlier attempt answers at once, so it never holds the save-waits thread from the next one.
+        self._save_generation = 0
 
     def rendezvous_address(self) -> str:
         """A TCP address on this actor's node that rank 0 will listen on."""
@@ -102,7 +113,7 @@ class RankActor:
 
     def setup(self, config: TrainConfig, rank: int, init_method: str, plan=None) -> RankSetup:
         """plan: the run's PipelinePlan (pp > 1), shipped once and replayed every step."""
-        self.shutdown()  # a reused actor leaves its previous group first
+        self.shutdown()  # a reused actor leaves its previous group first (and ends its save waits)
         # The GPU Ray assigned to this actor, if any (Ray narrows CUDA_VISIBLE_DEVICES to it); a
         # rank placed on a CPU share stays on the CPU even where the machine has GPUs.
         device = "cuda" if ray.get_gpu_ids() else "cpu"
@@ -159,14 +170,54 @@ class RankActor:
         """Async save: copy this rank's share of the state to CPU (all a training step waits for),
         then upload it in a background thread; the driver polls save_status."""
         trainer = self.trainer
-        self.background_save = trainer.async_saver.start(trainer.model, trainer.optimizer, checkpoint_url, file,
-                                                         trainer.rank, trainer.pipeline_copies, trainer.stored_names)
-        return self.background_save.staged
+        try:
+            save = trainer.async_saver.start(trainer.model, trainer.optimizer, checkpoint_url, file,
+                                             trainer.rank, trainer.pipeline_copies, trainer.stored_names)
+        except BaseException:
+            with self._saves_changed:  # its save_finished answers at once
+                self.background_saves[checkpoint_url] = None
+                self._saves_changed.notify_all()
+            raise
+        with self._saves_changed:
+            self.background_saves[checkpoint_url] = save
+            for old in list(self.background_saves)[:-SAVES_REMEMBERED]:
+                del self.background_saves[old]
+            self._saves_changed.notify_all()
+        return save.staged
 
-    def save_status(self, wait: bool = False) -> dict:
-        return self.background_save.status(wait)
+    def save_status(self, wait: bool = False, checkpoint_url: str | None = None) -> dict:
+        """The save of `checkpoint_url` (None: the latest one)."""
+        with self._saves_changed:
+            save = self.background_saves[checkpoint_url] if checkpoint_url else list(self.background_saves.values())[-1]
+        return save.status(wait)
+
+    @ray.method(concurrency_group="save_waits")
+    def save_finished(self, checkpoint_url: str, timeout_s: float) -> dict | None:
+        """Answers once this rank's upload to `checkpoint_url` has ended, so the driver learns it
+        at its next look without a round trip; runs beside the training calls (its own thread),
+        which it only reads. After timeout_s, or once the rank is set up again or shut down: None
+        if the save never started here, else its status, done False if the upload still runs
+        (the driver names the rank as not finishing in its bound)."""
+        deadline = time.monotonic() + timeout_s
+        with self._saves_changed:
+            generation = self._save_generation
+            if not self._saves_changed.wait_for(
+                    lambda: checkpoint_url in self.background_saves or self._save_generation != generation, timeout_s):
+                return None
+            save = self.background_saves.get(checkpoint_url)
+        if save is None:  # it failed to start (stage_save raised), or the rank moved on to another attempt
+            return None
+        while not save.status()["done"] and time.monotonic() < deadline:
+            save.status(wait=True, timeout_s=min(1.0, max(0.0, deadline - time.monotonic())))
+            with self._saves_changed:
+                if self._save_generation != generation:
+                    break  # a new attempt: the driver that asked has moved on
+        return save.status()
 
     def shutdown(self) -> None:
+        with self._saves_changed:
+            self._save_generation += 1
+            self._saves_changed.notify_all()
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None

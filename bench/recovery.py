@@ -17,6 +17,13 @@ medians, ending with one line:
 `recovery: memory M s, storage S s, ratio R, steps redone N, snapshot blocked P%`.
 Goal (issue 41): ratio <= 0.3, steps redone <= 1, snapshot blocked <= 2% at K = 1.
 
+Then, in the same run, peer transfer: a probe actor on the head node sends one rank's snapshot
+file (its size as the memory runs wrote it) to the snapshot keeper of another node the way a
+snapshot write does (`put`, a bytes argument the keeper copies into its heap), against a raw copy
+of the same bytes between the same two processes (the same actor call, a function that only takes
+the length). Printed after the summary line:
+`peer transfer: snapshot X MB/s to the other node's keeper, raw copy Y MB/s (ratio Z), B MB`.
+
     .venv/bin/python bench/recovery.py [--repeats 3]
 """
 from __future__ import annotations
@@ -40,6 +47,9 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+from rayshard.actors.snapshot.keeper import KEEPER_PREFIX  # noqa: E402
 from rayshard.cluster.catalog.store import Store  # noqa: E402
 from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
 from rayshard.cluster.run.metrics_sinks import read_metrics  # noqa: E402
@@ -47,6 +57,7 @@ from rayshard.plans.config import CheckpointConfig, DataConfig, ModelChoice, Opt
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
 
 STEPS, CKPT_EVERY, KILL_AFTER = 20, 10, 15
+TRANSFERS = 5  # per path; the median is printed
 STEP_LINE = re.compile(r"^step\s+(\d+)/")
 
 
@@ -93,13 +104,56 @@ def one_recovery(store: Path, snapshot_every: int, preset: str) -> dict:
     thread.join(timeout=600)
     after = [(at, step) for at, step in console.steps_done() if at > killed]
     regained = next(at for at, step in after if step == done_at_kill + 1)
-    blocked = [m["snapshot_blocked_s"] / m["step_s"] for m in read_metrics(Store(str(store)), "bench")
-               if m.get("snapshot_blocked_s") is not None]
-    for _, line in console.lines:  # cluster/run/rank_pool.py: which ranks the recovery reused
-        if line.startswith("recovery: ranks"):
-            print(f"  {line}", flush=True)
+    metrics = read_metrics(Store(str(store)), "bench")
+    blocked = [m["snapshot_blocked_s"] / m["step_s"] for m in metrics if m.get("snapshot_blocked_s") is not None]
+    writes = [m["snapshot_write_s"] for m in metrics if m.get("snapshot_write_s") is not None]
+    for _, line in console.lines:  # what failed, what the recovery read, which ranks it reused (rank_pool.py)
+        if line.startswith(("recovery:", "[controller] restarting", "snapshot")):
+            print(f"  {line[:240]}", flush=True)
     return {"recovery_s": regained - killed, "redone": sum(1 for _, step in after if step <= done_at_kill),
-            "blocked_share": statistics.median(blocked) if blocked else 0.0}
+            "blocked_share": statistics.median(blocked) if blocked else 0.0,
+            "step_s": statistics.median(m["step_s"] for m in metrics),
+            "write_s": statistics.median(writes) if writes else 0.0}
+
+
+def largest_snapshot_file() -> int:
+    """The largest rank file of the snapshots the keepers hold now (bytes; 0 if none)."""
+    sizes = [0]
+    for name in [n for n in ray.util.list_named_actors() if n.startswith(KEEPER_PREFIX)]:
+        listing = ray.get(ray.get_actor(name).listing.remote(""), timeout=60)
+        sizes += [size for path, size in listing.items() if path.endswith(".safetensors")]
+    return max(sizes)
+
+
+@ray.remote(num_cpus=0)
+class TransferProbe:
+    """Sends bytes from its node to a keeper on another node, timed here (the sender's view, as a
+    rank's snapshot write waits for the keepers' answers)."""
+
+    def send(self, keeper, size: int, repeats: int) -> dict:
+        payload = os.urandom(size)
+        timed = {"snapshot": [], "raw": []}
+        for index in range(repeats):
+            for path in ("snapshot", "raw"):  # alternating: the shared machine's drift hits both
+                started = time.perf_counter()
+                if path == "snapshot":  # what SnapshotFileSystem._write sends each holder
+                    ray.get(keeper.put.remote(f"bench-transfer/{index}", payload), timeout=300)
+                else:  # the same actor-to-actor call with the plain bytes: nothing kept, no lock
+                    ray.get(keeper.__ray_call__.remote(lambda _keeper, data: len(data), payload), timeout=300)
+                timed[path].append(time.perf_counter() - started)
+        ray.get(keeper.remove.remote("bench-transfer/"), timeout=300)
+        return {path: size / statistics.median(seconds) for path, seconds in timed.items()}
+
+
+def peer_transfer(size: int) -> dict:
+    """Bytes/s from the head node to another node's keeper: snapshot write against raw copy."""
+    head = ray.get_runtime_context().get_node_id()
+    peers = [n for n in ray.util.list_named_actors() if n.startswith(KEEPER_PREFIX) and not n.endswith(head)]
+    probe = TransferProbe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)).remote()
+    try:
+        return ray.get(probe.send.remote(ray.get_actor(peers[0]), size, TRANSFERS), timeout=900)
+    finally:
+        ray.kill(probe)
 
 
 def main() -> None:
@@ -112,22 +166,31 @@ def main() -> None:
         cluster.add_node(num_cpus=2, num_gpus=0)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-    results = {"storage": [], "memory": []}
+    results, file_bytes = {"storage": [], "memory": []}, 0
     for repeat in range(args.repeats):
         for mode, every in (("storage", 0), ("memory", 1)):  # alternating: the machine's drift hits both
             with tempfile.TemporaryDirectory() as store:
                 r = one_recovery(Path(store), every, args.preset)
+                if mode == "memory":
+                    file_bytes = max(file_bytes, largest_snapshot_file())
             results[mode].append(r)
             print(f"repeat {repeat + 1} {mode:7s}: progress regained {r['recovery_s']:.2f} s after the kill, "
-                  f"{r['redone']} step(s) redone" + (f", snapshot blocked {100 * r['blocked_share']:.1f}% of a step"
+                  f"{r['redone']} step(s) redone, step {r['step_s']:.3f} s" + (f", snapshot blocked {100 * r['blocked_share']:.1f}% of a step, "
+                                                     f"written to the keepers in {r['write_s']:.2f} s"
                                                      if mode == "memory" else ""), flush=True)
     median = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for mode, rs in results.items()}
     memory, storage = median["memory"], median["storage"]
     print(f"\n{args.preset} preset, 4 ranks on a 3-node local cluster, checkpoint every {CKPT_EVERY}, kill after step "
           f"{KILL_AFTER}, {args.repeats} repeats (medians)")
+    print(f"step time (median): {memory['step_s']:.3f} s with snapshots every step, {storage['step_s']:.3f} s without; "
+          f"a snapshot's slowest rank writes it to the keepers in {memory['write_s']:.2f} s")
     print(f"recovery: memory {memory['recovery_s']:.2f} s, storage {storage['recovery_s']:.2f} s, ratio "
           f"{memory['recovery_s'] / storage['recovery_s']:.2f}, steps redone {memory['redone']:g}, snapshot blocked "
           f"{100 * memory['blocked_share']:.1f}%")
+    rates = peer_transfer(file_bytes or 64 * 2**20)
+    print(f"peer transfer: snapshot {rates['snapshot'] / 1e6:.0f} MB/s to the other node's keeper, raw copy "
+          f"{rates['raw'] / 1e6:.0f} MB/s (ratio {rates['snapshot'] / rates['raw']:.2f}), "
+          f"{(file_bytes or 64 * 2**20) / 1e6:.1f} MB", flush=True)
     ray.shutdown()
     with contextlib.suppress(AttributeError):
         cluster.shutdown()

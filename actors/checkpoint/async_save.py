@@ -9,9 +9,9 @@ complete — the only point where training can be blocked, and only when the cop
 a forward and backward. On a GPU the copy runs on a side stream into pinned buffers.
 
 Memory: the rank's share of the checkpoint in host memory (what torch DCP's async save also
-pays), kept between saves so the next copy has no allocation or page faults, plus the streaming
+pays), twice when a save starts while the previous one still uploads, kept between saves so the next copy has no allocation or page faults, plus the streaming
 writer's bounded part buffers. A save never starts while the previous one still reads the
-buffers: the trainer's `AsyncSaver` owns both the buffers and the save in flight. The driver polls `status`; a failed upload is returned as text naming the rank and the
+buffers: the trainer's `AsyncSaver` owns both the buffers and the saves in flight. The driver polls `status`; a failed upload is returned as text naming the rank and the
 object, never raised here, so the driver can report it at the next step.
 """
 from __future__ import annotations
@@ -26,37 +26,54 @@ from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
 from rayshard.actors.checkpoint.staging import HostStaging
 from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
+from rayshard.plans.layout.snapshot_memory import STAGING_BUFFERS  # a save stages while the previous one uploads
 
 
 class AsyncSaver:
-    """A rank's asynchronous saves, one after another: owns the host buffers they copy into
-    (reused across saves) and the save still running. The trainer holds one for its lifetime."""
+    """A rank's asynchronous saves: owns the host buffers they copy into (reused across saves) and
+    the saves still running. The trainer holds one for its lifetime.
 
-    def __init__(self):
-        self.staging = HostStaging()  # (name, kind, offsets) -> host buffer
-        self._previous: BackgroundSave | None = None
+    Two sets of buffers, so a save can stage while the previous one is still uploading from the
+    other set (snapshots every step: docs/decisions.md 163). A set is reused only once the save
+    that filled it has finished uploading, and a save prefers a free set it used before, so a rank
+    whose uploads keep up with its saves only ever fills one set."""
+
+    def __init__(self, buffers: int = STAGING_BUFFERS):
+        self.stagings = [HostStaging() for _ in range(buffers)]  # (name, kind, offsets) -> host buffer
+        self._saves: list[BackgroundSave | None] = [None] * buffers  # the last save of each set
+
+    @property
+    def staging(self) -> HostStaging:
+        return self.stagings[0]
 
     def start(self, model, optimizer, checkpoint_url: str, file: str, rank: int,
               copies: PipelineCopies = NO_PIPELINE_COPIES, only: frozenset[str] | None = None) -> "BackgroundSave":
         """Begin a save of this rank's share of the state; return it (poll its `status`)."""
-        if self._previous is not None:
-            self._previous.status(wait=True)  # its upload reads the staging buffers about to be overwritten
-            self._previous.hook.remove()  # (removed here, not inside the hook: step() is iterating hooks then)
-        self._previous = BackgroundSave(self, model, optimizer, checkpoint_url, file, rank, copies, only)
-        return self._previous
+        for save in self._saves:
+            if save is not None and save.hook is not None:
+                save._copied.wait()  # (done by now: an optimizer step ran since, and it waited for the copy)
+                save.hook.remove()  # (removed here, not inside the hook: step() is iterating hooks then)
+                save.hook = None
+        slot = next((i for i, save in enumerate(self._saves) if save is None or save._done.is_set()), None)
+        if slot is None:  # both sets are still being uploaded from: the older one's upload ends first
+            slot = min(range(len(self._saves)), key=lambda i: self._saves[i].started)
+            self._saves[slot].status(wait=True)
+        self._saves[slot] = BackgroundSave(self.stagings[slot], model, optimizer, checkpoint_url, file, rank, copies,
+                                           only)
+        return self._saves[slot]
 
 
 class BackgroundSave:
     """One save: made by `AsyncSaver.start`."""
 
-    def __init__(self, saver: AsyncSaver, model, optimizer, checkpoint_url: str, file: str, rank: int,
+    def __init__(self, staging: HostStaging, model, optimizer, checkpoint_url: str, file: str, rank: int,
                  copies: PipelineCopies = NO_PIPELINE_COPIES, only: frozenset[str] | None = None):
-        started = time.perf_counter()
-        self.saver = saver
+        self.started = started = time.perf_counter()
+        self.staging = staging
         self.where = f"rank {rank} ({checkpoint_url}/{file})"
         live = pieces_to_write(model, optimizer, copies, only)  # references to the live tensors, no bytes yet
         keys = [(piece.name, piece.kind, tuple(piece.offsets)) for piece in live]
-        saver.staging.keep_only(keys)
+        staging.keep_only(keys)
         self.rows: ChunkTable | None = None  # the manifest rows written, as columns
         self.error: str | None = None
         self.copy_seconds = self.upload_seconds = None
@@ -96,13 +113,14 @@ class BackgroundSave:
             self._done.set()
 
     def _copy(self, live: list[Piece], keys: list[tuple]) -> list[Piece]:
-        copies = self.saver.staging.copy(keys, [piece.tensor for piece in live])
+        copies = self.staging.copy(keys, [piece.tensor for piece in live])
         return [Piece(piece.name, piece.kind, copy, piece.global_shape, piece.offsets) for piece, copy in zip(live, copies)]
 
-    def status(self, wait: bool = False) -> dict:
-        """{"done", "rows" (a `ChunkTable`), "error", timings}; wait=True blocks until the upload ends."""
+    def status(self, wait: bool = False, timeout_s: float | None = None) -> dict:
+        """{"done", "rows" (a `ChunkTable`), "error", timings}; wait=True blocks until the upload
+        ends, or at most timeout_s (then "done" is False)."""
         if wait:
-            self._done.wait()
+            self._done.wait(timeout_s)
         done = self._done.is_set()
         return {"done": done, "rows": self.rows if done else None, "error": self.error if done else None,
                 "copy_seconds": self.copy_seconds, "upload_seconds": self.upload_seconds,

@@ -6,7 +6,7 @@ import argparse
 from rayshard.cluster.cli.plan import plan_subcommands
 from rayshard.cluster.cli.arg_types import AT_LEAST_ONE, POSITIVE
 from rayshard.cluster.cli.config_flags import add_flag
-from rayshard.plans.config import ModelChoice, NumericsConfig, PipelineConfig, TrainConfig
+from rayshard.plans.config import CheckpointConfig, ModelChoice, NumericsConfig, PipelineConfig, TrainConfig
 from rayshard.plans.layout.chooser import PINNABLE_DEGREES
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 
@@ -28,6 +28,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_flag(parser, NumericsConfig, "precision", default="fp32",
              help="the memory estimate's compute dtype (master state is float32 either way)")
     add_flag(parser, NumericsConfig, "ac", default="none", help="the activation checkpointing the memory estimate assumes")
+    add_flag(parser, CheckpointConfig, "snapshot_every", default=0,
+             help="K > 0: also say how much host memory snapshots in memory take per rank (besides the GPU budget)")
     for name in PINNABLE_DEGREES:
         add_flag(parser, ParallelLayout, name, type=AT_LEAST_ONE, help=f"pin {name}" + (
             " (1 or fsdp; an MoE model otherwise gets ep = fsdp where fsdp divides its experts)" if name == "ep" else ""))

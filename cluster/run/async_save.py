@@ -3,15 +3,17 @@
 `start` requests a save and returns at once: each rank copies its share of the state to host
 memory in a background thread, overlapping the next forward and backward (its next optimizer
 step waits for the copy if it is not done yet), then uploads it. After each training step the
-driver `poll`s: once every rank's upload has finished, the manifest is committed (create-only,
-then LATEST moves) in a driver thread and reported at a later poll; when an upload failed, the
+driver `poll`s: once every rank's upload has finished (each rank answers a `save_finished`
+call the moment it does), the manifest is committed (create-only, then LATEST moves) in a driver
+thread and reported at a later poll; when an upload failed, the
 failure is raised there — at the next steps — as a CheckpointError naming the rank and the
-object; nothing was committed, so LATEST still names the last good checkpoint. The next save
-first waits for the previous one, so at most one save is in flight.
+object; nothing was committed, so LATEST still names the last good checkpoint. At most
+`in_flight` saves are uncommitted: the next one waits for the oldest; they commit in step order.
 """
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,8 +45,8 @@ class SaveStatus:
                    reply["copy_seconds"], reply["upload_seconds"], reply["optimizer_wait_seconds"])
 
 
-def _statuses(replies: list[dict]) -> list[SaveStatus]:
-    return [SaveStatus.from_reply(reply) for reply in replies]
+# How long a rank's upload may take before the driver stops waiting for it and names the rank.
+UPLOAD_BOUND_S = 600.0
 
 
 @dataclass
@@ -53,7 +55,7 @@ class PendingSave:
     checkpoint: PendingCheckpoint
     parent: str | None
     requests: list  # ObjectRefs of the ranks' stage_save calls
-    status_requests: list | None = None  # ObjectRefs of save_status calls not looked at yet
+    finished: list  # ObjectRefs of the ranks' save_finished calls: ready once each rank's upload ended
 
 
 @dataclass(frozen=True)
@@ -67,58 +69,78 @@ class Committing:
 class AsyncCheckpointer:
     """Nothing here waits on the ranks while training runs: Ray runs one caller's calls to an
     actor in the order they were sent, so `stage_save` is sent without waiting (it runs before
-    the rank's next train_step), and `poll` sends `save_status` and reads the answer at the next
-    poll. The ranks themselves make their next optimizer step wait for the snapshot copy."""
+    the rank's next train_step), and with it `save_finished`, which runs on the rank's own
+    save-waits thread and answers as soon as that rank's upload ends; `poll` only looks whether
+    every rank answered. The ranks themselves make their next optimizer step wait for the copy.
+
+    in_flight: saves requested and not yet committed (each rank has two staging buffers,
+    actors/checkpoint/async_save.py). 1: a save starts once the previous one is committed. 2
+    (snapshots): a save's staging overlaps the previous one's upload; they commit in step order."""
 
     def __init__(self, group, store: Store, run: str, world_size: int,
-                 metadata_for: Callable[[int, str | None], dict], on_commit: Callable[[int, str], None]):
+                 metadata_for: Callable[[int, str | None], dict], on_commit: Callable[[int, str], None],
+                 in_flight: int = 1):
         self.group, self.store, self.run, self.world_size = group, store, run, world_size
-        self.metadata_for, self.on_commit = metadata_for, on_commit
-        self.pending: PendingSave | None = None  # requested, copying or uploading
+        self.metadata_for, self.on_commit, self.in_flight = metadata_for, on_commit, in_flight
+        self.pending: deque[PendingSave] = deque()  # requested, copying or uploading; oldest first
         self.committing: Committing | None = None
         self.last_statuses: list[SaveStatus] = []
 
     def start(self, step: int, parent: str | None) -> str:
-        """Request a save of `step`; returns the URL it will commit to. Waits only for the
-        previous save, if it is still in flight."""
-        self.wait()
+        """Request a save of `step`; returns the URL it will commit to. Waits only while
+        `in_flight` saves are still uncommitted (for the oldest)."""
+        while len(self.pending) >= self.in_flight:
+            self._wait_oldest()
         checkpoint = self.store.begin(self.run, step)
-        requests = [actor.stage_save.remote(checkpoint.url, checkpoint.file_for(rank))
-                    for rank, actor in zip(range(self.world_size), self.group.actors)]
-        self.pending = PendingSave(step, checkpoint, parent, requests)
+        actors = list(zip(range(self.world_size), self.group.actors))
+        requests = [actor.stage_save.remote(checkpoint.url, checkpoint.file_for(rank)) for rank, actor in actors]
+        finished = [actor.save_finished.remote(checkpoint.url, UPLOAD_BOUND_S) for _, actor in actors]
+        self.pending.append(PendingSave(step, checkpoint, parent, requests, finished))
         return checkpoint.url
 
     def poll(self) -> None:
-        """Called after each training step: report a finished commit; once every rank's upload
-        has finished, start committing in a driver thread (training goes on meanwhile); raise
-        if an upload or a commit failed."""
+        """Called after each training step: report a finished commit; once every rank's upload of
+        the oldest save has ended, start committing it in a driver thread (training goes on
+        meanwhile); raise if an upload or a commit failed."""
         self._finish_commit(block=False)
-        pending = self.pending
-        if pending is None:
+        if not self.pending or self.committing is not None:
             return
-        if pending.status_requests is None:
-            pending.status_requests = [actor.save_status.remote(False) for actor in self.group.actors]
-            return
-        ready, _ = ray.wait(pending.status_requests, num_returns=len(pending.status_requests), timeout=0)
-        if len(ready) < len(pending.status_requests):
-            return
-        ray.get(pending.requests)  # a rank that could not even start the save raises here
-        statuses, pending.status_requests = _statuses(ray.get(ready)), None
-        if any(s.error for s in statuses) or all(s.done for s in statuses):
-            if not all(s.done for s in statuses):  # report only once every rank has stopped writing
-                statuses = _statuses(self.group.call("save_status", True))
-            self._begin_commit(statuses)
+        oldest = self.pending[0]
+        refs = oldest.requests + oldest.finished
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        started = set(ready) & set(oldest.requests)
+        if started:
+            ray.get(list(started))  # a rank that could not even start the save raises here
+        if len(ready) == len(refs):
+            self._begin_commit(self._statuses(ray.get(oldest.finished)))
 
     def wait(self) -> None:
-        """Block until the pending save is committed (or raise its failure)."""
-        if self.pending is not None:
-            # Bounded like every rank call (RankGroup.call_timeout_s); the staging copy is short.
-            ray.get(self.pending.requests, timeout=getattr(self.group, "call_timeout_s", None))
-            self._begin_commit(_statuses(self.group.call("save_status", True)))
+        """Block until every pending save is committed (or raise the first failure)."""
+        while self.pending:
+            self._wait_oldest()
         self._finish_commit(block=True)
 
+    def _wait_oldest(self) -> None:
+        self._finish_commit(block=True)
+        oldest = self.pending[0]
+        # Bounded like every rank call (RankGroup.call_timeout_s); the staging copy is short.
+        ray.get(oldest.requests, timeout=getattr(self.group, "call_timeout_s", None))
+        ready, _ = ray.wait(oldest.finished, num_returns=len(oldest.finished), timeout=UPLOAD_BOUND_S + 30)
+        replies = [ray.get(ref) if ref in ready else None for ref in oldest.finished]
+        self._begin_commit(self._statuses(replies))
+        self._finish_commit(block=True)
+
+    def _statuses(self, replies: list[dict | None]) -> list[SaveStatus]:
+        """Each rank's reply; a rank that did not answer, or whose upload did not end, within
+        UPLOAD_BOUND_S is a failed upload that names it."""
+        step = self.pending[0].step
+        return [SaveStatus.from_reply(reply) if reply is not None and reply["done"] else
+                SaveStatus(True, None, f"rank {rank}: its upload of step {step} did not end within {UPLOAD_BOUND_S:.0f} s "
+                                       "(treated as lost)", None, None, 0.0)
+                for rank, reply in enumerate(replies)]
+
     def _begin_commit(self, statuses: list[SaveStatus]) -> None:
-        pending, self.pending = self.pending, None
+        pending = self.pending.popleft()
         self.last_statuses = statuses  # per rank: copy, upload and optimizer-wait seconds (bench/storage.py)
         errors = [s.error for s in statuses if s.error]
         if errors:

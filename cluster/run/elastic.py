@@ -97,7 +97,8 @@ def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_r
                        capacity=lambda: ""):
     roles = run_roles(config)
     work = Workload(config.global_batch, config.seq_len, config.pipeline.microbatches, config.numerics.precision,
-                    config.numerics.ac, roles.count(trained=True) if roles.has_frozen else None)
+                    config.numerics.ac, roles.count(trained=True) if roles.has_frozen else None,
+                    snapshots=bool(config.checkpoint.snapshot_every), host_budget=_ranks_on_host(config))
     needed = pinned_ranks(pinned)
 
     def choose(ranks: int):
@@ -111,6 +112,13 @@ def layout_chooser_for(config: TrainConfig, pinned: dict[str, int], memory_per_r
                              pinned=pinned, vpp=config.layout.vpp, accepts=lambda layout: runs_on(config, layout))
 
     return choose
+
+
+def _ranks_on_host(config: TrainConfig) -> bool:
+    """Whether ranks run on CPUs, their memory budget being host memory (snapshots count in it)."""
+    if config.resources.gpus_per_rank:
+        return False
+    return not (ray.is_initialized() and ray.cluster_resources().get("GPU"))
 
 
 def runs_on(config: TrainConfig, layout: ParallelLayout) -> bool:

@@ -23,6 +23,7 @@ from rayshard.actors.snapshot.keepers import start_keepers
 from rayshard.cluster.catalog.snapshot_record import RECORD_EVERY_S, write_snapshot_record
 from rayshard.cluster.catalog.store import CheckpointRef, Store
 from rayshard.cluster.run.async_save import AsyncCheckpointer
+from rayshard.plans.layout.snapshot_memory import SNAPSHOTS_IN_FLIGHT  # one per rank staging buffer
 from rayshard.plans.errors import CheckpointError
 from rayshard.storage.manifest_io import read_manifest
 
@@ -57,34 +58,52 @@ class Snapshots:
         self.store = Store(snapshot_store_url(store_url))
         self.latest: tuple[int, float, float] | None = None  # (step, wall time taken, seconds it blocked)
         self.background: AsyncCheckpointer | None = None  # `in_background`: the ranks' async save path
-        self.blocked_s: dict[int, float] = {}  # step -> the driver's wait to start its snapshot
+        # step -> the driver's time on snapshots after that step (its poll and its start): with the
+        # ranks' optimizer wait for the snapshot's copy, the time training was held for it
+        self.blocked_s: dict[int, float] = {}
+        self.write_s: float | None = None  # the newest background snapshot's slowest write to the keepers
 
     def in_background(self, group, world_size: int, metadata_for) -> None:
         """Take snapshots as async saves are taken: ranks copy to host memory (training waits only
         for that) and write to the keepers in a background thread; the driver commits once all are
         done, at a later step. Only while durable checkpoints are synchronous: a rank has one
-        background save at a time."""
-        self.background = AsyncCheckpointer(group, self.store, self.run, world_size, metadata_for, self._committed)
+        background save at a time. Two snapshots may be uncommitted (each rank stages into a second
+        buffer while the first still uploads, docs/decisions.md 163); they commit in step order."""
+        self.background = AsyncCheckpointer(group, self.store, self.run, world_size, metadata_for, self._committed,
+                                            in_flight=SNAPSHOTS_IN_FLIGHT)
 
     def _committed(self, step: int, url: str) -> None:
-        waits = [s.optimizer_wait_seconds for s in self.background.last_statuses]
+        statuses = self.background.last_statuses
+        waits = [s.optimizer_wait_seconds for s in statuses]
+        # The slowest rank's write to the keepers: longer than a step, and the snapshot a failure
+        # finds is one step older (decision 163).
+        self.write_s = max((s.upload_seconds or 0.0 for s in statuses), default=None)
         self.taken(step, self.blocked_s.pop(step, 0.0) + max(waits, default=0.0))
 
     def start(self, step: int, parent: str | None) -> None:
-        """Start the background snapshot of `step` (the previous one is committed first)."""
+        """Start the background snapshot of `step` (waits only while two are still uncommitted)."""
         started = time.perf_counter()
-        self.background.start(step, parent)
-        self.blocked_s[step] = time.perf_counter() - started
+        try:
+            self.background.start(step, parent)
+        finally:
+            self.blocked_s[step] = self.blocked_s.get(step, 0.0) + time.perf_counter() - started
 
-    def poll(self) -> None:
-        """After each step: commit a finished background snapshot. A failed one is skipped with one
-        line (the last checkpoint still covers a failure)."""
+    def poll(self, step: int | None = None) -> None:
+        """After each step (`step`, the one just done): commit a finished background snapshot. A
+        failed one is skipped with one line (the last checkpoint still covers a failure). The time
+        spent here holds training too: it counts to the blocked time of `step`'s snapshot."""
         if self.background is None:
             return
+        started = time.perf_counter()
         try:
             self.background.poll()
         except CheckpointError as error:
             print(f"snapshot not taken: {_first_line(error)}; training goes on", flush=True)
+        finally:
+            if step is not None:
+                self.blocked_s[step] = self.blocked_s.get(step, 0.0) + time.perf_counter() - started
+            for old in [s for s in self.blocked_s if step is not None and s < step - 4 * SNAPSHOTS_IN_FLIGHT]:
+                del self.blocked_s[old]  # steps with no snapshot (K > 1), or whose snapshot failed
 
     def settle(self) -> None:
         """The attempt is ending (finished, or a rank failed): a snapshot commit already running
@@ -94,6 +113,12 @@ class Snapshots:
         if self.background is not None:
             with contextlib.suppress(Exception):
                 self.background.settle()
+            # A commit that ended here was never reported (that happens at the next step's poll):
+            # remember its step, so a restart that finds it gone names it, not an older one.
+            committing = self.background.committing
+            if committing is not None and not committing.thread.is_alive() and "url" in committing.outcome:
+                key = (self.store.url, self.run)
+                _TAKEN[key] = max(_TAKEN.get(key, 0), committing.save.step)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -149,7 +174,9 @@ class Snapshots:
             return {}
         step, at, blocked_s = self.latest
         return {"snapshot_step": step, "snapshot_age_s": round(time.time() - at, 3),
-                "snapshot_blocked_s": round(blocked_s, 4), "snapshot_nodes": sorted(n[:12] for n in self.keeper_nodes())}
+                "snapshot_blocked_s": round(blocked_s, 4),
+                **({"snapshot_write_s": round(self.write_s, 4)} if self.write_s is not None else {}),
+                "snapshot_nodes": sorted(n[:12] for n in self.keeper_nodes())}
 
     def keeper_nodes(self) -> list[str]:
         return list(self.store.fs.keepers())

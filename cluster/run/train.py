@@ -201,12 +201,13 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
             per_rank = group.call_reporting_failures("train_step")
             seconds = time.perf_counter() - tick
             timings.add(per_rank, seconds)
+            if point.snapshots is not None:  # before the step's record, so it names the newest snapshot
+                point.snapshots.poll(per_rank[0].step)
             done = report_step(config, per_rank, seconds, result, sinks,
                                point.snapshots.describe() if point.snapshots is not None else None)
             saves.poll()
             durable = done == config.steps or (config.checkpoint.every and done % config.checkpoint.every == 0)
             if point.snapshots is not None:
-                point.snapshots.poll()
                 if point.snapshots.due(done) and not (durable and saves.background is None):
                     take_snapshot(group, point.snapshots, config, done, saves)
             if durable:

@@ -21,7 +21,11 @@ class CheckpointConfig:
     keeps a resubmitted one waiting (on the same host a dead holder is seen at once).
     snapshot_every: every K steps the ranks also save to the snapshot keepers' host memory
     (`rayshard-snapshot://`, two copies on two nodes; never durable, never moves LATEST); a
-    restart resumes from the newest whole snapshot when it is newer than LATEST (issue 41).
+    restart resumes from the newest whole snapshot when it is newer than LATEST (issue 41). Host
+    memory per rank: up to 8 copies of the rank's share of the saved state (12 bytes per trained
+    parameter, over tp * pp * fsdp): two staging buffers, and the keepers' two copies of the
+    committed snapshot and of the two being written (plans/layout/snapshot_memory.py); the layout
+    chooser counts it on CPU ranks, and `rayshard plan layout --snapshot-every 1` prints it.
     """
 
     every: int = option(0, flag="--ckpt-every", metavar="N", help="commit a checkpoint every N steps (0: at the end only)")
@@ -36,7 +40,9 @@ class CheckpointConfig:
     snapshot_every: int = option(0, metavar="K",
                                  help="every K steps, also keep a snapshot of the state in the nodes' host memory, "
                                       "replicated to another node: a failure then resumes from it (at most K steps "
-                                      "redone) instead of from the last checkpoint; 0: off")
+                                      "redone) instead of from the last checkpoint; 0: off. Host memory: up to 8 copies of a "
+                                      "rank's share of the state per rank (`rayshard plan layout --snapshot-every 1` "
+                                      "says how much)")
 
     writer_lease_s: float = option(120.0, metavar="SECONDS",
                                    help="a run has one trainer at a time: its writer lease lapses this long after the "

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
 
+from rayshard.plans.layout.snapshot_memory import SHARES_PER_RANK, snapshot_host_bytes
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.experts import (ExpertFootprint, check_pinned_ep, exchange_elements, expert_degree,
                                   expert_parameters_per_layer, largest_block)
@@ -28,6 +29,7 @@ from rayshard.plans.training.model_spec import ModelConfig, parameter_count
 from rayshard.plans.training.tp_fit import fitting_tp
 
 BYTES_PER_PARAM_STATE = 16  # fp32 parameter + gradient + two AdamW moments
+BYTES_PER_SAVED_PARAM = 12  # what a checkpoint keeps of a trained parameter: float32 weight and two AdamW moments
 BYTES_PER_FROZEN_PARAM = 4  # a frozen (LoRA base) weight: fp32 (2 bytes in bf16 runs), no gradient, no moments
 # What a user may pin: the rank dimensions, and ep (vpp comes from the run's schedule instead).
 PINNABLE_DEGREES = (*PARALLEL_DEGREES, "ep")
@@ -43,6 +45,8 @@ class Workload:
     # Parameters the optimizer steps when a converter freezes the model's own (a LoRA run's
     # adapters, `ParameterRoles.count(trained=True)`); None: every parameter of the model trains.
     trained_parameters: int | None = None
+    snapshots: bool = False  # --snapshot-every > 0: each rank's share of the state is also kept in host memory
+    host_budget: bool = True  # the budget is host memory (CPU ranks), so the snapshots' host memory counts in it
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,12 @@ class MemoryEstimate:
     activations: float
     assumes: str = "fp32, no activation recomputation"
     experts: float = 0.0  # the part of model_state that is an MoE model's expert weights, moments and gradients
+    snapshot_host: float = 0.0  # host memory snapshots take per rank (plans/layout/snapshot_memory.py)
+    snapshot_in_budget: bool = False  # counted in total: the ranks' budget is host memory
 
     @property
     def total(self) -> float:
-        return self.model_state + self.activations
+        return self.model_state + self.activations + (self.snapshot_host if self.snapshot_in_budget else 0.0)
 
 
 @dataclass
@@ -75,6 +81,11 @@ class LayoutChoice:
             experts = self.estimate.experts  # MiB where GiB would print 0.00 (moe-tiny's experts)
             size = f"{experts / gib:.2f} GiB" if experts >= 0.01 * gib else f"{experts / 2**20:.2f} MiB"
             lines[-1] += f"; expert weights, gradients and moments {size} of the model state"
+        if self.estimate.snapshot_host:
+            where = "counted in the budget (CPU ranks)" if self.estimate.snapshot_in_budget else "host memory, besides the device budget"
+            lines.append(f"snapshots in memory ~ {self.estimate.snapshot_host / gib:.2f} GiB per rank, {where}: "
+                         f"{SHARES_PER_RANK} copies of the rank's share (two staging buffers and the keepers' two copies "
+                         "of the committed snapshot and of two being written)")
         return "\n".join(lines + [f"- {reason}" for reason in self.reasons])
 
 
@@ -94,6 +105,9 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
     outputs (about 5 dim + 2 ffn) plus the block input. Then the microbatches in flight (up to
     pp for 1F1B-like schedules) over the layers a stage holds, and the last stage's logits
     (float32 for the loss, plus their gradient).
+    Snapshots (`work.snapshots`): SHARES_PER_RANK copies of the rank's saved share (12 bytes per
+    trained parameter: weight and moments) in host memory, counted in total when the budget is
+    host memory (CPU ranks), else reported beside it (plans/layout/snapshot_memory.py).
     The vocabulary counts as the fullest tp rank holds it: ceil(vocab / tp) rows of the
     embedding, head and logits where tp does not divide it (decision 118).
 
@@ -132,6 +146,11 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
         frozen = BYTES_PER_FROZEN_PARAM // 2 if work.precision == "bf16" else BYTES_PER_FROZEN_PARAM
         state = (frozen * params + BYTES_PER_PARAM_STATE * work.trained_parameters) / (layout.tp * layout.pp)
     model_state = state / layout.fsdp + BYTES_PER_PARAM_STATE * experts.state + gathered
+    if work.trained_parameters is not None:  # a LoRA run's checkpoints keep its adapters only
+        saved = BYTES_PER_SAVED_PARAM * work.trained_parameters / (layout.tp * layout.pp * layout.fsdp)
+    else:  # an upper bound: under dp a replica may save less than its whole share
+        saved = BYTES_PER_SAVED_PARAM * (other_shard / layout.fsdp + experts.state)
+    snapshot_host = snapshot_host_bytes(saved) if work.snapshots else 0.0
     kept = _activations_kept(model, layout, work.ac, itemsize * tokens, in_flight, experts.layers)
     logits = (itemsize + 4 + 4) * tokens * vocab_rows  # logits, their float32 copy for the loss, gradient
     if work.precision != "bf16":
@@ -140,7 +159,8 @@ def estimate_memory(model: ModelConfig, layout: ParallelLayout, work: Workload) 
                  "selective": "selective activation checkpointing"}[work.ac]
     routing = ", balanced routing" if model.is_moe else ""
     return MemoryEstimate(model_state, kept + logits, f"{work.precision}, {recompute}{routing}",
-                          experts=BYTES_PER_PARAM_STATE * experts.state)
+                          experts=BYTES_PER_PARAM_STATE * experts.state, snapshot_host=snapshot_host,
+                          snapshot_in_budget=work.snapshots and work.host_budget)
 
 
 def _activations_kept(model: ModelConfig, layout: ParallelLayout, ac: str, token_bytes: float, in_flight: int,

@@ -1,6 +1,6 @@
 """Recovery from snapshots in memory on a multi-node local Ray cluster (issue 41).
 
-    python tests/e2e/snapshot_scenario.py OUT.json --fault rank|node|both-holders [--steps N]
+    python tests/e2e/snapshot_scenario.py OUT.json --fault rank|rank-twice|node|both-holders [--steps N]
 
 A ray.cluster_utils.Cluster (a head with 2 logical CPUs and two worker nodes with 1 each, one
 rank per CPU) runs elastic training of the tiny preset on 4 ranks with a snapshot every step and
@@ -9,6 +9,9 @@ start. The fault lands once step KILL_AT's snapshot is committed, mid-step:
 
 - rank: one rank actor's process is SIGKILLed (layout pinned to dp2 x tp2); the run resumes on
   the same cluster and layout.
+- rank-twice: as rank, then a second rank (one the recovery reused) is SIGKILLed while the run
+  recovers: once the rank pool has said which ranks it reused and restarted, before any step of
+  the new attempt; the run recovers again.
 - node: a worker node is removed (its rank, its keeper and the copies it held); the run resumes
   on the 3 ranks left, another layout, resharded from the surviving copies.
 - both-holders: the two keepers holding both copies of rank 0's snapshot file are killed with
@@ -110,10 +113,26 @@ class Tee(io.TextIOBase):
         self.stream.flush()
 
 
+def kill_while_recovering(tee: Tee, pid: int, deadline: float) -> dict:
+    """SIGKILL `pid` (a rank the recovery reuses) as soon as the rank pool has named the ranks it
+    reused and restarted: the new attempt is then setting up or loading, before its first step."""
+    seen = len(tee.lines)
+    while time.time() < deadline:
+        text = "".join(tee.lines[seen:])
+        if "recovery: ranks reused" in text:
+            os.kill(pid, signal.SIGKILL)
+            # Step lines of the new attempt printed before this kill (0: it landed during the recovery).
+            after = "".join(tee.lines[seen:])
+            return {"event": "rank-again", "at": time.time(),
+                    "steps_before": sum(1 for line in after.splitlines() if line.startswith("step "))}
+        time.sleep(0.005)
+    return {"event": "rank-again", "at": None, "steps_before": None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--fault", choices=("rank", "node", "both-holders"), default="rank")
+    parser.add_argument("--fault", choices=("rank", "rank-twice", "node", "both-holders"), default="rank")
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
@@ -128,7 +147,7 @@ def main() -> None:
     def run():
         with contextlib.redirect_stdout(tee):
             outcome.update(zip(("controller", "state"), train_elastic(
-                config, {"dp": 2, "tp": 2} if args.fault == "rank" else {},
+                config, {"dp": 2, "tp": 2} if args.fault.startswith("rank") else {},
                 ScalingPolicy(min_ranks=2), FailurePolicy(max_failures=3, backoff_s=0.0), cpus_per_rank=1.0)))
 
     thread = threading.Thread(target=run, daemon=True)
@@ -145,7 +164,10 @@ def main() -> None:
             for name in doomed:
                 ray.kill(ray.get_actor(name))
             events[-1]["killed_keepers"] = len(doomed)
-        os.kill(rank_pids()[-1][0], signal.SIGKILL)
+        pids = [pid for pid, _ in rank_pids()]
+        os.kill(pids[-1], signal.SIGKILL)
+        if args.fault == "rank-twice":
+            events.append(kill_while_recovering(tee, pids[0], time.time() + 300))
     thread.join(timeout=900)
     metrics = read_metrics(Store(store), RUN)
     history = [{"state": t.state.value, "detail": t.detail, "at": t.at_wall} for t in outcome["controller"].history]

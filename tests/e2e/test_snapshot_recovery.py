@@ -59,6 +59,22 @@ def test_a_rank_killed_resumes_from_memory_with_at_most_one_step_redone(tmp_path
 
 
 @pytest.mark.slow
+def test_a_second_rank_killed_while_the_run_recovers_is_survived(tmp_path):
+    """Issue 41 item 3: a second failure during recovery. The second kill lands once the rank
+    pool has set up the recovery, before its first step; the run recovers again, from memory."""
+    result = _run(tmp_path, "rank-twice")
+    assert result["state"] == "finished"
+    first, again = result["events"]
+    assert again["at"] is not None and again["steps_before"] == 0, again  # it landed during the recovery
+    failures = [entry for entry in result["history"] if entry["state"] == "restarting"]
+    assert len(failures) == 2, result["history"]
+    lines = _recovery_lines(result)
+    from_memory = [line for line in lines if line.endswith("resuming from memory")]
+    assert len(from_memory) == 2 and from_memory[0].startswith(f"recovery: the snapshot of step {KILL_AT} "), lines
+    _assert_continues_the_reference(result)
+
+
+@pytest.mark.slow
 def test_a_node_removed_resumes_from_the_surviving_copies_on_three_ranks_of_another_layout(tmp_path):
     result = _run(tmp_path, "node")
     lines = _recovery_lines(result)

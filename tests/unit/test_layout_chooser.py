@@ -73,3 +73,20 @@ def test_plan_layout_cli(capsys):
     assert main(["plan", "layout", "--ranks", "6", "--model", "small"]) == 0
     out = capsys.readouterr().out
     assert "dp4" in out and "memory per rank" in out
+
+
+def test_snapshots_in_memory_count_in_a_host_budget_and_are_reported_beside_a_device_one():
+    """Issue 41: the layout chooser counts a snapshot's host memory (decision 165): two staging
+    buffers and the keepers' copies, 8 shares of the rank's saved state (12 bytes a parameter)."""
+    model, replicas = preset("small"), ParallelLayout(dp=4)
+    plain = estimate_memory(model, replicas, Workload(16, 256))
+    on_host = estimate_memory(model, replicas, Workload(16, 256, snapshots=True))
+    assert plain.snapshot_host == 0 and on_host.total > plain.total
+    assert on_host.snapshot_host == pytest.approx(8 * 12 / 16 * plain.model_state, rel=0.05)  # replicas: no gathering
+    budget = (plain.total + on_host.total) / 2  # replicas fit without snapshots, not with them
+    assert choose_layout(4, model, Workload(16, 256), budget).layout == replicas
+    choice = choose_layout(4, model, Workload(16, 256, snapshots=True), budget)
+    assert choice.layout != replicas and choice.estimate.total <= budget
+    assert "snapshots in memory ~" in choice.explain() and "counted in the budget" in choice.explain()
+    on_device = choose_layout(4, model, Workload(16, 256, snapshots=True, host_budget=False), budget)
+    assert on_device.layout == replicas and "besides the device budget" in on_device.explain()

@@ -59,3 +59,54 @@ def test_the_next_optimizer_step_waits_for_a_slow_snapshot(tmp_path, monkeypatch
     stored, _ = read_manifest(str(tmp_path / "ckpt"))
     assert {(c.name, c.kind): c.checksum for c in stored} == expected  # the state before the third step
     assert any(checksum(p.detach().numpy().tobytes()) != expected[(n, "param")] for n, p in model.named_parameters())
+
+
+def _digests(model, optimizer) -> dict:
+    return {(name, kind): checksum(t.detach().contiguous().numpy().tobytes()) for name, kind, t in state_tensors(model, optimizer)}
+
+
+def _step(model, optimizer) -> None:
+    model(torch.randn(8, 16)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_the_next_save_stages_while_the_previous_one_still_uploads_and_neither_mixes_steps(tmp_path, monkeypatch):
+    """Snapshots every step (decision 163): staging step s+1 does not wait for step s's upload;
+    each save still holds exactly the state of its own step."""
+    model, optimizer = _trained_model()
+    upload_held, release = threading.Event(), threading.Event()
+    real_write = async_save.write_shard
+
+    def held_write(fs, base, file, pieces):
+        if file.startswith("first/"):
+            upload_held.set()
+            release.wait(timeout=120)  # the first upload cannot end until the test says so
+        return real_write(fs, base, file, pieces)
+
+    monkeypatch.setattr(async_save, "write_shard", held_write)
+    saver = async_save.AsyncSaver()
+    at_first = _digests(model, optimizer)
+    first = saver.start(model, optimizer, str(tmp_path / "one"), "first/rank-00000.safetensors", 0)
+    assert upload_held.wait(timeout=60)
+    _step(model, optimizer)  # the next step's optimizer step (waits for the first copy only)
+    at_second = _digests(model, optimizer)
+    started = threading.Event()
+    second_box = []
+    starter = threading.Thread(target=lambda: (second_box.append(
+        saver.start(model, optimizer, str(tmp_path / "two"), "second/rank-00000.safetensors", 0)), started.set()))
+    starter.start()
+    # With one staging buffer the second save would wait here for the first upload, held above.
+    assert started.wait(timeout=60), "the second save waited for the first one's upload"
+    second = second_box[0]
+    assert second.status(wait=True, timeout_s=60)["done"] and not first.status()["done"]
+    _step(model, optimizer)  # the live state moves on again while the first upload is still held
+    release.set()
+    for save, where, expected in ((first, "one", at_first), (second, "two", at_second)):
+        status = save.status(wait=True, timeout_s=60)
+        assert status["error"] is None
+        chunks = [Chunk.from_row(row) for row in status["rows"]]
+        (tmp_path / where / "manifest.parquet").write_bytes(encode_manifest(chunks, {"step": 1}))
+        stored, _ = read_manifest(str(tmp_path / where))
+        assert {(c.name, c.kind): c.checksum for c in stored} == expected
+    assert at_first != at_second
