@@ -94,26 +94,31 @@ def _rank(rank, config, port, device, queue):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     base = resident_memory_bytes()  # before the model: Python, torch and the bench's imports
     trainer = Trainer(config, rank, f"tcp://127.0.0.1:{port}", device=device)
-    times, peaks = [], []
+    times, cpu_times, peaks = [], [], []
     for index in range(config.steps):
-        metrics = trainer.train_step()  # ends in an all-reduce of the loss: every rank has finished it
+        step_metrics = []
+        # ends in an all-reduce of the loss: every rank has finished it
+        _, cpu_seconds = throughput._timed(lambda: step_metrics.append(trainer.train_step()))
+        metrics = step_metrics[0]
         if index >= WARMUP:
             times.append(metrics.rank_seconds)
+            cpu_times.append(cpu_seconds)
             # on a CPU the peak resident set counts the process's base too: leave it out
             peaks.append(metrics.peak_memory_bytes - (base if device == "cpu" else 0))
-    queue.put((rank, statistics.median(times), max(peaks)))
+    queue.put((rank, statistics.median(times), max(peaks), statistics.median(cpu_times)))
     trainer.shutdown()
 
 
-def run_layout(config, device: str) -> tuple[float, list[int]]:
-    """Fresh processes, one per rank: (rank 0's median step seconds, each rank's peak bytes)."""
+def run_layout(config, device: str) -> tuple[float, list[int], float]:
+    """Fresh processes, one per rank: (rank 0's median step seconds, each rank's peak bytes, rank
+    0's median step in thread CPU seconds). bench/posttrain.py runs its variants through it too."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank, args=(config, port, device, queue), nprocs=config.layout.world_size)
     results = sorted(queue.get() for _ in range(config.layout.world_size))
-    return results[0][1], [peak for _, _, peak in results]
+    return results[0][1], [peak for _, _, peak, _ in results], results[0][3]
 
 
 def lora_against_full(args: argparse.Namespace) -> None:
@@ -123,7 +128,7 @@ def lora_against_full(args: argparse.Namespace) -> None:
     peaks = {name: [] for name in configs}
     for attempt in range(args.repeat):  # alternate, so both see the same machine
         for name, config in configs.items():
-            step, rank_peaks = run_layout(config, args.device)
+            step, rank_peaks, _ = run_layout(config, args.device)
             seconds[name].append(step)
             peaks[name].append(rank_peaks)
             print(f"  [{attempt + 1}/{args.repeat}] {name}: {step * 1e3:.1f} ms/step, peak per rank "
