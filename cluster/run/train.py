@@ -240,20 +240,22 @@ def finish(group: RankGroup, store: Store, sinks: list, timings: PipelineTimings
 
 def load_base(group: RankGroup, point: StartPoint) -> None:
     """Every rank reads its part of a LoRA run's frozen base weights (any layout wrote them)."""
-    base_ref = point.store.resolve(point.lora_base.url)
-    with leases.reading(point.store, base_ref):
-        loaded = group.call("load_base", base_ref.url)
-        check_loaded_parts(base_ref.url, loaded)
-    _log(f"loaded the LoRA base: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over {len(loaded)} ranks")
+    _load_frozen(group, point, point.lora_base.url, "load_base", "the LoRA base")
 
 
 def load_reference(group: RankGroup, point: StartPoint) -> None:
     """Every rank reads its part of a DPO run's frozen reference (any layout wrote it)."""
-    ref = point.store.resolve(point.dpo_reference.url)
+    _load_frozen(group, point, point.dpo_reference.url, "load_reference", "the DPO reference")
+
+
+def _load_frozen(group: RankGroup, point: StartPoint, url: str, rank_method: str, what: str) -> None:
+    """Weights no optimizer updates, read by every rank under a reader lease (a gc must not take
+    the checkpoint mid-read) and checked whole."""
+    ref = point.store.resolve(url)
     with leases.reading(point.store, ref):
-        loaded = group.call("load_reference", ref.url)
+        loaded = group.call(rank_method, ref.url)
         check_loaded_parts(ref.url, loaded)
-    _log(f"loaded the DPO reference: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over {len(loaded)} ranks")
+    _log(f"loaded {what}: {sum(r['bytes_read'] for r in loaded) / 2**20:.1f} MiB read over {len(loaded)} ranks")
 
 
 def load_resumed(group: RankGroup, point: StartPoint) -> None:

@@ -11,8 +11,6 @@ import json
 from dataclasses import replace
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -20,15 +18,12 @@ from rayshard.actors.training.dataset_reader import PreparedDataset
 from rayshard.cluster.cli.main import main
 from rayshard.cluster.data.documents import ReadOptions
 from rayshard.cluster.data.prepare import prepare_dataset
-from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer
 from rayshard.plans.data.sample_order import batch_sample_ids
 from rayshard.plans.errors import ConfigError
+from tests.example_data import WORDS, prepare_examples
 
 PREFERENCE = ReadOptions(format="preference")
-TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-            "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
 
 
 def _rows(count: int, seed: int) -> list[dict]:
@@ -42,16 +37,8 @@ def _rows(count: int, seed: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def preference_data(ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
-    (root / "text.txt").write_text(" ".join(WORDS * 20) + " <|im_start|> <|im_end|>")
-    tokenizer = train_tokenizer([str(root / "text.txt")], 300)
-    tokenizer = replace(tokenizer, config_json=json.dumps({"eos_token": tokenizer.eos_token, "chat_template": TEMPLATE}))
-    save_tokenizer(tokenizer, str(root / "tok"))
-    tokenizer = load_tokenizer(str(root / "tok"))
     rows = _rows(24, 0)
-    (root / "in").mkdir()
-    (root / "in" / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:12]) + "\n")
-    pq.write_table(pa.Table.from_pylist(rows[12:]), root / "in" / "b.parquet")
-    prepare_dataset([str(root / "in")], tokenizer, str(root / "ds"), PREFERENCE, cpus_per_task=0, log=lambda *_: None)
+    tokenizer = prepare_examples(root, rows, PREFERENCE)
     return root, tokenizer, rows
 
 

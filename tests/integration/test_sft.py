@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -19,19 +16,15 @@ from rayshard.actors.training.dataset_reader import PreparedDataset
 from rayshard.cluster.cli.main import main
 from rayshard.cluster.data.documents import ReadOptions
 from rayshard.cluster.data.prepare import prepare_dataset
-from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer
 from rayshard.plans.config import DataConfig, ModelChoice
 from rayshard.plans.data.sample_order import batch_sample_ids
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
+from tests.example_data import WORDS, prepare_examples
 
 SFT = ReadOptions(format="sft")
-# A ChatML-style template, as Qwen's tokenizer_config.json carries one.
-TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-            "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
 PROMPT_ONLY = "QQQQ"  # a word only prompts hold: its token's embedding row must get no gradient
 
 
@@ -45,16 +38,8 @@ def _rows(count: int, seed: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def sft_data(ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
-    (root / "text.txt").write_text(" ".join(WORDS * 20) + f" {PROMPT_ONLY} " + "<|im_start|> <|im_end|>")
-    tokenizer = train_tokenizer([str(root / "text.txt")], 300)
-    tokenizer = replace(tokenizer, config_json=json.dumps({"eos_token": tokenizer.eos_token, "chat_template": TEMPLATE}))
-    save_tokenizer(tokenizer, str(root / "tok"))
-    tokenizer = load_tokenizer(str(root / "tok"))
     rows = _rows(24, 0)
-    (root / "in").mkdir()
-    (root / "in" / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:12]) + "\n")
-    pq.write_table(pa.Table.from_pylist(rows[12:]), root / "in" / "b.parquet")
-    prepare_dataset([str(root / "in")], tokenizer, str(root / "ds"), SFT, cpus_per_task=0, log=lambda *_: None)
+    tokenizer = prepare_examples(root, rows, SFT, extra_words=PROMPT_ONLY)
     return root, tokenizer, rows
 
 
