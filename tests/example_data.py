@@ -1,6 +1,7 @@
-"""Prepared example datasets for the post-training tests (SFT and DPO): a tokenizer trained on the
-tests' words with a ChatML-style chat template, and rows split over a JSONL and a Parquet file, so
-both readers and the row numbering across files are exercised."""
+"""What the post-training tests (SFT and DPO) share: a prepared example dataset (a tokenizer
+trained on the tests' words with a ChatML-style chat template, and rows split over a JSONL and a
+Parquet file, so both readers and the row numbering across files are exercised), and one step's
+loss and gradients gathered from the ranks."""
 from __future__ import annotations
 
 import json
@@ -36,3 +37,23 @@ def prepare_examples(root: Path, rows: list[dict], options: ReadOptions, extra_w
     pq.write_table(pa.Table.from_pylist(rows[half:]), root / "in" / "b.parquet")
     prepare_dataset([str(root / "in")], tokenizer, str(root / "ds"), options, cpus_per_task=0, log=lambda *_: None)
     return tokenizer
+
+
+def one_step_gradients(rank_pool, config, loads: dict[str, str] | None = None) -> dict:
+    """One step's loss and every parameter's gradient, gathered from the ranks of `config`'s layout
+    (they must agree on the loss). loads: rank method -> checkpoint URL, called first, in order
+    ("load" for the policy, "load_reference" for a DPO reference)."""
+    from rayshard.cluster.run.rank_group import RankGroup
+
+    group = RankGroup(config, rank_pool)
+    try:
+        for method, url in (loads or {}).items():
+            group.call(method, url)
+        results = group.call("full_gradients")
+    finally:
+        group.shutdown()
+    assert len({result["loss"] for result in results}) == 1, "ranks disagree on the loss"
+    gradients = {}
+    for result in results:
+        gradients.update(result["gradients"])
+    return {"loss": results[0]["loss"], "gradients": gradients}

@@ -21,7 +21,7 @@ from rayshard.cluster.data.prepare import prepare_dataset
 from rayshard.cluster.data.tokenizer import load_tokenizer, save_tokenizer
 from rayshard.plans.data.sample_order import batch_sample_ids
 from rayshard.plans.errors import ConfigError
-from tests.example_data import WORDS, prepare_examples
+from tests.example_data import WORDS, one_step_gradients, prepare_examples
 
 PREFERENCE = ReadOptions(format="preference")
 
@@ -170,21 +170,8 @@ def _dpo_config(tmp_path, url: str, spec, layout=None, **overrides):
 
 
 def _one_step(rank_pool, config, policy: str, reference: str | None) -> dict:
-    from rayshard.cluster.run.rank_group import RankGroup
-
-    group = RankGroup(config, rank_pool)
-    try:
-        group.call("load", policy)
-        if reference is not None:
-            group.call("load_reference", reference)
-        results = group.call("full_gradients")
-    finally:
-        group.shutdown()
-    assert len({result["loss"] for result in results}) == 1, "ranks disagree on the loss"
-    gradients = {}
-    for result in results:
-        gradients.update(result["gradients"])
-    return {"loss": results[0]["loss"], "gradients": gradients}
+    loads = {"load": policy} if reference is None else {"load": policy, "load_reference": reference}
+    return one_step_gradients(rank_pool, config, loads)
 
 
 def _paper_loss(policy, reference, inputs: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ from rayshard.plans.data.sample_order import batch_sample_ids
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from tests.conftest import small_config
-from tests.example_data import WORDS, prepare_examples
+from tests.example_data import WORDS, one_step_gradients, prepare_examples
 
 SFT = ReadOptions(format="sft")
 PROMPT_ONLY = "QQQQ"  # a word only prompts hold: its token's embedding row must get no gradient
@@ -133,20 +133,7 @@ def test_sft_on_a_text_dataset_or_too_short_sequences_is_refused(sft_data, tmp_p
 
 
 def _one_step(rank_pool, config, load: str | None = None) -> dict:
-    from rayshard.cluster.run.rank_group import RankGroup
-
-    group = RankGroup(config, rank_pool)
-    try:
-        if load is not None:
-            group.call("load", load)
-        results = group.call("full_gradients")
-    finally:
-        group.shutdown()
-    assert len({result["loss"] for result in results}) == 1, "ranks disagree on the loss"
-    gradients = {}
-    for result in results:
-        gradients.update(result["gradients"])
-    return {"loss": results[0]["loss"], "gradients": gradients}
+    return one_step_gradients(rank_pool, config, {"load": load} if load is not None else None)
 
 
 def test_one_step_matches_transformers_and_prompts_get_no_gradient(sft_data, rank_pool, tmp_path):
