@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch.distributed.checkpoint as dcp
 
 import rayshard.checkpoint as ckpt
@@ -20,6 +21,7 @@ def _plan(capsys, store: str, run: str) -> list[str]:
     return capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.slow  # the banded loads it plans are tested in the default suite (decision 178)
 def test_a_dcp_import_and_an_api_save_plan_on_s3_per_rank_with_banded_reads(s3_store, tmp_path, capsys):
     url, _, _ = write_checkpoint(str(tmp_path / "store"), "src", CONFIG, steps=2)
     dcp.save(_dcp_state(url, 2, "torchtitan"), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)

@@ -58,7 +58,7 @@ def test_resume_onto_another_layout_continues_the_same_training(run_training, tm
 
 
 def test_resume_check_names_the_tensors_that_differ(rank_pool, run_training, tmp_path):
-    run_training(_config(tmp_path, DP2_TP2, steps=4, run="v", ckpt_every=2))
+    run_training(_config(tmp_path, ParallelLayout(), steps=4, run="v", ckpt_every=2))  # one rank: any layout writes alike
     store = Store(str(tmp_path / "store"))
     group = RankGroup(_config(tmp_path, ParallelLayout(tp=2), steps=6, run="v"), rank_pool)
     try:

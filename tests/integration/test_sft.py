@@ -217,6 +217,7 @@ def test_dp2_tp2_and_pp2_give_the_one_rank_step(sft_data, rank_pool, tmp_path):
             torch.testing.assert_close(result["gradients"][key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {key}: {m}")
 
 
+@pytest.mark.slow  # a run and a resume; the default suite checks the step on pp2 above (decision 178)
 def test_an_sft_run_records_its_objective_and_data_and_resumes_on_pp2(sft_data, run_training, tmp_path):
     from rayshard.actors.checkpoint.stored import StoredCheckpoint
     from rayshard.cluster.cli.commands.train import config_from_args

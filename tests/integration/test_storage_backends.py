@@ -201,7 +201,9 @@ AZURE_KEY = "cmF5c2hhcmQtbGVhay10ZXN0LWF6dXJlLWFjY291bnQta2V5LTAxMjM0NTY3ODk="  
 AZURE_SAS = "sv=2024-08-04&ss=b&srt=sco&sp=rwdlac&se=2099-01-01T00:00:00Z&sig=rayshardLeakTestSig0123456789abcdefXYZ%3D"
 
 
-@pytest.mark.parametrize("kind", OBJECT_STORES)
+# Azure's two credentials: -m slow; tests/integration/test_azure_credentials_redacted.py fails
+# requests signed with both in the default suite (decision 178).
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "az" else k for k in OBJECT_STORES])
 @pytest.mark.parametrize("credential", ["key", "sas"])
 def test_a_failing_request_names_no_credential(kind, credential, request, monkeypatch):
     """Requests signed with distinctive secrets fail (the server does not know them, or answers
