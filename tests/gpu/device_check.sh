@@ -14,7 +14,8 @@
 # Then the device tool's run, with carry [".gpu-bundle"] and timeout_s 600:
 #   bash tests/gpu/device_check.sh          (budget 540 s; `... 300` for a shorter second call,
 #                                            `PARTS="rest" bash ...` for chosen parts;
-#                                            `PARTS="lora"`: bench/lora.py, named only)
+#                                            `PARTS="lora"`: bench/lora.py, named only;
+#                                            `PARTS="api snapshot"`: issues 38 and 41, named only)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 budget=${1:-540}
@@ -60,6 +61,10 @@ part() {
   fi
 }
 
+# Issue 38's GPU part: rayshard.checkpoint against torch DCP from CUDA tensors (named: PARTS="api").
+part api 60 150 python3 bench/api_device.py --device cuda --gib 4 --repeats 3
+# Issue 41's GPU part: the snapshot's blocked time from CUDA tensors (named: PARTS="snapshot").
+part snapshot 60 150 python3 bench/snapshot_device.py --model small --steps 20 --global-batch 8 --seq-len 512
 part bench 150 300 python3 bench/throughput.py --device cuda --precision bf16 --compile --ac selective --steps 4
 part bf16 150 300 python3 -m pytest tests/gpu -q -rA --durations=0 -k bf16
 part rest 150 600 python3 -m pytest tests/gpu -q -rA --durations=0 -k "not bf16"
