@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 
 import pytest
 
@@ -62,7 +63,12 @@ def test_parallel_multipart_upload_is_bit_exact_with_bounded_parts_in_flight(obj
     with backend_for(store.fs).open_writer(path) as handle:
         _write_in_odd_pieces(handle, data)
     assert store.fs.cat_file(path) == data
-    assert parts.injected == 9  # 41 MiB in 5 MiB parts
+    # 41 MiB in 5 MiB parts. Counted by part id, not by request: on a loaded host a part whose
+    # answer is late is sent again (the client's retry), and that is still one part.
+    sent = {re.search(r"(?:partNumber|blockid)=([^&]+)", target).group(1)
+            for method, target in list(fault_proxy.requests)
+            if method == "PUT" and "big/rank-00002" in target and re.search(_part(object_store.kind), target)}
+    assert len(sent) == 9 and parts.injected >= 9
     assert max(peak) <= 4  # the default max_concurrency: the memory bound held
     assert _pending_uploads(store) == []
 

@@ -2,6 +2,7 @@
 each step begins, so a step reports its own peak rather than the largest since the rank started."""
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -17,13 +18,22 @@ CPU = torch.device("cpu")
 CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
+def _fresh_pages(nbytes: int) -> mmap.mmap:
+    """nbytes of new resident memory: an anonymous mapping with each page written. Not a
+    bytearray: late in a long test run the allocator can hand back heap pages that are already
+    resident, and the resident set (and its mark) would not move."""
+    pages = mmap.mmap(-1, nbytes)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
+        pages[offset] = 1
+    return pages
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident set's high-water mark is reset through Linux's /proc")
 @pytest.mark.skipif(not os.access(CLEAR_REFS, os.W_OK), reason="this kernel or sandbox offers no writable clear_refs")
 def test_a_reset_drops_an_earlier_peak_and_a_later_one_counts():
     block = 256 << 20  # above any malloc mmap threshold: given back to the OS when freed
-    touched = bytearray(block)
-    touched[::4096] = b"\x01" * len(touched[::4096])  # write each page: resident
-    del touched
+    touched = _fresh_pages(block)
+    touched.close()
     earlier_peak = peak_memory_bytes(CPU)
     assert earlier_peak >= resident_memory_bytes() + block // 2
 
@@ -32,7 +42,6 @@ def test_a_reset_drops_an_earlier_peak_and_a_later_one_counts():
     assert after_reset < earlier_peak - block // 2
     assert after_reset >= resident_memory_bytes() - (8 << 20)  # the mark starts again at the resident set
 
-    touched = bytearray(block // 2)
-    touched[::4096] = b"\x02" * len(touched[::4096])
+    touched = _fresh_pages(block // 2)
     assert peak_memory_bytes(CPU) >= after_reset + block // 4
-    del touched
+    touched.close()
