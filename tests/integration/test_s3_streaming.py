@@ -73,6 +73,7 @@ def test_parallel_multipart_upload_is_bit_exact_with_bounded_parts_in_flight(obj
     assert _pending_uploads(store) == []
 
 
+@pytest.mark.slow_on_azure  # decision 200: its S3 case stays; Azure's retries are checked in test_commit_protocol
 def test_parts_survive_throttling_resets_and_server_errors(object_store):
     store, fault_proxy, kind = Store(object_store.url), object_store.proxy, object_store.kind
     data = _payload(31 * MiB)

@@ -204,6 +204,7 @@ def test_prompt_positions_get_no_gradient():
     assert torch.allclose(loss, expected)
 
 
+@pytest.mark.slow  # decision 200: DPO's dp2 x tp2 and pp2 one-step cases run the same masked loss on those layouts
 def test_dp2_tp2_and_pp2_give_the_one_rank_step(sft_data, rank_pool, tmp_path):
     root, _, _ = sft_data
     url = str(root / "ds")

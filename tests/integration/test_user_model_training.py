@@ -44,6 +44,7 @@ def dp2_tp2(run_training, tmp_path_factory):
     return root, run_training(_config(root, ParallelLayout(dp=2, tp=2), run="src", ckpt_every=3))
 
 
+@pytest.mark.slow  # decision 200: the pp2 case checks one-rank losses; the dp2 x tp2 run is resumed below
 def test_the_example_trains_on_dp2_tp2_with_the_one_rank_losses(one_rank, dp2_tp2):
     _, result = dp2_tp2
     assert sorted(result.losses) == list(range(1, STEPS + 1))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHECK = """
@@ -28,6 +30,7 @@ def _served_after_importing(module: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow  # decision 200: the scheme's other cases and the snapshot e2e runs cover a rank's reads
 def test_a_rank_serves_snapshots_without_the_entry_point():
     assert _served_after_importing("rayshard.actors.rank") == "SnapshotFileSystem"
 
