@@ -323,7 +323,6 @@ def test_bad_dpo_settings_and_a_changed_reference_are_refused_in_one_line(prefer
     _, urls, spec = two_models
     url = str(root / "ds")
     for overrides, match in (
-            (dict(layout=ParallelLayout(pp=2), microbatches=2), "does not run on pp > 1"),
             (dict(global_batch=6), "multiple of 2 x dp\\*fsdp x microbatches = 4"),
             (dict(dpo=DpoConfig(beta=0.0)), "dpo.beta"),
             (dict(dpo=DpoConfig(loss="ipo", label_smoothing=0.1)), "applies to the sigmoid loss"),
@@ -348,9 +347,10 @@ def test_bad_dpo_settings_and_a_changed_reference_are_refused_in_one_line(prefer
     assert "\n" not in str(refused.value)
 
 
-def test_lora_dpo_on_dp2_tp2_gives_the_one_rank_step(preference_data, two_models, rank_pool, tmp_path):
+def test_lora_dpo_on_dp2_tp2_and_pp2_gives_the_one_rank_step(preference_data, two_models, rank_pool, tmp_path):
     """With LoRA the reference is the base with adapters disabled: B starts at 0, so step 0's loss
-    is log 2, and the adapters' gradients are the same on dp2 x tp2 as on one rank."""
+    is log 2, and the adapters' gradients are the same on dp2 x tp2 and on pp2 (the stages'
+    forward-only pass with adapters disabled, decision 190) as on one rank."""
     from rayshard.cluster.run.rank_group import RankGroup
     from rayshard.plans.config import LoraConfig
     from rayshard.plans.layout.parallel_layout import ParallelLayout
@@ -376,10 +376,11 @@ def test_lora_dpo_on_dp2_tp2_gives_the_one_rank_step(preference_data, two_models
     assert abs(loss - np.log(2)) <= 1e-6
     assert gradients and all(".lora." in name for name in gradients)
     assert any(grad.abs().sum() > 0 for name, grad in gradients.items() if name.endswith(".b"))
-    tp_loss, tp_gradients = step(ParallelLayout(dp=2, tp=2), "dp2xtp2")
-    assert abs(tp_loss - loss) <= 1e-6 and tp_gradients.keys() == gradients.keys()
-    for key, expected in gradients.items():
-        torch.testing.assert_close(tp_gradients[key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+    for name, layout in (("dp2xtp2", ParallelLayout(dp=2, tp=2)), ("pp2", ParallelLayout(pp=2))):
+        other_loss, other_gradients = step(layout, name)
+        assert abs(other_loss - loss) <= 1e-6 and other_gradients.keys() == gradients.keys(), name
+        for key, expected in gradients.items():
+            torch.testing.assert_close(other_gradients[key], expected, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {key}: {m}")
 
 
 def test_dpo_settings_come_from_flags_and_from_a_config_file():
@@ -419,14 +420,17 @@ def test_precomputed_reference_logprobs_give_the_live_step_and_another_reference
     from rayshard.plans.layout.parallel_layout import ParallelLayout
 
     live = _one_step(rank_pool, _dpo_config(tmp_path / "live", url, spec, microbatches=2), urls["policy"], urls["reference"])
-    # Precomputed, on one rank and on pp2 (which a live reference does not run on).
-    for name, layout, microbatches in (("one", None, 2), ("pp2", ParallelLayout(pp=2), 4)):
-        precomputed = _one_step(rank_pool, _dpo_config(tmp_path / name, url, spec, layout, microbatches=microbatches,
-                                                       dpo=DpoConfig(precomputed=True)), urls["policy"], None)
-        assert abs(precomputed["loss"] - live["loss"]) <= 1e-7, (name, precomputed["loss"], live["loss"])
-        assert precomputed["gradients"].keys() == live["gradients"].keys(), name
+    # Precomputed on one rank and on pp2, and live on pp2: the frozen copy's forward-only pass
+    # through the stages before the schedule (decision 190).
+    for name, layout, microbatches, precomputed_reference in (("one", None, 2, True), ("pp2", ParallelLayout(pp=2), 4, True),
+                                                              ("pp2 live", ParallelLayout(pp=2), 4, False)):
+        result = _one_step(rank_pool, _dpo_config(tmp_path / name, url, spec, layout, microbatches=microbatches,
+                                                  dpo=DpoConfig(precomputed=precomputed_reference)),
+                           urls["policy"], None if precomputed_reference else urls["reference"])
+        assert abs(result["loss"] - live["loss"]) <= 1e-7, (name, result["loss"], live["loss"])
+        assert result["gradients"].keys() == live["gradients"].keys(), name
         for key, expected in live["gradients"].items():
-            torch.testing.assert_close(precomputed["gradients"][key], expected, rtol=1e-5, atol=1e-7,
+            torch.testing.assert_close(result["gradients"][key], expected, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"{name} {key}: {m}")
     # A run whose reference is another checkpoint (the policy's weights) is refused in one line.
     other = DpoReference(FROZEN_COPY, urls["policy"], 7, base_digest(urls["policy"]))
