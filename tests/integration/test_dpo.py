@@ -501,12 +501,14 @@ def test_a_precomputed_run_runs_no_reference(preference_data, two_models, rank_p
 
 
 @pytest.mark.slow  # two 20-step runs per case; the default suite checks the same step on each layout above
+@pytest.mark.parametrize("precomputed", [True, False], ids=["precomputed", "live"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_dpo_run_on_dp2_tp2_resumed_on_pp2_continues_the_uninterrupted_losses(preference_data, two_models, rank_pool,
-                                                                                run_training, tmp_path, lora):
+                                                                                run_training, tmp_path, lora, precomputed):
     """The issue's acceptance: a DPO run (full and LoRA) on dp2 x tp2 resumed on pp2 continues the
-    uninterrupted run within 2.5e-6 relative per step for the rest of 20 steps. pp takes the
-    reference precomputed (decision 160), so both runs read the same precomputed file."""
+    uninterrupted run within 2.5e-6 relative per step for the rest of 20 steps, with the reference
+    precomputed (both runs read the same file) or live (on pp2 its forward-only pass through the
+    stages, decision 190)."""
     import shutil
 
     from rayshard.cluster.run.reference_logprobs import compute_reference_logprobs
@@ -517,12 +519,13 @@ def test_a_dpo_run_on_dp2_tp2_resumed_on_pp2_continues_the_uninterrupted_losses(
     _, urls, spec = two_models
     shutil.copytree(root / "ds", tmp_path / "ds")
     url = str(tmp_path / "ds")
-    compute_reference_logprobs(url, urls["policy"], urls["policy"].split("/policy/")[0], actors=rank_pool,
-                               log=lambda *_: None)
+    if precomputed:
+        compute_reference_logprobs(url, urls["policy"], urls["policy"].split("/policy/")[0], actors=rank_pool,
+                                   log=lambda *_: None)
     method = dict(lora=LoraConfig(rank=4, base=urls["policy"])) if lora else {}
     config = lambda layout, run, **kw: _dpo_config(  # noqa: E731
         tmp_path, url, spec, layout, store=str(tmp_path / "store"), steps=20, microbatches=2,
-        dpo=DpoConfig(precomputed=True), run=run, **method, **kw)
+        dpo=DpoConfig(precomputed=precomputed), run=run, **method, **kw)
     start = {} if lora else dict(resume=urls["policy"])  # full DPO starts from the policy, its reference
     whole = run_training(config(ParallelLayout(dp=2, tp=2), "whole", ckpt_every=10, **start))
     assert sorted(whole.losses) == list(range(1, 21))
