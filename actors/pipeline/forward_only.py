@@ -50,7 +50,8 @@ def forward_only(stages: dict[int, nn.Module], stage_ranks: Sequence[int], pp_ra
             else:
                 peer = global_rank_of(stage_ranks[stage - 1])
                 x = torch.empty(activation_shape, dtype=dtype, device=device)
-                work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, peer, tag=_tag(stage, microbatch, len(inputs)))])[-1]
+                receive = dist.P2POp(dist.irecv, x, peer, tag=_tag(stage, microbatch, len(inputs)))
+                work = dist.batch_isend_irecv([receive])[-1]
                 wait_or_fail(work, timeout_s, f"rank {rank}", f"{where} (from rank {peer})")
             output = stages[stage](x)
             if stage == num_stages - 1:

@@ -2,9 +2,10 @@
 chosen and rejected rows become pairs of adjacent examples with loss masks on the responses; a
 step draws whole pairs, never split across data ranks or microbatches; bad rows are refused in one
 line naming the file and row. `--objective dpo`: one step's loss and gradients equal the DPO
-paper's sigmoid loss computed with two transformers models; dp2 x tp2 and fsdp2 (and, with a
-precomputed reference, pp2) equal one rank; LoRA's reference is the base with adapters disabled;
-precomputed and live references give the same step."""
+paper's sigmoid loss computed with two transformers models; dp2 x tp2, fsdp2 and pp2 (live: the
+reference's forward-only pass through the stages; or precomputed) equal one rank; LoRA's reference
+is the base with adapters disabled; precomputed and live references give the same step; `ckpt
+export` writes a DPO run's policy or adapter."""
 from __future__ import annotations
 
 import json
