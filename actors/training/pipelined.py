@@ -24,9 +24,12 @@ from rayshard.actors.model.moe import set_aux_loss_scale
 from rayshard.actors.parallel.parallelize import defer_gradient_reduction, parallelize, reduce_gradients_now
 from rayshard.actors.parallel.precision import compute_dtype
 from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies
+from rayshard.actors.model.lora import adapters_disabled
 from rayshard.actors.model.stage import RankStages, build_stage_on_meta, carve_stage, local_tensor, stage_global_names
 from rayshard.actors.model.user_model import build_user_on_meta
+from rayshard.actors.pipeline.forward_only import forward_only
 from rayshard.actors.pipeline.interpreter import PipelineRunner, PipelineStepError, StepRecord, wait_or_fail
+from rayshard.actors.training.preference_loss import sequence_logps
 from rayshard.actors.training.step_runner import loss_context, microbatch_loss, objective_criterion
 from rayshard.plans.config import TrainConfig
 from rayshard.plans.layout.parallel_layout import RankCoords
@@ -80,8 +83,12 @@ def recomputes_stages(config: TrainConfig) -> bool:
 
 class PipelinedRunner:
     def __init__(self, config: TrainConfig, plan: PipelinePlan, stages: RankStages, rank: int,
-                 device: torch.device, timeout_s: float):
+                 device: torch.device, timeout_s: float, reference: RankStages | None = None):
         self.config, self.plan, self.model = config, plan, stages
+        # --objective dpo without LoRA: this rank's stages of a frozen copy of the starting weights,
+        # built and sharded as the policy's, no optimizer state (decision 159); with LoRA the
+        # policy's own stages with adapters disabled. Run forward-only before the plan (decision 190).
+        self.reference = reference
         self.layout = config.layout
         self.rank, self.coords, self.device = rank, self.layout.coords_of(rank), device
         self.timeout_s = timeout_s
@@ -93,6 +100,7 @@ class PipelinedRunner:
         user = config.model.spec.user
         criterion = objective_criterion(config) or (build_user_on_meta(user).loss if user is not None else None)
         self.criterion = criterion
+        self._activation_shape = (microbatch_size, stage_sequence_length(config), config.model.spec.dim)
         self.interpreter = PipelineRunner(
             plan.schedule.ranks[self.coords.pp], stages.modules, num_stages=plan.partition.num_stages,
             microbatches=config.pipeline.microbatches, rank=rank, global_rank_of=self._global_rank_of,
@@ -106,12 +114,21 @@ class PipelinedRunner:
     @classmethod
     def build(cls, config: TrainConfig, plan: PipelinePlan, rank: int, mesh: DeviceMesh, device: torch.device,
               timeout_s: float) -> "PipelinedRunner":
-        stages = build_rank_stages(config, plan, config.layout.coords_of(rank).pp, mesh, device)
-        return cls(config, plan, stages, rank, device, timeout_s)
+        pp_rank = config.layout.coords_of(rank).pp
+        stages = build_rank_stages(config, plan, pp_rank, mesh, device)
+        reference = None
+        if config.objective == "dpo" and not config.lora.enabled and not config.dpo.precomputed:
+            # Built and seeded exactly as the policy's stages: the seeded initial weights until the
+            # driver loads the run's reference checkpoint into it (Trainer.load_reference).
+            reference = build_rank_stages(config, plan, pp_rank, mesh, device)
+            for module in reference.modules.values():
+                module.requires_grad_(False)
+                module.eval()
+        return cls(config, plan, stages, rank, device, timeout_s, reference)
 
     def with_plan(self, plan: PipelinePlan) -> "PipelinedRunner":
         """The same stages replaying another plan (one with the same stage cut)."""
-        return PipelinedRunner(self.config, plan, self.model, self.rank, self.device, self.timeout_s)
+        return PipelinedRunner(self.config, plan, self.model, self.rank, self.device, self.timeout_s, self.reference)
 
     def _global_rank_of(self, pp_rank: int) -> int:
         coords = self.coords
@@ -122,11 +139,30 @@ class PipelinedRunner:
         for module in self.model.modules.values():
             defer_gradient_reduction(module)
         with loss_context(self.layout.tp):
+            if getattr(self.criterion, "needs_reference", False) and not self.criterion.precomputed:
+                for reference_logps in self._reference_logps(inputs, targets):  # last stage only; in microbatch order
+                    self.criterion.set_reference(reference_logps)
             loss, record = self.interpreter.run(inputs, targets)
         for module in self.model.modules.values():
             reduce_gradients_now(module)
         self._sum_tied_gradients()
         return loss, record
+
+    def _reference_logps(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[torch.Tensor]:
+        """--objective dpo: the reference's summed response log-probabilities of each microbatch's
+        rows, from a forward-only pass through the stages before the plan (decision 190); the
+        last stage's rank gets them, in microbatch order, and the others an empty list."""
+        frozen = self.reference if self.reference is not None else self.model
+        with contextlib.ExitStack() as stack:
+            if self.reference is None:  # LoRA: the base is the policy's own weights with adapters disabled
+                for module in frozen.modules.values():
+                    stack.enter_context(adapters_disabled(module))
+            return forward_only(
+                frozen.modules, self.plan.schedule.stage_ranks, self.coords.pp, inputs,
+                lambda logits, microbatch: sequence_logps(logits.float(), targets[microbatch]),
+                global_rank_of=self._global_rank_of, activation_shape=self._activation_shape,
+                dtype=compute_dtype(self.config.numerics.precision), device=self.device, timeout_s=self.timeout_s,
+                rank=self.rank)
 
     def wait(self, work, what: str) -> None:
         wait_or_fail(work, self.timeout_s, f"rank {self.rank}", f"after its pipeline plan, in {what}")

@@ -323,7 +323,8 @@ class Trainer:
         """--objective dpo without LoRA: the reference's weights (a frozen copy, no moments) from
         the checkpoint the run started from, written by any layout."""
         reference = self.runner.reference
-        names = {name for name, _ in reference.named_parameters()}
+        # The whole model's names, as the policy's load expects (a pipeline rank holds some of them).
+        names = set(self.roles.stored_names)
         result = load_rank_shard(reference, torch.optim.SGD(reference.parameters(), lr=0.0), checkpoint_url, names,
                                  handover=self.handover_groups, only=frozenset(names), moments=False)
         return {"bytes_read": result["bytes_read"], "seconds": result["seconds"], "partial_reads": result["partial_reads"]}

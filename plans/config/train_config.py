@@ -95,11 +95,6 @@ class TrainConfig:
         if self.objective != "dpo":
             return
         self.dpo.validate()
-        if self.layout.pp > 1 and not self.dpo.precomputed:
-            # docs/decisions.md 160: the reference's forward would need a second pass through the stages.
-            raise ConfigError("objective", "dpo", "DPO with a live reference does not run on pp > 1 yet",
-                              "precompute it (`rayshard data reference-logprobs`, then --dpo-precomputed), or train "
-                              "DPO on dp/fsdp/tp (a checkpoint resumes on any layout)")
         rows = 2 * self.layout.data_parallel_size * self.pipeline.microbatches
         if self.global_batch % rows:
             raise ConfigError("global_batch", self.global_batch, f"under dpo counts sequences, two per pair, and every data "
