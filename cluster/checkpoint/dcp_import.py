@@ -60,9 +60,10 @@ MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault a band's pages i
 # Bands from memory maps of the .distcp pages (one copy per byte) rather than reads into buffers
 # (two or three): decision 131. RAYSHARD_DCP_IMPORT_VIEWS=0 reads as before (the bench compares both).
 VIEWS_DEFAULT = os.environ.get("RAYSHARD_DCP_IMPORT_VIEWS", "1") != "0"
-# The next band produced on a background thread while one is written (decision 195);
-# RAYSHARD_DCP_IMPORT_READ_AHEAD=0 produces each band when the writer reaches it, as before.
-READ_AHEAD_DEFAULT = os.environ.get("RAYSHARD_DCP_IMPORT_READ_AHEAD", "1") != "0"
+# The next band produced on a background thread while one is written: off unless
+# RAYSHARD_DCP_IMPORT_READ_AHEAD=1, since on the 2-core machine it bought no wall time and cost
+# CPU (decision 195); for a machine with a core to spare.
+READ_AHEAD_DEFAULT = os.environ.get("RAYSHARD_DCP_IMPORT_READ_AHEAD", "0") == "1"
 
 
 class DcpReader:
@@ -348,8 +349,8 @@ def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str,
     read and checked whole first, so a refusal leaves the store untouched; the writing holds the
     run's writer lease, as every writer of a run does. views: bands from memory maps of a local
     directory's pages (decision 131; default on, RAYSHARD_DCP_IMPORT_VIEWS=0 turns it off). read_ahead:
-    the next band produced on a background thread while one is written (decision 195; default on,
-    RAYSHARD_DCP_IMPORT_READ_AHEAD=0 turns it off)."""
+    the next band produced on a background thread while one is written (decision 195; default off,
+    RAYSHARD_DCP_IMPORT_READ_AHEAD=1 turns it on)."""
     started = time.perf_counter()
     mapping = torchtitan_mapping(model)
     ours = parameter_shapes(model)
