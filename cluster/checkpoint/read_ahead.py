@@ -4,8 +4,9 @@ A DCP import writes bands it produces lazily: `write_pieces` calls a piece's `lo
 tensor it returns, and only then calls the next piece's `load()`. Producing a band (memory maps
 faulted in, qkv / gate_up gathered, or reads into buffers) and writing one (the kernel copying it
 into the target's pages, the checksum) are independent, and each of them spends most of its time
-outside the GIL, so running the production of band k+1 while band k is written hides the smaller of
-the two. The bound stays one band ahead: band k+1 starts only once the writer has asked for band k
+outside the GIL, so on a machine with a core to spare, producing band k+1 while band k is written
+hides the smaller of the two. (On the shared 2-core machine the process gets about one core and it
+gained nothing while costing 8-13% more CPU, so the import leaves it off by default.) The bound stays one band ahead: band k+1 starts only once the writer has asked for band k
 (so it is done with band k-1), so at most two bands are alive; a producer alternates between two
 buffer sets by the band's parity (`slot`), which is then never one the writer still reads.
 
@@ -76,7 +77,7 @@ class ReadAhead:
                     raise CheckpointError("the import's read-ahead was closed while a band was still wanted")
                 if not self._thread.is_alive():
                     raise CheckpointError(f"the import's read-ahead thread stopped before band {k} (an internal error); "
-                                          "run with RAYSHARD_DCP_IMPORT_READ_AHEAD=0 to import without it")
+                                          "import without RAYSHARD_DCP_IMPORT_READ_AHEAD=1")
                 self._condition.wait(WAIT_SLICE_S)
             return self._ready.pop(k)
 
