@@ -10,17 +10,21 @@ chunk). Then, repeatedly and in alternating order:
 - import: `import_dcp` of the directory into a fresh store (`rayshard ckpt import --format dcp`:
   restricted metadata read, chunk location, row bands through the torchtitan mapping, safetensors
   written with checksums, manifest commit), its bands taken from memory maps of the `.distcp`
-  pages (decision 131);
-- import (reads): the same with the bands read into buffers first, as before decision 131.
+  pages (decision 131), each band produced when the writer reaches it;
+- a second import for comparison (`--compare`): `read-ahead` (the default), the same with the next
+  band produced on a background thread while one is written (decision 195, off by default in the
+  importer), or `reads`, bands read into buffers first as before decision 131.
 Throughput is the `.distcp` bytes over the wall time of each; the figure is the median over
-repeats. Both read from the page cache (the first raw read warms it); the import's store is on
+repeats. The same ratios are also printed by CPU time (the process's, all threads, kernel time
+included: what the copies cost, which the wall time of a machine shared with other tenants hides
+behind waits for a core; decision 197). Both read from the page cache (the first raw read warms it); the import's store is on
 tmpfs by default (`--store-root`), so the figure is the importer's own cost, not a shared disk's
 write-back (pass a disk path to include it). Peak RSS above the process's
 resident set before the import is sampled every 2 ms; the goal is at most the largest chunk +
 256 MiB.
 
     .venv/bin/python bench/dcp_interop.py [--model small] [--repeats 5] [--root /tmp/rayshard-bench-dcp]
-                                          [--store-root /dev/shm/rayshard-bench-dcp-store]
+                                          [--store-root /dev/shm/rayshard-bench-dcp-store] [--compare read-ahead|reads]
 """
 from __future__ import annotations
 
@@ -68,25 +72,30 @@ def distcp_files(directory: str) -> list[str]:
     return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".distcp"))
 
 
+CPU: list[tuple[str, float]] = []  # (what, process CPU seconds) of every timed run
+
+
 def raw_read(files: list[str], buffer: bytearray) -> float:
     view = memoryview(buffer)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for path in files:
         with open(path, "rb", buffering=0) as handle:
             while handle.readinto(view):
                 pass
+    CPU.append(("raw", time.process_time() - cpu))
     return time.perf_counter() - started
 
 
 def raw_copy(files: list[str], buffer: bytearray, target: str) -> float:
     view = memoryview(buffer)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     with open(target, "wb", buffering=0) as out:
         for path in files:
             with open(path, "rb", buffering=0) as handle:
                 while count := handle.readinto(view):
                     out.write(view[:count])
     seconds = time.perf_counter() - started
+    CPU.append(("copy", time.process_time() - cpu))
     os.remove(target)
     return seconds
 
@@ -97,6 +106,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--root", default="/tmp/rayshard-bench-dcp", help="where the DCP directory is saved")
     parser.add_argument("--store-root", default="/dev/shm/rayshard-bench-dcp-store", help="where the imports are written")
+    parser.add_argument("--compare", choices=("read-ahead", "reads"), default="read-ahead",
+                        help="the second import timed: with the read-ahead, or without the maps (reads)")
     args = parser.parse_args()
     shutil.rmtree(args.root, ignore_errors=True)
     directory = os.path.join(args.root, "dcp")
@@ -105,6 +116,7 @@ def main() -> None:
     total = sum(os.path.getsize(path) for path in files)
     buffer = bytearray(READ_BLOCK)
     raw_read(files, buffer)  # warm the page cache
+    CPU.clear()
     raw_times, copy_times, import_times, peaks = [], [], [], []
     read_times, read_peaks = [], []
     os.makedirs(args.store_root, exist_ok=True)
@@ -112,24 +124,27 @@ def main() -> None:
     for repeat in range(args.repeats):
         store = os.path.join(args.store_root, f"store-{repeat}")
 
-        def run_import(views=True):
-            times, memory = (import_times, peaks) if views else (read_times, read_peaks)
+        def run_import(default=True):
+            times, memory = (import_times, peaks) if default else (read_times, read_peaks)
+            views = default or args.compare != "reads"
+            read_ahead = not default and args.compare == "read-ahead"
             with PeakRSS() as rss:
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 import_dcp(directory, Store(store), "imported", model, f"--model {args.model}", log=lambda *_: None,
-                           views=views)
+                           views=views, read_ahead=read_ahead)
                 times.append(time.perf_counter() - started)
+                CPU.append(("import" if default else "compare", time.process_time() - cpu))
             memory.append(rss.above_base)
             shutil.rmtree(store)
         if repeat % 2:
             run_import()
-            run_import(views=False)
+            run_import(default=False)
             copy_times.append(raw_copy(files, buffer, os.path.join(args.store_root, "copy")))
             raw_times.append(raw_read(files, buffer))
         else:
             raw_times.append(raw_read(files, buffer))
             copy_times.append(raw_copy(files, buffer, os.path.join(args.store_root, "copy")))
-            run_import(views=False)
+            run_import(default=False)
             run_import()
     raw, copied, imported = statistics.median(raw_times), statistics.median(copy_times), statistics.median(import_times)
     read_first = statistics.median(read_times)
@@ -140,10 +155,15 @@ def main() -> None:
     print(f"  raw copy      {total / MiB / copied:8.1f} MiB/s  ({copied:.2f} s)")
     print(f"  rayshard import {total / MiB / imported:6.1f} MiB/s  ({imported:.2f} s)  = {raw / imported:.2f}x raw read "
           f"(goal >= 0.8x), {copied / imported:.2f}x raw copy")
-    print(f"  import (reads)  {total / MiB / read_first:6.1f} MiB/s  ({read_first:.2f} s)  = {raw / read_first:.2f}x raw read, "
-          f"{copied / read_first:.2f}x raw copy; memory-mapped bands take {imported / read_first:.2f}x its time")
+    print(f"  import ({args.compare}) {total / MiB / read_first:6.1f} MiB/s  ({read_first:.2f} s)  = {raw / read_first:.2f}x raw "
+          f"read, {copied / read_first:.2f}x raw copy; the default import takes {imported / read_first:.2f}x its time")
+    cpu = {what: statistics.median(seconds for name, seconds in CPU if name == what)
+           for what in ("raw", "copy", "import", "compare")}
+    print(f"  by CPU time: raw read {cpu['raw']:.2f} s, raw copy {cpu['copy']:.2f} s, import {cpu['import']:.2f} s = "
+          f"{cpu['raw'] / cpu['import']:.2f}x raw read, {cpu['copy'] / cpu['import']:.2f}x raw copy; {args.compare} "
+          f"{cpu['compare']:.2f} s = {cpu['raw'] / cpu['compare']:.2f}x, {cpu['copy'] / cpu['compare']:.2f}x")
     print(f"  import peak RSS above base: median {statistics.median(peaks) / MiB:.0f} MiB, max {max(peaks) / MiB:.0f} MiB "
-          f"(goal <= largest chunk + 256 MiB = {(largest + 256 * MiB) / MiB:.0f} MiB); with reads: median "
+          f"(goal <= largest chunk + 256 MiB = {(largest + 256 * MiB) / MiB:.0f} MiB); {args.compare}: median "
           f"{statistics.median(read_peaks) / MiB:.0f}, max {max(read_peaks) / MiB:.0f} MiB")
     shutil.rmtree(args.root, ignore_errors=True)
     shutil.rmtree(args.store_root, ignore_errors=True)

@@ -20,11 +20,14 @@ the run's writer lease: any refusal (one line naming what) leaves nothing commit
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import mmap
 import os
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import fsspec
@@ -35,6 +38,7 @@ from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_sha
 from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.dcp_metadata import DcpContents, DcpTensor, read_dcp_metadata
 from rayshard.cluster.checkpoint.dcp_records import MAX_VALUE_BYTES, ChunkBytes, locate_chunk, read_plain_value
+from rayshard.cluster.checkpoint.read_ahead import reading_ahead
 from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, Buffers, bands, fill_band, one_torch_thread, row_origins
 from rayshard.cluster.progress import counted, set_total
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM, Chunk
@@ -51,11 +55,15 @@ MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 FLOATING = ("float32", "bfloat16", "float16", "float64")
 STEP_DTYPES = ("int32", "int64", "int16", "float32", "float64")
 TRAIN_STEP_KEYS = ("train_state.step", "model.train_state.step")
-OPEN_FILES = 64
+OPEN_FILES = 64  # .distcp handles kept open at once (a checkpoint of 16k ranks has 16k files)
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault a band's pages in with the map, not one by one
 # Bands from memory maps of the .distcp pages (one copy per byte) rather than reads into buffers
 # (two or three): decision 131. RAYSHARD_DCP_IMPORT_VIEWS=0 reads as before (the bench compares both).
-VIEWS_DEFAULT = os.environ.get("RAYSHARD_DCP_IMPORT_VIEWS", "1") != "0"  # .distcp handles kept open at once (a checkpoint of 16k ranks has 16k files)
+VIEWS_DEFAULT = os.environ.get("RAYSHARD_DCP_IMPORT_VIEWS", "1") != "0"
+# The next band produced on a background thread while one is written: off unless
+# RAYSHARD_DCP_IMPORT_READ_AHEAD=1, since on the 2-core machine it bought no wall time and cost
+# CPU (decision 195); for a machine with a core to spare.
+READ_AHEAD_DEFAULT = os.environ.get("RAYSHARD_DCP_IMPORT_READ_AHEAD", "0") == "1"
 
 
 class DcpReader:
@@ -335,12 +343,14 @@ class _Prepared:
 
 def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str, dtype: str = "float32",
                model_preset: str | None = None, file_bytes: int = IMPORT_FILE_BYTES, band_bytes: int = BAND_BYTES,
-               log=print, progress=None, views: bool | None = None) -> str:
+               log=print, progress=None, views: bool | None = None, read_ahead: bool | None = None) -> str:
     """Write a rayshard checkpoint (run@step) from a DCP directory of torchtitan's Llama; commit it.
     model: its configuration (`source` says where it came from, for messages). The directory is
     read and checked whole first, so a refusal leaves the store untouched; the writing holds the
     run's writer lease, as every writer of a run does. views: bands from memory maps of a local
-    directory's pages (decision 131; default on, RAYSHARD_DCP_IMPORT_VIEWS=0 turns it off)."""
+    directory's pages (decision 131; default on, RAYSHARD_DCP_IMPORT_VIEWS=0 turns it off). read_ahead:
+    the next band produced on a background thread while one is written (decision 195; default off,
+    RAYSHARD_DCP_IMPORT_READ_AHEAD=1 turns it on)."""
     started = time.perf_counter()
     mapping = torchtitan_mapping(model)
     ours = parameter_shapes(model)
@@ -348,7 +358,8 @@ def import_dcp(directory: str, store, run: str, model: ModelConfig, source: str,
     try:
         with writer_lease.holding(store, run), one_torch_thread():
             committed = _write(prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes,
-                               band_bytes, progress, VIEWS_DEFAULT if views is None else views)
+                               band_bytes, progress, VIEWS_DEFAULT if views is None else views,
+                               READ_AHEAD_DEFAULT if read_ahead is None else read_ahead)
     finally:
         prepared.reader.close()
     found, kinds = prepared.found, prepared.kinds
@@ -380,14 +391,22 @@ def _prepare(directory, model, source, mapping, ours, dtype, log) -> _Prepared:
 
 
 def _write(prepared: _Prepared, directory, store, run, model, mapping, ours, dtype, model_preset, file_bytes, band_bytes,
-           progress, views: bool) -> str:
-    pieces = _pieces(prepared.found, prepared.kinds, mapping, ours, dtype, prepared.reader, band_bytes, progress, views)
-    set_total(progress, sum(_piece_bytes(piece) for piece in pieces))
+           progress, views: bool, read_ahead: bool) -> str:
+    if read_ahead:  # two bands alive instead of one: half as large, so the memory bound stays (decision 195)
+        band_bytes = max(1, band_bytes // 2)
+    bands_to_write = _bands(prepared.found, prepared.kinds, mapping, ours, dtype, prepared.reader, band_bytes, views,
+                            slots=2 if read_ahead else 1)
+    set_total(progress, sum(_piece_bytes(band.piece) for band in bands_to_write))
     pending = store.begin(run, prepared.step)
     target_fs, target_base = fsspec.core.url_to_fs(pending.url)
     chunks = []
-    for number, members in enumerate(_files(pieces, file_bytes)):
-        chunks += write_shard(target_fs, target_base, pending.file_for(number, stem="import"), members)
+    with (reading_ahead([band.load for band in bands_to_write]) if read_ahead
+          else contextlib.nullcontext([lambda band=band: band.load(0) for band in bands_to_write])) as loads:
+        pieces = [dataclasses.replace(band.piece, tensor=LazyTensor(band.piece.tensor.dtype, band.piece.tensor.shape,
+                                                                    counted(load, progress)))
+                  for band, load in zip(bands_to_write, loads)]
+        for number, members in enumerate(_files(pieces, file_bytes)):
+            chunks += write_shard(target_fs, target_base, pending.file_for(number, stem="import"), members)
     metadata = {"run": run, "step": prepared.step, "model": model.to_dict(), "model_preset": model_preset,
                 "layout": ParallelLayout().to_dict(), "parent": None, "imported_from": directory,
                 "imported_format": {"format": "torch.distributed.checkpoint", "dcp_version": prepared.contents.version,
@@ -405,23 +424,35 @@ def _piece_bytes(piece: Piece) -> int:
     return count
 
 
-def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, reader: DcpReader, band_bytes: int,
-            progress, views: bool = True) -> list[Piece]:
-    """One lazily filled piece per row band of every rayshard tensor and kind, in mapping order."""
+@dataclass(frozen=True)
+class _Band:
+    """One row band to write: its piece (whose tensor is a LazyTensor of its dtype and shape) and
+    how to produce it into buffer set `slot` (two sets when bands are read ahead, decision 195)."""
+
+    piece: Piece
+    load: Callable[[int], torch.Tensor]
+
+
+def _bands(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, reader: DcpReader, band_bytes: int,
+           views: bool = True, slots: int = 1) -> list[_Band]:
+    """One lazily filled band of every rayshard tensor and kind, in mapping order."""
     target = getattr(torch, dtype)
     itemsize = ITEMSIZE[dtype]
-    pieces = []
+    result = []
     inverse = mapping.inverse()
-    # The writer finishes a piece before it loads the next, so every band can reuse one buffer.
-    buffers = Buffers()
+    # The writer finishes a band before it asks for the next, and a read-ahead produces at most one
+    # band beyond it, so bands reuse `slots` buffer sets, a band's set being its parity.
+    buffer_sets = [Buffers() for _ in range(slots)]
+
+    def lazy(band: tuple[int, ...]) -> LazyTensor:
+        return LazyTensor(target, band, _unloaded)
     for kind in (PARAM, *MOMENTS):
         if kind not in kinds:  # no moments in the checkpoint: a fresh AdamW's zeros
             for name, shape in ours.items():
                 for first, end in bands(tuple(shape), itemsize, band_bytes):
                     band = (end - first, *shape[1:])
-                    pieces.append(Piece(name, kind, LazyTensor(target, band, counted(
-                        lambda band=band: buffers.take("band", band, target).zero_(), progress)), tuple(shape),
-                                        (first,) + (0,) * (len(shape) - 1)))
+                    result.append(_Band(Piece(name, kind, lazy(band), tuple(shape), (first,) + (0,) * (len(shape) - 1)),
+                                        lambda slot, band=band: buffer_sets[slot].take("band", band, target).zero_()))
             continue
         sources = {name: tensor for (name, k), tensor in found.states.items() if k == kind}
         metas = {name: Meta(tensor.shape, tensor.dtype) for name, tensor in sources.items()}
@@ -441,14 +472,18 @@ def _pieces(found: _Found, kinds: list[str], mapping, ours: dict, dtype: str, re
                 for first, end in bands(shape, itemsize, band_bytes):
                     band = (end - first, *shape[1:]) if shape else ()
 
-                    def load(origin=origins[name], first=first, end=end, band=band, source_shapes=source_shapes,
+                    def load(slot, origin=origins[name], first=first, end=end, band=band, source_shapes=source_shapes,
                              source_dtypes=source_dtypes, read_rows=read_rows, row_view=row_view):
+                        buffers = buffer_sets[slot]
                         return fill_band(origin, first, end, buffers.take("band", band, target), source_shapes,
                                          source_dtypes, read_rows, buffers.take, row_view)
-                    pieces.append(Piece(name, kind, LazyTensor(target, band, counted(load, progress)), shape,
-                                        (first,) + (0,) * (len(shape) - 1) if shape else ()))
-    return pieces
+                    result.append(_Band(Piece(name, kind, lazy(band), shape,
+                                              (first,) + (0,) * (len(shape) - 1) if shape else ()), load))
+    return result
 
+
+def _unloaded() -> torch.Tensor:
+    raise AssertionError("a band's piece is written through its _Band.load, never its placeholder")
 
 
 def _files(pieces: list[Piece], limit: int):

@@ -152,6 +152,31 @@ def test_bands_from_memory_maps_and_from_reads_import_alike(source, views, tmp_p
     assert not [line for line in open("/proc/self/maps") if ".distcp" in line]
 
 
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_bands_read_ahead_on_a_thread_and_in_turn_import_alike(source, read_ahead, tmp_path, monkeypatch):
+    """Decision 195: with the read-ahead, every band is produced on its background thread while the
+    writer writes the one before (in two buffer sets); without it, on the writer's thread. Both give
+    the source checkpoint bit for bit, and no read-ahead thread outlives the import."""
+    import threading
+
+    from rayshard.cluster.checkpoint import dcp_import
+
+    threads = []
+
+    def fill_band(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+    original = dcp_import.fill_band
+    monkeypatch.setattr(dcp_import, "fill_band", fill_band)
+    store, url, directories = source
+    target = str(tmp_path / "store")
+    dcp_import.import_dcp(directories["torchtitan"], Store(target), "ahead", CONFIG, "--model tiny", log=lambda *_: None,
+                          band_bytes=2048, read_ahead=read_ahead)
+    assert digests(Store(target).resolve("ahead").url) == digests(url)
+    assert len(threads) > 10 and set(threads) == {"rayshard-read-ahead" if read_ahead else threading.main_thread().name}
+    assert not [thread for thread in threading.enumerate() if thread.name == "rayshard-read-ahead"]
+
+
 @pytest.mark.parametrize("given", ["--hf-config", "--config"])
 def test_the_model_configuration_may_come_from_a_config_json_or_a_train_config(source, given, tmp_path):
     store, url, directories = source
