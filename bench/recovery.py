@@ -96,8 +96,10 @@ def one_recovery(store: Path, snapshot_every: int, preset: str) -> dict:
     while not any(step >= KILL_AFTER for _, step in console.steps_done()):
         time.sleep(0.01)
     time.sleep(0.05)  # mid-step
+    # A training rank, in the pool's placement group: not a warm spare (rank_pool.py), which holds no bundle.
     victim = max(a.pid for a in list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
-                                            filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")]))
+                                            filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
+                 if a.placement_group_id)
     done_at_kill = max(step for _, step in console.steps_done())
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
@@ -205,7 +207,14 @@ def main() -> None:
     median = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for mode, rs in results.items() if rs}
     if args.only:
         print(f"{args.only}: progress regained {median[args.only]['recovery_s']:.2f} s after the kill (median)")
-        return
+    else:
+        summarise(args, median, file_bytes)
+    ray.shutdown()
+    with contextlib.suppress(AttributeError):
+        cluster.shutdown()
+
+
+def summarise(args, median: dict, file_bytes: int) -> None:
     memory, storage = median["memory"], median["storage"]
     print(f"\n{args.preset} preset, 4 ranks on a 3-node local cluster, checkpoint every {CKPT_EVERY}, kill after step "
           f"{KILL_AFTER}, {args.repeats} repeats (medians)")
@@ -218,9 +227,6 @@ def main() -> None:
     print(f"peer transfer: snapshot {rates['snapshot'] / 1e6:.0f} MB/s to the other node's keeper, raw copy "
           f"{rates['raw'] / 1e6:.0f} MB/s (ratio {rates['snapshot'] / rates['raw']:.2f}), "
           f"{(file_bytes or 64 * 2**20) / 1e6:.1f} MB", flush=True)
-    ray.shutdown()
-    with contextlib.suppress(AttributeError):
-        cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ i, so tp/pp neighbours stay where the first start packed them. After a failed at
 must answer a no-op within its bound: one that does has left its process group (actors/rank.py
 leaves it on a failed step, and setup leaves any previous one) and is reused; one that does not
 is dead or stuck, so it is killed and another actor takes its place, keeping its CPU share. The
-bound is REUSE_PROBE_S, or BUSY_PEER_BOUND_S for a peer the failed step named silent: such a
-peer is usually still computing its step and fails at its next collective with the dead rank
-(decision 185). A replacement is a warm spare where the pool keeps one on the rank's node (CPU
-ranks: one idle actor per node, torch imported, no CPU reserved), else a new actor in the rank's
-bundle. Ray moves the bundles of a lost node elsewhere where it can; where it cannot within the
+bound is REUSE_PROBE_S, or BUSY_PEER_BOUND_S for a peer the failed step named silent (it may be
+still computing its step, or stuck in a collective): one with a warm spare on its node is
+replaced at once instead (decision 185). A replacement is a warm spare where the pool keeps one
+on the rank's node (CPU ranks: one idle actor per node, torch imported, no CPU reserved), else a
+new actor in the rank's bundle. Ray moves the bundles of a lost node elsewhere where it can; where it cannot within the
 start timeout, or the next layout asks for another world or another share per rank, the pool is
 released whole and started afresh (a smaller layout frees the extras).
 """
@@ -29,13 +29,13 @@ from rayshard.cluster.run.rank_group import wait_alive, start_actors
 # actor stuck in a collective never answers (its calls run one at a time), so the bound only
 # decides how soon it is replaced.
 REUSE_PROBE_S = 2.0
-# A peer the failed step named silent (it had not answered DEAD_RANK_GRACE_S after the death) is
-# mostly one still computing its step: it reaches its next collective with the dead rank, or with
-# a peer that already left the group, within about a step, fails at once and answers. Waiting for
-# it costs at most this bound, and it overlaps the dead rank's replacement; restarting it instead
-# cost a process start (torch import, seconds) and was the larger part of a recovery from memory.
-# A peer that does not answer within the bound is stuck: it is killed, replaced and named.
-BUSY_PEER_BOUND_S = 30.0
+# A peer the failed step named silent (no answer DEAD_RANK_GRACE_S after the death) is either
+# still computing its step, and fails at its next collective within about a step, or stuck in a
+# collective that the death or a departed peer never reached (measured: one such rank was still
+# silent after 30 s, decision 185). Where a warm spare waits on its node it is replaced at once
+# (that costs nothing); else it gets this bound to answer, overlapping the dead rank's
+# replacement, before it is killed, replaced and named.
+BUSY_PEER_BOUND_S = 5.0
 
 
 class RankPool:
@@ -54,8 +54,9 @@ class RankPool:
         self.condemned.update(ranks)
 
     def expect_busy(self, ranks) -> None:
-        """Ranks that did not answer the failed call in its grace: still computing, most likely,
-        so they get busy_peer_bound_s (not REUSE_PROBE_S) to answer before they are replaced."""
+        """Ranks that did not answer the failed call in its grace: replaced at once by a warm spare
+        on their node, else given busy_peer_bound_s (not REUSE_PROBE_S) to answer (one still
+        computing the failed step fails at its next collective) before they are replaced."""
         self.busy.update(ranks)
 
     def actors_for(self, world: int, bundle: dict[str, float]) -> list:
@@ -81,6 +82,10 @@ class RankPool:
         replaced: dict[int, str] = {}  # rank -> how its new actor came: "spare" or "new"
         for rank in sorted(condemned):  # dead: their replacements start now, beside the probes below
             replaced[rank] = self._replace(rank)
+        for rank in sorted(busy - condemned):  # silent, with a warm spare on its node: replaced at once
+            if self._spare_for(rank) is not None:
+                replaced[rank] = self._replace(rank)
+        condemned = condemned | set(replaced)
         probes = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(self.actors) if rank not in condemned}
         answered = self._answers(probes, {rank: self.busy_peer_bound_s if rank in busy else REUSE_PROBE_S
                                           for rank in probes.values()}, started)
@@ -127,8 +132,8 @@ class RankPool:
         """Kill rank's actor and give its place to a warm spare on its bundle's node, else to a new
         actor in its bundle. Returns which it was."""
         ray.kill(self.actors[rank], no_restart=True)
-        node = self._bundle_nodes().get(rank)
-        spare = self.spares.pop(node, None) if node in _alive_nodes() else None
+        node = self._spare_for(rank)
+        spare = self.spares.pop(node) if node is not None else None
         if spare is not None:
             self.actors[rank] = spare
             return "spare"
@@ -137,6 +142,11 @@ class RankPool:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
         ).remote()
         return "new"
+
+    def _spare_for(self, rank: int) -> str | None:
+        """The node of rank's bundle, where a warm spare waits on it and the node is alive."""
+        node = self._bundle_nodes().get(rank)
+        return node if node in self.spares and node in _alive_nodes() else None
 
     def _bundle_nodes(self) -> dict[int, str]:
         """Bundle index -> the node Ray placed it on now (a lost node's bundles may be missing)."""

@@ -1,7 +1,7 @@
 """The elastic run's rank pool on real Ray actors (decisions 149, 185): after a failure it keeps
-the actors that answer, waits a bound for peers still busy with the failed step, replaces the dead
-(from a warm spare on their node where there is one) and those that do not answer in their
-bound, and starts afresh for another world size.
+the actors that answer, waits a bound for peers still busy with the failed step, replaces the
+dead, silent peers that have a warm spare on their node, and peers silent past their bound (each
+from a warm spare on its node where one waits, named), and starts afresh for another world size.
 
 The pool reserves CPUs in a placement group, and the test session's Ray lends all of its CPUs to
 the session's actor pool; so the scenario runs in a subprocess with a small Ray of its own."""
@@ -44,17 +44,29 @@ def _scenario() -> None:
         assert ray.get([actor.__ray_ready__.remote() for actor in second], timeout=60)
         assert lines[-1].startswith("recovery: ranks reused [0,2], restarted [1] "), lines
         assert "rank(s) [2] waited for" in lines[-1] and "rank(s) [1] from a warm spare" in lines[-1], lines
-        # A peer still silent after its bound is stuck: replaced and named.
-        pool.busy_peer_bound_s = 3.0
+        # A silent peer with a warm spare on its node is replaced at once, not waited for.
+        [spare] = pool.spares.values()  # started after the last repair
+        ray.get(spare.__ray_ready__.remote(), timeout=120)
         second[0].__ray_call__.remote(lambda self: time.sleep(600))
         pool.expect_busy([0])
         third = pool.actors_for(3, BUNDLE)
-        assert third[0]._actor_id != ids[0] and [a._actor_id for a in third[1:]] == [a._actor_id for a in second[1:]]
+        assert third[0]._actor_id == spare._actor_id and [a._actor_id for a in third[1:]] == [a._actor_id for a in second[1:]]
         assert lines[-1].startswith("recovery: ranks reused [1,2], restarted [0] "), lines
-        assert "rank(s) [0] did not answer within 3 s (treated as lost)" in lines[-1], lines
+        assert "rank(s) [0] from a warm spare" in lines[-1] and "waited for" not in lines[-1], lines
+        # Without a spare, a peer still silent after its bound is stuck: replaced and named.
+        for idle in pool.spares.values():
+            ray.kill(idle)
+        pool.spares, pool.warm_spares, pool.busy_peer_bound_s = {}, False, 3.0
+        third[1].__ray_call__.remote(lambda self: time.sleep(600))
+        pool.expect_busy([1])
+        fourth = pool.actors_for(3, BUNDLE)
+        assert fourth[1]._actor_id != third[1]._actor_id and fourth[0]._actor_id == third[0]._actor_id
+        assert lines[-1].startswith("recovery: ranks reused [0,2], restarted [1] "), lines
+        assert "rank(s) [1] did not answer within 3 s (treated as lost)" in lines[-1], lines
+        third = fourth
         # Another world size: a fresh set, the old actors gone.
-        fourth = pool.actors_for(2, BUNDLE)
-        assert len(fourth) == 2 and not {a._actor_id for a in fourth} & {a._actor_id for a in third}
+        fifth = pool.actors_for(2, BUNDLE)
+        assert len(fifth) == 2 and not {a._actor_id for a in fifth} & {a._actor_id for a in third}
     finally:
         pool.release()
         ray.shutdown()
