@@ -96,8 +96,10 @@ def one_recovery(store: Path, snapshot_every: int, preset: str) -> dict:
     while not any(step >= KILL_AFTER for _, step in console.steps_done()):
         time.sleep(0.01)
     time.sleep(0.05)  # mid-step
+    # A training rank, in the pool's placement group: not a warm spare (rank_pool.py), which holds no bundle.
     victim = max(a.pid for a in list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
-                                            filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")]))
+                                            filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
+                 if a.placement_group_id)
     done_at_kill = max(step for _, step in console.steps_done())
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
@@ -110,10 +112,31 @@ def one_recovery(store: Path, snapshot_every: int, preset: str) -> dict:
     for _, line in console.lines:  # what failed, what the recovery read, which ranks it reused (rank_pool.py)
         if line.startswith(("recovery:", "[controller] restarting", "snapshot")):
             print(f"  {line[:240]}", flush=True)
+    phases = recovery_phases(console.lines, killed, regained)
+    print("  after the kill: " + ", ".join(f"{name} +{at:.2f} s" for name, at in phases.items()), flush=True)
     return {"recovery_s": regained - killed, "redone": sum(1 for _, step in after if step <= done_at_kill),
             "blocked_share": statistics.median(blocked) if blocked else 0.0,
             "step_s": statistics.median(m["step_s"] for m in metrics),
             "write_s": statistics.median(writes) if writes else 0.0}
+
+
+# Where a recovery's time goes: the first console line of each phase after the kill, as the
+# driver prints it (controller, rank pool, train.py), in the order they come.
+PHASES = (("failure seen", "[controller] restarting"), ("replanned", "[controller] running"),
+          ("ranks repaired", "recovery: ranks reused"), ("resume chosen", "resuming from"),
+          ("ranks set up", "rank actors ready"), ("state loaded", "loaded step"), ("first step", "step "))
+
+
+def recovery_phases(lines: list[tuple[float, str]], killed: float, regained: float) -> dict[str, float]:
+    """Seconds from the kill to the first line of each phase (those that appeared), then to the
+    regained step."""
+    phases = {}
+    for name, prefix in PHASES:
+        at = next((at for at, line in lines if at > killed and (line.startswith(prefix) if prefix == "step " else prefix in line)), None)
+        if at is not None:
+            phases[name] = at - killed
+    phases["regained"] = regained - killed
+    return phases
 
 
 def largest_snapshot_file() -> int:
@@ -160,6 +183,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--preset", default="small", help="model preset (issue 41: small)")
+    parser.add_argument("--only", choices=("memory", "storage"), help="run one path only (iterating; no ratio)")
     args = parser.parse_args()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     for _ in range(2):
@@ -169,6 +193,8 @@ def main() -> None:
     results, file_bytes = {"storage": [], "memory": []}, 0
     for repeat in range(args.repeats):
         for mode, every in (("storage", 0), ("memory", 1)):  # alternating: the machine's drift hits both
+            if args.only not in (None, mode):
+                continue
             with tempfile.TemporaryDirectory() as store:
                 r = one_recovery(Path(store), every, args.preset)
                 if mode == "memory":
@@ -178,7 +204,17 @@ def main() -> None:
                   f"{r['redone']} step(s) redone, step {r['step_s']:.3f} s" + (f", snapshot blocked {100 * r['blocked_share']:.1f}% of a step, "
                                                      f"written to the keepers in {r['write_s']:.2f} s"
                                                      if mode == "memory" else ""), flush=True)
-    median = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for mode, rs in results.items()}
+    median = {mode: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for mode, rs in results.items() if rs}
+    if args.only:
+        print(f"{args.only}: progress regained {median[args.only]['recovery_s']:.2f} s after the kill (median)")
+    else:
+        summarise(args, median, file_bytes)
+    ray.shutdown()
+    with contextlib.suppress(AttributeError):
+        cluster.shutdown()
+
+
+def summarise(args, median: dict, file_bytes: int) -> None:
     memory, storage = median["memory"], median["storage"]
     print(f"\n{args.preset} preset, 4 ranks on a 3-node local cluster, checkpoint every {CKPT_EVERY}, kill after step "
           f"{KILL_AFTER}, {args.repeats} repeats (medians)")
@@ -191,9 +227,6 @@ def main() -> None:
     print(f"peer transfer: snapshot {rates['snapshot'] / 1e6:.0f} MB/s to the other node's keeper, raw copy "
           f"{rates['raw'] / 1e6:.0f} MB/s (ratio {rates['snapshot'] / rates['raw']:.2f}), "
           f"{(file_bytes or 64 * 2**20) / 1e6:.1f} MB", flush=True)
-    ray.shutdown()
-    with contextlib.suppress(AttributeError):
-        cluster.shutdown()
 
 
 if __name__ == "__main__":

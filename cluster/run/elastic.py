@@ -81,7 +81,8 @@ class TrainingWorkerGroup:
             result = train(config, actors, stop_after_checkpoint=lambda step: should_resize())
         except RANK_FAILURES as error:
             if self.pool is not None and isinstance(error, StepFailed):
-                self.pool.condemn([*error.dead_ranks, *error.silent])
+                self.pool.condemn(error.dead_ranks)
+                self.pool.expect_busy(error.silent)
             return RunResult(Outcome.FAILED, error, f"{type(error).__name__}: {_first_line(error)}")
         self.release()  # done or resizing: a new world starts its own ranks
         if result.stopped_early:

@@ -3,20 +3,24 @@ ranks it lost (issue 41: process start dominated a recovery from memory).
 
 The pool owns one PACKed placement group with a bundle per rank; rank i always lives in bundle
 i, so tp/pp neighbours stay where the first start packed them. After a failed attempt each actor
-must answer a no-op within REUSE_PROBE_S: one that does has left its process group (actors/rank.py
+must answer a no-op within its bound: one that does has left its process group (actors/rank.py
 leaves it on a failed step, and setup leaves any previous one) and is reused; one that does not
-is dead or stuck in a collective with the dead rank, so it is killed and a new actor takes its
-bundle, keeping its CPU share. Ray moves the bundles of a lost node elsewhere where it can; where
-it cannot within the start timeout, or the next layout asks for another world or another share
-per rank, the pool is released whole and started afresh (a smaller layout frees the extras).
+is dead or stuck, so it is killed and another actor takes its place, keeping its CPU share. The
+bound is REUSE_PROBE_S, or BUSY_PEER_BOUND_S for a peer the failed step named silent (it may be
+still computing its step, or stuck in a collective): one with a warm spare on its node is
+replaced at once instead (decision 185). A replacement is a warm spare where the pool keeps one
+on the rank's node (CPU ranks: one idle actor per node, torch imported, no CPU reserved), else a
+new actor in the rank's bundle. Ray moves the bundles of a lost node elsewhere where it can; where it cannot within the
+start timeout, or the next layout asks for another world or another share per rank, the pool is
+released whole and started afresh (a smaller layout frees the extras).
 """
 from __future__ import annotations
 
 import time
 
 import ray
-from ray.util.placement_group import remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayshard.actors.rank import RankActor
 from rayshard.cluster.run.rank_group import wait_alive, start_actors
@@ -25,19 +29,35 @@ from rayshard.cluster.run.rank_group import wait_alive, start_actors
 # actor stuck in a collective never answers (its calls run one at a time), so the bound only
 # decides how soon it is replaced.
 REUSE_PROBE_S = 2.0
+# A peer the failed step named silent (no answer DEAD_RANK_GRACE_S after the death) is either
+# still computing its step, and fails at its next collective within about a step, or stuck in a
+# collective that the death or a departed peer never reached (measured: one such rank was still
+# silent after 30 s, decision 185). Where a warm spare waits on its node it is replaced at once
+# (that costs nothing); else it gets this bound to answer, overlapping the dead rank's
+# replacement, before it is killed, replaced and named.
+BUSY_PEER_BOUND_S = 5.0
 
 
 class RankPool:
-    def __init__(self, start_timeout_s: float, log=print):
-        self.start_timeout_s, self.log = start_timeout_s, log
+    def __init__(self, start_timeout_s: float, log=print, busy_peer_bound_s: float = BUSY_PEER_BOUND_S,
+                 warm_spares: bool = True):
+        self.start_timeout_s, self.log, self.busy_peer_bound_s = start_timeout_s, log, busy_peer_bound_s
+        self.warm_spares = warm_spares  # one idle actor per node with CPU ranks, to replace a dead rank at once
         self.placement, self.actors, self.bundle = None, [], None
+        self.spares: dict[str, object] = {}  # node id -> an idle RankActor on it (no CPU reserved)
         self.last_recovery = ""  # one line: which ranks were reused, which restarted
-        self.condemned: set[int] = set()  # ranks the failed attempt found dead or silent: replaced unprobed
+        self.condemned: set[int] = set()  # ranks the failed attempt found dead: replaced unprobed
+        self.busy: set[int] = set()  # ranks the failed attempt named silent: probed with busy_peer_bound_s
 
     def condemn(self, ranks) -> None:
-        """Ranks to replace without asking: dead, or silent in a collective with a dead peer
-        (waiting for them would cost more than restarting them alongside the dead one)."""
+        """Ranks to replace without asking: their processes are gone."""
         self.condemned.update(ranks)
+
+    def expect_busy(self, ranks) -> None:
+        """Ranks that did not answer the failed call in its grace: replaced at once by a warm spare
+        on their node, else given busy_peer_bound_s (not REUSE_PROBE_S) to answer (one still
+        computing the failed step fails at its next collective) before they are replaced."""
+        self.busy.update(ranks)
 
     def actors_for(self, world: int, bundle: dict[str, float]) -> list:
         """world live actors with `bundle` each: the pool's, repaired, when it has that shape."""
@@ -47,6 +67,7 @@ class RankPool:
             self.placement, self.actors = start_actors(world, self.start_timeout_s, bundle.get("CPU", 0),
                                                        bundle.get("GPU", 0), log=self.log)
             self.bundle = dict(bundle)
+            self._start_spares()
             return list(self.actors)
         try:
             self._repair()
@@ -57,36 +78,107 @@ class RankPool:
 
     def _repair(self) -> None:
         started = time.monotonic()
-        condemned, self.condemned = self.condemned, set()
+        condemned, busy, self.condemned, self.busy = self.condemned, self.busy, set(), set()
+        replaced: dict[int, str] = {}  # rank -> how its new actor came: "spare" or "new"
+        for rank in sorted(condemned):  # dead: their replacements start now, beside the probes below
+            replaced[rank] = self._replace(rank)
+        for rank in sorted(busy - condemned):  # silent, with a warm spare on its node: replaced at once
+            if self._spare_for(rank) is not None:
+                replaced[rank] = self._replace(rank)
+        condemned = condemned | set(replaced)
         probes = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(self.actors) if rank not in condemned}
-        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=REUSE_PROBE_S) if probes else ([], [])
-        answered = set()
-        for ref in ready:
-            try:
-                ray.get(ref)
-                answered.add(probes[ref])
-            except Exception:  # the actor died: replaced below
-                pass
-        lost = [rank for rank in range(len(self.actors)) if rank not in answered]
-        for rank in lost:
-            ray.kill(self.actors[rank], no_restart=True)
-            self.actors[rank] = RankActor.options(
-                num_cpus=self.bundle.get("CPU", 0), num_gpus=self.bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
-            ).remote()
-        if lost:
+        answered = self._answers(probes, {rank: self.busy_peer_bound_s if rank in busy else REUSE_PROBE_S
+                                          for rank in probes.values()}, started)
+        stuck = sorted(rank for rank in probes.values() if rank not in answered)
+        for rank in stuck:
+            replaced[rank] = self._replace(rank)
+        if replaced:
             wait_alive(self.actors, self.start_timeout_s)
-        reused = [rank for rank in range(len(self.actors)) if rank not in lost]
+        reused = [rank for rank in range(len(self.actors)) if rank not in replaced]
+        lost = sorted(replaced)
+        notes = [f"rank(s) {_ranks(sorted(busy & set(reused)))} waited for, busy finishing the failed step"] \
+            if busy & set(reused) else []
+        silent = sorted(set(stuck) & busy)
+        if silent:
+            notes.append(f"rank(s) {_ranks(silent)} did not answer within {self.busy_peer_bound_s:g} s (treated as lost)")
+        from_spares = [rank for rank in lost if replaced[rank] == "spare"]
+        if from_spares:
+            notes.append(f"rank(s) {_ranks(from_spares)} from a warm spare")
         self.last_recovery = (f"ranks reused {_ranks(reused)}, restarted {_ranks(lost)} "
-                              f"({time.monotonic() - started:.1f} s)")
+                              f"({time.monotonic() - started:.1f} s" + "".join(f"; {note}" for note in notes) + ")")
         self.log(f"recovery: {self.last_recovery}")
+        self._start_spares()  # not waited for: the next failure finds them warm
+
+    def _answers(self, probes: dict, bounds: dict[int, float], started: float) -> set[int]:
+        """The ranks whose probe answered within their own bound (counted from `started`)."""
+        answered, pending = set(), dict(probes)
+        while pending:
+            deadline = started + max(bounds[rank] for rank in pending.values())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            rank = pending.pop(ready[0])
+            try:
+                ray.get(ready[0])
+                answered.add(rank)
+            except Exception:  # the actor died: replaced by the caller
+                pass
+            # Ranks past their own bound are given up on now, not when the longest bound ends.
+            now = time.monotonic()
+            pending = {ref: r for ref, r in pending.items() if started + bounds[r] > now}
+        return answered
+
+    def _replace(self, rank: int) -> str:
+        """Kill rank's actor and give its place to a warm spare on its bundle's node, else to a new
+        actor in its bundle. Returns which it was."""
+        ray.kill(self.actors[rank], no_restart=True)
+        node = self._spare_for(rank)
+        spare = self.spares.pop(node) if node is not None else None
+        if spare is not None:
+            self.actors[rank] = spare
+            return "spare"
+        self.actors[rank] = RankActor.options(
+            num_cpus=self.bundle.get("CPU", 0), num_gpus=self.bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
+        ).remote()
+        return "new"
+
+    def _spare_for(self, rank: int) -> str | None:
+        """The node of rank's bundle, where a warm spare waits on it and the node is alive."""
+        node = self._bundle_nodes().get(rank)
+        return node if node in self.spares and node in _alive_nodes() else None
+
+    def _bundle_nodes(self) -> dict[int, str]:
+        """Bundle index -> the node Ray placed it on now (a lost node's bundles may be missing)."""
+        try:
+            return dict(placement_group_table(self.placement).get("bundles_to_node_id", {}))
+        except Exception:  # noqa: BLE001 - no placement known: no spare is used, a new actor is started
+            return {}
+
+    def _start_spares(self) -> None:
+        """An idle actor on every node that holds ranks and has none (CPU ranks only: a GPU rank's
+        actor must own its GPU from its start). It reserves no CPU: it only waits, torch imported,
+        and once it takes a dead rank's place, that rank's bundle keeps the CPU reserved for it."""
+        if not self.warm_spares or self.bundle.get("GPU", 0):
+            return
+        alive = _alive_nodes()
+        self.spares = {node: spare for node, spare in self.spares.items() if node in alive}  # a lost node's went with it
+        for node in sorted(set(self._bundle_nodes().values()) & alive):
+            if node not in self.spares:
+                self.spares[node] = RankActor.options(
+                    num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
 
     def release(self) -> None:
-        for actor in self.actors:
+        for actor in [*self.actors, *self.spares.values()]:
             ray.kill(actor, no_restart=True)
+        self.spares = {}
         if self.placement is not None:
             remove_placement_group(self.placement)
         self.placement, self.actors, self.bundle = None, [], None
+
+
+def _alive_nodes() -> set[str]:
+    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -73,7 +73,7 @@ def rank_actor_pids() -> list[int]:
     # The address is explicit: another Ray instance on the machine must not be asked instead.
     actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
                          filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
-    return sorted(a.pid for a in actors if a.pid)
+    return sorted(a.pid for a in actors if a.pid and a.placement_group_id)  # not the pool's warm spares (decision 185)
 
 
 def start_s3():

@@ -71,13 +71,14 @@ def snapshot_step(store: str) -> int:
 
 
 def rank_pids() -> list[tuple[int, str]]:
-    """The live rank actors' processes. The state API goes through the dashboard, which a loaded
+    """The live training rank actors' processes. The state API goes through the dashboard, which a loaded
     machine may start late: asked again for up to a minute."""
     for attempt in range(12):
         try:
             actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
                                  filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")])
-            return sorted((a.pid, a.node_id) for a in actors)
+            # Training ranks: in the pool's placement group, not its warm spares (decision 185).
+            return sorted((a.pid, a.node_id) for a in actors if a.placement_group_id)
         except ConnectionError:
             if attempt == 11:
                 raise

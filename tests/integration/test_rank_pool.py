@@ -1,6 +1,7 @@
-"""The elastic run's rank pool on real Ray actors (decision 149): after a failure it keeps the
-actors that answer, replaces the dead and the condemned in their own bundles, and starts afresh
-for another world size.
+"""The elastic run's rank pool on real Ray actors (decisions 149, 185): after a failure it keeps
+the actors that answer, waits a bound for peers still busy with the failed step, replaces the
+dead, silent peers that have a warm spare on their node, and peers silent past their bound (each
+from a warm spare on its node where one waits, named), and starts afresh for another world size.
 
 The pool reserves CPUs in a placement group, and the test session's Ray lends all of its CPUs to
 the session's actor pool; so the scenario runs in a subprocess with a small Ray of its own."""
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,21 +25,48 @@ def _scenario() -> None:
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     lines = []
-    pool = RankPool(start_timeout_s=120, log=lines.append)
+    pool = RankPool(start_timeout_s=120, log=lines.append, busy_peer_bound_s=60)
     try:
         first = pool.actors_for(3, BUNDLE)
         ids = [actor._actor_id for actor in first]
+        [spare] = pool.spares.values()  # one node: one warm spare
+        ray.get(spare.__ray_ready__.remote(), timeout=120)
         victim = ray.get(first[1].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        # Rank 2 is still busy with the failed step for longer than a plain probe waits (2 s).
+        first[2].__ray_call__.remote(lambda self: time.sleep(6))
+        time.sleep(0.5)
         os.kill(victim, signal.SIGKILL)
-        pool.condemn([2])  # as if rank 2 had been silent, stuck with the dead rank
+        pool.condemn([1])  # dead
+        pool.expect_busy([2])  # silent: the failed step named it, it was computing
         second = pool.actors_for(3, BUNDLE)
-        assert second[0]._actor_id == ids[0]
-        assert second[1]._actor_id != ids[1] and second[2]._actor_id != ids[2]
+        assert second[0]._actor_id == ids[0] and second[2]._actor_id == ids[2]  # the busy peer was waited for
+        assert second[1]._actor_id == spare._actor_id  # the dead rank's place went to the warm spare
         assert ray.get([actor.__ray_ready__.remote() for actor in second], timeout=60)
-        assert lines[-1].startswith("recovery: ranks reused [0], restarted [1,2] "), lines
+        assert lines[-1].startswith("recovery: ranks reused [0,2], restarted [1] "), lines
+        assert "rank(s) [2] waited for" in lines[-1] and "rank(s) [1] from a warm spare" in lines[-1], lines
+        # A silent peer with a warm spare on its node is replaced at once, not waited for.
+        [spare] = pool.spares.values()  # started after the last repair
+        ray.get(spare.__ray_ready__.remote(), timeout=120)
+        second[0].__ray_call__.remote(lambda self: time.sleep(600))
+        pool.expect_busy([0])
+        third = pool.actors_for(3, BUNDLE)
+        assert third[0]._actor_id == spare._actor_id and [a._actor_id for a in third[1:]] == [a._actor_id for a in second[1:]]
+        assert lines[-1].startswith("recovery: ranks reused [1,2], restarted [0] "), lines
+        assert "rank(s) [0] from a warm spare" in lines[-1] and "waited for" not in lines[-1], lines
+        # Without a spare, a peer still silent after its bound is stuck: replaced and named.
+        for idle in pool.spares.values():
+            ray.kill(idle)
+        pool.spares, pool.warm_spares, pool.busy_peer_bound_s = {}, False, 3.0
+        third[1].__ray_call__.remote(lambda self: time.sleep(600))
+        pool.expect_busy([1])
+        fourth = pool.actors_for(3, BUNDLE)
+        assert fourth[1]._actor_id != third[1]._actor_id and fourth[0]._actor_id == third[0]._actor_id
+        assert lines[-1].startswith("recovery: ranks reused [0,2], restarted [1] "), lines
+        assert "rank(s) [1] did not answer within 3 s (treated as lost)" in lines[-1], lines
+        third = fourth
         # Another world size: a fresh set, the old actors gone.
-        third = pool.actors_for(2, BUNDLE)
-        assert len(third) == 2 and not {a._actor_id for a in third} & {a._actor_id for a in second}
+        fifth = pool.actors_for(2, BUNDLE)
+        assert len(fifth) == 2 and not {a._actor_id for a in fifth} & {a._actor_id for a in third}
     finally:
         pool.release()
         ray.shutdown()
@@ -45,7 +74,7 @@ def _scenario() -> None:
 
 @pytest.mark.slow  # decision 153: its own Ray and six actor starts (about a minute); the default suite's
 # elastic case (tests/e2e/test_elastic.py) recovers through the pool
-def test_a_killed_rank_is_restarted_and_the_others_are_reused():
+def test_a_killed_rank_is_replaced_by_a_spare_and_busy_peers_are_waited_for_and_reused():
     done = subprocess.run([sys.executable, "-c", "from tests.integration.test_rank_pool import _scenario; _scenario()"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
