@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy  # noqa: E402
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
@@ -136,8 +137,10 @@ class TransferProbe:
         for index in range(repeats):
             for path in ("snapshot", "raw"):  # alternating: the shared machine's drift hits both
                 started = time.perf_counter()
-                if path == "snapshot":  # what SnapshotFileSystem._write sends each holder
-                    ray.get(keeper.put.remote(f"bench-transfer/{index}", payload), timeout=300)
+                if path == "snapshot":  # what SnapshotFileSystem.put_segments does for each holder (decision 180)
+                    ref = ray.put([numpy.frombuffer(payload, dtype=numpy.uint8)])
+                    ray.get(keeper.copy.remote(f"bench-transfer/{index}", [ref], size), timeout=300)
+                    del ref
                 else:  # the same actor-to-actor call with the plain bytes: nothing kept, no lock
                     ray.get(keeper.__ray_call__.remote(lambda _keeper, data: len(data), payload), timeout=300)
                 timed[path].append(time.perf_counter() - started)
