@@ -34,6 +34,7 @@ import io
 import os
 import re
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -164,7 +165,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--preset", default="small", help="model preset (issue 41: small)")
     args = parser.parse_args()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    # The state API (list_actors) needs this cluster's dashboard; another cluster on a shared host
+    # may hold Ray's default port 8265, so take a free one.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dashboard_port = probe.getsockname()[1]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0,
+                                                            "dashboard_port": dashboard_port})
     for _ in range(2):
         cluster.add_node(num_cpus=2, num_gpus=0)
     cluster.wait_for_nodes()
