@@ -34,6 +34,7 @@ import io
 import os
 import re
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy  # noqa: E402
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
@@ -159,8 +161,10 @@ class TransferProbe:
         for index in range(repeats):
             for path in ("snapshot", "raw"):  # alternating: the shared machine's drift hits both
                 started = time.perf_counter()
-                if path == "snapshot":  # what SnapshotFileSystem._write sends each holder
-                    ray.get(keeper.put.remote(f"bench-transfer/{index}", payload), timeout=300)
+                if path == "snapshot":  # what SnapshotFileSystem.put_segments does for each holder (decision 180)
+                    ref = ray.put([numpy.frombuffer(payload, dtype=numpy.uint8)])
+                    ray.get(keeper.copy.remote(f"bench-transfer/{index}", [ref], size), timeout=300)
+                    del ref
                 else:  # the same actor-to-actor call with the plain bytes: nothing kept, no lock
                     ray.get(keeper.__ray_call__.remote(lambda _keeper, data: len(data), payload), timeout=300)
                 timed[path].append(time.perf_counter() - started)
@@ -185,7 +189,13 @@ def main() -> None:
     parser.add_argument("--preset", default="small", help="model preset (issue 41: small)")
     parser.add_argument("--only", choices=("memory", "storage"), help="run one path only (iterating; no ratio)")
     args = parser.parse_args()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    # The state API (list_actors) needs this cluster's dashboard; another cluster on a shared host
+    # may hold Ray's default port 8265, so take a free one.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dashboard_port = probe.getsockname()[1]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0,
+                                                            "dashboard_port": dashboard_port})
     for _ in range(2):
         cluster.add_node(num_cpus=2, num_gpus=0)
     cluster.wait_for_nodes()

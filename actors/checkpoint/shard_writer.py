@@ -79,13 +79,17 @@ def write_pieces(handle, pieces: Sequence[Piece], file: str, stage_bytes: int = 
     handle.write(header)
     header_checksum = checksum(header)
     chunks = []
+    # A writer that can keep a block by reference (the snapshot keepers', which copies the file
+    # once into Ray's object store) is given the blocks themselves: nothing changes them before
+    # the writer closes (staged copies, parameters between steps, or fresh per-block copies).
+    write_block = getattr(handle, "write_kept", handle.write)
     for piece, entry, (start, end) in zip(pieces, entries, ranges):
         name, kind, tensor = piece.name, piece.kind, piece.tensor
         running, written = RunningChecksum(), 0
         if isinstance(tensor, LazyTensor):
             tensor = tensor.load()
         for block in _byte_blocks(tensor, stage_bytes):
-            handle.write(block)
+            write_block(block)
             running.update(block)
             written += len(block)
         if written != end - start:

@@ -4,8 +4,10 @@ A snapshot is an ordinary rayshard checkpoint (manifest, safetensors shards, che
 written here instead of to a store, so the save, the reshard planner and the verified reads are the
 same code as for a durable checkpoint: recovery from memory is `load` from a URL of this scheme.
 Each file written goes to two keepers on different nodes (`snapshot_holders`): the writer's own and
-the next one in the ring. A read asks the keepers that hold the file, first the one on the reader's
-node; a keeper that does not answer within RAYSHARD_SNAPSHOT_TIMEOUT_S is taken as lost, and the
+the next one in the ring. A shard file (`SnapshotBackend.open_writer`) is put once into the
+writer node's object store and only its reference is sent: each keeper fetches it and copies it
+into its heap (docs/decisions.md 180); small files go as bytes. A read asks the keepers that hold
+the file, first the one on the reader's node; a keeper that does not answer within RAYSHARD_SNAPSHOT_TIMEOUT_S is taken as lost, and the
 read moves to the next copy or fails naming every keeper it tried.
 
 Registered with fsspec through the `fsspec.specs` entry point (pyproject.toml), so any process of
@@ -14,11 +16,13 @@ the job (driver, rank, a Ray task) opens these URLs; it needs a connected Ray wi
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import posixpath
 import time
 
+import numpy as np
 import ray
 import fsspec
 from fsspec.spec import AbstractFileSystem
@@ -142,14 +146,35 @@ class SnapshotFileSystem(AbstractFileSystem):
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         path = self._strip_protocol(path)
-        self._write(path, lambda keeper: keeper.put.remote(path, value))
+        self._write(path, lambda node, keeper: keeper.put.remote(path, value))
+
+    def put_segments(self, path: str, segments: list) -> None:
+        """Write path as the concatenation of segments (byte buffers) with one copy in this
+        process: a single `ray.put` into this node's object store (a list of uint8 arrays, which
+        Ray serialises out of band, without a Python `bytes` of the file), whose reference both
+        holders get; each copies the object into its own heap (the other node's keeper after Ray
+        moved it there). This process owns the object until every holder has its copy, which is
+        when this returns: a file outlives its writer from then on (docs/decisions.md 180)."""
+        path = self._strip_protocol(path)
+        arrays = [np.frombuffer(segment, dtype=np.uint8) for segment in segments]
+        size = sum(array.size for array in arrays)
+        self.keepers()  # first: it refuses when Ray is not connected
+        try:
+            ref = ray.put(arrays)
+        except Exception as error:  # noqa: BLE001 - the object store is full (and cannot spill), or gone
+            raise SnapshotKeeperLost(f"{PROTOCOL}://{path}: this node's object store did not take it "
+                                     f"({_first({'': error})}); the snapshot is incomplete and will not be used") from error
+        try:
+            self._write(path, lambda node, keeper: keeper.copy.remote(path, [ref], size, timeout_s()))
+        finally:
+            del ref  # the object goes now: each holder has a copy, or the write failed
 
     def _write(self, path: str, call) -> None:
-        """`call(keeper)` on each keeper that is to hold path; a refusal (exists, changed) is raised
-        as the keeper raised it, a keeper that failed otherwise is lost."""
+        """`call(node, keeper)` on each keeper that is to hold path; a refusal (exists, changed) is
+        raised as the keeper raised it, a keeper that failed otherwise is lost."""
         keepers = self.keepers()  # first: it refuses when Ray is not connected
         holders = snapshot_holders(_this_node(), list(keepers))
-        answers, failures = self._answers({node: call(keepers[node]) for node in holders})
+        answers, failures = self._answers({node: call(node, keepers[node]) for node in holders})
         for node, error in failures.items():
             if isinstance(_cause(error), (FileExistsError, PreconditionFailedHere)):
                 raise _cause(error)
@@ -161,10 +186,10 @@ class SnapshotFileSystem(AbstractFileSystem):
         self._where[path] = sorted(answers, key=lambda node: node != _this_node())
 
     def create_only(self, path: str, data: bytes) -> None:
-        self._write(path, lambda keeper: keeper.create_only.remote(path, data))
+        self._write(path, lambda node, keeper: keeper.create_only.remote(path, data))
 
     def replace_if(self, path: str, data: bytes, expected: bytes | None) -> None:
-        self._write(path, lambda keeper: keeper.replace_if.remote(path, data, expected))
+        self._write(path, lambda node, keeper: keeper.replace_if.remote(path, data, expected))
 
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
         path = self._strip_protocol(path)
@@ -293,11 +318,35 @@ class _WriteOnClose(io.BytesIO):
         super().close()
 
 
+class _KeptSegments:
+    """A shard file being written (`SnapshotBackend.open_writer`): `write` copies what it is given
+    (a caller may reuse its buffer), `write_kept` keeps a reference to a buffer its caller leaves
+    unchanged until the writer closes (the shard writer's staged blocks), so the file's bytes are
+    copied once in the writer's process, into the object store, by `put_segments`."""
+
+    def __init__(self):
+        self.segments: list = []
+
+    def write(self, data) -> int:
+        self.segments.append(bytes(data))
+        return len(self.segments[-1])
+
+    def write_kept(self, data) -> int:
+        self.segments.append(data)
+        return memoryview(data).nbytes
+
+
 class SnapshotBackend(FsspecBackend):
     """The storage backend for snapshot URLs: create-only and compare-and-swap run inside each
     keeper (one actor, one lock), so they hold across the job's processes."""
 
     scheme = PROTOCOL
+
+    @contextlib.contextmanager
+    def open_writer(self, path: str):
+        handle = _KeptSegments()
+        yield handle
+        self.fs.put_segments(path, handle.segments)  # only when the block exits without an error
 
     def create_only(self, path: str, data: bytes) -> None:
         self.fs.create_only(path, data)

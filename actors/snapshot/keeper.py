@@ -1,18 +1,26 @@
-"""A node's snapshot keeper: a Ray actor that holds snapshot files in its host memory.
+"""A node's snapshot keeper: a Ray actor that holds snapshot files in its node's memory.
 
 Snapshots (issue 41) are ordinary rayshard checkpoints written to the `rayshard-snapshot://`
 filesystem (`filesystem.py`), whose files live here instead of in a store. One keeper runs per
 node, outside the ranks, so a rank's death loses nothing and only a node's loss takes its keeper's
 copies (each file has a second copy on another node, `plans/checkpoint/snapshot_holders.py`).
 
-The keeper copies what it is sent into its own heap (a `bytes` argument is deserialised, not
-mapped from the sender's object store), so a file outlives the process that wrote it.
+A file is kept in this process's heap, so it outlives the process that wrote it, and in a form
+that costs the writer little:
+- a shard file arrives as a reference to the object the writer put into its node's object store
+  once (`copy`); the keeper fetches it (from the same node's store, or across nodes by Ray's
+  object transfer) and copies it into its heap: the copy owes nothing to the writer or its node
+  (docs/decisions.md 180);
+- small files (manifest, LATEST) arrive as a `bytes` argument (`put`, `create_only`, `replace_if`).
 Conditional writes (create-only, compare-and-swap) are atomic here because every write of one path
 goes through this one actor's lock.
 """
 from __future__ import annotations
 
 import threading
+
+import numpy as np
+import ray
 
 KEEPER_PREFIX = "rayshard-snapshot-keeper:"
 
@@ -27,12 +35,16 @@ class PreconditionFailedHere(Exception):
 
 
 class SnapshotKeeper:
-    """path -> bytes, in this process's memory. Reads run concurrently (max_concurrency > 1);
+    """path -> file, in this node's memory. Reads run concurrently (max_concurrency > 1);
     writes of one path serialise on the lock."""
+
+    # How long a keeper waits for another node's object it is to copy; the writer's own bound on
+    # the whole call is RAYSHARD_SNAPSHOT_TIMEOUT_S, and this one keeps the keeper's thread bounded too.
+    FETCH_BOUND_S = 300.0
 
     def __init__(self, node_id: str):
         self.node_id = node_id
-        self._files: dict[str, bytes] = {}
+        self._files: dict[str, bytes | np.ndarray] = {}  # a shard's copy is a uint8 array
         self._lock = threading.Lock()
 
     def put(self, path: str, data: bytes) -> int:
@@ -40,27 +52,42 @@ class SnapshotKeeper:
             self._files[path] = bytes(data)
         return len(data)
 
+    def copy(self, path: str, wrapped: list, size: int, timeout_s: float = FETCH_BOUND_S) -> int:
+        """Fetch [ref] (the writer's object, usually on another node) and keep a copy of its bytes
+        in this process's heap: it owes nothing to the object's owner or node afterwards."""
+        segments = ray.get(wrapped[0], timeout=timeout_s)  # views of this node's object store, no copy yet
+        kept = np.concatenate(segments) if segments else np.empty(0, np.uint8)  # the one copy, into this heap
+        del segments  # the fetched object may go once the writer drops it
+        if kept.size != size:
+            raise ValueError(f"{path}: fetched {kept.size} bytes, the writer put {size}")
+        with self._lock:
+            self._files[path] = kept
+        return size
+
     def create_only(self, path: str, data: bytes) -> None:
         with self._lock:
-            if path in self._files and self._files[path] != data:
+            if path in self._files and bytes(self._files[path]) != data:
                 raise FileExistsError(path)
             self._files[path] = bytes(data)
 
     def replace_if(self, path: str, data: bytes, expected: bytes | None) -> None:
         with self._lock:
-            if self._files.get(path) != expected:
+            current = self._files.get(path)
+            if (None if current is None else bytes(current)) != expected:
                 raise PreconditionFailedHere(path)
             self._files[path] = bytes(data)
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        data = self._files.get(path)
-        if data is None:
+        value = self._files.get(path)
+        if value is None:
             raise FileNotFoundError(path)
-        return data[start:end] if start is not None or end is not None else data
+        if start is None and end is None:
+            return value if isinstance(value, bytes) else value.tobytes()
+        return value[start:end] if isinstance(value, bytes) else value[start:end].tobytes()
 
     def listing(self, prefix: str = "") -> dict[str, int]:
         """Every file under prefix, with its size."""
-        return {path: len(data) for path, data in list(self._files.items()) if path.startswith(prefix)}
+        return {path: len(value) for path, value in list(self._files.items()) if path.startswith(prefix)}
 
     def remove(self, prefix: str) -> int:
         """Drop every file under prefix; how many bytes that frees."""
@@ -69,4 +96,4 @@ class SnapshotKeeper:
             return sum(len(self._files.pop(path)) for path in doomed)
 
     def bytes_held(self) -> int:
-        return sum(len(data) for data in list(self._files.values()))
+        return sum(len(value) for value in list(self._files.values()))

@@ -162,3 +162,63 @@ def test_a_restart_uses_a_whole_snapshot_and_refuses_one_missing_a_file(two_keep
     choice = snapshots.choose(durable_step=3)
     assert choice.ref is None
     assert choice.why == f"the snapshot of step 5 has no surviving copy of {shard.split('/step-00000005/')[1]}"
+
+
+def test_a_shard_leaves_its_writer_without_a_heap_copy_and_outlives_it_and_one_keeper(ray_session):
+    """The writer puts the file into its node's object store once and each keeper copies it from
+    there, so the writer's Python heap never holds the file (the old path built it as one `bytes`
+    there, under the interpreter lock: decision 180); both copies are the keepers' own, so the file
+    serves after its writer died, and again after the writer's node's keeper died too."""
+    import fsspec
+
+    from rayshard.actors.snapshot.keeper import SnapshotKeeper, keeper_name
+    from rayshard.actors.snapshot.keepers import start_keepers
+    from rayshard.storage.checksums import checksum
+
+    ray = ray_session
+
+    class _ShardWriter:  # defined here: Ray ships a test module's local class by value
+        """A rank's part in a snapshot write, as its own process (an actor), so it can die after it."""
+
+        def write(self, url: str, megabytes: int) -> tuple[str, int, int, int]:
+            """Write one shard of `megabytes` through the shard writer; (its chunk's checksum, start
+            and end, the peak of the Python heap allocations the write made in this process)."""
+            import tracemalloc
+
+            import fsspec
+
+            import rayshard.actors.snapshot.filesystem  # noqa: F401  (serves the scheme here)
+            from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
+
+            tensor = torch.arange(megabytes * 2**20 // 4, dtype=torch.float32)
+            fs, base = fsspec.core.url_to_fs(url)
+            tracemalloc.start()
+            try:
+                (chunk,) = write_shard(fs, base, "shard.safetensors", [Piece("w", "param", tensor, tuple(tensor.shape), (0,))])
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            return chunk.checksum, chunk.byte_start, chunk.byte_end, peak
+
+    here = ray.get_runtime_context().get_node_id()
+    local = start_keepers()[here]
+    other = f"z-node-{uuid.uuid4().hex[:6]}"  # sorts after any hex node id: the local node's ring successor
+    remote = ray.remote(SnapshotKeeper).options(name=keeper_name(other), num_cpus=0, max_concurrency=4).remote(other)
+    try:
+        url = _url()
+        writer = ray.remote(_ShardWriter).options(num_cpus=0).remote()
+        recorded, start, size, peak = ray.get(writer.write.remote(url, 32), timeout=300)
+        assert peak < 4 * 2**20, f"the writer's heap held {peak} bytes for a {size}-byte file"
+        ray.kill(writer)
+        path = f"{fsspec.core.url_to_fs(url)[1]}/shard.safetensors"
+        kept = {node: ray.get(keeper.listing.remote(path), timeout=60) for node, keeper in ((here, local), (other, remote))}
+        assert kept == {here: {path: size}, other: {path: size}}
+        fs = fsspec.filesystem("rayshard-snapshot")
+        data = fs.cat_file(path)
+        assert len(data) == size and checksum(data[start:]) == recorded
+        ray.kill(local)  # the object's owner: its object goes with it
+        data = fsspec.filesystem("rayshard-snapshot").cat_file(path)
+        assert len(data) == size and checksum(data[start:]) == recorded
+    finally:
+        ray.kill(remote)
+        ray.kill(local)  # a later start_keepers() replaces it, empty (it is gone either way)
