@@ -142,11 +142,11 @@ def resolve_start(config: TrainConfig, store: Store, snapshots: Snapshots | None
     point.dpo_reference = resolve_reference(config, store, metadata, resume.url if resume is not None else None,
                                             point.lora_base)
     if point.dpo_reference is not None:
-        _log(f"DPO ({config.dpo.loss}, beta {config.dpo.beta:g}); reference: {point.dpo_reference.describe()}"
-             + (", log-probabilities precomputed in the dataset" if config.dpo.precomputed else ""))
-        if config.dpo.precomputed:  # the ranks read exactly this file
+        if config.dpo.precomputed:  # the ranks read exactly this file (decision 202)
             config = replace(config, dpo=replace(config.dpo, logprobs_file=check_precomputed(
                 prepared_dataset_url(config), point.dpo_reference)))
+        _log(f"DPO ({config.dpo.loss}, beta {config.dpo.beta:g}); reference: {point.dpo_reference.describe()}"
+             + (f", log-probabilities precomputed in the dataset's {config.dpo.logprobs_file}" if config.dpo.precomputed else ""))
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
     check_sinks(point.config)
     return point

@@ -545,7 +545,7 @@ def test_a_precomputed_run_runs_no_reference(preference_data, two_models, rank_p
     assert (args.data, args.reference, args.store) == (url, "policy@0", store)
     lines = []
     compute_reference_logprobs(args.data, args.reference, args.store, actors=rank_pool, log=lines.append)
-    assert "reference-logprobs.parquet: 48 examples" in lines[0]
+    assert "/reference-logprobs/" in lines[0] and ".parquet: 48 examples" in lines[0]
     # The run starts from the policy, which is therefore its reference: step 1's loss is log 2.
     result = run_training(_dpo_config(tmp_path, url, spec, steps=1, run="pre", resume=urls["policy"],
                                       dpo=DpoConfig(precomputed=True)))
