@@ -53,14 +53,21 @@ def compute_reference_logprobs(dataset_url: str, reference: str, store_url: str,
     finally:
         group.shutdown()
     digest = base_digest(url)
-    name = reference_logprobs_file(digest)
-    fs.makedirs(f"{root}/{REFERENCE_LOGPROBS_DIR}", exist_ok=True)
-    # One put of the whole file: a reader sees the previous file or this one, and other
-    # references' files, beside it, are left alone (decision 201).
-    fs.pipe_file(f"{root}/{name}", encode_reference_logprobs(logps, meta.index_hash, {"url": url, "digest": digest}))
+    name = write_reference_logprobs(dataset_url, logps, meta.index_hash, {"url": url, "digest": digest})
     log(f"wrote {dataset_url}/{name}: {len(logps)} examples' log-probabilities under {url} "
         f"(digest {digest[:19]}...)")
     return f"{dataset_url}/{name}"
+
+
+def write_reference_logprobs(dataset_url: str, logps, index_hash: str, reference: dict) -> str:
+    """The reference's file beside the others, as one put of the whole file: a reader sees the
+    previous file or this one, and other references' files are left alone (decision 201).
+    Returns its path relative to the dataset."""
+    fs, root = fsspec.core.url_to_fs(dataset_url.rstrip("/"))
+    name = reference_logprobs_file(reference["digest"])
+    fs.makedirs(f"{root}/{REFERENCE_LOGPROBS_DIR}", exist_ok=True)
+    fs.pipe_file(f"{root}/{name}", encode_reference_logprobs(logps, index_hash, reference))
+    return name
 
 
 def check_precomputed(dataset_url: str, reference: DpoReference) -> str:

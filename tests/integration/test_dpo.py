@@ -626,3 +626,32 @@ def test_ckpt_export_of_a_dpo_run_writes_the_policy_or_its_adapter(preference_da
         adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()(tokens).logits
         assert (adapted - base_logits).abs().max() > 1e-6  # the adapter moved in one step (B starts at 0)
         assert (adapted - our_model(lora.checkpoints[-1])(tokens)).abs().max().item() <= 1e-5
+
+
+def test_references_files_on_an_object_store_are_written_side_by_side_and_picked_by_digest(s3_store):
+    """The same on S3 (moto): each reference's file is a put of its own, the driver lists them and
+    picks the run's; with none of its reference the line names those there (decision 201)."""
+    import fsspec
+
+    from rayshard.cluster.run.dpo_reference import FROZEN_COPY, DpoReference
+    from rayshard.cluster.run.reference_logprobs import check_precomputed, write_reference_logprobs
+    from rayshard.plans.data.reference_logprobs import LEGACY_REFERENCE_LOGPROBS, encode_reference_logprobs
+
+    url = s3_store.replace("/store", "/prefs")
+    ref = lambda name, hexdigit: DpoReference(FROZEN_COPY, f"s3://models/{name}", 7, "sha256:" + hexdigit * 64)  # noqa: E731
+    a, b, old, other = ref("a", "a"), ref("b", "b"), ref("old", "c"), ref("other", "d")
+    with pytest.raises(ConfigError, match="holds no reference log-probabilities"):
+        check_precomputed(url, a)
+    names = {r.url: write_reference_logprobs(url, np.arange(4.0) * i, "index", {"url": r.url, "digest": r.digest})
+             for i, r in enumerate((a, b))}
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.pipe_file(f"{root}/{LEGACY_REFERENCE_LOGPROBS}", encode_reference_logprobs(
+        np.zeros(4), "index", {"url": old.url, "digest": old.digest}))
+    fs.invalidate_cache()
+    assert len(set(names.values())) == 2
+    assert [check_precomputed(url, r) for r in (a, b, old)] == [names[a.url], names[b.url], LEGACY_REFERENCE_LOGPROBS]
+    with pytest.raises(ConfigError) as refused:
+        check_precomputed(url, other)
+    line = str(refused.value)
+    assert "\n" not in line and all(r.url in line for r in (a, b, old, other)), line
+
