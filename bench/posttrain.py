@@ -56,6 +56,7 @@ import lora  # noqa: E402  (bench/lora.py: a variant in fresh rank processes, it
 import throughput  # noqa: E402  (bench/throughput.py: the transformers model, the timing, one core per rank)
 from rayshard.actors.training.trainer import Trainer  # noqa: E402
 from rayshard.plans.config import DataConfig, DpoConfig, LoraConfig, ModelChoice, TrainConfig  # noqa: E402
+from rayshard.plans.data.reference_logprobs import reference_logprobs_file  # noqa: E402
 
 WARMUP = throughput.WARMUP
 VOCAB = 320
@@ -133,22 +134,28 @@ def _reference_logprobs(rank, config, port, url, results):
     trainer.shutdown()
 
 
+# The digest is checked by the driver (cluster/run/reference_logprobs.py), which the bench does not
+# run: its file is named by this stand-in, and its precomputed variant's config names that file
+# as the driver would (decision 201).
+BENCH_DIGEST = "sha256:bench"
+
+
 def precompute_reference(config: TrainConfig, url: str) -> None:
-    """url/reference-logprobs.parquet from the seeded initial weights (a fresh live run's reference),
-    computed in a rank process of its own as `rayshard data reference-logprobs` computes it."""
+    """url/reference-logprobs/bench.parquet from the seeded initial weights (a fresh live run's
+    reference), computed in a rank process of its own as `rayshard data reference-logprobs` computes it."""
     import fsspec
 
     from rayshard.plans.data.dataset_index import INDEX, decode_index
-    from rayshard.plans.data.reference_logprobs import REFERENCE_LOGPROBS, encode_reference_logprobs
+    from rayshard.plans.data.reference_logprobs import REFERENCE_LOGPROBS_DIR, encode_reference_logprobs
 
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_reference_logprobs, args=(config, throughput._free_port(), url, results), nprocs=1)
     logps = results.get()
     fs, root = fsspec.core.url_to_fs(url)
     meta, _ = decode_index(fs.cat_file(f"{root}/{INDEX}"), f"{url}/{INDEX}")
-    # The digest is checked by the driver (cluster/run/reference_logprobs.py), which the bench does not run.
-    fs.pipe_file(f"{root}/{REFERENCE_LOGPROBS}", encode_reference_logprobs(
-        np.asarray(logps), meta.index_hash, {"url": "seeded initial weights", "digest": "bench"}))
+    fs.makedirs(f"{root}/{REFERENCE_LOGPROBS_DIR}", exist_ok=True)
+    fs.pipe_file(f"{root}/{reference_logprobs_file(BENCH_DIGEST)}", encode_reference_logprobs(
+        np.asarray(logps), meta.index_hash, {"url": "seeded initial weights", "digest": BENCH_DIGEST}))
 
 
 # ---- the variants ------------------------------------------------------------------------------
@@ -160,7 +167,8 @@ def _config(args: argparse.Namespace, variant: str, urls: dict[str, str]) -> Tra
                    if variant.startswith("lora") else LoraConfig())
     return replace(base, model=ModelChoice.named(args.preset, vocab_size=VOCAB), objective="dpo" if dpo else "sft",
                    data=DataConfig(dataset=urls["preference" if dpo else "sft"]),
-                   dpo=DpoConfig(precomputed=variant == "dpo-precomputed"), lora=lora_config).validate()
+                   dpo=DpoConfig(precomputed=variant == "dpo-precomputed", logprobs_file=reference_logprobs_file(BENCH_DIGEST)),
+                   lora=lora_config).validate()
 
 
 # ---- the anchor: TRL's DPOTrainer --------------------------------------------------------------

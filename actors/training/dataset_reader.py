@@ -8,6 +8,7 @@ document a read holds whole is checked against the index's CRC32 (actors/trainin
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import fsspec
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from rayshard.actors.training.document_checks import DocumentChecks
 from rayshard.plans.data.dataset_index import INDEX, PREFERENCE, SFT, DatasetIdentity, decode_index
-from rayshard.plans.data.reference_logprobs import REFERENCE_LOGPROBS, decode_reference_logprobs
+from rayshard.plans.data.reference_logprobs import decode_reference_logprobs
 from rayshard.plans.data.packing import sample_count, sample_reads
 from rayshard.plans.data.sample_order import batch_sample_ids
 from rayshard.plans.errors import ConfigError, RayshardError
@@ -27,6 +28,23 @@ def holds_prepared_dataset(url: str) -> bool:
         return False
     fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
     return fs.exists(f"{root}/{INDEX}")
+
+
+@dataclass(frozen=True)
+class ExampleRows:
+    """A data rank's rows of one global batch of an SFT or preference dataset. windows: [rows,
+    seq_len + 1] int64, each an example padded with the end-of-document token; masks: bool, same
+    shape, 0 on prompt and padding; global_count: the mean's denominator over the whole global
+    batch (SFT: its completion targets; DPO: its pairs); tokens: the input positions of these rows
+    that hold an example's own tokens, padding left out (each example's length, at most seq_len:
+    what tokens/s counts, decision 203); reference_logps: --dpo-precomputed, the rows' reference
+    log-probabilities."""
+
+    windows: torch.Tensor
+    masks: torch.Tensor
+    global_count: int
+    tokens: int
+    reference_logps: torch.Tensor | None = None
 
 
 class PreparedDataset:
@@ -88,44 +106,50 @@ class PreparedDataset:
         ids = batch_sample_ids(seed, step, batch, self.samples)[data_rank * per_rank:(data_rank + 1) * per_rank]
         return torch.from_numpy(self.read_samples(ids))
 
-    def rank_examples(self, seed: int, step: int, batch: int, data_rank: int,
-                      data_ranks: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """This data rank's rows of global batch `step` of an SFT dataset: windows [rows, seq_len + 1]
-        (each an example padded with the end-of-document token), their loss masks (bool, same
-        shape; 0 on prompt and padding), and the completion targets of the whole global batch,
-        from the index: every rank knows the mean's denominator without a collective."""
+    def rank_examples(self, seed: int, step: int, batch: int, data_rank: int, data_ranks: int) -> ExampleRows:
+        """This data rank's rows of global batch `step` of an SFT dataset, and the completion
+        targets of the whole global batch, from the index: every rank knows the mean's denominator
+        without a collective."""
         per_rank = batch // data_ranks
         ids = batch_sample_ids(seed, step, batch, self.samples)
         global_loss_tokens = int(self.example_loss_tokens[ids].sum())
-        windows, masks = self.read_examples(ids[data_rank * per_rank:(data_rank + 1) * per_rank])
-        return torch.from_numpy(windows), torch.from_numpy(masks), global_loss_tokens
+        own = ids[data_rank * per_rank:(data_rank + 1) * per_rank]
+        windows, masks = self.read_examples(own)
+        return ExampleRows(torch.from_numpy(windows), torch.from_numpy(masks), global_loss_tokens, self._tokens(own))
 
-    def read_reference_logprobs(self) -> None:
-        """--dpo-precomputed: the reference's log-probability of every example, from the dataset
-        (the driver checked the reference's digest; the examples' index hash is checked here too)."""
-        where = f"{self.url}/{REFERENCE_LOGPROBS}"
-        with self.fs.open(f"{self.root}/{REFERENCE_LOGPROBS}", "rb") as f:
+    def _tokens(self, examples: np.ndarray) -> int:
+        """The input positions of these examples' rows holding their own tokens (an example fills
+        seq_len + 1 at most, of which the model reads seq_len)."""
+        return int(np.minimum(self.example_tokens[examples], self.seq_len).sum())
+
+    def read_reference_logprobs(self, name: str | None) -> None:
+        """--dpo-precomputed: the reference's log-probability of every example, from the dataset's
+        file `name` (relative to it), the one the driver picked for the run's reference after
+        checking its digest; the examples' index hash is checked here too (decisions 162, 201)."""
+        if not name:
+            raise RayshardError("--dpo-precomputed: no reference log-probabilities file was chosen for this run's "
+                                "ranks. Fix: start the run with `rayshard train`, whose driver picks the reference's file")
+        where = f"{self.url}/{name}"
+        with self.fs.open(f"{self.root}/{name}", "rb") as f:
             logps, meta = decode_reference_logprobs(f.read(), where)
         if meta.get("index_hash") != self.meta.index_hash or len(logps) != self.meta.documents:
             raise RayshardError(f"{where} was computed for index hash {meta.get('index_hash')}, not this dataset's "
                                 f"{self.meta.index_hash}. Fix: run `rayshard data reference-logprobs` again")
         self.reference_logps = logps
 
-    def rank_pairs(self, seed: int, step: int, batch: int, data_rank: int,
-                   data_ranks: int) -> tuple[torch.Tensor, torch.Tensor, int] | tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    def rank_pairs(self, seed: int, step: int, batch: int, data_rank: int, data_ranks: int) -> ExampleRows:
         """This data rank's rows of global batch `step` of a preference dataset: `batch` counts
         sequences, so the step holds batch / 2 pairs, drawn as sample ids (a pure function of seed
         and step); each pair's chosen then rejected example, adjacent, so an even cut of the rows
-        (data ranks, microbatches) never splits a pair. Returns windows, masks and the global pairs,
-        and, after read_reference_logprobs, the rows' reference log-probabilities."""
+        (data ranks, microbatches) never splits a pair. The global count is the step's pairs; after
+        read_reference_logprobs the rows carry their reference log-probabilities."""
         pairs, per_rank = batch // 2, batch // 2 // data_ranks
         ids = batch_sample_ids(seed, step, pairs, self.samples)[data_rank * per_rank:(data_rank + 1) * per_rank]
         examples = np.stack([2 * ids, 2 * ids + 1], axis=1).reshape(-1)
         windows, masks = self.read_examples(examples)
-        if getattr(self, "reference_logps", None) is not None:
-            return (torch.from_numpy(windows), torch.from_numpy(masks), pairs,
-                    torch.from_numpy(self.reference_logps[examples].astype(np.float32)))
-        return torch.from_numpy(windows), torch.from_numpy(masks), pairs
+        reference = getattr(self, "reference_logps", None)
+        return ExampleRows(torch.from_numpy(windows), torch.from_numpy(masks), pairs, self._tokens(examples),
+                           None if reference is None else torch.from_numpy(reference[examples].astype(np.float32)))
 
     def read_examples(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Whole examples by byte ranges (tokens and masks, each checked against the index's CRC32),

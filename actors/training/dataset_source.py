@@ -68,13 +68,14 @@ class DatasetBatches:
         # step -> the global batch's completion targets (--objective sft) or its pairs (dpo)
         self.loss_tokens: dict[int, int] = {}
         self.reference_logps: dict[int, torch.Tensor] = {}  # --dpo-precomputed: step -> this rank's rows'
+        self.tokens: dict[int, int] = {}  # sft, dpo: step -> this rank's rows' tokens, padding left out
 
     def _open(self) -> StepPrefetcher:
         config = self.config
         self.dataset = open_prepared(self.url, config.seq_len, config.objective)
         check_vocab_fits(config.model.spec.vocab_size, self.dataset.meta.vocab_size, self.url)
         if config.objective == "dpo" and config.dpo.precomputed:
-            self.dataset.read_reference_logprobs()
+            self.dataset.read_reference_logprobs(config.dpo.logprobs_file)
         dataset, data_rank, data_ranks = self.dataset, self.data_rank, self.data_ranks
         read = {"sft": "rank_examples", "dpo": "rank_pairs"}.get(config.objective, "rank_windows")
         read = getattr(dataset, read)
@@ -90,14 +91,20 @@ class DatasetBatches:
         fetched = self.prefetcher.get(step)
         if self.config.objective == "lm":
             return fetched[:, :-1], fetched[:, 1:]
-        windows, masks, self.loss_tokens[step] = fetched[:3]
-        if len(fetched) == 4:
-            self.reference_logps[step] = fetched[3]
+        self.loss_tokens[step], self.tokens[step] = fetched.global_count, fetched.tokens
+        if fetched.reference_logps is not None:
+            self.reference_logps[step] = fetched.reference_logps
+        windows, masks = fetched.windows, fetched.masks
         return windows[:, :-1], windows[:, 1:].masked_fill(~masks[:, 1:], IGNORE)
 
     def global_loss_tokens(self, step: int) -> int:
         """--objective sft: the completion targets of global batch `step` (after its rank_batch); dpo: its pairs."""
         return self.loss_tokens.pop(step)
+
+    def rank_tokens(self, step: int) -> int | None:
+        """--objective sft or dpo: the tokens of this rank's rows of step (after its rank_batch),
+        padding left out; None where every position is a token (packed windows)."""
+        return self.tokens.pop(step, None)
 
     def fingerprint(self) -> str:
         # The dataset's identity (index and tokenizer hashes) is what checkpoints record and resumes

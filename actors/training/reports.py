@@ -32,6 +32,9 @@ class StepMetrics:
     rank_seconds: float
     pipeline: StepRecord | None = None  # a pipeline rank's per-action timings; None without pp
     tokens: int = 0  # tokens this rank's data slice held this step (tp and pp peers count the same ones)
+    # The positions the rank's model computed this step (rows x seq_len): tokens plus an SFT or DPO
+    # batch's padding. tokens/s counts `tokens`, MFU the FLOPs of these (decision 203).
+    computed_tokens: int = 0
     # The rank's peak memory during the step: the CUDA allocator's peak on a GPU; on a CPU rank
     # the process's peak resident set during the step (Linux; elsewhere since the process began).
     peak_memory_bytes: int = 0

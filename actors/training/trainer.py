@@ -133,6 +133,7 @@ class Trainer:
                                            eps=opt.eps, weight_decay=opt.weight_decay, fused=True)
         self.data = open_training_data(config, self.layout.data_rank_of(rank), self.layout.data_parallel_size)
         self.batch_hash = ""  # this rank's rows of the last batch, one digest each (plans/data/batch_hash.py)
+        self.rank_tokens: int | None = None  # sft, dpo: this rank's rows' tokens of the last batch, padding left out
         self.step = 0  # steps completed: the data position and the lr schedule's state
 
     def _build_runner(self, plan: PipelinePlan | None) -> StepRunner:
@@ -186,9 +187,10 @@ class Trainer:
             total_loss = self._mean_loss(total_loss)
             routing = self._routing_statistics()
             rewards = self._reward_metrics()
+        computed = config.global_batch // self.layout.data_parallel_size * config.seq_len
         self.step += 1
         return StepMetrics(self.step, total_loss.item(), float(grad_norm), lr, time.perf_counter() - started, record,
-                           tokens=config.global_batch // self.layout.data_parallel_size * config.seq_len,
+                           tokens=self.rank_tokens if self.rank_tokens is not None else computed, computed_tokens=computed,
                            peak_memory_bytes=peak_memory_bytes(self.device), device_name=device_name(self.device),
                            batch_hash=self.batch_hash, rewards=rewards, **routing)
 
@@ -212,8 +214,10 @@ class Trainer:
         """Gradients of this step's batch, reduced over data ranks (and the tied embedding
         summed over its two stages); returns this rank's share of the loss."""
         inputs, targets = self._batch()
+        self.rank_tokens = None  # packed windows: every position is a token
         if self.config.objective in ("sft", "dpo"):  # the mean's denominator: the global batch's completion targets, or pairs
             self.runner.criterion.set_step(self.data.global_loss_tokens(self.step))
+            self.rank_tokens = self.data.rank_tokens(self.step)  # padding left out (decision 203)
         if self.config.objective == "dpo" and self.config.dpo.precomputed:  # no reference forward: read with the rows
             for rows in self.data.reference_logps.pop(self.step).to(self.device).chunk(self.config.pipeline.microbatches):
                 self.runner.criterion.set_reference(rows)

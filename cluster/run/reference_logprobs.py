@@ -1,8 +1,9 @@
 """`rayshard data reference-logprobs`: a preference dataset's reference log-probabilities,
 computed once on Ray by one rank actor that loads the reference checkpoint (any layout wrote it),
-written beside the dataset's index keyed by its index hash and the reference's digest
-(plans/data/reference_logprobs.py; decision 162). A `--dpo-precomputed` run then runs no
-reference at all, and refuses a file whose keys are not its own."""
+written beside the dataset's index keyed by its index hash and the reference's digest, one file
+per reference (plans/data/reference_logprobs.py; decisions 162, 201). A `--dpo-precomputed` run
+then runs no reference at all: the driver picks its reference's file, and refuses a dataset that
+has none, naming the references it has."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,13 +19,14 @@ from rayshard.cluster.run.rank_group import RankGroup
 from rayshard.plans.checkpoint.model_check import check_against_own_model
 from rayshard.plans.config import DataConfig, DpoConfig, ModelChoice, TrainConfig
 from rayshard.plans.data.dataset_index import INDEX, PREFERENCE, decode_index
-from rayshard.plans.data.reference_logprobs import REFERENCE_LOGPROBS, decode_reference_logprobs, encode_reference_logprobs
+from rayshard.plans.data.reference_logprobs import (LEGACY_REFERENCE_LOGPROBS, REFERENCE_LOGPROBS_DIR, decode_reference_logprobs,
+                                                    encode_reference_logprobs, reference_logprobs_file)
 from rayshard.plans.errors import ConfigError
 
 
 def compute_reference_logprobs(dataset_url: str, reference: str, store_url: str, actors: list | None = None,
                                log: Callable[[str], None] = print) -> str:
-    """Write dataset_url/reference-logprobs.parquet from checkpoint `reference` (RUN@STEP or a URL)."""
+    """Write dataset_url/reference-logprobs/<digest>.parquet from checkpoint `reference` (RUN@STEP or a URL)."""
     dataset_url = dataset_url.rstrip("/")
     store = Store(store_url)
     url = store.resolve(reference).url
@@ -51,25 +53,54 @@ def compute_reference_logprobs(dataset_url: str, reference: str, store_url: str,
     finally:
         group.shutdown()
     digest = base_digest(url)
-    fs.pipe_file(f"{root}/{REFERENCE_LOGPROBS}",
-                 encode_reference_logprobs(logps, meta.index_hash, {"url": url, "digest": digest}))
-    log(f"wrote {dataset_url}/{REFERENCE_LOGPROBS}: {len(logps)} examples' log-probabilities under {url} "
+    name = write_reference_logprobs(dataset_url, logps, meta.index_hash, {"url": url, "digest": digest})
+    log(f"wrote {dataset_url}/{name}: {len(logps)} examples' log-probabilities under {url} "
         f"(digest {digest[:19]}...)")
-    return f"{dataset_url}/{REFERENCE_LOGPROBS}"
+    return f"{dataset_url}/{name}"
 
 
-def check_precomputed(dataset_url: str, reference: DpoReference) -> None:
-    """A --dpo-precomputed run's file must be this dataset's and this run's reference's (one line otherwise)."""
+def write_reference_logprobs(dataset_url: str, logps, index_hash: str, reference: dict) -> str:
+    """The reference's file beside the others, as one put of the whole file: a reader sees the
+    previous file or this one, and other references' files are left alone (decision 201).
+    Returns its path relative to the dataset."""
     fs, root = fsspec.core.url_to_fs(dataset_url.rstrip("/"))
-    where = f"{dataset_url.rstrip('/')}/{REFERENCE_LOGPROBS}"
+    name = reference_logprobs_file(reference["digest"])
+    fs.makedirs(f"{root}/{REFERENCE_LOGPROBS_DIR}", exist_ok=True)
+    fs.pipe_file(f"{root}/{name}", encode_reference_logprobs(logps, index_hash, reference))
+    return name
+
+
+def check_precomputed(dataset_url: str, reference: DpoReference) -> str:
+    """A --dpo-precomputed run's file: the one of this dataset computed with this run's reference
+    (its digest-named file, or a dataset's old single file holding that reference); returns its
+    path relative to the dataset, which the ranks then read. One line, naming the references the
+    dataset has, when none is this run's (decision 201)."""
+    dataset_url = dataset_url.rstrip("/")
+    fs, root = fsspec.core.url_to_fs(dataset_url)
     source = reference.url or "a checkpoint of the reference"
-    if not fs.exists(f"{root}/{REFERENCE_LOGPROBS}"):
+    available = []
+    for name in _held_files(fs, root, reference.digest):
+        _, meta = decode_reference_logprobs(fs.cat_file(f"{root}/{name}"), f"{dataset_url}/{name}")
+        recorded = meta.get("reference") or {}
+        if recorded.get("digest") == reference.digest:
+            return name
+        available.append(f"{recorded.get('url')} (digest {str(recorded.get('digest'))[:19]}...)")
+    fix = f"run `rayshard data reference-logprobs --data {dataset_url} --from {source}`"
+    if not available:
         raise ConfigError("dpo.precomputed", True, f"{dataset_url} holds no reference log-probabilities",
-                          f"run `rayshard data reference-logprobs --data {dataset_url} --from {source}`, or drop --dpo-precomputed")
-    _, meta = decode_reference_logprobs(fs.cat_file(f"{root}/{REFERENCE_LOGPROBS}"), where)
-    recorded = meta.get("reference") or {}
-    if recorded.get("digest") != reference.digest:
-        raise ConfigError("dpo.precomputed", True, f"{where} was computed with reference {recorded.get('url')} (digest "
-                          f"{str(recorded.get('digest'))[:19]}...), but this run's reference is {reference.describe()} "
-                          f"(digest {reference.digest[:19]}...)",
-                          f"run `rayshard data reference-logprobs --data {dataset_url} --from {source}` again")
+                          f"{fix}, or drop --dpo-precomputed")
+    raise ConfigError("dpo.precomputed", True, f"{dataset_url} holds reference log-probabilities of {'; '.join(available)}, "
+                      f"but this run's reference is {reference.describe()} (digest {reference.digest[:19]}...)",
+                      f"{fix}, or train against one of those")
+
+
+def _held_files(fs, root: str, digest: str) -> list[str]:
+    """The dataset's reference log-probabilities files, the one named by `digest` first."""
+    own = reference_logprobs_file(digest)
+    try:
+        named = sorted(f"{REFERENCE_LOGPROBS_DIR}/{path.rsplit('/', 1)[-1]}"
+                       for path in fs.ls(f"{root}/{REFERENCE_LOGPROBS_DIR}", detail=False) if path.endswith(".parquet"))
+    except FileNotFoundError:
+        named = []
+    legacy = [LEGACY_REFERENCE_LOGPROBS] if fs.exists(f"{root}/{LEGACY_REFERENCE_LOGPROBS}") else []
+    return [name for name in named if name == own] + [name for name in named if name != own] + legacy

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from typing import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import ray
 
@@ -142,10 +142,11 @@ def resolve_start(config: TrainConfig, store: Store, snapshots: Snapshots | None
     point.dpo_reference = resolve_reference(config, store, metadata, resume.url if resume is not None else None,
                                             point.lora_base)
     if point.dpo_reference is not None:
+        if config.dpo.precomputed:  # the ranks read exactly this file (decision 202)
+            config = replace(config, dpo=replace(config.dpo, logprobs_file=check_precomputed(
+                prepared_dataset_url(config), point.dpo_reference)))
         _log(f"DPO ({config.dpo.loss}, beta {config.dpo.beta:g}); reference: {point.dpo_reference.describe()}"
-             + (", log-probabilities precomputed in the dataset" if config.dpo.precomputed else ""))
-        if config.dpo.precomputed:
-            check_precomputed(prepared_dataset_url(config), point.dpo_reference)
+             + (f", log-probabilities precomputed in the dataset's {config.dpo.logprobs_file}" if config.dpo.precomputed else ""))
     point.config = with_resolved_dataset(config)  # ranks read data.dataset, never probing the store before it is configured
     check_sinks(point.config)
     return point
@@ -310,12 +311,14 @@ def report_step(config: TrainConfig, per_rank: list, seconds: float, result: Tra
     result.losses[done] = metrics.loss
     result.step_seconds.append(seconds)
     # As the ranks counted them: a data rank's tp and pp peers count the same tokens.
-    tokens = (sum(rank.tokens for rank in per_rank) // (config.layout.tp * config.layout.pp)
-              or config.global_batch * config.seq_len)
+    peers = config.layout.tp * config.layout.pp
+    tokens = sum(rank.tokens for rank in per_rank) // peers or config.global_batch * config.seq_len
+    # SFT and DPO rows are padded: tokens/s counts the examples' tokens, MFU what was computed (decision 203).
+    computed = sum(rank.computed_tokens for rank in per_rank) // peers or tokens
     roles = run_roles(config)
     speed = throughput(config.model.spec, config.seq_len, tokens, seconds, config.layout.world_size,
                        metrics.device_name, config.numerics.precision,
-                       roles.count(trained=True) if roles.has_frozen else None)
+                       roles.count(trained=True) if roles.has_frozen else None, computed_tokens=computed)
     peaks = [rank.peak_memory_bytes for rank in per_rank]
     record = {"step": done, "loss": metrics.loss, "grad_norm": metrics.grad_norm, "lr": metrics.lr,
               "tokens": tokens, "tokens_per_s": speed.tokens_per_s, "tokens_per_s_per_rank": speed.tokens_per_s_per_rank,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayshard.plans.errors import ConfigError
-from rayshard.plans.options import option
+from rayshard.plans.options import file_only, option
 
 DPO_LOSSES = ("sigmoid", "ipo")
 
@@ -26,6 +26,10 @@ class DpoConfig:
     precomputed: bool = option(False, flag="--dpo-precomputed",
                                help="read the reference's log-probabilities from the dataset (`rayshard data "
                                     "reference-logprobs`) instead of running the reference each step")
+    # --dpo-precomputed: the dataset's file of this run's reference (relative to the dataset, e.g.
+    # reference-logprobs/<digest>.parquet), picked by the driver before the ranks start
+    # (cluster/run/reference_logprobs.py, decision 201); whatever a file sets is replaced.
+    logprobs_file: str | None = file_only(None)
 
     def validate(self) -> None:
         if not self.beta > 0:

@@ -80,10 +80,14 @@ class Throughput:
 
 
 def throughput(model: ModelConfig, seq_len: int, tokens: int, seconds: float, world_size: int,
-               device_name: str, precision: str, trained_parameters: int | None = None) -> Throughput:
+               device_name: str, precision: str, trained_parameters: int | None = None,
+               computed_tokens: int | None = None) -> Throughput:
     """`tokens` trained on in `seconds` by `world_size` ranks (`trained_parameters`: as in
-    `flops_per_token`)."""
+    `flops_per_token`). computed_tokens: the positions the devices ran (None: `tokens`); padded
+    SFT and DPO rows run more positions than they hold tokens, and MFU counts the FLOPs executed,
+    padding included, where tokens/s counts only the tokens (decision 203)."""
     per_rank = tokens / seconds / world_size
-    tflops = per_rank * flops_per_token(model, seq_len, trained_parameters) / 1e12
+    computed = tokens if computed_tokens is None else computed_tokens
+    tflops = computed / seconds / world_size * flops_per_token(model, seq_len, trained_parameters) / 1e12
     peak = peak_tflops(device_name, precision)
     return Throughput(tokens / seconds, per_rank, tflops, tflops / peak if peak else None)

@@ -61,7 +61,8 @@ def test_pairs_become_adjacent_examples_with_masks_on_the_responses(preference_d
     # A step's pairs are a pure function of (seed, step); each data rank gets whole pairs, chosen then rejected.
     ids = batch_sample_ids(7, 3, 4, reader.samples)
     for data_rank in range(2):
-        got, got_masks, pairs = reader.rank_pairs(7, 3, 8, data_rank, 2)
+        pairs = reader.rank_pairs(7, 3, 8, data_rank, 2)
+        got, pairs = pairs.windows, pairs.global_count
         assert pairs == 4 and got.shape == (4, 41)
         mine = ids[2 * data_rank:2 * data_rank + 2]
         expected = windows[np.stack([2 * mine, 2 * mine + 1], 1).reshape(-1)]
@@ -443,7 +444,7 @@ def test_precomputed_reference_logprobs_give_the_live_step_and_another_reference
     assert "\n" not in str(refused.value)
     store = urls["reference"].split("/reference/")[0]
     compute_reference_logprobs(url, urls["reference"], store, actors=rank_pool, log=lambda *_: None)
-    check_precomputed(url, reference)  # its own reference: accepted
+    own = check_precomputed(url, reference)  # its own reference: accepted, its file named for the ranks
     from rayshard.plans.layout.parallel_layout import ParallelLayout
 
     live = _one_step(rank_pool, _dpo_config(tmp_path / "live", url, spec, microbatches=2), urls["policy"], urls["reference"])
@@ -453,7 +454,7 @@ def test_precomputed_reference_logprobs_give_the_live_step_and_another_reference
     for name, layout, microbatches, precomputed in (("one", None, 2, True), ("pp2", ParallelLayout(pp=2), 4, True),
                                                     ("pp2 live", ParallelLayout(pp=2), 4, False)):
         results[name] = _one_step(rank_pool, _dpo_config(tmp_path / name, url, spec, layout, microbatches=microbatches,
-                                                         dpo=DpoConfig(precomputed=precomputed)),
+                                                         dpo=DpoConfig(precomputed=precomputed, logprobs_file=own)),
                                   urls["policy"], None if precomputed else urls["reference"])
         assert results[name]["gradients"].keys() == live["gradients"].keys(), name
     # Live and precomputed on the same layout are the same step, bit for bit, on these CPU kernels
@@ -468,9 +469,59 @@ def test_precomputed_reference_logprobs_give_the_live_step_and_another_reference
         torch.testing.assert_close(results["pp2"]["gradients"][key], expected, rtol=1e-6, atol=1e-7, msg=lambda m: f"pp2 {key}: {m}")
     # A run whose reference is another checkpoint (the policy's weights) is refused in one line.
     other = DpoReference(FROZEN_COPY, urls["policy"], 7, base_digest(urls["policy"]))
-    with pytest.raises(ConfigError, match="was computed with reference .*but this run's reference is") as refused:
+    with pytest.raises(ConfigError, match="holds reference log-probabilities of .*/reference/.*but this run's "
+                                          "reference is") as refused:
         check_precomputed(url, other)
     assert "\n" not in str(refused.value)
+
+
+def test_two_references_files_sit_side_by_side_and_each_run_reads_its_own(preference_data, two_models, rank_pool,
+                                                                          tmp_path):
+    """One file per reference, named by its digest (decision 201): computing a second reference's
+    log-probabilities leaves the first's; each precomputed run reads its own reference's file and
+    gives the step of that live reference; a third reference is refused in one line naming both;
+    a dataset's old single file is still read when its reference is the run's."""
+    import shutil
+
+    from rayshard.cluster.run.dpo_reference import FROZEN_COPY, DpoReference
+    from rayshard.cluster.run.lora_base import base_digest
+    from rayshard.cluster.run.reference_logprobs import check_precomputed, compute_reference_logprobs
+    from rayshard.plans.config import DpoConfig
+    from rayshard.plans.data.reference_logprobs import LEGACY_REFERENCE_LOGPROBS
+
+    root, _, _ = preference_data
+    _, urls, spec = two_models
+    shutil.copytree(root / "ds", tmp_path / "ds")
+    url = str(tmp_path / "ds")
+    store = urls["reference"].split("/reference/")[0]
+    references = {name: DpoReference(FROZEN_COPY, urls[name], 7, base_digest(urls[name])) for name in ("reference", "policy")}
+    written = {name: compute_reference_logprobs(url, urls[name], store, actors=rank_pool, log=lambda *_: None)
+               for name in references}
+    files = {name: check_precomputed(url, reference) for name, reference in references.items()}
+    assert len(set(files.values())) == 2 and all((tmp_path / "ds" / file).exists() for file in files.values())
+    assert {name: f"{url}/{file}" for name, file in files.items()} == written
+    losses = {}
+    for name, reference in references.items():
+        precomputed = _one_step(rank_pool, _dpo_config(tmp_path / f"pre-{name}", url, spec, microbatches=2,
+                                                       dpo=DpoConfig(precomputed=True, logprobs_file=files[name])),
+                                urls["policy"], None)
+        live = _one_step(rank_pool, _dpo_config(tmp_path / f"live-{name}", url, spec, microbatches=2),
+                         urls["policy"], urls[name])
+        # The issue's 1e-6 (fp32); with the policy as its own reference the two differ in the last bits.
+        assert abs(precomputed["loss"] - live["loss"]) <= 1e-6, (name, precomputed["loss"], live["loss"])
+        losses[name] = precomputed["loss"]
+    assert abs(losses["reference"] - losses["policy"]) > 1e-3  # two references, two steps: each read its own file
+    assert live["loss"] == pytest.approx(np.log(2), abs=1e-6)  # the policy as its own reference
+    # A third reference: refused in one line naming the two the dataset has.
+    third = DpoReference(FROZEN_COPY, "file:///elsewhere/ckpt", 7, "sha256:" + "f" * 64)
+    with pytest.raises(ConfigError, match="holds reference log-probabilities of") as refused:
+        check_precomputed(url, third)
+    line = str(refused.value)
+    assert "\n" not in line and urls["reference"] in line and urls["policy"] in line and "elsewhere" in line, line
+    # A dataset prepared before: its one reference-logprobs.parquet is read when it is the run's reference's.
+    (tmp_path / "ds" / files["reference"]).rename(tmp_path / "ds" / LEGACY_REFERENCE_LOGPROBS)
+    assert check_precomputed(url, references["reference"]) == LEGACY_REFERENCE_LOGPROBS
+    assert check_precomputed(url, references["policy"]) == files["policy"]
 
 
 @pytest.mark.slow  # a precompute and a run; the default suite checks the same numbers above
@@ -494,7 +545,7 @@ def test_a_precomputed_run_runs_no_reference(preference_data, two_models, rank_p
     assert (args.data, args.reference, args.store) == (url, "policy@0", store)
     lines = []
     compute_reference_logprobs(args.data, args.reference, args.store, actors=rank_pool, log=lines.append)
-    assert "reference-logprobs.parquet: 48 examples" in lines[0]
+    assert "/reference-logprobs/" in lines[0] and ".parquet: 48 examples" in lines[0]
     # The run starts from the policy, which is therefore its reference: step 1's loss is log 2.
     result = run_training(_dpo_config(tmp_path, url, spec, steps=1, run="pre", resume=urls["policy"],
                                       dpo=DpoConfig(precomputed=True)))
@@ -575,3 +626,32 @@ def test_ckpt_export_of_a_dpo_run_writes_the_policy_or_its_adapter(preference_da
         adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()(tokens).logits
         assert (adapted - base_logits).abs().max() > 1e-6  # the adapter moved in one step (B starts at 0)
         assert (adapted - our_model(lora.checkpoints[-1])(tokens)).abs().max().item() <= 1e-5
+
+
+def test_references_files_on_an_object_store_are_written_side_by_side_and_picked_by_digest(s3_store):
+    """The same on S3 (moto): each reference's file is a put of its own, the driver lists them and
+    picks the run's; with none of its reference the line names those there (decision 201)."""
+    import fsspec
+
+    from rayshard.cluster.run.dpo_reference import FROZEN_COPY, DpoReference
+    from rayshard.cluster.run.reference_logprobs import check_precomputed, write_reference_logprobs
+    from rayshard.plans.data.reference_logprobs import LEGACY_REFERENCE_LOGPROBS, encode_reference_logprobs
+
+    url = s3_store.replace("/store", "/prefs")
+    ref = lambda name, hexdigit: DpoReference(FROZEN_COPY, f"s3://models/{name}", 7, "sha256:" + hexdigit * 64)  # noqa: E731
+    a, b, old, other = ref("a", "a"), ref("b", "b"), ref("old", "c"), ref("other", "d")
+    with pytest.raises(ConfigError, match="holds no reference log-probabilities"):
+        check_precomputed(url, a)
+    names = {r.url: write_reference_logprobs(url, np.arange(4.0) * i, "index", {"url": r.url, "digest": r.digest})
+             for i, r in enumerate((a, b))}
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.pipe_file(f"{root}/{LEGACY_REFERENCE_LOGPROBS}", encode_reference_logprobs(
+        np.zeros(4), "index", {"url": old.url, "digest": old.digest}))
+    fs.invalidate_cache()
+    assert len(set(names.values())) == 2
+    assert [check_precomputed(url, r) for r in (a, b, old)] == [names[a.url], names[b.url], LEGACY_REFERENCE_LOGPROBS]
+    with pytest.raises(ConfigError) as refused:
+        check_precomputed(url, other)
+    line = str(refused.value)
+    assert "\n" not in line and all(r.url in line for r in (a, b, old, other)), line
+

@@ -57,7 +57,7 @@ def test_examples_become_tokens_with_masks_on_the_completion(sft_data):
         assert mask.tolist() == [False] * len(prompt) + [True] * len(completion) + [False] * (41 - length)
         assert (window[length:] == eos).all()  # padding, masked out
     # Global batch step 0's completion targets, from the index alone, are those the masks hold.
-    _, _, counted = reader.rank_examples(7, 0, 8, 0, 2)
+    counted = reader.rank_examples(7, 0, 8, 0, 2).global_count
     ids = batch_sample_ids(7, 0, 8, reader.samples)
     assert counted == int(masks[ids][:, 1:].sum())
 
@@ -182,6 +182,30 @@ def test_one_step_matches_transformers_and_prompts_get_no_gradient(sft_data, ran
     hf(input_ids=inputs, labels=inputs).loss.backward()  # the prompt counted
     for token in prompt_only:
         assert not torch.allclose(ours["gradients"]["output.weight"][token], hf.lm_head.weight.grad[token], atol=1e-4)
+
+
+def test_a_step_reports_its_examples_tokens_not_the_padded_rows(sft_data, rank_pool, tmp_path):
+    """tokens (and so tokens/s) count each example's own tokens, padding left out: the sum of the
+    step's examples' lengths, not rows x seq_len (decision 203); MFU's positions stay rows x seq_len."""
+    from rayshard.cluster.run.rank_group import RankGroup
+
+    root, tokenizer, rows = sft_data
+    config = _sft_config(tmp_path, str(root / "ds"), ParallelLayout(dp=2))
+    group = RankGroup(config, rank_pool)
+    try:
+        metrics = group.call("train_step")
+    finally:
+        group.shutdown()
+    encode = lambda text: tokenizer.tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    # The dataset's rows in document order are the rows (a.jsonl's half, then b.parquet's).
+    lengths = [len(encode(row["prompt"])) + len(encode(row["completion"])) + 1 for row in rows]
+    assert max(lengths) < config.seq_len
+    ids = batch_sample_ids(config.seed, 0, config.global_batch, len(rows))
+    for data_rank, rank_metrics in enumerate(metrics):
+        mine = ids[data_rank * 4:(data_rank + 1) * 4]
+        assert rank_metrics.tokens == sum(lengths[i] for i in mine), data_rank
+        assert rank_metrics.computed_tokens == 4 * config.seq_len
+    assert sum(m.tokens for m in metrics) == sum(lengths[i] for i in ids) < config.global_batch * config.seq_len
 
 
 def test_prompt_positions_get_no_gradient():

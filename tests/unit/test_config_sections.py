@@ -89,7 +89,8 @@ def test_every_field_of_every_section_has_a_flag_or_is_deliberately_file_only():
     file_only = {setting.path for setting in settings(TrainConfig) if setting.flag is None}
     assert file_only == {"model.spec", "data.max_bytes", "data.dataset", "data.prefetch_steps", "data.read_timeout_s",
                          "optimizer.min_lr", "optimizer.decay_steps", "optimizer.weight_decay", "optimizer.beta1",
-                         "optimizer.beta2", "optimizer.eps", "optimizer.grad_clip", "resources.collective_timeout_s"}
+                         "optimizer.beta2", "optimizer.eps", "optimizer.grad_clip", "resources.collective_timeout_s",
+                         "dpo.logprobs_file"}
 
 
 def test_a_field_without_its_flag_or_a_file_only_mark_is_refused():

@@ -64,3 +64,14 @@ def test_mfu_is_model_flops_per_device_over_the_peak():
     assert speed.mfu == pytest.approx(speed.tflops_per_rank / 989.4)
     cpu = throughput(model, 1024, 1000, 1.0, 1, "cpu", "fp32")
     assert cpu.mfu is None and cpu.describe().endswith("mfu n/a")
+
+
+def test_padded_rows_count_their_tokens_per_second_and_their_computed_positions_in_mfu():
+    """An SFT or DPO step's rows are padded: tokens/s counts the examples' tokens, MFU the FLOPs
+    of every position the devices ran (decision 203)."""
+    model = preset("small")
+    speed = throughput(model, 1024, tokens=3000, seconds=2.0, world_size=2, device_name="NVIDIA H100 80GB HBM3",
+                       precision="bf16", computed_tokens=8192)
+    assert speed.tokens_per_s == 1500 and speed.tokens_per_s_per_rank == 750
+    assert speed.tflops_per_rank == pytest.approx(2048 * flops_per_token(model, 1024) / 1e12)
+    assert speed.mfu == pytest.approx(speed.tflops_per_rank / 989.4)
