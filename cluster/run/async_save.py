@@ -12,6 +12,7 @@ object; nothing was committed, so LATEST still names the last good checkpoint. A
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -169,6 +170,46 @@ class AsyncCheckpointer:
         thread.start()
         self.committing = Committing(pending, thread, outcome)
 
+    def commit_newest_finished(self, timeout_s: float) -> int | None:
+        """After a failure: commit the newest requested save whose every rank had already ended
+        its upload without an error, and drop the older ones, instead of abandoning it with the
+        attempt (a snapshot's commit otherwise waits for the next step's `poll`, which a failure
+        never reaches: with writes longer than a step that cost a second redone step, decision
+        207). Nothing the ranks still do is waited for, and a rank that died is asked nothing:
+        its answer is one it gave before it died or none. Its step, or None."""
+        if self.committing is not None:
+            if self.committing.thread.is_alive():
+                return None  # never two commits at once; `settle` has waited its bound for this one
+            with contextlib.suppress(Exception):  # its outcome first (an error leaves the older one standing)
+                self._finish_commit(block=False)
+        for save in reversed(self.pending):
+            statuses = _finished_statuses(save.finished)
+            if statuses is None:
+                continue
+            try:
+                manifest = save.checkpoint.manifest(ChunkTable.concat([status.chunks for status in statuses]),
+                                                    self.metadata_for(save.step, save.parent))
+            except Exception:  # noqa: BLE001 - not a whole checkpoint: an older one may be
+                continue
+            outcome: dict = {}
+
+            def commit() -> None:
+                try:
+                    outcome["url"] = save.checkpoint.commit_manifest(manifest)
+                except BaseException as error:  # noqa: BLE001 - the older checkpoint still stands
+                    outcome["error"] = error
+
+            thread = threading.Thread(target=commit, name=f"commit-step-{save.step}-after-failure", daemon=True)
+            thread.start()
+            thread.join(timeout_s)
+            if "url" not in outcome:
+                return None  # failed or still running: what was committed before stands
+            self.pending.clear()  # older ones are superseded, newer ones were not whole
+            self.last_statuses = statuses
+            self.on_commit(save.step, outcome["url"])
+            return save.step
+        return None
+
     def settle(self, timeout_s: float = 60.0) -> None:
         """Before the run lets go of its writer lease (a step failed): a commit in flight on the
         driver thread ends first, bounded, so the run's next trainer never races its two writes."""
@@ -188,3 +229,19 @@ class AsyncCheckpointer:
         if "error" in committing.outcome:
             raise committing.outcome["error"]
         self.on_commit(committing.save.step, committing.outcome["url"])
+
+
+def _finished_statuses(finished: list) -> list[SaveStatus] | None:
+    """Every rank's status of one save if each had already answered that its upload ended
+    without an error (answers a dead rank gave before it died are kept by its caller), else None."""
+    ready, _ = ray.wait(finished, num_returns=len(finished), timeout=0)
+    if len(ready) < len(finished):
+        return None
+    try:
+        replies = ray.get(finished, timeout=5.0)
+    except Exception:  # noqa: BLE001 - an answer lost with its node: the save is not whole
+        return None
+    statuses = [SaveStatus.from_reply(reply) for reply in replies if reply is not None]
+    if len(statuses) < len(finished) or not all(s.done and s.error is None and s.chunks is not None for s in statuses):
+        return None
+    return statuses

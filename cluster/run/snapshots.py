@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from rayshard.actors.snapshot.filesystem import SnapshotKeeperLost
 from rayshard.actors.snapshot.keepers import start_keepers
 from rayshard.cluster.catalog.snapshot_record import RECORD_EVERY_S, write_snapshot_record
-from rayshard.cluster.catalog.store import CheckpointRef, Store
+from rayshard.cluster.catalog.store import STEP_DIR, CheckpointRef, Store
 from rayshard.cluster.run.async_save import AsyncCheckpointer
 from rayshard.plans.layout.snapshot_memory import SNAPSHOTS_IN_FLIGHT  # one per rank staging buffer
 from rayshard.plans.errors import CheckpointError
@@ -42,6 +42,10 @@ class SnapshotChoice:
     ref: CheckpointRef | None
     why: str
 
+
+# How long the end of an attempt may spend committing a snapshot whose writes had all ended (two
+# small conditional writes to the keepers; each keeper call has its own bound besides).
+SETTLE_COMMIT_BOUND_S = 10.0
 
 # The newest snapshot this driver process committed, per (snapshot store, run): a restart that
 # finds it gone says so, rather than silently resuming from storage.
@@ -107,7 +111,8 @@ class Snapshots:
 
     def settle(self) -> None:
         """The attempt is ending (finished, or a rank failed): a snapshot commit already running
-        on the driver ends first (bounded); one still being written by the ranks is abandoned,
+        on the driver ends first (bounded); then the newest snapshot whose every rank's write had
+        already ended is committed (bounded); one still being written by the ranks is abandoned,
         never waited for: after a failure its ranks may be gone, and the run's last step has its
         durable checkpoint anyway."""
         if self.background is not None:
@@ -119,6 +124,13 @@ class Snapshots:
             if committing is not None and not committing.thread.is_alive() and "url" in committing.outcome:
                 key = (self.store.url, self.run)
                 _TAKEN[key] = max(_TAKEN.get(key, 0), committing.save.step)
+            # A snapshot whose every write had ended before the failure is whole: commit it now
+            # rather than at a poll that never comes (decision 207).
+            with contextlib.suppress(Exception):
+                step = self.background.commit_newest_finished(SETTLE_COMMIT_BOUND_S)
+                if step is not None:
+                    print(f"snapshot of step {step} committed as the attempt ended: every rank's write of it "
+                          "had finished", flush=True)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -134,16 +146,26 @@ class Snapshots:
             except OSError as error:
                 print(f"rayshard: warning: could not note snapshot step {step} in the store ({_first_line(error)})",
                       flush=True)
-        for older in self.store.committed_steps(self.run):
-            if older < step:
+        for older in self._step_dirs():
+            if older < step:  # committed, or abandoned by a failed attempt: either way memory held
                 self.store.fs.rm(f"{self.store.root}/{self.run}/checkpoints/step-{older:08d}", recursive=True)
 
     def forget_after(self, step: int) -> None:
         """A resume at `step` redoes the steps after it: their snapshots (from the failed attempt)
         would collide with the new ones' create-only commits."""
-        for newer in self.store.committed_steps(self.run):
+        for newer in self._step_dirs():
             if newer > step:
                 self.store.fs.rm(f"{self.store.root}/{self.run}/checkpoints/step-{newer:08d}", recursive=True)
+
+    def _step_dirs(self) -> list[int]:
+        """The steps with a directory in the keepers, committed or not (a failed attempt leaves
+        the writes it never committed: they hold memory until dropped here)."""
+        base = f"{self.store.root}/{self.run}/checkpoints"
+        try:
+            names = [path.rstrip("/").rsplit("/", 1)[-1] for path in self.store.fs.ls(base, detail=False)]
+        except FileNotFoundError:
+            return []
+        return sorted(int(match.group(1)) for match in map(STEP_DIR.match, names) if match)
 
     def choose(self, durable_step: int | None) -> SnapshotChoice:
         """The newest snapshot if it is newer than the durable checkpoint and whole."""
