@@ -50,6 +50,9 @@ SETTLE_COMMIT_BOUND_S = 10.0
 # The newest snapshot this driver process committed, per (snapshot store, run): a restart that
 # finds it gone says so, rather than silently resuming from storage.
 _TAKEN: dict[tuple[str, str], int] = {}
+# ... and what the metrics said of it (step, wall time taken, seconds it blocked), so the attempt
+# that resumes from it names it until it takes a newer one.
+_LATEST: dict[tuple[str, str], tuple[int, float, float]] = {}
 
 
 class Snapshots:
@@ -137,7 +140,7 @@ class Snapshots:
 
     def taken(self, step: int, blocked_s: float) -> None:
         """Record a committed snapshot and drop every older one (each is a whole state in memory)."""
-        self.latest = (step, time.time(), blocked_s)
+        self.latest = _LATEST[(self.store.url, self.run)] = (step, time.time(), blocked_s)
         _TAKEN[(self.store.url, self.run)] = step
         if self.durable is not None and time.time() - self._recorded_at >= RECORD_EVERY_S:
             self._recorded_at = time.time()
@@ -149,6 +152,12 @@ class Snapshots:
         for older in self._step_dirs():
             if older < step:  # committed, or abandoned by a failed attempt: either way memory held
                 self.store.fs.rm(f"{self.store.root}/{self.run}/checkpoints/step-{older:08d}", recursive=True)
+
+    def resumed_from(self, step: int) -> None:
+        """The run resumes from the snapshot of `step`: it stays in memory (and in the metrics)
+        until a newer one is committed."""
+        known = _LATEST.get((self.store.url, self.run))
+        self.latest = known if known is not None and known[0] == step else (step, time.time(), 0.0)
 
     def forget_after(self, step: int) -> None:
         """A resume at `step` redoes the steps after it: their snapshots (from the failed attempt)

@@ -90,6 +90,8 @@ def train(config: TrainConfig, actors: list | None = None,
         point.lease = lease
         if snapshots is not None:
             snapshots.forget_after(point.step)  # the steps after it are redone, and snapshotted again
+            if point.from_memory:
+                snapshots.resumed_from(point.step)
         if point.step >= point.config.steps:
             _log(f"nothing to do: the checkpoint is at step {point.step} and --steps is {point.config.steps}")
             return TrainResult(point.config.run, point.step, resumed_from=point.parent)

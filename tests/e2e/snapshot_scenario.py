@@ -29,6 +29,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -104,24 +105,41 @@ class Tee(io.TextIOBase):
     """The driver's console, kept: the recovery lines are part of what the test checks."""
 
     def __init__(self, stream):
-        self.stream, self.lines = stream, []
+        self.stream, self.lines, self.times = stream, [], []
 
     def write(self, text):
         self.lines.append(text)
+        self.times.append(time.time())
         return self.stream.write(text)
+
+    def first_step_times(self) -> dict[int, float]:
+        """When each step's line was first printed (a redone step keeps its first time)."""
+        first: dict[int, float] = {}
+        for at, text in zip(self.times, self.lines):
+            for line in text.splitlines():
+                match = re.match(r"step\s+(\d+)/", line)
+                if match:
+                    first.setdefault(int(match.group(1)), at)
+        return first
 
     def flush(self):
         self.stream.flush()
 
 
-def kill_while_recovering(tee: Tee, pid: int, deadline: float) -> dict:
-    """SIGKILL `pid` (a rank the recovery reuses) as soon as the rank pool has named the ranks it
-    reused and restarted: the new attempt is then setting up or loading, before its first step."""
+def kill_while_recovering(tee: Tee, first_victim: int, deadline: float) -> dict:
+    """SIGKILL a rank the recovery reuses as soon as the rank pool has named the ranks it reused
+    and restarted: the new attempt is then setting up or loading, before its first step. Which
+    ranks are reused is the pool's choice (silent peers may be replaced by warm spares, decision
+    185), so the victim is picked then: a training rank still alive in the pool's placement group
+    (spares run outside it), other than the first victim."""
     seen = len(tee.lines)
     while time.time() < deadline:
         text = "".join(tee.lines[seen:])
         if "recovery: ranks reused" in text:
-            os.kill(pid, signal.SIGKILL)
+            reused = [pid for pid, _ in rank_pids() if pid != first_victim]
+            if not reused:
+                return {"event": "rank-again", "at": None, "steps_before": None, "why": "no rank was reused"}
+            os.kill(reused[0], signal.SIGKILL)
             # Step lines of the new attempt printed before this kill (0: it landed during the recovery).
             after = "".join(tee.lines[seen:])
             return {"event": "rank-again", "at": time.time(),
@@ -168,7 +186,7 @@ def main() -> None:
         pids = [pid for pid, _ in rank_pids()]
         os.kill(pids[-1], signal.SIGKILL)
         if args.fault == "rank-twice":
-            events.append(kill_while_recovering(tee, pids[0], time.time() + 300))
+            events.append(kill_while_recovering(tee, pids[-1], time.time() + 300))
     thread.join(timeout=900)
     metrics = read_metrics(Store(store), RUN)
     history = [{"state": t.state.value, "detail": t.detail, "at": t.at_wall} for t in outcome["controller"].history]
@@ -179,7 +197,7 @@ def main() -> None:
                                   resources=replace(config.resources, cpus_per_rank=0.5)))
     json.dump({"state": outcome.get("state"), "history": history, "events": events,
                "losses": {m["step"]: m["loss"] for m in metrics}, "layouts": {m["step"]: m["layout"] for m in metrics},
-               "reference": reference.losses,
+               "reference": reference.losses, "step_times": tee.first_step_times(),
                "snapshot_steps": {m["step"]: m.get("snapshot_step") for m in metrics},
                "snapshot_nodes": {m["step"]: m.get("snapshot_nodes") for m in metrics},
                "snapshot_record": read_snapshot_record(Store(store), RUN),
