@@ -27,8 +27,9 @@ def reference_losses(run_training, tmp_path_factory):
 
 
 # dp2 and tp2 alone are inside dp2xtp2 and fsdp2xtp2, and dp2xtp2 in fsdp2xtp2 (replicas over the
-# same tp group): under -m slow (decisions 113 and 153).
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp2", "tp2", "dp2xtp2") else n
+# same tp group): under -m slow (decisions 113 and 153). fsdp2 alone as well (decision 208):
+# test_precision's test_bf16_layouts_follow_one_rank[fsdp2] trains fsdp2 alone against one rank.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp2", "tp2", "dp2xtp2", "fsdp2") else n
                                   for n in LAYOUTS if n != "single"])
 def test_losses_agree_across_layouts(run_training, tmp_path, reference_losses, name):
     result = run_training(small_config(tmp_path, LAYOUTS[name], run=name))
@@ -39,13 +40,14 @@ def test_losses_agree_across_layouts(run_training, tmp_path, reference_losses, n
     assert result.losses[10] < result.losses[1] - 0.3
 
 
-def test_tied_embeddings_agree_across_layouts(run_training, tmp_path):
+def test_tied_embeddings_agree_across_layouts(run_training, tmp_path, reference_losses):
     from rayshard.plans.config import ModelChoice
 
     tied = ModelChoice.named("tiny", tie_embeddings=True)
     single = run_training(small_config(tmp_path / "a", ParallelLayout(), model=tied, steps=4, run="a")).losses
     sharded = run_training(small_config(tmp_path / "b", ParallelLayout(fsdp=2, tp=2), model=tied, steps=4, run="b")).losses
-    untied = run_training(small_config(tmp_path / "c", ParallelLayout(), steps=4, run="c")).losses
     for step in single:
         assert math.isclose(single[step], sharded[step], rel_tol=1e-5)
-    assert single[1] != untied[1]  # the tie is real: it changes the model
+    # The tie is real: it changes the model. The untied one-rank run is the module's reference; its
+    # first loss comes before any update, so its longer lr schedule does not touch it (decision 208).
+    assert single[1] != reference_losses[1]
