@@ -42,6 +42,8 @@ SAMPLE_S = 0.25
 # in flight on a node (2 ranks x 2 x 76.5 MB, plus the copies arriving for its keeper): every
 # snapshot then spills to disk and is restored. A real node's store is 30% of its memory.
 OBJECT_STORE_MIB = 1024
+FINAL_ROLES = ("rank actors", "snapshot keepers", "gcs", "driver")  # the others may still change their title
+THREADED = ("snapshot keepers", "raylets (+ plasma, object manager)")  # broken down by thread with RAYSHARD_DEBUG=1
 STEP_LINE = re.compile(r"^step\s+(\d+)/")
 ROLES = ("rank actors", "snapshot keepers", "spill/restore workers", "other ray workers", "raylets (+ plasma, object manager)", "gcs",
          "other ray services", "driver")
@@ -77,24 +79,35 @@ class Sampler(threading.Thread):
         self.samples: list[tuple[float, dict[int, float]]] = []
         self.roles: dict[int, str] = {}
         self.titles: dict[int, str] = {}  # pid -> its command line's first word, as last seen
+        self.threads: list[tuple[float, dict[tuple[int, int], tuple[str, float]]]] = []  # keepers', raylets'
+        self.faults: list[tuple[float, dict[int, int]]] = []  # minor page faults by pid
         self.stop = threading.Event()
 
     def sample(self) -> None:
         driver = psutil.Process(os.getpid())
-        now, seen = time.time(), {}
+        now, seen, threads, faults = time.time(), {}, {}, {}
         for process in [driver, *driver.children(recursive=True)]:
             try:
                 times = process.cpu_times()
-                if self.roles.get(process.pid, "other ray services") in ("other ray services", "other ray workers",
-                                                                        "spill/restore workers"):
-                    # a worker starts as a plain python command line, then `ray::IDLE`, then names its actor
+                if self.roles.get(process.pid) not in FINAL_ROLES:
+                    # a worker is forked by its raylet (and shows the raylet's command line), then
+                    # runs python, then shows `ray::IDLE`, then names its actor
                     self.roles[process.pid] = role_of(process, driver.pid)
                     with contextlib.suppress(psutil.Error, IndexError):
                         self.titles[process.pid] = process.cmdline()[0].split(" ")[0][-40:]
                 seen[process.pid] = times.user + times.system
+                with contextlib.suppress(OSError, IndexError, ValueError):  # minor page faults, field 10 of stat
+                    faults[process.pid] = int(Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+                if self.roles[process.pid] in THREADED:
+                    for thread in process.threads():
+                        with contextlib.suppress(OSError):
+                            comm = Path(f"/proc/{process.pid}/task/{thread.id}/comm").read_text().strip()
+                            threads[(process.pid, thread.id)] = (comm, thread.user_time + thread.system_time)
             except psutil.Error:
                 continue
         self.samples.append((now, seen))
+        self.threads.append((now, threads))
+        self.faults.append((now, faults))
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -102,22 +115,39 @@ class Sampler(threading.Thread):
             time.sleep(SAMPLE_S)
 
     def cpu_between(self, start: float, end: float) -> dict[str, float]:
+        return self._by_role(self.samples, start, end)
+
+    def faults_between(self, start: float, end: float) -> dict[str, float]:
+        return self._by_role(self.faults, start, end)
+
+    def _by_role(self, samples, start: float, end: float) -> dict[str, float]:
         """CPU seconds by role from the first sample at or after start to the first at or after end
         (a process born between counts from zero; one that died counts to its last sample), each
         process under the last role it showed."""
-        first = next(seen for at, seen in self.samples if at >= start)
-        last_index = next(i for i, (at, _) in enumerate(self.samples) if at >= end)
+        first = next(seen for at, seen in samples if at >= start)
+        end_at = next(at for at, _ in samples if at >= end)
         last: dict[int, float] = {}
-        for at, seen in self.samples:
-            if at < start:
-                continue
-            last.update(seen)
-            if at >= self.samples[last_index][0]:
-                break
+        for at, seen in samples:
+            if start <= at <= end_at:
+                last.update(seen)
         by_role: dict[str, float] = defaultdict(float)
         for pid, cpu in last.items():
             by_role[self.roles[pid]] += cpu - first.get(pid, 0.0)
         return dict(by_role)
+
+
+    def threads_between(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds of the keepers' and raylets' threads by (role, thread name), as cpu_between."""
+        first = next(seen for at, seen in self.threads if at >= start)
+        end_at = next(at for at, _ in self.threads if at >= end)
+        last: dict[tuple[int, int], tuple[str, float]] = {}
+        for at, seen in self.threads:
+            if start <= at <= end_at:
+                last.update(seen)
+        by_thread: dict[str, float] = defaultdict(float)
+        for key, (comm, cpu) in last.items():
+            by_thread[f"{self.roles[key[0]].split(' ')[0]} {re.sub(r'[0-9]+$', '', comm)}"] += cpu - first.get(key, (comm, 0.0))[1]
+        return dict(by_thread)
 
 
 class TimedLines(io.TextIOBase):
@@ -153,7 +183,12 @@ def one_run(store: Path, snapshot_every: int, preset: str) -> dict:
     start, end = steps[FIRST_STEP], steps[STEPS - 1]
     n = STEPS - 1 - FIRST_STEP
     if os.environ.get("RAYSHARD_DEBUG"):
-        print(sorted(set((role, sampler.titles.get(pid, "?")) for pid, role in sampler.roles.items())), flush=True)
+        print("  processes: " + str(sorted(set((role, sampler.titles.get(pid, "?")) for pid, role in sampler.roles.items()))), flush=True)
+    if os.environ.get("RAYSHARD_DEBUG"):  # where inside the keepers and raylets
+        threads = sorted(sampler.threads_between(start, end).items(), key=lambda item: -item[1])
+        faults = sampler.faults_between(start, end)
+        print("  minor page faults per step: " + ", ".join(f"{role} {count / n:.0f}" for role, count in faults.items()), flush=True)
+        print("  threads (CPU s/step): " + ", ".join(f"{name} {cpu / n:.3f}" for name, cpu in threads if cpu / n >= 0.01), flush=True)
     return {"per_step": {role: cpu / n for role, cpu in sampler.cpu_between(start, end).items()},
             "step_s": (end - start) / n}
 
