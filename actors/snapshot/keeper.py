@@ -18,8 +18,9 @@ goes through this one actor's lock.
 Snapshots every step make a keeper copy the same files each step and drop the older ones (the
 driver keeps only the newest): the arrays of dropped shard files wait in a pool, by exact size,
 and the next copy of that size goes into one instead of freshly allocated memory (no page
-faults, no kernel zeroing of every page; `array_pool.py`, docs/decisions.md 204). Reads of a shard return a
-view of its array (`read`), which Ray copies into the object store as the reply: no copy here.
+faults, no kernel zeroing of every page; `array_pool.py`, docs/decisions.md 204). Reads of a
+shard return a view of its array (`read`), which Ray copies into the object store as the reply:
+no copy here (decision 205).
 """
 from __future__ import annotations
 
