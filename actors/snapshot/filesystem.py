@@ -221,13 +221,17 @@ class SnapshotFileSystem(AbstractFileSystem):
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         path = self._strip_protocol(path)
-        return self._read_many([(path, start, end)])[0]
+        data = self._read_many([(path, start, end)])[0]
+        return data if isinstance(data, bytes) else data.tobytes()  # fsspec's callers expect bytes
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
+        """Like fsspec's, but a range of a shard file comes as a read-only memoryview of the
+        keeper's reply in this node's object store, not a `bytes` copy of it: a load's reads
+        (`storage/ranged_fetch.py`, the read executor and `ckpt verify` take any buffer) copy it
+        once, into place (docs/decisions.md 205)."""
         requests = [(self._strip_protocol(p), s, e) for p, s, e in zip(paths, starts, ends)]
-        if on_error == "return":
-            return self._read_many(requests, raise_errors=False)
-        return self._read_many(requests)
+        results = self._read_many(requests, raise_errors=on_error != "return")
+        return [memoryview(r) if isinstance(r, np.ndarray) else r for r in results]
 
     def _read_many(self, requests, raise_errors: bool = True) -> list:
         """Ranged reads, all in flight at once; a read whose keeper is lost tries the next copy."""

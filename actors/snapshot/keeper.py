@@ -14,6 +14,13 @@ that costs the writer little:
 - small files (manifest, LATEST) arrive as a `bytes` argument (`put`, `create_only`, `replace_if`).
 Conditional writes (create-only, compare-and-swap) are atomic here because every write of one path
 goes through this one actor's lock.
+
+Snapshots every step make a keeper copy the same files each step and drop the older ones (the
+driver keeps only the newest): the arrays of dropped shard files wait in a pool, by exact size,
+and the next copy of that size goes into one instead of freshly allocated memory (no page
+faults, no kernel zeroing of every page; `array_pool.py`, docs/decisions.md 204). Reads of a
+shard return a view of its array (`read`), which Ray copies into the object store as the reply:
+no copy here (decision 205).
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ import threading
 
 import numpy as np
 import ray
+
+from rayshard.actors.snapshot.array_pool import ArrayPool
 
 KEEPER_PREFIX = "rayshard-snapshot-keeper:"
 
@@ -46,9 +55,11 @@ class SnapshotKeeper:
         self.node_id = node_id
         self._files: dict[str, bytes | np.ndarray] = {}  # a shard's copy is a uint8 array
         self._lock = threading.Lock()
+        self._pool = ArrayPool()  # the arrays of dropped shard files, for the next copies (array_pool.py)
 
     def put(self, path: str, data: bytes) -> int:
         with self._lock:
+            self._pool.dropped(self._files.pop(path, None))
             self._files[path] = bytes(data)
         return len(data)
 
@@ -56,18 +67,33 @@ class SnapshotKeeper:
         """Fetch [ref] (the writer's object, usually on another node) and keep a copy of its bytes
         in this process's heap: it owes nothing to the object's owner or node afterwards."""
         segments = ray.get(wrapped[0], timeout=timeout_s)  # views of this node's object store, no copy yet
-        kept = np.concatenate(segments) if segments else np.empty(0, np.uint8)  # the one copy, into this heap
-        del segments  # the fetched object may go once the writer drops it
-        if kept.size != size:
-            raise ValueError(f"{path}: fetched {kept.size} bytes, the writer put {size}")
+        fetched = sum(segment.size for segment in segments)
+        if fetched != size:
+            raise ValueError(f"{path}: fetched {fetched} bytes, the writer put {size}")
         with self._lock:
+            kept = self._pool.take(size)
+        if segments:
+            np.concatenate(segments, out=kept)  # the one copy, into this heap
+        del segments  # the fetched object may go once the writer drops it
+        with self._lock:
+            self._pool.dropped(self._files.pop(path, None))  # a rewrite of a path frees its old array
             self._files[path] = kept
+            self._pool.holding(kept)
         return size
+
+    def pooled_bytes(self) -> int:
+        return self._pool.pooled_bytes
+
+    @property
+    def reused(self) -> int:
+        """Copies that went into the array of a dropped file."""
+        return self._pool.reused
 
     def create_only(self, path: str, data: bytes) -> None:
         with self._lock:
             if path in self._files and bytes(self._files[path]) != data:
                 raise FileExistsError(path)
+            self._pool.dropped(self._files.pop(path, None))
             self._files[path] = bytes(data)
 
     def replace_if(self, path: str, data: bytes, expected: bytes | None) -> None:
@@ -75,15 +101,18 @@ class SnapshotKeeper:
             current = self._files.get(path)
             if (None if current is None else bytes(current)) != expected:
                 raise PreconditionFailedHere(path)
+            del current
+            self._pool.dropped(self._files.pop(path, None))
             self._files[path] = bytes(data)
 
-    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes | np.ndarray:
+        """A small file's bytes, or a view of a shard's array: Ray writes the view into the
+        object store out of band as the reply (the one copy; the reader gets a read-only array
+        over it), and the view keeps the array out of the pool until then."""
         value = self._files.get(path)
         if value is None:
             raise FileNotFoundError(path)
-        if start is None and end is None:
-            return value if isinstance(value, bytes) else value.tobytes()
-        return value[start:end] if isinstance(value, bytes) else value[start:end].tobytes()
+        return value[start:end]
 
     def listing(self, prefix: str = "") -> dict[str, int]:
         """Every file under prefix, with its size."""
@@ -92,8 +121,11 @@ class SnapshotKeeper:
     def remove(self, prefix: str) -> int:
         """Drop every file under prefix; how many bytes that frees."""
         with self._lock:
-            doomed = [path for path in self._files if path.startswith(prefix)]
-            return sum(len(self._files.pop(path)) for path in doomed)
+            freed = 0
+            for path in [path for path in self._files if path.startswith(prefix)]:
+                freed += len(self._files[path])
+                self._pool.dropped(self._files.pop(path))
+            return freed
 
     def bytes_held(self) -> int:
         return sum(len(value) for value in list(self._files.values()))

@@ -222,3 +222,76 @@ def test_a_shard_leaves_its_writer_without_a_heap_copy_and_outlives_it_and_one_k
     finally:
         ray.kill(remote)
         ray.kill(local)  # a later start_keepers() replaces it, empty (it is gone either way)
+
+
+def _put_file(ray, keeper, path: str, data, pieces: int = 3) -> None:
+    """What `put_segments` does: one object of uint8 pieces, copied by the keeper."""
+    import numpy as np
+
+    array = np.frombuffer(data, dtype=np.uint8)
+    ref = ray.put(list(np.array_split(array, pieces)))
+    assert ray.get(keeper.copy.remote(path, [ref], array.size), timeout=60) == array.size
+
+
+def test_a_keeper_reuses_a_dropped_files_memory_and_every_read_sees_the_new_bytes(ray_session):
+    """Snapshots every step: each step's shard lands in the array its dropped predecessor of the
+    same size left (decision 204); what is read back is, byte for byte, the newest file's, also
+    through `rayshard-snapshot://`; and the pool keeps the keeper under the most it held in files."""
+    import fsspec
+    import numpy as np
+
+    import rayshard.actors.snapshot.filesystem  # noqa: F401  (serves the scheme here)
+    from rayshard.actors.snapshot.keeper import SnapshotKeeper, keeper_name
+
+    ray = ray_session
+    node = f"pool-{uuid.uuid4().hex[:6]}"
+    keeper = ray.remote(SnapshotKeeper).options(name=keeper_name(node), num_cpus=0, max_concurrency=4).remote(node)
+    stats = lambda: ray.get(keeper.__ray_call__.remote(  # noqa: E731
+        lambda self: (self.reused, self.bytes_held(), self.pooled_bytes(), self._pool.peak_held_bytes)), timeout=60)
+    try:
+        size, generator = 3 * 2**20 + 7, np.random.default_rng(5)
+        files = {}
+        for step in range(6):  # two snapshots held at a time, the older dropped after each new one
+            files[step] = generator.integers(0, 256, size, dtype=np.uint8).tobytes()
+            _put_file(ray, keeper, f"snap/step-{step}/shard.safetensors", files[step])
+            if step >= 2:
+                ray.get(keeper.remove.remote(f"snap/step-{step - 2}/"), timeout=60)
+        reused, held, pooled, peak = stats()
+        assert reused == 3  # steps 3, 4 and 5 went into the arrays of steps 0, 1 and 2
+        assert held + pooled <= peak == 3 * size
+        fs = fsspec.filesystem("rayshard-snapshot")
+        for step in (4, 5):
+            path = f"snap/step-{step}/shard.safetensors"
+            assert fs.cat_file(path) == files[step]
+            assert fs.cat_file(path, 1000, 2**20) == files[step][1000:2**20]
+            (ranged,) = fs.cat_ranges([path], [size - 4096], [size])
+            assert bytes(ranged) == files[step][-4096:]
+        with pytest.raises(FileNotFoundError):
+            fs.cat_file("snap/step-3/shard.safetensors")
+        ray.get(keeper.remove.remote("snap/"), timeout=60)
+        assert stats()[1:3] == (0, 0)  # nothing held, nothing pooled once every file is gone
+    finally:
+        ray.kill(keeper)
+
+
+def test_an_array_a_read_still_references_is_never_written_over(ray_session):
+    """A read returns a view of the file's array, which Ray copies out after the method returned:
+    while a view is alive (here: held in the keeper's own process), dropping the file must not
+    pool the array, and a same-size copy must go elsewhere."""
+    import numpy as np
+
+    from rayshard.actors.snapshot.keeper import SnapshotKeeper
+
+    keeper = SnapshotKeeper("in-process")  # in this process, to hold a read's reply as Ray does
+    first, second = bytes(range(256)) * 4096, bytes(reversed(range(256))) * 4096
+    for path, data in (("kept/shard", second + second), ("a/shard", first)):  # a file held throughout: the pool stays
+        keeper.copy(path, [ray_session.put([np.frombuffer(data, dtype=np.uint8)])], len(data))
+    reply = keeper.read("a/shard", 10, 4096)
+    keeper.remove("a/")
+    keeper.copy("b/shard", [ray_session.put([np.frombuffer(second, dtype=np.uint8)])], len(second))
+    assert keeper.reused == 0 and bytes(reply) == first[10:4096]
+    assert bytes(keeper.read("b/shard")) == second
+    del reply
+    keeper.remove("b/")
+    keeper.copy("c/shard", [ray_session.put([np.frombuffer(first, dtype=np.uint8)])], len(first))
+    assert keeper.reused == 1 and bytes(keeper.read("c/shard")) == first
