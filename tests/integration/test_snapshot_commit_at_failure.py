@@ -66,10 +66,17 @@ def _stand_in_rank_class():
 
 @pytest.fixture
 def stand_ins(ray_session):
+    """Two stand-in ranks; afterwards, the keepers the test's `Snapshots` started are stopped, so
+    later tests of the session's Ray see only the keepers they start themselves."""
+    from rayshard.actors.snapshot import keepers
+
+    before = dict(keepers._STARTED)
     ranks = [ray_session.remote(_stand_in_rank_class()).options(num_cpus=0, max_concurrency=4).remote(rank) for rank in range(2)]
     yield ranks
     for rank in ranks:
         ray_session.kill(rank)
+    for node in [node for node in keepers._STARTED if node not in before]:
+        ray_session.kill(keepers._STARTED.pop(node))
 
 
 def _snapshots(ranks):
