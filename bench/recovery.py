@@ -86,6 +86,24 @@ class TimedLines(io.TextIOBase):
         return [(at, int(m.group(1))) for at, line in list(self.lines) if (m := STEP_LINE.match(line))]
 
 
+def start_three_nodes(object_store_mib: int) -> Cluster:
+    """A local head + 2 workers, 2 logical CPUs each and object_store_mib of object store each,
+    with this process connected to it."""
+    # The state API (list_actors) needs this cluster's dashboard; another cluster on a shared host
+    # may hold Ray's default port 8265, so take a free one.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dashboard_port = probe.getsockname()[1]
+    store_bytes = object_store_mib * 2**20
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0, "object_store_memory": store_bytes,
+                                                            "dashboard_port": dashboard_port})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, num_gpus=0, object_store_memory=store_bytes)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    return cluster
+
+
 def one_recovery(store: Path, snapshot_every: int, preset: str) -> dict:
     config = TrainConfig(model=ModelChoice.named(preset), steps=STEPS, global_batch=8, seq_len=32,
                          optimizer=OptimizerConfig(warmup_steps=2), data=DataConfig(max_bytes=1_000_000),
@@ -196,18 +214,7 @@ def main() -> None:
     parser.add_argument("--object-store-mib", type=int, default=OBJECT_STORE_MIB,
                         help="each node's object store (150 is ray.cluster_utils' default, where snapshots spill to disk)")
     args = parser.parse_args()
-    # The state API (list_actors) needs this cluster's dashboard; another cluster on a shared host
-    # may hold Ray's default port 8265, so take a free one.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dashboard_port = probe.getsockname()[1]
-    store_bytes = args.object_store_mib * 2**20
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0, "object_store_memory": store_bytes,
-                                                            "dashboard_port": dashboard_port})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, num_gpus=0, object_store_memory=store_bytes)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    cluster = start_three_nodes(args.object_store_mib)
     results, file_bytes = {"storage": [], "memory": []}, 0
     for repeat in range(args.repeats):
         for mode, every in (("storage", 0), ("memory", 1)):  # alternating: the machine's drift hits both

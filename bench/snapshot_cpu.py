@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import os
 import re
-import socket
 import sys
 import tempfile
 import threading
@@ -27,24 +25,20 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench whose cluster and console capture this shares
 
 import psutil  # noqa: E402
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
 from rayshard.plans.config import CheckpointConfig, DataConfig, ModelChoice, OptimizerConfig, TrainConfig  # noqa: E402
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
+from recovery import OBJECT_STORE_MIB, TimedLines, start_three_nodes  # noqa: E402
 
 STEPS, FIRST_STEP = 10, 2  # CPU counted from step FIRST_STEP's line to step STEPS - 1's (the last step saves durably)
 SAMPLE_S = 0.25
-# ray.cluster_utils gives each node a 150 MiB object store, less than the shards of two snapshots
-# in flight on a node (2 ranks x 2 x 76.5 MB, plus the copies arriving for its keeper): every
-# snapshot then spills to disk and is restored. A real node's store is 30% of its memory.
-OBJECT_STORE_MIB = 1024
 FINAL_ROLES = ("rank actors", "snapshot keepers", "gcs", "driver")  # the others may still change their title
 THREADED = ("snapshot keepers", "raylets (+ plasma, object manager)")  # broken down by thread with RAYSHARD_DEBUG=1
-STEP_LINE = re.compile(r"^step\s+(\d+)/")
 ROLES = ("rank actors", "snapshot keepers", "spill/restore workers", "other ray workers", "raylets (+ plasma, object manager)", "gcs",
          "other ray services", "driver")
 
@@ -150,22 +144,6 @@ class Sampler(threading.Thread):
         return dict(by_thread)
 
 
-class TimedLines(io.TextIOBase):
-    def __init__(self):
-        self.lines: list[tuple[float, str]] = []
-        self._partial = ""
-
-    def write(self, text):
-        self._partial += text
-        *complete, self._partial = self._partial.split("\n")
-        now = time.time()
-        self.lines += [(now, line) for line in complete]
-        return len(text)
-
-    def step_times(self) -> dict[int, float]:
-        return {int(m.group(1)): at for at, line in self.lines if (m := STEP_LINE.match(line))}
-
-
 def one_run(store: Path, snapshot_every: int, preset: str) -> dict:
     config = TrainConfig(model=ModelChoice.named(preset), steps=STEPS, global_batch=8, seq_len=32,
                          optimizer=OptimizerConfig(warmup_steps=2), data=DataConfig(max_bytes=1_000_000),
@@ -179,7 +157,7 @@ def one_run(store: Path, snapshot_every: int, preset: str) -> dict:
     finally:
         sampler.stop.set()
         sampler.join()
-    steps = console.step_times()
+    steps = {step: at for at, step in console.steps_done()}
     start, end = steps[FIRST_STEP], steps[STEPS - 1]
     n = STEPS - 1 - FIRST_STEP
     if os.environ.get("RAYSHARD_DEBUG"):
@@ -200,16 +178,7 @@ def main() -> None:
     parser.add_argument("--object-store-mib", type=int, default=OBJECT_STORE_MIB,
                         help="each node's object store (150: ray.cluster_utils' default, where snapshots spill)")
     args = parser.parse_args()
-    with socket.socket() as probe:  # another cluster on a shared host may hold Ray's default 8265
-        probe.bind(("127.0.0.1", 0))
-        dashboard_port = probe.getsockname()[1]
-    store = args.object_store_mib * 2**20
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0, "object_store_memory": store,
-                                                            "dashboard_port": dashboard_port})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, num_gpus=0, object_store_memory=store)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    cluster = start_three_nodes(args.object_store_mib)
     runs: dict[str, list[dict]] = {"without": [], "with": []}
     try:
         for repeat in range(args.repeats):
@@ -227,7 +196,7 @@ def main() -> None:
     print(f"\nCPU-seconds per step by role ({args.preset} preset, 4 ranks, 3-node local cluster with "
           f"{args.object_store_mib} MiB object stores, steps "
           f"{FIRST_STEP + 1}-{STEPS - 1}, mean over {args.repeats} repeat(s))")
-    print(f"| role | without snapshots | with snapshots (every step) | difference |\n|---|---|---|---|")
+    print("| role | without snapshots | with snapshots (every step) | difference |\n|---|---|---|---|")
     mean = {mode: {role: sum(r["per_step"].get(role, 0.0) for r in rs) / len(rs) for role in ROLES}
             for mode, rs in runs.items()}
     for role in ROLES:

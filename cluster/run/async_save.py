@@ -158,17 +158,7 @@ class AsyncCheckpointer:
         # Columns concatenated, not a record per chunk: 16k ranks' tables gather, check and encode in ~1.7 s.
         manifest = pending.checkpoint.manifest(ChunkTable.concat([status.chunks for status in statuses]),
                                                self.metadata_for(pending.step, pending.parent))
-        outcome: dict = {}
-
-        def commit() -> None:
-            try:
-                outcome["url"] = pending.checkpoint.commit_manifest(manifest)
-            except BaseException as error:  # re-raised on the training thread by _finish_commit
-                outcome["error"] = error
-
-        thread = threading.Thread(target=commit, name=f"commit-step-{pending.step}", daemon=True)
-        thread.start()
-        self.committing = Committing(pending, thread, outcome)
+        self.committing = _committing(pending, manifest)
 
     def commit_newest_finished(self, timeout_s: float) -> int | None:
         """After a failure: commit the newest requested save whose every rank had already ended
@@ -191,22 +181,13 @@ class AsyncCheckpointer:
                                                     self.metadata_for(save.step, save.parent))
             except Exception:  # noqa: BLE001 - not a whole checkpoint: an older one may be
                 continue
-            outcome: dict = {}
-
-            def commit() -> None:
-                try:
-                    outcome["url"] = save.checkpoint.commit_manifest(manifest)
-                except BaseException as error:  # noqa: BLE001 - the older checkpoint still stands
-                    outcome["error"] = error
-
-            thread = threading.Thread(target=commit, name=f"commit-step-{save.step}-after-failure", daemon=True)
-            thread.start()
-            thread.join(timeout_s)
-            if "url" not in outcome:
+            committing = _committing(save, manifest)
+            committing.thread.join(timeout_s)
+            if "url" not in committing.outcome:
                 return None  # failed or still running: what was committed before stands
             self.pending.clear()  # older ones are superseded, newer ones were not whole
             self.last_statuses = statuses
-            self.on_commit(save.step, outcome["url"])
+            self.on_commit(save.step, committing.outcome["url"])
             return save.step
         return None
 
@@ -245,3 +226,19 @@ def _finished_statuses(finished: list) -> list[SaveStatus] | None:
     if len(statuses) < len(finished) or not all(s.done and s.error is None and s.chunks is not None for s in statuses):
         return None
     return statuses
+
+
+def _committing(save: PendingSave, manifest: bytes) -> Committing:
+    """Start writing save's manifest and LATEST on a driver thread; its outcome ("url" or
+    "error") is read by whoever waits for the thread."""
+    outcome: dict = {}
+
+    def commit() -> None:
+        try:
+            outcome["url"] = save.checkpoint.commit_manifest(manifest)
+        except BaseException as error:  # noqa: BLE001 - re-raised (or, after a failure, dropped) by the reader
+            outcome["error"] = error
+
+    thread = threading.Thread(target=commit, name=f"commit-step-{save.step}", daemon=True)
+    thread.start()
+    return Committing(save, thread, outcome)
