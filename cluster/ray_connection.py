@@ -5,7 +5,11 @@ none of which should import another's machinery to connect.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
+import tempfile
+from pathlib import Path
 
 import ray
 
@@ -48,3 +52,18 @@ def connect_ray(start_timeout_s: float | None = None) -> None:
             f"could not join the Ray cluster at RAY_ADDRESS={address} ({type(error).__name__}: {detail}). Fix: check "
             "that the cluster is up and the address is right (`ray status --address ...`), or unset RAY_ADDRESS to "
             "start a local Ray") from None
+
+
+def ensure_auth_token() -> None:
+    """Under RAY_AUTH_MODE=token with no token anywhere, make one for the clusters this process
+    starts. A local ray.init writes ~/.ray/auth_token itself, but `ray.cluster_utils.Cluster` (the
+    multi-node benches and end-to-end scenarios) and `ray start` do not, and their GCS then refuses
+    to start on a fresh machine ("couldn't find an authentication token")."""
+    if os.environ.get("RAY_AUTH_MODE") != "token" or os.environ.get("RAY_AUTH_TOKEN") \
+            or os.environ.get("RAY_AUTH_TOKEN_PATH") or (Path.home() / ".ray" / "auth_token").exists():
+        return
+    handle, path = tempfile.mkstemp(prefix="rayshard-auth-token-")
+    with os.fdopen(handle, "w") as token:  # mkstemp's file is the owner's alone (0600)
+        token.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_TOKEN_PATH"] = path
+    atexit.register(os.remove, path)  # its clusters read it as they start; none outlives this process

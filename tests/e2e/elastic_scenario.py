@@ -38,6 +38,7 @@ from ray.util.state import list_actors  # noqa: E402
 from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
 from rayshard.cluster.run.resume_check import resume_checks  # noqa: E402
 from rayshard.cluster.catalog.store import Store  # noqa: E402
+from rayshard.cluster.ray_connection import ensure_auth_token  # noqa: E402
 from rayshard.cluster.run.metrics_sinks import read_metrics  # noqa: E402
 from rayshard.plans.config import CheckpointConfig, DataConfig, ModelChoice, OptimizerConfig, TrainConfig  # noqa: E402
 from rayshard.plans.elastic import FailurePolicy, ScalingPolicy  # noqa: E402
@@ -205,6 +206,7 @@ def main(out: str, small: bool = False, moe: bool = False, azure: bool = False) 
     Blob Storage (Azurite) instead of S3 (moto)."""
     # Before the cluster: its nodes inherit the store's environment.
     server, proxy, store = start_azure(Path(out).with_name("azurite.log")) if azure else start_s3()
+    ensure_auth_token()  # a fresh machine has no token, and Cluster makes none
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     workers = [cluster.add_node(num_cpus=2, num_gpus=0) for _ in range(1 if small else 3)]
     cluster.wait_for_nodes()

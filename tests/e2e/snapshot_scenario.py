@@ -46,6 +46,7 @@ from ray.util.state import list_actors  # noqa: E402
 
 from rayshard.cluster.catalog.snapshot_record import read_snapshot_record  # noqa: E402
 from rayshard.cluster.catalog.store import Store  # noqa: E402
+from rayshard.cluster.ray_connection import ensure_auth_token  # noqa: E402
 from rayshard.cluster.run.elastic import train_elastic  # noqa: E402
 from rayshard.cluster.run.train import train  # noqa: E402
 from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--fault", choices=("rank", "rank-twice", "node", "both-holders"), default="rank")
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
+    ensure_auth_token()  # a fresh machine has no token, and Cluster makes none
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     workers = [cluster.add_node(num_cpus=1, num_gpus=0) for _ in range(2)]
     cluster.wait_for_nodes()
