@@ -21,6 +21,7 @@ from rayshard.actors.checkpoint.cast_view import FloatView
 from rayshard.actors.checkpoint.load import HandoverGroups, load_rank_shard
 from rayshard.actors.checkpoint.save import save_rank_shard
 from rayshard.actors.parallel.gradient_norm import clip_grad_norm
+from rayshard.actors.parallel.local_shard_adamw import LocalShardAdamW
 from rayshard.actors.model.moe import moe_layers
 from rayshard.actors.parallel.parallelize import (expert_parameters, reduce_expert_gradients, sum_partial_gradients,
                                       tp_partial_parameters)
@@ -128,8 +129,10 @@ class Trainer:
         # Fused: one kernel per param group and step (torchtitan's default) instead of ~14 foreach
         # ops. DTensor plans the sharding of every op for each of its tensors on a run's first
         # step; on a 2-D mesh that took 1.7 s of a tiny model's first step for foreach, 0.7 for
-        # fused (docs/decisions.md 79). Elementwise either way, so as independent of the layout.
-        self.optimizer = torch.optim.AdamW(param_groups_by_mesh(self.trained_parameters()), lr=opt.lr, betas=(opt.beta1, opt.beta2),
+        # fused (docs/decisions.md 79), and the kernel runs on the local shards directly, which
+        # plans nothing (local_shard_adamw.py, decision 210). Elementwise either way, so as
+        # independent of the layout.
+        self.optimizer = LocalShardAdamW(param_groups_by_mesh(self.trained_parameters()), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                            eps=opt.eps, weight_decay=opt.weight_decay, fused=True)
         self.data = open_training_data(config, self.layout.data_rank_of(rank), self.layout.data_parallel_size)
         self.batch_hash = ""  # this rank's rows of the last batch, one digest each (plans/data/batch_hash.py)
