@@ -87,6 +87,18 @@ def _drop_frames(error: BaseException) -> None:
         pending += [current.__cause__, current.__context__]
 
 
+def _import_what_a_load_needs() -> None:
+    """pyarrow imports pandas the first time it builds an array: 0.25 s on a quiet 2-core machine,
+    1 s on a loaded one. A warm spare (cluster/run/rank_pool.py) that takes over a rank decodes the
+    resumed checkpoint's manifest at once, and paid that on the recovery's path (bench/recovery.py:
+    its load's manifest phase took 0.8-1.0 s against 0.02 s on a reused rank, decision 212). Every
+    rank reads a manifest or a Parquet dataset sooner or later, so importing it at start costs none
+    of them anything."""
+    import pyarrow
+
+    pyarrow.array([0])
+
+
 # Saves kept answerable by checkpoint URL: the two that may be in flight, and a little history.
 SAVES_REMEMBERED = 4
 
@@ -95,6 +107,7 @@ SAVES_REMEMBERED = 4
 class RankActor:
     def __init__(self):
         torch.set_num_threads(1)
+        _import_what_a_load_needs()
         self.trainer = None
         # checkpoint URL -> its background save on this rank; `save_finished` (another thread) reads it
         self.background_saves: dict[str, object] = {}  # None: that save failed to start here
