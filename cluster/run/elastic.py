@@ -78,7 +78,8 @@ class TrainingWorkerGroup:
                                            gpus_per_rank=bundle.get("GPU", 0)))
         try:
             actors = self.actors if self.actors is not None else self._pool().actors_for(layout.world_size, bundle)
-            result = train(config, actors, stop_after_checkpoint=lambda step: should_resize())
+            result = train(config, actors, stop_after_checkpoint=lambda step: should_resize(),
+                           after_first_step=self.pool.start_spares if self.actors is None else None)
         except RANK_FAILURES as error:
             if self.pool is not None and isinstance(error, StepFailed):
                 self.pool.condemn(error.dead_ranks)

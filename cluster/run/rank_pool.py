@@ -9,9 +9,9 @@ is dead or stuck, so it is killed and another actor takes its place, keeping its
 bound is REUSE_PROBE_S, or BUSY_PEER_BOUND_S for a peer the failed step named silent (it may be
 still computing its step, or stuck in a collective): one with a warm spare on its node is
 replaced at once instead (decision 185). A replacement is a warm spare where the pool keeps one
-on the rank's node (CPU ranks: one idle actor per node, torch imported, no CPU reserved), else a
-new actor in the rank's bundle. Ray moves the bundles of a lost node elsewhere where it can; where it cannot within the
-start timeout, or the next layout asks for another world or another share per rank, the pool is
+on the rank's node (CPU ranks: one idle actor per node, torch imported, no CPU reserved, started
+once an attempt has trained its first step), else a new actor in the rank's bundle. Ray moves the
+bundles of a lost node elsewhere where it can; where it cannot within the start timeout, or the next layout asks for another world or another share per rank, the pool is
 released whole and started afresh (a smaller layout frees the extras).
 """
 from __future__ import annotations
@@ -67,7 +67,6 @@ class RankPool:
             self.placement, self.actors = start_actors(world, self.start_timeout_s, bundle.get("CPU", 0),
                                                        bundle.get("GPU", 0), log=self.log)
             self.bundle = dict(bundle)
-            self._start_spares()
             return list(self.actors)
         try:
             self._repair()
@@ -107,7 +106,6 @@ class RankPool:
         self.last_recovery = (f"ranks reused {_ranks(reused)}, restarted {_ranks(lost)} "
                               f"({time.monotonic() - started:.1f} s" + "".join(f"; {note}" for note in notes) + ")")
         self.log(f"recovery: {self.last_recovery}")
-        self._start_spares()  # not waited for: the next failure finds them warm
 
     def _answers(self, probes: dict, bounds: dict[int, float], started: float) -> set[int]:
         """The ranks whose probe answered within their own bound (counted from `started`)."""
@@ -155,18 +153,25 @@ class RankPool:
         except Exception:  # noqa: BLE001 - no placement known: no spare is used, a new actor is started
             return {}
 
-    def _start_spares(self) -> None:
+    def start_spares(self) -> None:
         """An idle actor on every node that holds ranks and has none (CPU ranks only: a GPU rank's
         actor must own its GPU from its start). It reserves no CPU: it only waits, torch imported,
-        and once it takes a dead rank's place, that rank's bundle keeps the CPU reserved for it."""
-        if not self.warm_spares or self.bundle.get("GPU", 0):
+        and once it takes a dead rank's place, that rank's bundle keeps the CPU reserved for it.
+        Not waited for, and called once an attempt has trained its first step, not as it starts: a
+        spare's start (importing torch, a few CPU-seconds) ran beside the recovery's set-up, load
+        and first step on the same cores, and slowed them (decision 213)."""
+        if not self.warm_spares or not self.bundle or self.bundle.get("GPU", 0):
             return
-        alive = _alive_nodes()
-        self.spares = {node: spare for node, spare in self.spares.items() if node in alive}  # a lost node's went with it
-        for node in sorted(set(self._bundle_nodes().values()) & alive):
-            if node not in self.spares:
-                self.spares[node] = RankActor.options(
-                    num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        try:
+            alive = _alive_nodes()
+            self.spares = {node: spare for node, spare in self.spares.items() if node in alive}  # a lost node's went with it
+            for node in sorted(set(self._bundle_nodes().values()) & alive):
+                if node not in self.spares:
+                    self.spares[node] = RankActor.options(
+                        num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        except Exception as error:  # noqa: BLE001 - a spare only speeds up the next recovery; training goes on
+            self.log(f"warm spares not started ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
+                     "a recovery then starts new actors")
 
     def release(self) -> None:
         for actor in [*self.actors, *self.spares.values()]:

@@ -28,6 +28,8 @@ def _scenario() -> None:
     pool = RankPool(start_timeout_s=120, log=lines.append, busy_peer_bound_s=60)
     try:
         first = pool.actors_for(3, BUNDLE)
+        assert not pool.spares  # started once the attempt has trained a step (decision 213), as the trainer asks
+        pool.start_spares()
         ids = [actor._actor_id for actor in first]
         [spare] = pool.spares.values()  # one node: one warm spare
         ray.get(spare.__ray_ready__.remote(), timeout=120)
@@ -45,6 +47,8 @@ def _scenario() -> None:
         assert lines[-1].startswith("recovery: ranks reused [0,2], restarted [1] "), lines
         assert "rank(s) [2] waited for" in lines[-1] and "rank(s) [1] from a warm spare" in lines[-1], lines
         # A silent peer with a warm spare on its node is replaced at once, not waited for.
+        assert not pool.spares
+        pool.start_spares()
         [spare] = pool.spares.values()  # started after the last repair
         ray.get(spare.__ray_ready__.remote(), timeout=120)
         second[0].__ray_call__.remote(lambda self: time.sleep(600))
