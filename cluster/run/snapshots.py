@@ -69,6 +69,7 @@ class Snapshots:
         # ranks' optimizer wait for the snapshot's copy, the time training was held for it
         self.blocked_s: dict[int, float] = {}
         self.write_s: float | None = None  # the newest background snapshot's slowest write to the keepers
+        self.run_lost = False  # `settle(lost_run=True)`: another trainer holds the run; write nothing more
 
     def in_background(self, group, world_size: int, metadata_for) -> None:
         """Take snapshots as async saves are taken: ranks copy to host memory (training waits only
@@ -112,12 +113,15 @@ class Snapshots:
             for old in [s for s in self.blocked_s if step is not None and s < step - 4 * SNAPSHOTS_IN_FLIGHT]:
                 del self.blocked_s[old]  # steps with no snapshot (K > 1), or whose snapshot failed
 
-    def settle(self) -> None:
+    def settle(self, lost_run: bool = False) -> None:
         """The attempt is ending (finished, or a rank failed): a snapshot commit already running
         on the driver ends first (bounded); then the newest snapshot whose every rank's write had
         already ended is committed (bounded); one still being written by the ranks is abandoned,
         never waited for: after a failure its ranks may be gone, and the run's last step has its
-        durable checkpoint anyway."""
+        durable checkpoint anyway. lost_run: this trainer lost the run's writer lease to another,
+        which may be taking its own snapshots of the run: nothing more is committed, and no note
+        goes to the durable store."""
+        self.run_lost = self.run_lost or lost_run
         if self.background is not None:
             with contextlib.suppress(Exception):
                 self.background.settle()
@@ -129,6 +133,8 @@ class Snapshots:
                 _TAKEN[key] = max(_TAKEN.get(key, 0), committing.save.step)
             # A snapshot whose every write had ended before the failure is whole: commit it now
             # rather than at a poll that never comes (decision 207).
+            if self.run_lost:
+                return
             with contextlib.suppress(Exception):
                 step = self.background.commit_newest_finished(SETTLE_COMMIT_BOUND_S)
                 if step is not None:
@@ -142,7 +148,7 @@ class Snapshots:
         """Record a committed snapshot and drop every older one (each is a whole state in memory)."""
         self.latest = _LATEST[(self.store.url, self.run)] = (step, time.time(), blocked_s)
         _TAKEN[(self.store.url, self.run)] = step
-        if self.durable is not None and time.time() - self._recorded_at >= RECORD_EVERY_S:
+        if self.durable is not None and not self.run_lost and time.time() - self._recorded_at >= RECORD_EVERY_S:
             self._recorded_at = time.time()
             try:  # a note for people (`ckpt ls`); training never waits on it failing
                 write_snapshot_record(self.durable, self.run, step, self._recorded_at, self.keeper_nodes())

@@ -226,11 +226,12 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
                     _log(f"stopping after the checkpoint at step {done} as asked (resize)")
                     break
     finally:
+        lost_run = point.lease is not None and point.lease.lost is not None
         if point.snapshots is not None:
-            point.snapshots.settle()
+            point.snapshots.settle(lost_run)
         if saves.background is not None:
             saves.background.settle()  # a commit in flight ends before the lease is released
-        finish(group, store, sinks, timings, lost_run=point.lease is not None and point.lease.lost is not None)
+        finish(group, store, sinks, timings, lost_run=lost_run)
     return result
 
 

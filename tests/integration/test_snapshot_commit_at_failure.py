@@ -125,3 +125,20 @@ def test_a_snapshot_with_a_failed_write_is_not_committed_and_the_older_whole_one
     _wait_until_written(ray_session, snapshots, 1)  # every rank answered; one of them failed
     snapshots.settle()
     assert snapshots.choose(durable_step=None).ref.step == 1
+
+
+def test_a_trainer_that_lost_the_run_commits_nothing_more_as_it_ends(ray_session, stand_ins, tmp_path):
+    """Another trainer holds the run's writer lease (and may snapshot the run itself): the whole
+    snapshot this one finished is not committed at settle, and no note goes to the durable store."""
+    from rayshard.cluster.catalog.snapshot_record import read_snapshot_record
+    from rayshard.cluster.catalog.store import Store
+
+    snapshots = _snapshots(stand_ins)
+    snapshots.durable = Store(str(tmp_path / "durable"))
+    snapshots.start(1, None)
+    _wait_until_written(ray_session, snapshots, 0)  # whole: a trainer that still held the run would commit it
+    snapshots.settle(lost_run=True)
+    assert snapshots.choose(durable_step=None).ref is None
+    assert snapshots.latest is None and read_snapshot_record(snapshots.durable, "run") is None
+    snapshots.taken(1, 0.0)  # a commit that was already running ends: still no note
+    assert read_snapshot_record(snapshots.durable, "run") is None
