@@ -8,12 +8,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's own shard, read without an autograd op (this runs inside a pack hook)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+# A DTensor's own shard, read without an autograd op (this runs inside a pack hook).
+from rayshard.actors.parallel.shards import local_tensor as _local
 
 
 class KeptBytes:

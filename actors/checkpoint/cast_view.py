@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
-from rayshard.actors.checkpoint.rank_pieces import local_tensor, ties_embeddings
+from rayshard.actors.checkpoint.rank_pieces import ties_embeddings
+from rayshard.actors.parallel.shards import local_tensor
 
 
 class FloatView:

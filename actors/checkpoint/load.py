@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rayshard.storage.manifest_io import read_manifest
-from rayshard.actors.checkpoint.rank_pieces import MOMENTS, local_tensor, ties_embeddings, rank_layout, replicated_dims, state_tensors
+from rayshard.actors.parallel.shards import local_tensor
+from rayshard.actors.checkpoint.rank_pieces import MOMENTS, ties_embeddings, rank_layout, replicated_dims, state_tensors
 from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.replica_broadcast import HandedPiece, SlicedPiece, broadcast_pieces, buckets
 from rayshard.actors.checkpoint.shard_writer import dtype_name

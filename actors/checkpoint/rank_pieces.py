@@ -29,12 +29,6 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 yield name, kind, state[kind]
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard itself (what `to_local()` returns a view of). `to_local()` runs an
-    autograd Function, ~28 us a call: a tenth of a small local load went to the ~150 calls."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 def rank_layout(model: torch.nn.Module) -> tuple[ParallelLayout, RankCoords]:
     """This rank's layout and coordinates, read off the DTensor meshes and the process group
     (degrees no mesh shows are 1: FSDP and TP turn every parameter they touch into a DTensor)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from rayshard.actors.checkpoint.rank_pieces import local_tensor
+from rayshard.actors.parallel.shards import local_tensor
 from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.shard_writer import Piece, dtype_name
 from rayshard.actors.parallel.shards import local_region

@@ -5,8 +5,9 @@ on the same rank with the same placements as the shard. DTensor's dispatch of th
 computes exactly that, but first plans the sharding of the one foreach op over every tensor of the
 group; that plan is not cached across processes, so every rank's first step paid it (a fresh
 rank's first step at the small preset on dp2 x tp2: 0.93-1.02 CPU-seconds against 0.67-0.75
-here, docs/decisions.md 210), and a recovery pays it again on every rank. Here the same kernel (`torch.optim.adam.adam`, fused when the
-group is) runs on the local tensors, so the values are bit for bit those DTensor's path computes.
+here, docs/decisions.md 210), and a recovery pays it again on every rank. Here the same kernel
+(`torch.optim.adam.adam`, fused when the group is) runs on the local tensors, so the values are
+bit for bit those DTensor's path computes.
 
 Where a parameter's gradient or moments are not laid out as the parameter (a Partial gradient that
 still needs its reduction, another mesh), the group takes DTensor's path, which redistributes them
@@ -19,9 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+from rayshard.actors.parallel.shards import local_tensor
 
 
 def _same_layout(param: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -51,7 +50,7 @@ class LocalShardAdamW(torch.optim.AdamW):
                         for p, g, (m, v, s) in zip(params, grads, moments))
             lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
             if local:
-                lists = tuple([_local(t) for t in tensors] for tensors in lists)
+                lists = tuple([local_tensor(t) for t in tensors] for tensors in lists)
             beta1, beta2 = group["betas"]
             adam(*lists, state_steps, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],

@@ -29,6 +29,12 @@ _REGIONS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 _REGIONS_KEPT = 8192
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard itself (what `to_local()` returns a view of). `to_local()` runs an
+    autograd Function, ~28 us a call: a tenth of a small local load went to the ~150 calls."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offsets, local sizes) of this rank's piece."""
     if not isinstance(tensor, DTensor):

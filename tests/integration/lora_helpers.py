@@ -14,7 +14,8 @@ def save_every_parameter(actor, checkpoint_url: str, file: str):
 
 def fill_with_rank(actor):
     """Run on a rank: its piece of every stored tensor (adapters and their moments) set to its rank."""
-    from rayshard.actors.checkpoint.rank_pieces import local_tensor, state_tensors
+    from rayshard.actors.checkpoint.rank_pieces import state_tensors
+    from rayshard.actors.parallel.shards import local_tensor
 
     trainer = actor.trainer
     for _, _, tensor in state_tensors(trainer.model, trainer.optimizer, only=trainer.stored_names):
