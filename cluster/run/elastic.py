@@ -41,6 +41,7 @@ class TrainingWorkerGroup:
     actors: list | None = None  # live RankActors each attempt borrows, as train() takes them (else the pool's)
     # Without given actors: the ranks kept across attempts, so a recovery restarts only the lost ones.
     pool: RankPool | None = field(default=None, repr=False)
+    furthest_step: int = 0  # the furthest step any attempt has trained (when the pool's spares start)
 
     def rank_bundle(self, world: int | None = None) -> dict[str, float]:
         """CPU ranks: a share fixed over wanted_ranks, so the rank count follows from the CPUs.
@@ -54,6 +55,22 @@ class TrainingWorkerGroup:
         if self.pool is None:
             self.pool = RankPool(self.config.resources.start_timeout_s)
         return self.pool
+
+    def _spares_once_regained(self):
+        """A step callback that starts the pool's warm spares once this attempt trains a step past the
+        furthest any attempt reached: after a first start or a resize at its first step, after a
+        recovery once it has redone the lost steps. A spare's start (importing torch, a few
+        CPU-seconds) slowed the recovery's first steps on the cores the ranks share (decision 215);
+        the spares are for the next failure, and regaining the lost steps comes first."""
+        reached_before, started = self.furthest_step, False
+
+        def after_step(done: int) -> None:
+            nonlocal started
+            self.furthest_step = max(self.furthest_step, done)
+            if not started and done > reached_before:
+                started = True
+                self.pool.start_spares()
+        return after_step
 
     def release(self) -> None:
         """Kill the pool's ranks and free their resources (given actors stay the caller's)."""
@@ -79,7 +96,7 @@ class TrainingWorkerGroup:
         try:
             actors = self.actors if self.actors is not None else self._pool().actors_for(layout.world_size, bundle)
             result = train(config, actors, stop_after_checkpoint=lambda step: should_resize(),
-                           after_first_step=self.pool.start_spares if self.actors is None else None)
+                           after_step=self._spares_once_regained() if self.actors is None else None)
         except RANK_FAILURES as error:
             if self.pool is not None and isinstance(error, StepFailed):
                 self.pool.condemn(error.dead_ranks)

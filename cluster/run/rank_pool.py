@@ -8,9 +8,11 @@ leaves it on a failed step, and setup leaves any previous one) and is reused; on
 is dead or stuck, so it is killed and another actor takes its place, keeping its CPU share. The
 bound is REUSE_PROBE_S, or BUSY_PEER_BOUND_S for a peer the failed step named silent (it may be
 still computing its step, or stuck in a collective): one with a warm spare on its node is
-replaced at once instead (decision 185). A replacement is a warm spare where the pool keeps one
-on the rank's node (CPU ranks: one idle actor per node, torch imported, no CPU reserved, started
-once an attempt has trained its first step), else a new actor in the rank's bundle. Ray moves the
+replaced at once instead (decision 185); one still silent after REUSE_PROBE_S has a spare started
+on its node then, so that a stuck peer's replacement is ready as its bound ends (decision 216). A
+replacement is a warm spare where the pool keeps one on the rank's node (CPU ranks: one idle actor
+per node, torch imported, no CPU reserved, started once an attempt has regained the furthest step
+trained), else a new actor in the rank's bundle. Ray moves the
 bundles of a lost node elsewhere where it can; where it cannot within the start timeout, or the next layout asks for another world or another share per rank, the pool is
 released whole and started afresh (a smaller layout frees the extras).
 """
@@ -85,9 +87,9 @@ class RankPool:
             if self._spare_for(rank) is not None:
                 replaced[rank] = self._replace(rank)
         condemned = condemned | set(replaced)
+        notes: list[str] = []
         probes = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(self.actors) if rank not in condemned}
-        answered = self._answers(probes, {rank: self.busy_peer_bound_s if rank in busy else REUSE_PROBE_S
-                                          for rank in probes.values()}, started)
+        answered = self._probe(probes, busy, started, notes)
         stuck = sorted(rank for rank in probes.values() if rank not in answered)
         for rank in stuck:
             replaced[rank] = self._replace(rank)
@@ -95,8 +97,8 @@ class RankPool:
             wait_alive(self.actors, self.start_timeout_s)
         reused = [rank for rank in range(len(self.actors)) if rank not in replaced]
         lost = sorted(replaced)
-        notes = [f"rank(s) {_ranks(sorted(busy & set(reused)))} waited for, busy finishing the failed step"] \
-            if busy & set(reused) else []
+        if busy & set(reused):
+            notes.insert(0, f"rank(s) {_ranks(sorted(busy & set(reused)))} waited for, busy finishing the failed step")
         silent = sorted(set(stuck) & busy)
         if silent:
             notes.append(f"rank(s) {_ranks(silent)} did not answer within {self.busy_peer_bound_s:g} s (treated as lost)")
@@ -106,6 +108,24 @@ class RankPool:
         self.last_recovery = (f"ranks reused {_ranks(reused)}, restarted {_ranks(lost)} "
                               f"({time.monotonic() - started:.1f} s" + "".join(f"; {note}" for note in notes) + ")")
         self.log(f"recovery: {self.last_recovery}")
+
+    def _probe(self, probes: dict, busy: set[int], started: float, notes: list[str]) -> set[int]:
+        """The probed ranks that answered: each within REUSE_PROBE_S, a busy one within
+        busy_peer_bound_s. A peer still computing the failed step answers within about a step; a
+        busy one still silent after REUSE_PROBE_S may be stuck, so a spare starts on its node then,
+        beside the wait: a stuck peer costs its bound and not its bound plus a process start
+        (decision 216), and one that answers leaves the spare as its node's."""
+        first_bound = min(REUSE_PROBE_S, self.busy_peer_bound_s)
+        answered = self._answers(probes, {rank: first_bound if rank in busy else REUSE_PROBE_S
+                                          for rank in probes.values()}, started)
+        slow = {ref: rank for ref, rank in probes.items() if rank in busy and rank not in answered}
+        if not slow or self.busy_peer_bound_s <= first_bound:
+            return answered
+        spares_before = set(self.spares.values())
+        self._start_spares_on({self._bundle_nodes().get(rank) for rank in slow.values()})
+        if set(self.spares.values()) - spares_before:
+            notes.append(f"a spare started for rank(s) {_ranks(sorted(slow.values()))}, silent after {first_bound:g} s")
+        return answered | self._answers(slow, {rank: self.busy_peer_bound_s for rank in slow.values()}, started)
 
     def _answers(self, probes: dict, bounds: dict[int, float], started: float) -> set[int]:
         """The ranks whose probe answered within their own bound (counted from `started`)."""
@@ -157,15 +177,19 @@ class RankPool:
         """An idle actor on every node that holds ranks and has none (CPU ranks only: a GPU rank's
         actor must own its GPU from its start). It reserves no CPU: it only waits, torch imported,
         and once it takes a dead rank's place, that rank's bundle keeps the CPU reserved for it.
-        Not waited for, and called once an attempt has trained its first step, not as it starts: a
-        spare's start (importing torch, a few CPU-seconds) ran beside the recovery's set-up, load
-        and first step on the same cores, and slowed them (decision 213)."""
+        Not waited for, and called once an attempt has regained the furthest step trained, not as
+        it starts: a spare's start (importing torch, a few CPU-seconds) ran beside the recovery's
+        set-up, load and first steps on the same cores, and slowed them (decisions 213, 215)."""
+        self._start_spares_on(set(self._bundle_nodes().values()))
+
+    def _start_spares_on(self, nodes: set) -> None:
+        """A warm spare on each of `nodes` that is alive and has none (see start_spares)."""
         if not self.warm_spares or not self.bundle or self.bundle.get("GPU", 0):
             return
         try:
             alive = _alive_nodes()
             self.spares = {node: spare for node, spare in self.spares.items() if node in alive}  # a lost node's went with it
-            for node in sorted(set(self._bundle_nodes().values()) & alive):
+            for node in sorted(set(nodes) & alive):
                 if node not in self.spares:
                     self.spares[node] = RankActor.options(
                         num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()

@@ -72,14 +72,14 @@ class StartPoint:
 
 def train(config: TrainConfig, actors: list | None = None,
           stop_after_checkpoint: Callable[[int], bool] | None = None,
-          after_first_step: Callable[[], None] | None = None) -> TrainResult:
+          after_step: Callable[[int], None] | None = None) -> TrainResult:
     """Run (or resume) training: resolve where it starts, start the ranks, run the steps.
 
     actors: live RankActors to borrow instead of starting new ones.
     stop_after_checkpoint(step): asked after each committed checkpoint; True stops here (the
     elastic controller uses it to resize at a checkpoint, losing no work).
-    after_first_step(): called once this attempt's first step is done (the elastic controller
-    starts its warm spares then, off the recovery's path).
+    after_step(step): called as each step is done and reported (the elastic controller starts its
+    warm spares once an attempt has regained the furthest step, off the recovery's path).
     """
     config = config.validate()
     store = Store(config.store)
@@ -99,7 +99,7 @@ def train(config: TrainConfig, actors: list | None = None,
             _log(f"nothing to do: the checkpoint is at step {point.step} and --steps is {point.config.steps}")
             return TrainResult(point.config.run, point.step, resumed_from=point.parent)
         group = start_ranks(point, actors)
-        return run_steps(group, point, stop_after_checkpoint, after_first_step)
+        return run_steps(group, point, stop_after_checkpoint, after_step)
 
 
 def resolve_start(config: TrainConfig, store: Store, snapshots: Snapshots | None = None) -> StartPoint:
@@ -180,7 +180,7 @@ def start_ranks(point: StartPoint, actors: list | None) -> RankGroup:
 
 
 def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callable[[int], bool] | None,
-              after_first_step: Callable[[], None] | None = None) -> TrainResult:
+              after_step: Callable[[int], None] | None = None) -> TrainResult:
     """Load the resumed state, then one call per rank per step, with a checkpoint at every
     checkpoint.every steps and at the end; the ranks are shut down whatever happens."""
     config, store = point.config, point.store
@@ -212,8 +212,8 @@ def run_steps(group: RankGroup, point: StartPoint, stop_after_checkpoint: Callab
                 point.snapshots.poll(per_rank[0].step)
             done = report_step(config, per_rank, seconds, result, sinks,
                                point.snapshots.describe() if point.snapshots is not None else None)
-            if after_first_step is not None and done == point.step + 1:
-                after_first_step()
+            if after_step is not None:
+                after_step(done)
             saves.poll()
             durable = done == config.steps or (config.checkpoint.every and done % config.checkpoint.every == 0)
             if point.snapshots is not None:

@@ -1,7 +1,8 @@
 """The elastic run's rank pool on real Ray actors (decisions 149, 185): after a failure it keeps
 the actors that answer, waits a bound for peers still busy with the failed step, replaces the
 dead, silent peers that have a warm spare on their node, and peers silent past their bound (each
-from a warm spare on its node where one waits, named), and starts afresh for another world size.
+from a warm spare on its node where one waits, or one started for it as it stayed silent, named),
+and starts afresh for another world size.
 
 The pool reserves CPUs in a placement group, and the test session's Ray lends all of its CPUs to
 the session's actor pool; so the scenario runs in a subprocess with a small Ray of its own."""
@@ -46,11 +47,15 @@ def _scenario() -> None:
         assert ray.get([actor.__ray_ready__.remote() for actor in second], timeout=60)
         assert lines[-1].startswith("recovery: ranks reused [0,2], restarted [1] "), lines
         assert "rank(s) [2] waited for" in lines[-1] and "rank(s) [1] from a warm spare" in lines[-1], lines
-        # A silent peer with a warm spare on its node is replaced at once, not waited for.
-        assert not pool.spares
-        pool.start_spares()
-        [spare] = pool.spares.values()  # started after the last repair
+        # Rank 2 was silent past the plain probe's 2 s: a spare started on its node then (decision
+        # 216), and as rank 2 answered, it stays the node's warm spare.
+        assert "a spare started for rank(s) [2], silent after 2 s" in lines[-1], lines
+        [spare] = pool.spares.values()
+        assert spare._actor_id not in {a._actor_id for a in second}
+        pool.start_spares()  # the node has its spare: none more
+        assert list(pool.spares.values()) == [spare]
         ray.get(spare.__ray_ready__.remote(), timeout=120)
+        # A silent peer with a warm spare on its node is replaced at once, not waited for.
         second[0].__ray_call__.remote(lambda self: time.sleep(600))
         pool.expect_busy([0])
         third = pool.actors_for(3, BUNDLE)
@@ -67,10 +72,21 @@ def _scenario() -> None:
         assert fourth[1]._actor_id != third[1]._actor_id and fourth[0]._actor_id == third[0]._actor_id
         assert lines[-1].startswith("recovery: ranks reused [0,2], restarted [1] "), lines
         assert "rank(s) [1] did not answer within 3 s (treated as lost)" in lines[-1], lines
-        third = fourth
+        # With spares on, a silent peer and no spare on its node: one starts after 2 s, and takes the
+        # stuck peer's place when its bound ends (not a new actor started only then).
+        pool.warm_spares, pool.busy_peer_bound_s = True, 4.0
+        fourth[2].__ray_call__.remote(lambda self: time.sleep(600))
+        pool.expect_busy([2])
+        fifth = pool.actors_for(3, BUNDLE)
+        assert fifth[2]._actor_id != fourth[2]._actor_id and [a._actor_id for a in fifth[:2]] == [a._actor_id for a in fourth[:2]]
+        assert lines[-1].startswith("recovery: ranks reused [0,1], restarted [2] "), lines
+        assert "a spare started for rank(s) [2], silent after 2 s" in lines[-1], lines
+        assert "rank(s) [2] did not answer within 4 s (treated as lost)" in lines[-1], lines
+        assert "rank(s) [2] from a warm spare" in lines[-1] and not pool.spares, lines
+        third = fifth
         # Another world size: a fresh set, the old actors gone.
-        fifth = pool.actors_for(2, BUNDLE)
-        assert len(fifth) == 2 and not {a._actor_id for a in fifth} & {a._actor_id for a in third}
+        other = pool.actors_for(2, BUNDLE)
+        assert len(other) == 2 and not {a._actor_id for a in other} & {a._actor_id for a in third}
     finally:
         pool.release()
         ray.shutdown()
