@@ -22,6 +22,7 @@ import torch
 import rayshard.actors.snapshot.filesystem  # noqa: F401  (serves rayshard-snapshot:// in this rank, installed or not)
 from rayshard.actors.training.reports import RankSetup, StepMetrics
 from rayshard.actors.training.trainer import Trainer, WrapRunner
+from rayshard.actors.waiting_where import where_thread_is
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.config import TrainConfig
 from rayshard.storage.options import apply_conf
@@ -57,9 +58,13 @@ def leaves_its_group_on_failure(method):
     trainer, and a collection frees the group now rather than at some later one."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
+        self.running = (method.__name__, threading.get_ident(), time.monotonic())  # for where_it_waits
         try:
-            return method(self, *args, **kwargs)
+            result = method(self, *args, **kwargs)
+            self.running = None
+            return result
         except Exception as error:
+            self.running = None
             with contextlib.suppress(AttributeError, TypeError):
                 if getattr(error, "rayshard_raised_unix", None) is None:
                     error.rayshard_raised_unix = time.time()
@@ -102,12 +107,13 @@ def _import_what_a_load_needs() -> None:
 SAVES_REMEMBERED = 4
 
 
-@ray.remote(concurrency_groups={"save_waits": 1})
+@ray.remote(concurrency_groups={"save_waits": 1, "inspect": 1})
 class RankActor:
     def __init__(self):
         torch.set_num_threads(1)
         _import_what_a_load_needs()
         self.trainer = None
+        self.running: tuple[str, int, float] | None = None  # the peer-facing call running: name, thread, since
         # checkpoint URL -> its background save on this rank; `save_finished` (another thread) reads it
         self.background_saves: dict[str, object] = {}  # None: that save failed to start here
         self._saves_changed = threading.Condition()
@@ -202,6 +208,16 @@ class RankActor:
         with self._saves_changed:
             save = self.background_saves[checkpoint_url] if checkpoint_url else list(self.background_saves.values())[-1]
         return save.status(wait)
+
+    @ray.method(concurrency_group="inspect")
+    def where_it_waits(self) -> str:
+        """One line for a rank that did not answer its driver: the call it runs, for how long, and
+        where (its own thread, so it answers while that call blocks in a collective)."""
+        running = self.running
+        if running is None:
+            return "in no step, load or save"
+        name, thread, since = running
+        return f"in {name} for {time.monotonic() - since:.1f} s, at {where_thread_is(thread) or 'an ended thread'}"
 
     @ray.method(concurrency_group="save_waits")
     def save_finished(self, checkpoint_url: str, timeout_s: float) -> dict | None:

@@ -28,8 +28,10 @@ from rayshard.plans.errors import CheckpointError
 TIMEOUT_ENV = "RAYSHARD_CHECKPOINT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
 
-# (the default group, the caller's group, timeout) -> our gloo group over the same ranks. Holding
-# the default group keeps its identity from being reused by a later one (a test's second world).
+# (the default group, the caller's group, timeout) -> our gloo group over the same ranks, for the
+# current default group only: a world destroyed and started again (a test's second world, an
+# elastic restart in the same process) drops the earlier world's groups, whose sockets close only
+# once nothing refers to them.
 _GROUPS: dict[tuple, object] = {}
 
 
@@ -132,6 +134,8 @@ def ranks_failed_line(what: str, failures: list[Failure]) -> str:
 def group_for(process_group, timeout: float):
     """Our gloo group over the ranks of `process_group` (the world when None)."""
     key = (dist.group.WORLD, process_group, timeout)
+    for stale in [held for held in _GROUPS if held[0] is not dist.group.WORLD]:
+        del _GROUPS[stale]
     if key not in _GROUPS:
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         _GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout),

@@ -38,6 +38,8 @@ REUSE_PROBE_S = 2.0
 # (that costs nothing); else it gets this bound to answer, overlapping the dead rank's
 # replacement, before it is killed, replaced and named.
 BUSY_PEER_BOUND_S = 5.0
+# How long a stuck rank's own thread is given to say where its call blocked, before it is killed.
+WHERE_BOUND_S = 0.5
 
 
 class RankPool:
@@ -91,6 +93,7 @@ class RankPool:
         probes = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(self.actors) if rank not in condemned}
         answered = self._probe(probes, busy, started, notes)
         stuck = sorted(rank for rank in probes.values() if rank not in answered)
+        where = self._where_they_wait(stuck)
         for rank in stuck:
             replaced[rank] = self._replace(rank)
         if replaced:
@@ -102,6 +105,7 @@ class RankPool:
         silent = sorted(set(stuck) & busy)
         if silent:
             notes.append(f"rank(s) {_ranks(silent)} did not answer within {self.busy_peer_bound_s:g} s (treated as lost)")
+        notes += where
         from_spares = [rank for rank in lost if replaced[rank] == "spare"]
         if from_spares:
             notes.append(f"rank(s) {_ranks(from_spares)} from a warm spare")
@@ -126,6 +130,22 @@ class RankPool:
         if set(self.spares.values()) - spares_before:
             notes.append(f"a spare started for rank(s) {_ranks(sorted(slow.values()))}, silent after {first_bound:g} s")
         return answered | self._answers(slow, {rank: self.busy_peer_bound_s for rank in slow.values()}, started)
+
+    def _where_they_wait(self, ranks: list[int]) -> list[str]:
+        """Where each stuck rank's call was blocked, asked of its own thread before it is killed (a
+        hang in a collective is then found from the recovery's line); one that does not say within
+        WHERE_BOUND_S is only named."""
+        if not ranks:
+            return []
+        asked = {self.actors[rank].where_it_waits.remote(): rank for rank in ranks}
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=WHERE_BOUND_S)
+        said = []
+        for ref in ready:
+            try:
+                said.append(f"rank {asked[ref]} was {ray.get(ref)}")
+            except Exception:  # noqa: BLE001 - it died meanwhile: nothing to say about it
+                pass
+        return sorted(said)
 
     def _answers(self, probes: dict, bounds: dict[int, float], started: float) -> set[int]:
         """The ranks whose probe answered within their own bound (counted from `started`)."""

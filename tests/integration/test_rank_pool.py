@@ -72,6 +72,8 @@ def _scenario() -> None:
         assert fourth[1]._actor_id != third[1]._actor_id and fourth[0]._actor_id == third[0]._actor_id
         assert lines[-1].startswith("recovery: ranks reused [0,2], restarted [1] "), lines
         assert "rank(s) [1] did not answer within 3 s (treated as lost)" in lines[-1], lines
+        # Asked of its own thread before it was killed (a sleep, not a step, load or save, here).
+        assert "; rank 1 was in no step, load or save" in lines[-1], lines
         # With spares on, a silent peer and no spare on its node: one starts after 2 s, and takes the
         # stuck peer's place when its bound ends (not a new actor started only then).
         pool.warm_spares, pool.busy_peer_bound_s = True, 4.0
