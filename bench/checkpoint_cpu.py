@@ -11,7 +11,7 @@ layout A or B (fsdp4) load each, N times in turn. The API and DCP load into one 
 once by `get_state_dict` (its cost, and `set_state_dict`'s, are bench/checkpoint.py's `sd` figure,
 paid by both alike); the trainer's load fills the model and optimizer directly.
 
-    .venv/bin/python bench/checkpoint_cpu.py [--layout A|B] [--repeats 7] [--root /tmp/rayshard-bench-cpu]
+    .venv/bin/python bench/checkpoint_cpu.py [--layout A|B] [--model small] [--repeats 7] [--root /tmp/rayshard-bench-cpu]
 """
 from __future__ import annotations
 
@@ -72,11 +72,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=("A", "B"), default="B", help="the loading layout: A dp2 x tp2, B fsdp4")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--model", default="small", help="model preset (small, medium)")
     parser.add_argument("--root", default="/tmp/rayshard-bench-cpu")
     args = parser.parse_args()
     shutil.rmtree(args.root, ignore_errors=True)
     os.makedirs(args.root)
-    common = dict(model=ModelChoice.named("small"), steps=1, global_batch=8, seq_len=64,
+    common = dict(model=ModelChoice.named(args.model), steps=1, global_batch=8, seq_len=64,
                   data=DataConfig(max_bytes=2_000_000))
     bench._spawn(_save, TrainConfig(layout=bench.LAYOUT_A, **common).validate(), args.root, args.repeats)
     layout = bench.LAYOUT_A if args.layout == "A" else bench.LAYOUT_B
