@@ -147,7 +147,7 @@ def one_recovery(store: Path, snapshot_every: int, preset: str, ckpt_every: int 
     blocked = [m["snapshot_blocked_s"] / m["step_s"] for m in metrics if m.get("snapshot_blocked_s") is not None]
     writes = [m["snapshot_write_s"] for m in metrics if m.get("snapshot_write_s") is not None]
     for _, line in console.lines:  # what failed, what the recovery read, which ranks it reused (rank_pool.py)
-        if line.startswith(("recovery:", "[controller] restarting", "snapshot")):
+        if line.startswith(("recovery:", "[controller] restarting", "snapshot", "loaded step")):
             print(f"  {line[:240]}", flush=True)
     resumed = [m for m in metrics if m.get("time", 0) > killed]  # the steps trained after the kill
     print("  steps after the kill: " + ", ".join(
