@@ -60,16 +60,15 @@ def leaves_its_group_on_failure(method):
     def guarded(self, *args, **kwargs):
         self.running = (method.__name__, threading.get_ident(), time.monotonic())  # for where_it_waits
         try:
-            result = method(self, *args, **kwargs)
-            self.running = None
-            return result
+            return method(self, *args, **kwargs)
         except Exception as error:
-            self.running = None
             with contextlib.suppress(AttributeError, TypeError):
                 if getattr(error, "rayshard_raised_unix", None) is None:
                     error.rayshard_raised_unix = time.time()
                 error.rayshard_rank_traceback = traceback.format_exc()
             failed = error
+        finally:
+            self.running = None
         # gloo only: NCCL's destroy can block on outstanding work, and its watchdog already
         # aborts a collective whose peer is gone.
         if self.trainer is not None and self.trainer.device.type == "cpu":

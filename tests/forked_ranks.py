@@ -23,6 +23,7 @@ import signal
 import time
 from typing import Callable
 
+import torch
 import torch.multiprocessing as mp
 
 from tests.free_port import free_port
@@ -32,6 +33,10 @@ DEADLINE_S = 240.0
 
 def _rank_with_stack_dumps(rank: int, function: Callable, *args) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # One intra-op thread, as a rank actor runs: a child forked after the test process used its
+    # OpenMP pool inherits that pool's state but not its threads, and its first parallel kernel
+    # then waited for them forever (fused AdamW, after tests/unit/test_house.py in one session).
+    torch.set_num_threads(1)
     function(rank, *args)
 
 

@@ -16,13 +16,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rayshard.storage.manifest_io import read_manifest
-from rayshard.actors.parallel.shards import local_tensor
 from rayshard.actors.checkpoint.rank_pieces import MOMENTS, ties_embeddings, rank_layout, replicated_dims, state_tensors
 from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.replica_broadcast import HandedPiece, SlicedPiece, broadcast_pieces, buckets
 from rayshard.actors.checkpoint.shard_writer import dtype_name
 from rayshard.actors.checkpoint.stored import StoredCheckpoint, min_segment_bytes_for
-from rayshard.actors.parallel.shards import local_region, region_at
+from rayshard.actors.parallel.shards import local_region, local_tensor, region_at
 from rayshard.plans.checkpoint.chunks import PARAM, Chunk
 from rayshard.plans.checkpoint.column_bands import (BAND_BLOCK_BYTES, BandBlock, band_of, reader_shares, split_band,
                                                    worth_banding)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import fsspec
 
-from rayshard.actors.parallel.shards import local_tensor
 from rayshard.actors.checkpoint.rank_pieces import rank_layout, replicated_dims, state_tensors, ties_embeddings
 from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
-from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies, local_region
+from rayshard.actors.parallel.shards import NO_PIPELINE_COPIES, PipelineCopies, local_region, local_tensor
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.regions import EMBEDDING
 from rayshard.plans.checkpoint.replicas import pieces_written

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from rayshard.actors.parallel.shards import local_tensor
 from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.shard_writer import Piece, dtype_name
-from rayshard.actors.parallel.shards import local_region
+from rayshard.actors.parallel.shards import local_region, local_tensor
 from rayshard.plans.checkpoint.safetensors_layout import SAFETENSORS_DTYPES
 from rayshard.plans.checkpoint.reshard import Target
 from rayshard.plans.checkpoint.save_plan import HeldPiece

@@ -125,9 +125,7 @@ class RankPool:
         slow = {ref: rank for ref, rank in probes.items() if rank in busy and rank not in answered}
         if not slow or self.busy_peer_bound_s <= first_bound:
             return answered
-        spares_before = set(self.spares.values())
-        self._start_spares_on({self._bundle_nodes().get(rank) for rank in slow.values()})
-        if set(self.spares.values()) - spares_before:
+        if self._start_spares_on({self._bundle_nodes().get(rank) for rank in slow.values()}):
             notes.append(f"a spare started for rank(s) {_ranks(sorted(slow.values()))}, silent after {first_bound:g} s")
         return answered | self._answers(slow, {rank: self.busy_peer_bound_s for rank in slow.values()}, started)
 
@@ -202,10 +200,12 @@ class RankPool:
         set-up, load and first steps on the same cores, and slowed them (decisions 213, 215)."""
         self._start_spares_on(set(self._bundle_nodes().values()))
 
-    def _start_spares_on(self, nodes: set) -> None:
-        """A warm spare on each of `nodes` that is alive and has none (see start_spares)."""
+    def _start_spares_on(self, nodes: set) -> int:
+        """A warm spare on each of `nodes` that is alive and has none (see start_spares); how many
+        it started."""
+        started = 0
         if not self.warm_spares or not self.bundle or self.bundle.get("GPU", 0):
-            return
+            return started
         try:
             alive = _alive_nodes()
             self.spares = {node: spare for node, spare in self.spares.items() if node in alive}  # a lost node's went with it
@@ -213,9 +213,11 @@ class RankPool:
                 if node not in self.spares:
                     self.spares[node] = RankActor.options(
                         num_cpus=0, num_gpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                    started += 1
         except Exception as error:  # noqa: BLE001 - a spare only speeds up the next recovery; training goes on
             self.log(f"warm spares not started ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}); "
                      "a recovery then starts new actors")
+        return started
 
     def release(self) -> None:
         for actor in [*self.actors, *self.spares.values()]:

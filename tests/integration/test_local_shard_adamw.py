@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import rayshard.actors.parallel.local_shard_adamw as local_shard_adamw
 from rayshard.actors.parallel.local_shard_adamw import LocalShardAdamW
+from rayshard.actors.parallel.shards import local_tensor as local
 from tests.forked_ranks import run_ranks
 
 STEPS = 3
@@ -72,9 +73,6 @@ def _compare(rank: int, init_method: str, world_size: int, results, partial_grad
                 stepped.step()
         finally:
             local_shard_adamw.adam = kernel
-
-        def local(t):
-            return t.to_local() if isinstance(t, DTensor) else t
 
         equal = []
         for mine, theirs in zip(local_params, reference_params):
