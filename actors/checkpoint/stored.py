@@ -13,6 +13,7 @@ import torch
 
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.storage.partial_reads import PartialRead, check_partial_reads, mismatch_error
+from rayshard.storage.backends.registry import backend_for
 from rayshard.actors.checkpoint.read_executor import WINDOW_BYTES, Destination, execute_requests
 from rayshard.plans.checkpoint.chunk_table import ChunkTable, as_table
 from rayshard.plans.checkpoint.chunks import Chunk
@@ -140,9 +141,9 @@ def check_loaded_parts(checkpoint_url: str, results: list[dict], manifest: bytes
 
 
 def min_segment_bytes_for(fs) -> int:
-    """A column slice of a stored chunk is read as exact row segments from local files (each a
-    cheap pread: 1.0x the bytes, decision 114); from an object store, where every segment would
-    be its own ranged GET (300k of them for a 135M model at tp3), segments shorter than
+    """A column slice of a stored chunk is read as exact row segments where short ranges are
+    cheap (local files: a pread each, 1.0x the bytes, decision 114; the snapshot keepers: one call
+    per file, decision 218); from an object store, where every segment would be its own ranged
+    GET (300k of them for a 135M model at tp3), segments shorter than
     OBJECT_STORE_MIN_SEGMENT_BYTES are read as whole rows instead: fewer requests, more bytes."""
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return 0 if protocol in ("file", "local") else OBJECT_STORE_MIN_SEGMENT_BYTES
+    return 0 if backend_for(fs).short_ranges_are_cheap else OBJECT_STORE_MIN_SEGMENT_BYTES

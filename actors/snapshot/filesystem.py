@@ -234,36 +234,41 @@ class SnapshotFileSystem(AbstractFileSystem):
         return [memoryview(r) if isinstance(r, np.ndarray) else r for r in results]
 
     def _read_many(self, requests, raise_errors: bool = True) -> list:
-        """Ranged reads, all in flight at once; a read whose keeper is lost tries the next copy."""
+        """Ranged reads, one keeper call per file carrying all of that file's ranges, all calls in
+        flight at once; a file whose keeper is lost is asked of its next copy."""
         results: list = [None] * len(requests)
-        tried: list[list[str]] = [[] for _ in requests]
-        pending = list(range(len(requests)))
+        by_path: dict[str, list[int]] = {}
+        for index, (path, _, _) in enumerate(requests):
+            by_path.setdefault(path, []).append(index)
+        tried: dict[str, list[str]] = {path: [] for path in by_path}
+        pending = list(by_path)
         while pending:
-            calls, unheld = {}, []
-            for index in pending:
-                path, start, end = requests[index]
-                holders = [node for node in self._holders_of(path) if node not in tried[index]]
+            calls = {}
+            for path in pending:
+                holders = [node for node in self._holders_of(path) if node not in tried[path]]
                 if not holders:
-                    unheld.append(index)
+                    error = (SnapshotKeeperLost(f"{PROTOCOL}://{path}: no surviving snapshot keeper holds it "
+                                                f"(tried {', '.join(n[:12] for n in tried[path]) or 'none'})")
+                             if tried[path] else FileNotFoundError(path))
+                    for index in by_path[path]:
+                        results[index] = error
                     continue
-                tried[index].append(holders[0])
-                calls[index] = (holders[0], self.keepers()[holders[0]].read.remote(path, start, end))
-            for index in unheld:
-                path = requests[index][0]
-                results[index] = (SnapshotKeeperLost(f"{PROTOCOL}://{path}: no surviving snapshot keeper holds it "
-                                                     f"(tried {', '.join(n[:12] for n in tried[index]) or 'none'})")
-                                  if tried[index] else FileNotFoundError(path))
-            answers, failures = self._answers({index: ref for index, (_, ref) in calls.items()})
-            for index, data in answers.items():
-                results[index] = data
+                tried[path].append(holders[0])
+                indices = by_path[path]
+                calls[path] = (holders[0], self.keepers()[holders[0]].read_ranges.remote(
+                    path, [requests[i][1] for i in indices], [requests[i][2] for i in indices]))
+            answers, failures = self._answers({path: ref for path, (_, ref) in calls.items()})
+            for path, (data, lengths) in answers.items():
+                _split_into(results, by_path[path], data, lengths)
             pending = []
-            for index, error in failures.items():
+            for path, error in failures.items():
                 cause = _cause(error)
                 if isinstance(cause, FileNotFoundError):
-                    results[index] = cause
+                    for index in by_path[path]:
+                        results[index] = cause
                     continue
-                self._lose(calls[index][0], error)
-                pending.append(index)
+                self._lose(calls[path][0], error)
+                pending.append(path)
         errors = [result for result in results if isinstance(result, BaseException)]
         if raise_errors and errors:
             raise errors[0]
@@ -345,6 +350,7 @@ class SnapshotBackend(FsspecBackend):
     keeper (one actor, one lock), so they hold across the job's processes."""
 
     scheme = PROTOCOL
+    short_ranges_are_cheap = True  # a file's ranges go to its keeper in one call (`read_ranges`)
 
     @contextlib.contextmanager
     def open_writer(self, path: str):
@@ -372,6 +378,14 @@ fsspec.register_implementation(PROTOCOL, SnapshotFileSystem, clobber=True)
 
 def _this_node() -> str:
     return ray.get_runtime_context().get_node_id()  # keepers() has checked Ray is connected
+
+
+def _split_into(results: list, indices: list[int], data, lengths: list[int]) -> None:
+    """A keeper's `read_ranges` reply, cut back into one result per range (views, no copy)."""
+    start = 0
+    for index, length in zip(indices, lengths):
+        results[index] = data[start:start + length]
+        start += length
 
 
 def _cause(error: BaseException) -> BaseException:

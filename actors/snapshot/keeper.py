@@ -114,6 +114,22 @@ class SnapshotKeeper:
             raise FileNotFoundError(path)
         return value[start:end]
 
+    def read_ranges(self, path: str, starts: list[int], ends: list[int]) -> tuple[np.ndarray | bytes, list[int]]:
+        """Many ranges of one file in one reply: (their bytes back to back, each range's length as
+        found, shorter than asked where the file ends first). A load reads a column slice as one
+        range per row (docs/decisions.md 218): thousands of ranges, one call. One range comes as
+        a view, as `read`; several are gathered into one array, a copy of only the bytes asked."""
+        value = self._files.get(path)
+        if value is None:
+            raise FileNotFoundError(path)
+        pieces = [value[start:end] for start, end in zip(starts, ends)]
+        lengths = [len(piece) for piece in pieces]
+        if len(pieces) == 1:
+            return pieces[0], lengths
+        if isinstance(value, bytes):
+            return b"".join(pieces), lengths
+        return (np.concatenate(pieces) if pieces else np.empty(0, dtype=np.uint8)), lengths
+
     def listing(self, prefix: str = "") -> dict[str, int]:
         """Every file under prefix, with its size."""
         return {path: len(value) for path, value in list(self._files.items()) if path.startswith(prefix)}

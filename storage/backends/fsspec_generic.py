@@ -23,6 +23,7 @@ _process_lock = threading.Lock()
 class FsspecBackend:
     scheme = "fsspec"
     local_paths = False
+    short_ranges_are_cheap = False  # every range is its own GET
 
     def __init__(self, fs: AbstractFileSystem):
         self.fs = fs

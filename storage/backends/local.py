@@ -17,6 +17,7 @@ from rayshard.storage.backends.fsspec_generic import FsspecBackend
 class LocalBackend(FsspecBackend):
     scheme = "file"
     local_paths = True
+    short_ranges_are_cheap = True
 
     def url(self, path: str) -> str:
         return path  # a local path is its own URL, as a person types it

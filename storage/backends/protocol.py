@@ -40,6 +40,10 @@ class Backend(Protocol):
     # Paths are files on this machine: read them with os calls, and directories exist (they are
     # made before a file goes in, and an emptied one stays until removed).
     local_paths: bool
+    # Many short ranges of one file cost about what their bytes cost, not a request each (local
+    # preads; the snapshot keepers' one call per file): a column slice is read as one exact range
+    # per row, never as whole rows (docs/decisions.md 114, 218).
+    short_ranges_are_cheap: bool
 
     def url(self, path: str) -> str:
         """The URL a person (or another process) uses for a path of this filesystem."""
