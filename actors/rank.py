@@ -128,14 +128,15 @@ class RankActor:
             port = probe.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def setup(self, config: TrainConfig, rank: int, init_method: str, plan=None) -> RankSetup:
-        """plan: the run's PipelinePlan (pp > 1), shipped once and replayed every step."""
+    def setup(self, config: TrainConfig, rank: int, init_method: str, plan=None, initialize: bool = True) -> RankSetup:
+        """plan: the run's PipelinePlan (pp > 1), shipped once and replayed every step.
+        initialize: draw the initial weights; False when a load fills every parameter next."""
         self.shutdown()  # a reused actor leaves its previous group first (and ends its save waits)
         # The GPU Ray assigned to this actor, if any (Ray narrows CUDA_VISIBLE_DEVICES to it); a
         # rank placed on a CPU share stays on the CPU even where the machine has GPUs.
         device = "cuda" if ray.get_gpu_ids() else "cpu"
         self.trainer = Trainer(config, rank, init_method, plan, device=device,
-                               wrap_runner=wrap_runner_from_environment())
+                               wrap_runner=wrap_runner_from_environment(), initialize=initialize)
         return RankSetup(rank, os.getpid(), str(self.trainer.device), self.trainer.data_fingerprint())
 
     def configure_storage(self, conf: dict) -> None:

@@ -39,8 +39,9 @@ _TIED_TAG = 2**30  # above every pipeline transfer's tag
 
 
 def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mesh: DeviceMesh,
-                      device: torch.device) -> RankStages:
-    """Only this rank's pipeline stages, each with TP and FSDP2 inside it."""
+                      device: torch.device, initialize: bool = True) -> RankStages:
+    """Only this rank's pipeline stages, each with TP and FSDP2 inside it; initialize: draw their
+    initial weights (False: left unset, for a load that fills every parameter)."""
     model_config, partition, layout, numerics = config.model.spec, plan.partition, config.layout, config.numerics
     last = partition.num_stages - 1
     # Under a zero-bubble schedule the interpreter recomputes whole stages instead (`recomputes_stages`).
@@ -58,9 +59,10 @@ def build_rank_stages(config: TrainConfig, plan: PipelinePlan, pp_rank: int, mes
                     sequence_parallel=numerics.sequence_parallel, plan=run_plan(config), ep=layout.ep)
         set_aux_loss_scale(module, model_config, config.pipeline.microbatches)
         module.to_empty(device=device)
-        initialize_parameters(module, config.seed, model_config.n_layers,
-                              stage_global_names(model_config, stage == 0, stage == last),
-                              zero_norms=model_config.norm == "rmsnorm_plus_one")
+        if initialize:
+            initialize_parameters(module, config.seed, model_config.n_layers,
+                                  stage_global_names(model_config, stage == 0, stage == last),
+                                  zero_norms=model_config.norm == "rmsnorm_plus_one")
         modules[stage] = module
     return RankStages(model_config, modules, partition.num_stages)
 
@@ -113,9 +115,9 @@ class PipelinedRunner:
 
     @classmethod
     def build(cls, config: TrainConfig, plan: PipelinePlan, rank: int, mesh: DeviceMesh, device: torch.device,
-              timeout_s: float) -> "PipelinedRunner":
+              timeout_s: float, initialize: bool = True) -> "PipelinedRunner":
         pp_rank = config.layout.coords_of(rank).pp
-        stages = build_rank_stages(config, plan, pp_rank, mesh, device)
+        stages = build_rank_stages(config, plan, pp_rank, mesh, device, initialize)
         reference = None
         if config.objective == "dpo" and not config.lora.enabled and not config.dpo.precomputed:
             # Built and seeded exactly as the policy's stages: the seeded initial weights until the

@@ -37,10 +37,11 @@ class SingleStageRunner:
         self.reference = reference
 
     @classmethod
-    def build(cls, config: TrainConfig, mesh: DeviceMesh, device: torch.device) -> "SingleStageRunner":
+    def build(cls, config: TrainConfig, mesh: DeviceMesh, device: torch.device,
+              initialize: bool = True) -> "SingleStageRunner":
         """The whole model, with TP, AC, compile and FSDP2 applied from outside, then materialized
-        and initialized."""
-        model, made = cls._build_model(config, mesh, device)
+        and initialized (initialize=False: its weights left unset, for a load that fills them all)."""
+        model, made = cls._build_model(config, mesh, device, initialize)
         reference = None
         if config.objective == "dpo" and not config.lora.enabled and not config.dpo.precomputed:
             # Built and seeded exactly as the policy: it holds the seeded initial weights until the
@@ -52,7 +53,7 @@ class SingleStageRunner:
         return cls(model, config.layout.tp, config.pipeline.microbatches, device, criterion, reference)
 
     @staticmethod
-    def _build_model(config: TrainConfig, mesh: DeviceMesh, device: torch.device):
+    def _build_model(config: TrainConfig, mesh: DeviceMesh, device: torch.device, initialize: bool = True):
         layout, spec, numerics = config.layout, config.model.spec, config.numerics
         made = build_user_on_meta(spec.user) if spec.user is not None else None
         model = convert_model(made.module if made is not None else build_on_meta(spec), config)
@@ -64,7 +65,8 @@ class SingleStageRunner:
         if spec.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
             # to_empty swaps each module's parameter separately, which unties shared ones.
             model.output.weight = model.tok_embeddings.weight
-        initialize_parameters(model, config.seed, spec.n_layers, zero_norms=spec.norm == "rmsnorm_plus_one")
+        if initialize:
+            initialize_parameters(model, config.seed, spec.n_layers, zero_norms=spec.norm == "rmsnorm_plus_one")
         return model, made
 
     @torch.no_grad()

@@ -93,10 +93,11 @@ class Trainer:
     device: "cuda" (this process's current GPU, NCCL) or "cpu" (gloo). The caller decides: a rank
     on a GPU machine that was given no GPU (a CPU share, a CPU benchmark) must not take one.
     wrap_runner: applied once to the step runner (`SingleStageRunner` for pp == 1, else
-    `PipelinedRunner`); the trainer drives whatever it returns."""
+    `PipelinedRunner`); the trainer drives whatever it returns. initialize: draw the initial
+    weights (False: every parameter is left unset for a load that fills them all, a resume)."""
 
     def __init__(self, config: TrainConfig, rank: int, init_method: str, plan: PipelinePlan | None = None,
-                 device: str = "cpu", wrap_runner: WrapRunner | None = None):
+                 device: str = "cpu", wrap_runner: WrapRunner | None = None, initialize: bool = True):
         torch.set_num_threads(1)
         self.config = config.validate()
         self.rank = rank
@@ -116,7 +117,7 @@ class Trainer:
         self.handover_groups, self.async_saver = HandoverGroups(), AsyncSaver()
         # Which parameters train and which the run's checkpoints store (plans/training/parameter_roles.py).
         self.roles = run_roles(config)
-        self.runner: StepRunner = self._build_runner(plan)
+        self.runner: StepRunner = self._build_runner(plan, initialize)
         if wrap_runner is not None:
             self.runner = wrap_runner(self.runner, rank)
         # Weights tp keeps whole whose gradients each tp rank holds only its heads' share of.
@@ -139,15 +140,15 @@ class Trainer:
         self.rank_tokens: int | None = None  # sft, dpo: this rank's rows' tokens of the last batch, padding left out
         self.step = 0  # steps completed: the data position and the lr schedule's state
 
-    def _build_runner(self, plan: PipelinePlan | None) -> StepRunner:
+    def _build_runner(self, plan: PipelinePlan | None, initialize: bool = True) -> StepRunner:
         config = self.config
         if self.layout.pp == 1:
-            return SingleStageRunner.build(config, self.mesh, self.device)
+            return SingleStageRunner.build(config, self.mesh, self.device, initialize)
         pipeline = config.pipeline
         plan = plan or build_pipeline_plan(config.model.spec, self.layout, pipeline.schedule, pipeline.microbatches,
                                            pipeline.stage_layout, pipeline.schedule_csv)
         return PipelinedRunner.build(config, plan, self.rank, self.mesh, self.device,
-                                     pipeline.timeout_s or config.resources.collective_timeout_s)
+                                     pipeline.timeout_s or config.resources.collective_timeout_s, initialize)
 
     def trained_parameters(self) -> list:
         """The parameters the optimizer steps: those whose role is trained (a frozen base has none

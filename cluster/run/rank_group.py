@@ -134,9 +134,12 @@ class RankGroup:
     Every wait on the ranks is bounded (docs/decisions.md lists them): start-up by the config's
     start_timeout_s, set-up by that plus the collective timeout, and any other call by
     call_timeout_s. A rank's own error of the user's making (RayshardError, storage) is raised as
-    itself, marked with its rank (plans/errors.from_rank); anything else becomes StepFailed."""
+    itself, marked with its rank (plans/errors.from_rank); anything else becomes StepFailed.
 
-    def __init__(self, config: TrainConfig, actors: list | None = None):
+    initialize: the ranks draw the initial weights; False when the caller loads a checkpoint
+    holding every parameter right after (`train.start_ranks`)."""
+
+    def __init__(self, config: TrainConfig, actors: list | None = None, initialize: bool = True):
         world = config.layout.world_size
         if actors is None:
             resources = config.resources
@@ -159,7 +162,8 @@ class RankGroup:
             init_method = self.call_each("rendezvous_address", [()], timeout=config.resources.start_timeout_s,
                                          actors=self.actors[:1])[0]
             # Set-up joins the process group, which waits up to the collective timeout for every peer.
-            self.setup_info = self.call_each("setup", [(config, rank, init_method, self.plan) for rank in range(world)],
+            self.setup_info = self.call_each("setup", [(config, rank, init_method, self.plan, initialize)
+                                                       for rank in range(world)],
                                              timeout=config.resources.start_timeout_s + config.resources.collective_timeout_s)
         except BaseException:
             self.shutdown()

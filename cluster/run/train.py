@@ -157,6 +157,15 @@ def resolve_start(config: TrainConfig, store: Store, snapshots: Snapshots | None
     return point
 
 
+def filled_by_resume(point: StartPoint) -> bool:
+    """Whether the resumed checkpoint fills every parameter, so the ranks need not draw initial
+    weights first (a small-preset rank spent 0.17 s of its 0.20 s set-up drawing them, on every
+    recovery's path; docs/decisions.md 219). The load proves it: a parameter the checkpoint lacks
+    fails it, and its chunks must cover every element. A run with frozen parameters (LoRA, a
+    frozen base) keeps drawing: those come from a base checkpoint, or are the drawn weights."""
+    return point.resume is not None and not run_roles(point.config).has_frozen
+
+
 def start_ranks(point: StartPoint, actors: list | None) -> RankGroup:
     """One actor per rank (or the borrowed ones), their process group formed and their storage
     configured as the driver's."""
@@ -168,7 +177,7 @@ def start_ranks(point: StartPoint, actors: list | None) -> RankGroup:
         _log("note: --ac selective under a schedule that splits the backward into I and W recomputes each "
              "stage whole, once per microbatch, as --ac full does (docs/decisions.md 58)")
     started = time.perf_counter()
-    group = RankGroup(config, actors)
+    group = RankGroup(config, actors, initialize=not filled_by_resume(point))
     try:  # actors reach the store as the driver does
         group.call("configure_storage", point.store.storage_conf, timeout=config.resources.start_timeout_s)
     except BaseException:
