@@ -28,7 +28,10 @@ of the same bytes between the same two processes (the same actor call, a functio
 the length). Printed after the summary line:
 `peer transfer: snapshot X MB/s to the other node's keeper, raw copy Y MB/s (ratio Z), B MB`.
 
-    .venv/bin/python bench/recovery.py [--repeats 3]
+The layout is the chooser's (dp4 for the small preset on 4 ranks); `--tp 2` pins dp2 x tp2, the
+issue's, where a tp rank reads column slices of the row-parallel weights.
+
+    .venv/bin/python bench/recovery.py [--repeats 3] [--ckpt-every 30] [--tp 2]
 """
 from __future__ import annotations
 
@@ -116,7 +119,8 @@ def kill_after(ckpt_every: int) -> int:
     return ckpt_every + ckpt_every // 2
 
 
-def one_recovery(store: Path, snapshot_every: int, preset: str, ckpt_every: int = CKPT_EVERY) -> dict:
+def one_recovery(store: Path, snapshot_every: int, preset: str, ckpt_every: int = CKPT_EVERY,
+                 pinned: dict[str, int] | None = None) -> dict:
     config = TrainConfig(model=ModelChoice.named(preset), steps=2 * ckpt_every, global_batch=8, seq_len=32,
                          optimizer=OptimizerConfig(warmup_steps=2), data=DataConfig(max_bytes=1_000_000),
                          store=str(store), run="bench",
@@ -126,7 +130,7 @@ def one_recovery(store: Path, snapshot_every: int, preset: str, ckpt_every: int 
     def run():
         with contextlib.redirect_stdout(console):
             outcome.update(zip(("controller", "state"), train_elastic(
-                config, {}, ScalingPolicy(min_ranks=2), FailurePolicy(max_failures=2, backoff_s=0.0))))
+                config, dict(pinned or {}), ScalingPolicy(min_ranks=2), FailurePolicy(max_failures=2, backoff_s=0.0))))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -232,6 +236,8 @@ def main() -> None:
                         help="durable checkpoint interval in steps; the storage path redoes half of it")
     parser.add_argument("--object-store-mib", type=int, default=OBJECT_STORE_MIB,
                         help="each node's object store (150 is ray.cluster_utils' default, where snapshots spill to disk)")
+    parser.add_argument("--tp", type=int, default=0,
+                        help="pin tensor parallelism (2: dp2 x tp2, the issue's layout; 0: the layout chooser's, dp4 on small)")
     args = parser.parse_args()
     cluster = start_three_nodes(args.object_store_mib)
     results, file_bytes = {"storage": [], "memory": []}, 0
@@ -240,7 +246,7 @@ def main() -> None:
             if args.only not in (None, mode):
                 continue
             with tempfile.TemporaryDirectory() as store:
-                r = one_recovery(Path(store), every, args.preset, args.ckpt_every)
+                r = one_recovery(Path(store), every, args.preset, args.ckpt_every, {"tp": args.tp} if args.tp else None)
                 if mode == "memory":
                     file_bytes = max(file_bytes, largest_snapshot_file())
             results[mode].append(r)
@@ -260,7 +266,7 @@ def main() -> None:
 
 def summarise(args, median: dict, file_bytes: int) -> None:
     memory, storage = median["memory"], median["storage"]
-    print(f"\n{args.preset} preset, 4 ranks on a 3-node local cluster, checkpoint every {args.ckpt_every}, kill after "
+    print(f"\n{args.preset} preset, 4 ranks{f' (tp{args.tp} pinned)' if args.tp else ''} on a 3-node local cluster, checkpoint every {args.ckpt_every}, kill after "
           f"step {kill_after(args.ckpt_every)}, {args.repeats} repeats (medians)")
     print(f"step time (median): {memory['step_s']:.3f} s with snapshots every step, {storage['step_s']:.3f} s without; "
           f"a snapshot's slowest rank writes it to the keepers in {memory['write_s']:.2f} s")
