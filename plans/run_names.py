@@ -19,6 +19,9 @@ FIX = "pick a name like my-run-01; address a checkpoint outside the store by its
 
 def run_name_problem(name: str) -> str | None:
     """Why `name` cannot name a run (the rule it breaks), or None when it can."""
+    if isinstance(name, str) and name.lower() == "latest":
+        # A run so named could be written but never read: `latest` in a reference means the store's newest checkpoint.
+        return "reserved: in a checkpoint reference `latest` means the newest checkpoint of the store"
     return None if isinstance(name, str) and RUN_NAME.match(name) else f"not a run name: {RULE}"
 
 

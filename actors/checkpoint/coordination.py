@@ -74,7 +74,9 @@ class Coordination:
         if not self.distributed:
             self.group, self.rank, self.size = None, 0, 1
             return
-        self.group = group_for(process_group, self.timeout_s)
+        self.rank = dist.get_rank()  # until the group exists, for an error while making it
+        self._run("making the checkpoint's own process group (every rank must call this save or load)",
+                  lambda: setattr(self, "group", group_for(process_group, self.timeout_s)))
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
 
     @property

@@ -113,11 +113,16 @@ def _add_tensor(key: str, tensor: torch.Tensor, flat: FlatState) -> None:
                               "unreduced partial sums, not a state. Fix: redistribute it to Shard or Replicate first")
     offsets, sizes = local_region(tensor)
     local = local_tensor(tensor)
+    if local.device.type == "meta":
+        raise CheckpointError(f"state dict entry {key!r} is on the meta device: it has a shape but no memory to save from "
+                              "or load into. Fix: materialize the module first (module.to_empty(device=...))")
     if tuple(local.shape) != sizes:
         raise CheckpointError(f"state dict entry {key!r}: its local shard has shape {list(local.shape)} but its placements "
                               f"{tensor.placements} give {list(sizes)}; rayshard cannot place it in the global tensor")
-    if sizes and not all(sizes):
-        return  # an empty shard (more shards than rows): nothing held here
+    if sizes and not all(sizes) and all(tensor.shape):
+        return  # an empty shard (more shards than rows) of a tensor that has elements: nothing held here
+    # (A tensor with no elements at all is still a piece, of no bytes: the checkpoint then holds
+    # its key, shape and dtype, as DCP's does, and a load of the same state dict finds it.)
     name, kind = column_of(key)
     flat.pieces.append(StatePiece(key, tensor, local, HeldPiece(name, kind, dtype, tuple(tensor.shape), offsets, sizes)))
 

@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import fsspec
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -46,7 +47,7 @@ from rayshard.actors.checkpoint.stored import StoredCheckpoint, min_segment_byte
 from rayshard.cluster.api.locations import RunLocation, resolve_checkpoint, run_location
 from rayshard.cluster.catalog import leases, writer_lease
 from rayshard.cluster.catalog.pending import PendingCheckpoint
-from rayshard.cluster.catalog.store import CheckpointRef
+from rayshard.cluster.catalog.store import MAX_STEP, CheckpointRef
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.model_check import check_state_dict_matches
 from rayshard.plans.interop.model_description import MANIFEST_KEY as MODEL_DESCRIPTION
@@ -193,8 +194,9 @@ def _save_name(where, step) -> str:
 
 
 def _snapshot(state_dict: Mapping, metadata, step, staging: HostStaging | None, model: dict | None = None) -> _Snapshot:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ConfigError("step", step, "must be a whole number >= 0", "pass the optimizer steps completed, e.g. step=20")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ConfigError("step", step, f"must be a whole number from 0 to {MAX_STEP:,}",
+                          "pass the optimizer steps completed, e.g. step=20")
     description = describe(model) if model is not None else None  # before any copy: a wrong one costs nothing
     if metadata is not None:
         if not isinstance(metadata, dict):
@@ -223,11 +225,31 @@ def _mesh_of(flat: FlatState) -> dict:
     return dims
 
 
+@dataclass(frozen=True)
+class _Listing:
+    """What a rank tells the first one as a save starts: the pieces it holds, and its values (JSON)."""
+
+    held: list[HeldPiece]
+    values: str
+
+
+def merged_values(per_rank: list[dict]) -> dict:
+    """Every rank's non-tensor values as one dict: a key any rank holds is kept (a pipeline
+    stage's own entries, a rank's own loader state under its own key); a key several ranks hold
+    keeps the lowest rank's value, as DCP keeps one copy of a key saved by several ranks."""
+    merged: dict = {}
+    for values in per_rank:
+        for key, value in values.items():
+            merged.setdefault(key, value)
+    return merged
+
+
 class _FirstRank:
     """What only the first rank keeps during a save: the run's writer lease and the attempt."""
 
     def __init__(self, location: RunLocation | None, step: int, model: ModelDescription | None = None):
         self.location, self.step, self.model = location, step, model
+        self.values: dict = {}  # every rank's JSON values, merged (`merged_values`)
         self.pending: PendingCheckpoint | None = None
         self.error: BaseException | None = None  # its own failure while planning or committing, raised as is
 
@@ -247,7 +269,8 @@ def _save(coordination: Coordination, where: str, step: int, snapshot: _Snapshot
                                   f"pass where={where.rpartition('@')[0]!r}, step={location.step}")
         except Exception as error:
             own = error
-    listed = coordination.gather("listing what each rank holds", _record(coordination, own, snapshot.held))
+    listed = coordination.gather("listing what each rank holds",
+                                 _record(coordination, own, _Listing(snapshot.held, snapshot.values)))
     first = _FirstRank(location, step, snapshot.model) if coordination.is_root else None
     share = coordination.scatter("sending each rank its share of the writing",
                                  _plan_save(listed, first, coordination) if first else None)
@@ -317,6 +340,8 @@ def _plan_save(listed: list, first: _FirstRank, coordination: Coordination) -> l
     failures = _failures(listed)
     if failures:
         return [failures] * coordination.size
+    first.values = merged_values([json.loads(listing.values) for listing in listed])
+    listed = [listing.held for listing in listed]
     try:
         store, run = first.location.store, first.location.run
         _writer_lease(store, run)
@@ -359,7 +384,7 @@ def _commit(gathered: list, first: _FirstRank, snapshot: _Snapshot, coordination
         parent = store.checkpoint_url(run, latest) if latest is not None and latest in store.committed_steps(run) else None
         metadata = {"run": run, "step": first.step, "writer": WRITER,
                     "layout": {"world_size": coordination.size, "mesh": snapshot.mesh},
-                    "state": json.loads(snapshot.values), "metadata": json.loads(snapshot.user),
+                    "state": first.values, "metadata": json.loads(snapshot.user),
                     "parent": parent, "created_unix": time.time()}
         if first.model is not None:
             metadata[MODEL_DESCRIPTION] = first.model.record()
@@ -437,6 +462,7 @@ def _agree_on_bands(coordination: Coordination, own: BaseException | None, bands
     return [band for band in bands if (band.ranks, band.key) in agreed]
 
 
+@torch.no_grad()  # the destinations may be parameters that require grad (a model's own state dict)
 def _read(stored: StoredCheckpoint, flat: FlatState, bands: list[MeshBand]) -> dict:
     """Read this rank's pieces; the banded ones through its groups' hand-over (decision 172). A
     member whose read fails still takes part in every scatter; its error then fails every rank at

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayshard.cluster.catalog.store import CheckpointRef, Store, refuse_credentials
+from rayshard.cluster.catalog.store import STEP_DIR, CheckpointRef, Store, refuse_credentials
 from rayshard.plans.checkpoint.manifest.codec import MANIFEST
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.run_names import check_run_name
@@ -31,6 +31,13 @@ def run_location(where: str, field: str = "where") -> RunLocation:
         raise ConfigError(field, where, "names a bucket or store, not a run inside it",
                           f"add the run's name, e.g. {text}/my-run")
     run, at, step_text = last.partition("@")
+    run_dir, _, checkpoints = parent.rpartition("/")
+    if checkpoints == "checkpoints" and STEP_DIR.match(run):  # RUN/checkpoints/step-N: immutable once committed
+        state = ("a save goes into its run, never into a checkpoint" if field == "where"
+                 else "and it holds no manifest: never committed, or damaged")
+        raise ConfigError(field, where, f"names a checkpoint directory, not a run; {state}",
+                          f"name the run, {run_dir}, or another committed checkpoint" if field != "where"
+                          else f"pass the run, {run_dir}, with a new step")
     step = None
     if at:
         if not step_text.isdigit():

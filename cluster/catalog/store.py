@@ -59,7 +59,14 @@ def step_named(latest: bytes | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# Eight digits, as STEP_DIR (and so every listing) reads a step's directory back.
+MAX_STEP = 99_999_999
+
+
 def step_dirname(step: int) -> str:
+    if not 0 <= step <= MAX_STEP:
+        raise ConfigError("step", step, f"must be between 0 and {MAX_STEP:,} (a checkpoint's directory holds eight digits)",
+                          "number the steps within that range")
     return f"step-{step:08d}"
 
 
