@@ -345,9 +345,7 @@ def _plan_save(listed: list, first: _FirstRank, coordination: Coordination) -> l
     try:
         store, run = first.location.store, first.location.run
         _writer_lease(store, run)
-        if first.step in store.committed_steps(run):
-            raise CheckpointError(f"{run}@{first.step} is already committed in {store.url}; a checkpoint is never "
-                                  "overwritten. Fix: save under a new step, or into another run")
+        store.refuse_committed(run, first.step, "save under a new step, or into another run")
         if not any(listed):
             raise CheckpointError("the state dict holds no tensor on any rank; a checkpoint holds at least one. "
                                   "Fix: pass the model's and optimizer's state (get_state_dict)")

@@ -132,6 +132,13 @@ class Store:
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)
                       if self.fs.isdir(p) and self.fs.exists(f"{p}/checkpoints"))
 
+    def refuse_committed(self, run: str, step: int, fix: str) -> None:
+        """Before a writer starts: a committed step is never written again, so a second writer of
+        it would write every byte only to lose the commit (and leave them behind)."""
+        if step in self.committed_steps(run):
+            raise CheckpointError(f"{run}@{step} is already committed in {self.url}; a checkpoint is never overwritten. "
+                                  f"Fix: {fix}")
+
     def committed_steps(self, run: str) -> list[int]:
         base = f"{self.root}/{run}/checkpoints"
         if not self.fs.exists(base):

@@ -22,7 +22,6 @@ once `.metadata` is in it; on an object store the `.metadata` (what makes it a c
 """
 from __future__ import annotations
 
-import os
 import pickle
 import time
 import uuid
@@ -31,7 +30,6 @@ from dataclasses import dataclass
 
 import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
@@ -39,6 +37,7 @@ from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.checkpoint.described_source import is_api_checkpoint, open_source, reopened
 from rayshard.cluster.checkpoint.dcp_metadata import METADATA_FILE
+from rayshard.cluster.checkpoint.export_directory import published_when_done, refuse_non_empty
 from rayshard.cluster.checkpoint.row_bands import BAND_BYTES, RowOrigins, bands, fill_band, one_torch_thread, row_origins
 from rayshard.cluster.progress import advance, set_total
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
@@ -110,7 +109,7 @@ def export_dcp(checkpoint_url: str, directory: str, workers: int = 1, band_bytes
         raise CheckpointError("export --out is empty. Fix: name a new directory, e.g. --out ./dcp-export")
     fs, out = fsspec.core.url_to_fs(directory)
     out = out.rstrip("/")
-    _refuse_non_empty(fs, out, directory)
+    refuse_non_empty(fs, out, directory)
     chunks, manifest_metadata = read_manifest(checkpoint_url)
     if manifest_metadata.get("lora"):  # adapters only: torchtitan's Llama has no place for them
         raise CheckpointError(f"{checkpoint_url}: is a LoRA run's checkpoint, which holds its adapters, not a model. Fix: "
@@ -125,11 +124,9 @@ def export_dcp(checkpoint_url: str, directory: str, workers: int = 1, band_bytes
         items, values = _torchtitan_layout(stored, band_bytes)
         path_of, names_said = _path, "torchtitan Llama names"
     set_total(progress, sum(item.nbytes for item in items))
-    staging = f"{out}.partial-{uuid.uuid4().hex[:8]}" if isinstance(fs, LocalFileSystem) else out
-    fs.makedirs(staging, exist_ok=True)
     assigned = _assign(items, max(1, workers))
     files = [f"__{w}_0.distcp" for w in range(len(assigned))]
-    try:
+    with published_when_done(fs, out, directory) as staging:
         with one_torch_thread(), ThreadPoolExecutor(max_workers=len(assigned), thread_name_prefix="dcp-export") as pool:
             futures = [pool.submit(_write_file, fs, f"{staging}/{file}", file, members, values if w == 0 else {},
                                    stored if w == 0 else reopened(stored), progress)
@@ -138,12 +135,6 @@ def export_dcp(checkpoint_url: str, directory: str, workers: int = 1, band_bytes
         metadata = _metadata(written, directory, path_of)
         with fs.open(f"{staging}/{METADATA_FILE}", "wb") as handle:  # last: what makes it a checkpoint
             pickle.dump(metadata, handle)
-        if staging != out:
-            _publish(fs, staging, out, directory)
-    except BaseException:
-        if staging != out:
-            fs.rm(staging, recursive=True)
-        raise
     result = DcpExportResult(directory, files + [METADATA_FILE], len(metadata.state_dict_metadata),
                              sum(1 for entry in written if entry.band.kind != "value"),
                              sum(entry.length for entry in written), time.perf_counter() - started)
@@ -200,23 +191,6 @@ def _as_saved(stored: StoredCheckpoint, band_bytes: int) -> tuple[list[_Band], d
             items.append(_Band(key_of(name, kind), name, kind, shape, dtype, first, end, None, {}))
     values = stored.metadata.get("state") or {}
     return items, dict(values) if isinstance(values, dict) else {}
-
-
-def _refuse_non_empty(fs, out: str, directory: str) -> None:
-    present = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(out, detail=False)) if fs.isdir(out) else []
-    if present:
-        raise CheckpointError(f"{directory}: already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
-                              "a DCP export into it would mix with those files. Fix: export to a new or empty directory")
-    if fs.exists(out) and not fs.isdir(out):
-        raise CheckpointError(f"{directory}: is a file. Fix: export to a new or empty directory")
-
-
-def _publish(fs, staging: str, out: str, directory: str) -> None:
-    """Rename the finished directory into place (one step on a local file system)."""
-    if fs.isdir(out):
-        _refuse_non_empty(fs, out, directory)  # another writer may have filled it meanwhile
-        os.rmdir(out)
-    os.rename(staging, out)
 
 
 def adamw_settings(metadata: dict, step: int) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import mmap
 import os
 import time
@@ -287,7 +288,7 @@ def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: 
         values[name] = value.item()
     if values:
         distinct = sorted(set(values.values()))
-        if len(distinct) != 1 or distinct[0] != int(distinct[0]) or distinct[0] < 0:
+        if len(distinct) != 1 or not _whole_number(distinct[0]):
             raise CheckpointError(f"{directory}: AdamW's step differs between parameters or is not a whole number "
                                   f"({distinct[:4]}); rayshard keeps one step per checkpoint. Fix: import a checkpoint "
                                   "whose parameters were all stepped together")
@@ -299,6 +300,11 @@ def _step_of(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: 
         return train_step
     log(f"note: {directory} holds no AdamW step and no train_state.step; the import is step 0")
     return 0
+
+
+def _whole_number(number: float) -> bool:
+    """A step count: finite (int() of NaN or infinity raises), whole and not negative."""
+    return math.isfinite(number) and number == int(number) and number >= 0
 
 
 def _train_step(found: _Found, contents: DcpContents, reader: DcpReader, fs, base: str, directory: str) -> int | None:
@@ -313,7 +319,7 @@ def _train_step(found: _Found, contents: DcpContents, reader: DcpReader, fs, bas
         value = torch.empty((), dtype=getattr(torch, tensor.dtype))
         reader.read_rows(tensor, 0, 1, value)
         number = value.item()
-        if number != int(number) or number < 0:
+        if not _whole_number(number):
             raise CheckpointError(f"{directory}: {tensor.key} is {number}, not a whole number of steps >= 0. Fix: import "
                                   "a checkpoint whose train_state is torchtitan's")
         return int(number)
@@ -397,6 +403,7 @@ def _write(prepared: _Prepared, directory, store, run, model, mapping, ours, dty
     bands_to_write = _bands(prepared.found, prepared.kinds, mapping, ours, dtype, prepared.reader, band_bytes, views,
                             slots=2 if read_ahead else 1)
     set_total(progress, sum(_piece_bytes(band.piece) for band in bands_to_write))
+    store.refuse_committed(run, prepared.step, "import into another --run, or remove that run first")
     pending = store.begin(run, prepared.step)
     target_fs, target_base = fsspec.core.url_to_fs(pending.url)
     chunks = []

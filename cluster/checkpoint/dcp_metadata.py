@@ -115,12 +115,21 @@ def read_dcp_metadata(fs, base: str, directory: str) -> DcpContents:
     if not fs.exists(path):
         raise CheckpointError(f"{directory}: has no {METADATA_FILE}, so it is not a torch.distributed.checkpoint directory "
                               "(or its save did not finish). Fix: import the directory dcp.save wrote")
-    size = fs.size(path)
+    info = fs.info(path)
+    if info.get("type") != "file":  # a FIFO or a device reports size 0 and may never end
+        raise CheckpointError(f"{where}: is not a regular file ({info.get('type')}), so not the .metadata dcp.save "
+                              "writes. Fix: import the directory dcp.save wrote")
+    size = info.get("size") or 0
     if size > MAX_METADATA_BYTES:
         raise CheckpointError(f"{where}: is {size} bytes, more than any DCP .metadata rayshard reads "
                               f"({MAX_METADATA_BYTES}); it is not DCP's. Fix: import the directory dcp.save wrote")
     with fs.open(path, "rb") as handle:
-        data = handle.read()  # once: the scan and the unpickler read the same bytes (one GET on a store)
+        # Once: the scan and the unpickler read the same bytes (one GET on a store). At most one byte
+        # past the bound: a path that is no regular file (a FIFO, /dev/zero) reports size 0 and never ends.
+        data = handle.read(MAX_METADATA_BYTES + 1)
+    if len(data) > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{where}: holds more than {MAX_METADATA_BYTES} bytes, more than any DCP .metadata rayshard "
+                              "reads; it is not DCP's. Fix: import the directory dcp.save wrote")
     try:
         _scan(io.BytesIO(data), len(data), where)
         return _checked(_MetadataUnpickler(io.BytesIO(data), where).load(), where, directory)

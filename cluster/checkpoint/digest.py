@@ -186,12 +186,25 @@ def diff_checkpoints(url_a: str, url_b: str, block_bytes: int = BLOCK_BYTES, pro
     return result
 
 
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _numeric_difference(a_side: StoredCheckpoint, b_side: StoredCheckpoint, name: str, kind: str, block_bytes: int) -> str:
-    count, largest, total = 0, 0.0, 0
+    """How two stored tensors differ, element by element and bit for bit (as the digests compare
+    them): the same NaN on both sides is equal, -0.0 and 0.0 are not. The largest |a-b| is over
+    the elements that differ and are numbers on both sides; a NaN against a number is counted apart."""
+    count, largest, total, against_nan = 0, 0.0, 0, 0
     blocks = row_blocks(a_side.index[(name, kind)], block_bytes)  # the same row blocks on both sides
     for a, b in zip(stream_tensor(a_side, name, kind, blocks=blocks), stream_tensor(b_side, name, kind, blocks=blocks)):
-        count += int((a != b).sum())
+        bits = _SAME_SIZE_INTEGER[a.element_size()]
+        differ = a.contiguous().view(bits) != b.contiguous().view(bits)
+        count += int(differ.sum())
         total += a.numel()
-        if a.is_floating_point() and a.numel():
-            largest = max(largest, float((a.double() - b.double()).abs().max()))
-    return f"{count} of {total} elements differ, max |a-b| = {largest:.3g}"
+        if a.is_floating_point() and bool(differ.any()):
+            gaps = (a[differ].double() - b[differ].double()).abs()
+            numbers = gaps[~gaps.isnan()]
+            against_nan += gaps.numel() - numbers.numel()
+            if numbers.numel():
+                largest = max(largest, float(numbers.max()))
+    return (f"{count} of {total} elements differ, max |a-b| = {largest:.3g}"
+            + (f" ({against_nan} of them a NaN against a number or another NaN)" if against_nan else ""))

@@ -28,6 +28,7 @@ import torch
 from rayshard.actors.checkpoint.shard_writer import LazyTensor, Piece, write_shard
 
 from rayshard.cluster.checkpoint.described_source import open_source
+from rayshard.cluster.checkpoint.export_directory import published_when_done, refuse_non_empty, staged_url
 from rayshard.cluster.progress import advance, set_total
 from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.transform_exec import run_group
@@ -42,7 +43,7 @@ from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 from rayshard.plans.training.special_tokens import SpecialTokens
 from rayshard.plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
 from rayshard.plans.interop.hf_families import export_config, export_mapping, hub_names, model_config_from_hf
-from rayshard.plans.transforms.mapping import Cast, Mapping, MappingPlan, Meta
+from rayshard.plans.transforms.mapping import Cast, Mapping, MappingPlan, Meta, UnmappedTensors
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -144,18 +145,18 @@ def export_hf(checkpoint_url: str, directory: str, dtype: str | None = None, max
         raise CheckpointError(f"{checkpoint_url}: holds no model parameters (kind 'param') to export; the manifest is "
                               "damaged. Fix: export another checkpoint (`rayshard ckpt ls`)")
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for *_, plan in plans for name, meta in plan.outputs.items()))
-    fs.makedirs(base, exist_ok=True)
     written = []
-    for kind, metas, plan in plans:
-        stream = GroupStream(plan, lambda name, kind=kind, metas=metas: stored.read_region(
-            name, kind, (0,) * len(metas[name].shape), metas[name].shape))
-        prefix = WEIGHTS if kind == PARAM else f"{OPTIMIZER_DIR}/{kind}"
-        written += write_safetensors_files(fs, base, prefix, plan.outputs, stream, max_shard_bytes, progress)
-    stored.check_partial_reads()  # none today (whole tensors read whole chunks); any part would be checked here
-    out_dtype = dtype or next(iter(stored.chunks)).dtype
-    written += write_model_files(fs, base, directory, model, stored.metadata, out_dtype, log)
-    fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
-                                                       "weights_dtype": out_dtype}, indent=2, default=str).encode())
+    with published_when_done(fs, base, directory) as staging:
+        for kind, metas, plan in plans:
+            stream = GroupStream(plan, lambda name, kind=kind, metas=metas: stored.read_region(
+                name, kind, (0,) * len(metas[name].shape), metas[name].shape))
+            prefix = WEIGHTS if kind == PARAM else f"{OPTIMIZER_DIR}/{kind}"
+            written += write_safetensors_files(fs, staging, prefix, plan.outputs, stream, max_shard_bytes, progress)
+        stored.check_partial_reads()  # none today (whole tensors read whole chunks); any part would be checked here
+        out_dtype = dtype or next(iter(stored.chunks)).dtype
+        written += write_model_files(fs, staging, staged_url(staging, base, directory), model, stored.metadata, out_dtype, log)
+        fs.pipe_file(f"{staging}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": stored.metadata,
+                                                              "weights_dtype": out_dtype}, indent=2, default=str).encode())
     result = ExportResult(directory, written, sum(1 for _ in stored.tensors()), time.perf_counter() - started)
     log(f"exported {checkpoint_url} to {directory}: {len(written)} safetensors file(s) in {result.seconds:.1f}s")
     return result
@@ -166,13 +167,8 @@ def empty_export_directory(directory: str):
     fs, base = fsspec.core.url_to_fs(directory) if directory.strip() else (None, "")
     if fs is None:
         raise CheckpointError("export --out is empty. Fix: name a new directory, e.g. --out ./hf-export")
-    present = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(base, detail=False)) if fs.isdir(base) else []
-    if present:
-        # Stale shards or an old index beside the new files would be read back by `ckpt import`
-        # (or transformers) as part of this export.
-        raise CheckpointError(f"{directory}: already holds {', '.join(present[:4])}{' ...' if len(present) > 4 else ''}; "
-                              "an export into it would mix with those files. Fix: export to a new or empty directory, "
-                              "or remove it first")
+    base = base.rstrip("/")
+    refuse_non_empty(fs, base, directory)
     return fs, base
 
 
@@ -281,11 +277,23 @@ def _stored_tensor(file: str, path: str, name: str, entry, data_start: int, size
     return StoredTensor(file, DTYPE_NAMES[dtype], tuple(shape), data_start + start, data_start + end)
 
 
+# A config.json is a few KiB, a sharded model's index a few MiB.
+MAX_JSON_BYTES = 256 * 2**20
+
+
 def read_json_object(fs, path: str) -> dict:
     """A JSON file that must hold an object (config.json, an index, rayshard.json), or a
     CheckpointError naming the file."""
+    kind = fs.info(path).get("type")
+    if kind != "file":  # a FIFO or a device (a link to /dev/zero) may never end
+        raise CheckpointError(f"{path}: is not a regular file ({kind}). Fix: pass the model's own config.json (or index)")
+    with fs.open(path, "rb") as handle:  # at most one byte past the bound
+        text = handle.read(MAX_JSON_BYTES + 1)
+    if len(text) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path}: holds more than {MAX_JSON_BYTES} bytes, more than any configuration or index "
+                              "rayshard reads. Fix: pass the model's own config.json (or index)")
     try:
-        document = json.loads(fs.cat_file(path))
+        document = json.loads(text)
     except ValueError as error:  # bad JSON, bad UTF-8
         raise CheckpointError(f"{path}: is not valid JSON ({error}). Fix: restore the file, or export again") from None
     if not isinstance(document, dict):
@@ -345,7 +353,13 @@ def _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, pro
         source_dtype = hf_dtypes.pop()
         if source_dtype != dtype:  # e.g. bfloat16 weights trained on in float32
             mapping = Mapping(mapping.rules + (Cast("*", to=dtype, source=source_dtype),))
-        plan = mapping.plan({name: Meta(t.shape, t.dtype) for name, t in tensors.items()})
+        try:
+            plan = mapping.plan({name: Meta(t.shape, t.dtype) for name, t in tensors.items()})
+        except UnmappedTensors as error:
+            names = error.names
+            raise CheckpointError(f"{directory} ({kind}): holds {len(names)} tensor(s) the model its config.json describes "
+                                  f"has no place for: {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}. Fix: import "
+                                  "a directory whose config.json matches its weights") from None
         expected = {(name, kind): (tuple(shape), dtype) for name, shape in shapes.items()}
         found = {(name, kind): (meta.shape, meta.dtype) for name, meta in plan.outputs.items()}
         raise_if_mismatched(expected, found, set(expected), f"{directory} ({kind})",
@@ -355,6 +369,7 @@ def _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, pro
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{base}/{RUN_METADATA}: its step {step!r} is not a whole number. Fix: restore the file, "
                               "or delete it to import the weights alone")
+    store.refuse_committed(run, step, "import into another --run, or remove that run first")
     pending = store.begin(run, step)
     pieces = []
     for kind in (PARAM, *MOMENTS):

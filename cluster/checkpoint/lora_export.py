@@ -24,6 +24,7 @@ import torch
 
 from rayshard.cluster.checkpoint.described_source import open_source
 from rayshard.cluster.checkpoint.digest import weights_digest
+from rayshard.cluster.checkpoint.export_directory import published_when_done, staged_url
 from rayshard.cluster.checkpoint.hf_interop import (DEFAULT_SHARD_BYTES, RUN_METADATA, WEIGHTS, ExportResult, GroupStream,
                                                     write_safetensors_files, empty_export_directory, write_model_files)
 from rayshard.cluster.progress import set_total
@@ -72,15 +73,15 @@ def export_peft(checkpoint_url: str, directory: str, dtype: str | None = None, l
     stored_dtype = next(iter(metas.values())).dtype
     plan = peft_mapping(lora_target_list(lora), dtype, stored_dtype, model).plan(metas)
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for name, meta in plan.outputs.items()))
-    fs.makedirs(base, exist_ok=True)
-    written = write_safetensors_files(fs, base, ADAPTER_WEIGHTS, plan.outputs, GroupStream(plan, _whole(stored, metas)),
-                                       ONE_FILE, progress)
-    stored.check_partial_reads()
     recorded_base = stored.metadata.get("lora_base") or {}
-    fs.pipe_file(f"{base}/{ADAPTER_CONFIG}", json.dumps(adapter_config(lora, _base_name(recorded_base.get("url")), model),
-                                                        indent=2).encode())
-    fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "step": stored.metadata.get("step"),
-                                                       "lora": lora, "lora_base": recorded_base}, indent=2).encode())
+    with published_when_done(fs, base, directory) as staging:
+        written = write_safetensors_files(fs, staging, ADAPTER_WEIGHTS, plan.outputs,
+                                           GroupStream(plan, _whole(stored, metas)), ONE_FILE, progress)
+        stored.check_partial_reads()
+        fs.pipe_file(f"{staging}/{ADAPTER_CONFIG}", json.dumps(
+            adapter_config(lora, _base_name(recorded_base.get("url")), model), indent=2).encode())
+        fs.pipe_file(f"{staging}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "step": stored.metadata.get("step"),
+                                                              "lora": lora, "lora_base": recorded_base}, indent=2).encode())
     result = ExportResult(directory, written, len(plan.outputs), time.perf_counter() - started)
     log(f"exported the adapters of {checkpoint_url} to {directory} (PEFT): {len(plan.outputs)} tensors in "
         f"{result.seconds:.1f}s")
@@ -151,15 +152,15 @@ def export_merged(checkpoint_url: str, directory: str, dtype: str | None = None,
     stream = MergedStream(GroupStream(plan, _whole(stored, metas)), merges, _whole(adapters, adapter_metas),
                           float(lora["alpha"]) / int(lora["rank"]), out_dtype)
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for name, meta in outputs.items()))
-    fs.makedirs(base, exist_ok=True)
-    written = write_safetensors_files(fs, base, WEIGHTS, outputs, stream, max_shard_bytes, progress)
-    stored.check_partial_reads()
-    adapters.check_partial_reads()
-    written += write_model_files(fs, base, directory, model, stored.metadata, out_dtype, log)
     # A new model: imported back it starts at step 0 with fresh moments, and says what it was merged from.
     merged_from = {"adapters": checkpoint_url, "step": adapters.metadata.get("step"), "lora": lora, "base": recorded}
-    fs.pipe_file(f"{base}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": {"merged_lora": merged_from},
-                                                       "weights_dtype": out_dtype}, indent=2).encode())
+    with published_when_done(fs, base, directory) as staging:
+        written = write_safetensors_files(fs, staging, WEIGHTS, outputs, stream, max_shard_bytes, progress)
+        stored.check_partial_reads()
+        adapters.check_partial_reads()
+        written += write_model_files(fs, staging, staged_url(staging, base, directory), model, stored.metadata, out_dtype, log)
+        fs.pipe_file(f"{staging}/{RUN_METADATA}", json.dumps({"source": checkpoint_url, "metadata": {"merged_lora": merged_from},
+                                                              "weights_dtype": out_dtype}, indent=2).encode())
     result = ExportResult(directory, written, len(outputs), time.perf_counter() - started)
     log(f"exported {checkpoint_url} merged into its base {base_url} to {directory}: {len(written)} safetensors file(s) "
         f"in {result.seconds:.1f}s")

@@ -100,6 +100,7 @@ def _import_holding_the_lease(directory, store, run, base_url, log, progress) ->
     pieces = [(name, PARAM, lambda n=name: stream.take(n)) for name in stream.order()]
     pieces += [(name, kind, lambda s=shape: torch.zeros(s, dtype=dtype)) for kind in MOMENTS for name, shape in shapes.items()]
     set_total(progress, sum(4 * math.prod(shapes[name]) for name, _, _ in pieces))
+    store.refuse_committed(run, 0, "import into another --run, or remove that run first")
     pending = store.begin(run, 0)
     target_fs, target_base = fsspec.core.url_to_fs(pending.url)
     written = write_shard(target_fs, target_base, pending.file_for(0, stem="import"),

@@ -23,15 +23,11 @@ def raise_if_mismatched(expected: dict, found: dict, possible: set, where: str,
     mismatched = sorted(f"{n} ({k}): checkpoint {found[(n, k)][1]}{list(found[(n, k)][0])}, "
                         f"model {expected[(n, k)][1]}{list(expected[(n, k)][0])}"
                         for n, k in expected.keys() & found.keys() if found[(n, k)] != expected[(n, k)])
-    if missing or unexpected or mismatched:
-        lines = [f"checkpoint {where} does not match the model:"]
-        for title, entries in (("missing keys", missing), ("unexpected keys", unexpected),
-                               ("shape/dtype mismatches", mismatched)):
-            if entries:
-                lines.append(f"  {title} ({len(entries)}): " + "; ".join(entries[:SHOWN])
-                             + (" ..." if len(entries) > SHOWN else ""))
-        lines.append(f"  Fix: {fix}.")
-        raise CheckpointError("\n".join(lines))
+    if missing or unexpected or mismatched:  # one line (a person reads it in a terminal, a log greps it)
+        sections = [f"{title} ({len(entries)}): " + "; ".join(entries[:SHOWN]) + (" ..." if len(entries) > SHOWN else "")
+                    for title, entries in (("missing keys", missing), ("unexpected keys", unexpected),
+                                           ("shape/dtype mismatches", mismatched)) if entries]
+        raise CheckpointError(f"checkpoint {where} does not match the model: {'. '.join(sections)}. Fix: {fix}.")
 
 
 def require_model_record(metadata: dict, where: str) -> dict:

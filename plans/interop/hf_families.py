@@ -48,6 +48,8 @@ A user's model (`--model-factory`) brings its own mapping and config.json in its
 """
 from __future__ import annotations
 
+import re
+
 import math
 
 from rayshard.plans.transforms.codec import decode_mapping
@@ -225,11 +227,18 @@ def hub_names(model: ModelConfig, tensors: dict) -> dict:
     older files carry (GPT-2's Hub files: no `transformer.` prefix, the causal masks `attn.bias`).
     A Gemma3ForConditionalGeneration file's text model is taken under Gemma3ForCausalLM's names,
     its vision tower and projector left out (`import_hf` says so). Other families' names are taken
-    as they are."""
+    as they are. Every family's rotary `inv_freq` buffers are left out: files saved before
+    transformers 4.31 carry them, derived from the config (transformers ignores them too)."""
+    tensors = {name: tensor for name, tensor in tensors.items() if not ROTARY_BUFFER.search(name)}
     rename = {"gpt2": gpt2_hub_name, "gemma3": gemma3_text_name}.get(model.family)
     if rename is None:
         return tensors
     return {hub: tensor for name, tensor in tensors.items() if (hub := rename(name)) is not None}
+
+
+# A rotary embedding's inverse frequencies, a buffer older save_pretrained wrote with the weights
+# (`model.layers.0.self_attn.rotary_emb.inv_freq`, `model.rotary_emb.inv_freq`).
+ROTARY_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq\Z")
 
 
 def export_mapping(model: ModelConfig, dtype: str | None = None, source_dtype: str = "float32") -> Mapping:

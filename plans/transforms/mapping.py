@@ -50,6 +50,19 @@ from rayshard.plans.errors import CheckpointError
 PLACEHOLDER = re.compile(r"\{(\w+)([+-]\d+)?\}")
 
 
+class UnmappedTensors(CheckpointError):
+    """A strict mapping met tensors none of its rules takes; `names` lists them (a caller that
+    knows where they came from says so in its own words)."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        super().__init__(f"no rule of the mapping covers {len(names)} tensor(s): {', '.join(names[:10])}"
+                         f"{' ...' if len(names) > 10 else ''}. Fix: add a Rename (or Drop) for them")
+
+    def __reduce__(self):
+        return type(self), (self.names,)
+
+
 @dataclass(frozen=True)
 class Meta:
     shape: tuple[int, ...]
@@ -468,8 +481,7 @@ class Mapping:
                 steps.append(application)
         unmapped = sorted(name for name in sources if name in state and name not in touched)
         if self.strict and unmapped:
-            raise CheckpointError(f"no rule of the mapping covers {len(unmapped)} tensor(s): {', '.join(unmapped[:10])}"
-                                  f"{' ...' if len(unmapped) > 10 else ''}. Fix: add a Rename (or Drop) for them")
+            raise UnmappedTensors(unmapped)
         return MappingPlan(dict(state), _groups(sources, steps, origin, state), unmapped)
 
 

@@ -150,3 +150,22 @@ def test_an_import_source_or_export_target_with_credentials_is_refused_unechoed(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot carry credentials" in err and secret not in err and "AKIAEXAMPLE" not in err
     assert not (tmp_path / "store" / "r").exists()
+
+
+def test_diff_compares_bit_for_bit_a_nan_equals_itself_and_minus_zero_differs(tmp_path, capsys):
+    import torch
+
+    import rayshard.checkpoint as ckpt
+
+    values = torch.linspace(-3, 5, 32)
+    values[0] = float("nan")
+    nudged = values.clone()
+    nudged[3] = torch.nextafter(nudged[3], torch.tensor(10.0))  # one ulp
+    store = str(tmp_path / "store")
+    ckpt.save({"model": {"w": values, "z": torch.zeros(5)}}, f"{store}/a", step=1)
+    ckpt.save({"model": {"w": nudged, "z": -torch.zeros(5)}}, f"{store}/b", step=1)
+    assert main(["ckpt", "diff", "a", "b", "--store", store]) == 1
+    out = capsys.readouterr().out
+    gap = float((nudged[3].double() - values[3].double()).abs())
+    assert f"1 of 32 elements differ, max |a-b| = {gap:.3g}" in out  # the shared NaN is equal, the ulp shows
+    assert "5 of 5 elements differ, max |a-b| = 0" in out  # -0.0 is not 0.0, bit for bit

@@ -407,3 +407,45 @@ def test_a_tensor_record_that_is_compressed_or_lists_many_entries_is_refused(tmp
         assert read_plain_value(data).skipped.startswith("unreadable"), name
         with pytest.raises(CheckpointError, match="is not a torch.save record"):
             locate_chunk(io.BytesIO(data), DcpChunk((0,), (4,), "f", 0, len(data)), "float32", name)
+
+
+@pytest.mark.parametrize("where, value", [("train_state", float("nan")), ("adamw", float("inf"))])
+def test_a_step_that_is_not_a_finite_number_is_refused_in_one_line(source, tmp_path, capsys, where, value):
+    store, url, _ = source
+    state = _dcp_state(url, 2, "torchtitan")
+    if where == "train_state":
+        state = {key: item for key, item in state.items() if key != "optimizer"}
+        state["train_state"] = {"step": torch.tensor(value)}
+    else:
+        for key in state["optimizer"]:
+            if key.endswith(".step"):
+                state["optimizer"][key] = torch.tensor(value)
+    directory = str(tmp_path / "dcp")
+    dcp.save(state, checkpoint_id=directory, no_dist=True)
+    target = str(tmp_path / "store")
+    assert "not a whole number" in _refused(capsys, _import(directory, target), target)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_metadata_that_is_no_regular_file_is_refused_unread(source, tmp_path, capsys, kind):
+    """A FIFO or a link to /dev/zero reports size 0 and never ends: refused before any read."""
+    copy = _copy(source[2]["torchtitan"], tmp_path)
+    path = os.path.join(copy, ".metadata")
+    os.remove(path)
+    os.mkfifo(path) if kind == "fifo" else os.symlink("/dev/zero", path)
+    store = str(tmp_path / "store")
+    assert "is not a regular file" in _refused(capsys, _import(copy, store), store)
+
+
+def test_an_import_into_a_step_already_committed_is_refused_before_writing(source, tmp_path, capsys):
+    directory = source[2]["torchtitan"]
+    target = str(tmp_path / "store")
+    argv = ["ckpt", "import", directory, "--format", "dcp", "--model", "tiny", "--run", "again", "--store", target]
+    assert main(argv) == 0
+    step_dir = os.path.join(target, "again", "checkpoints", os.listdir(os.path.join(target, "again", "checkpoints"))[0])
+    before = sorted(os.listdir(step_dir))
+    capsys.readouterr()
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert "is already committed" in error and len(error.splitlines()) == 1
+    assert sorted(os.listdir(step_dir)) == before  # no second attempt's files

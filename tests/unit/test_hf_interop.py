@@ -192,3 +192,46 @@ def test_an_export_refuses_a_directory_that_holds_files_and_an_import_refuses_tw
     (sharded / "model.safetensors").write_bytes((single / "model.safetensors").read_bytes())
     with pytest.raises(CheckpointError, match="holds both model.safetensors and model.safetensors.index.json"):
         import_hf(str(sharded), Store(str(tmp_path / "store")), "mixed", log=lambda *_: None)
+
+
+def test_rotary_buffers_of_older_files_are_left_out_and_an_extra_tensor_names_the_directory(written, tmp_path):
+    """transformers before 4.31 saved each layer's `rotary_emb.inv_freq` with the weights (derived
+    from the config; transformers ignores it on load): the import leaves it out too. A tensor the
+    config's model has no place for is refused naming the directory and the tensor."""
+    from safetensors.torch import save_file
+
+    url, _, _ = written(False)
+    export_hf(url, str(tmp_path / "hf"), include_optimizer=False, log=lambda *_: None)
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.arange(8.0)
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    store = Store(str(tmp_path / "store"))
+    imported = import_hf(str(tmp_path / "hf"), store, "old", log=lambda *_: None)
+    params = lambda digests: [d for d in digests if d.kind == "param"]  # noqa: E731 - exported without moments
+    assert params(digest_checkpoint(imported)) == params(digest_checkpoint(url))
+    weights["model.layers.0.mlp.extra.weight"] = torch.ones(2, 2)
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"hf \(param\): holds 1 tensor\(s\) the model its config.json describes "
+                                              r"has no place for: model.layers.0.mlp.extra.weight") as refused:
+        import_hf(str(tmp_path / "hf"), store, "extra", log=lambda *_: None)
+    assert "\n" not in str(refused.value) and store.committed_steps("extra") == []
+
+
+def test_a_failed_export_leaves_no_directory_and_a_retry_succeeds(written, tmp_path):
+    """The export writes beside --out and renames into it last: an export stopped by a damaged
+    shard leaves nothing a reader (or the retry's emptiness check) would find."""
+    import shutil
+
+    url, _, store = written(False)
+    copy = tmp_path / "copy"
+    shutil.copytree(url, copy)
+    shard = next(path for path in copy.rglob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # inside the last tensor's bytes: found by its checksum, after others were written
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "hf"
+    with pytest.raises(CheckpointError, match="checksum"):
+        export_hf(str(copy), str(out), log=lambda *_: None)
+    assert not out.exists() and not list(tmp_path.glob("hf.partial-*"))
+    export_hf(url, str(out), log=lambda *_: None)
+    assert (out / "config.json").exists() and not list(tmp_path.glob("hf.partial-*"))
