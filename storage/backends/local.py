@@ -3,6 +3,11 @@
 Create-only is link(): it fails if the name exists, atomically, and the bytes are fsynced before
 the name appears. Compare-and-replace holds an flock on a lock file beside the object, which
 serialises writers on this machine, and renames the new bytes into place.
+
+Durable as the commit needs it (a power loss, not only a killed process): a shard file's bytes and
+its directory entry are on disk when its writer closes, before the first rank can publish the
+manifest naming it; the manifest's link is synced with its directory and that directory's parent.
+torch DCP's FileSystemWriter syncs its files too (`sync_files=True` by default).
 """
 from __future__ import annotations
 
@@ -32,6 +37,17 @@ class LocalBackend(FsspecBackend):
             os.link(temporary, path)  # fails if the name exists, atomically
         finally:
             os.unlink(temporary)
+        directory = os.path.dirname(path)
+        _sync_directory(directory)  # the new name (a manifest's: beside its attempt's directory, also named here)
+        _sync_directory(os.path.dirname(directory))  # (a manifest's) the step directory's own name
+
+    @contextlib.contextmanager
+    def open_writer(self, path: str):
+        with open(path, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())  # only once the block ended without an error
+        _sync_directory(os.path.dirname(path))
 
     def replace_if(self, path: str, data: bytes, token: str | None) -> None:
         with open(f"{path}.lock", "a") as lock:
@@ -50,3 +66,12 @@ class LocalBackend(FsspecBackend):
     def remove_empty_directory(self, directory: str) -> None:
         with contextlib.suppress(OSError):
             self.fs.rmdir(directory)
+
+
+def _sync_directory(directory: str) -> None:
+    """A directory's entries on disk (a new file's name survives a power loss only then)."""
+    descriptor = os.open(directory or ".", os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
