@@ -15,8 +15,9 @@ state dict (`get_state_dict` of the same model and optimizer, then `set_state_di
 DCP's path does): `save` into a run (writer lease, attempt, create-only manifest, LATEST) and
 `load`, on both layouts; its ratios against DCP are printed apart. The API and DCP each save and
 load once, untimed, before the repeats (first-call costs: the API's gloo group, DCP's caches). An operation's time is the slowest rank's; the
-figure is the median over repeats. No fsync anywhere (DCP's sync_files=False), so every method
-measures the same page-cache path. Peak RSS above the rank's baseline during each operation is
+figure is the median over repeats. Every save syncs its files to disk, as a commit must survive a
+power loss (decision 222): DCP with its default `sync_files=True`, raw with an fsync per file, so
+every method pays the same disk. Peak RSS above the rank's baseline during each operation is
 sampled every 2 ms.
 
     .venv/bin/python bench/checkpoint.py [--model small] [--repeats 5] [--root /tmp/rayshard-bench-ckpt]
@@ -97,7 +98,7 @@ def _dcp_state(trainer):
 def _dcp_save(trainer, path: str):
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_dcp_state(trainer), storage_writer=dcp.FileSystemWriter(path, sync_files=False))
+    dcp.save(_dcp_state(trainer), storage_writer=dcp.FileSystemWriter(path))  # sync_files=True, its default
 
 
 def _dcp_load(trainer, path: str):
@@ -162,6 +163,8 @@ def _raw_save(trainer, path: str):
     with open(path, "wb") as handle:
         for block in blocks:
             handle.write(block)
+        handle.flush()
+        os.fsync(handle.fileno())  # as every save here: on disk, not only in the page cache
 
 
 def _read_buffer(ranges) -> memoryview:
@@ -383,7 +386,7 @@ def main() -> None:
     medians = {key: statistics.median(values) for key, values in times.items()}
     total_bytes = sum(item[3] for item in phase_a)
     print(f"model {args.model}, {LAYOUT_A.world_size} ranks (gloo, CPU), local store {args.root}, {args.repeats} repeats; "
-          f"state {total_bytes / MiB:.1f} MiB written once (params + AdamW moments), no fsync")
+          f"state {total_bytes / MiB:.1f} MiB written once (params + AdamW moments), every save synced to disk")
     print(f"{'operation':<34}{'rayshard':>10}{'DCP':>10}{'raw':>10}{'checked':>10}{'DCP/ours':>10}{'raw/ours':>10}"
           f"{'chk/ours':>10}")
     for title, key in (("save, dp2 x tp2", "save"), ("load, same layout", "load"), (f"load, resharded to {args.layout_b.describe()}", "reshard")):
