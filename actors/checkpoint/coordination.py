@@ -75,8 +75,8 @@ class Coordination:
             self.group, self.rank, self.size = None, 0, 1
             return
         self.rank = dist.get_rank()  # until the group exists, for an error while making it
-        self._run("making the checkpoint's own process group (every rank must call this save or load)",
-                  lambda: setattr(self, "group", group_for(process_group, self.timeout_s)))
+        self.group = self._run("making the checkpoint's own process group (every rank must call this save or load)",
+                               lambda: group_for(process_group, self.timeout_s))
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
 
     @property
@@ -108,9 +108,10 @@ class Coordination:
                                                           group=self.group, group_src=0))
         return box[0]
 
-    def _run(self, phase: str, exchange) -> None:
+    def _run(self, phase: str, exchange):
+        """exchange()'s result; a failure of it as one line naming this rank and the phase."""
         try:
-            exchange()
+            return exchange()
         except Exception as error:  # gloo: a peer's connection closed, or the timeout passed
             first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
             raise CheckpointError(

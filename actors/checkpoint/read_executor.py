@@ -42,9 +42,7 @@ def _short_read(path: str, start: int, end: int, what: str, got) -> CheckpointEr
 
 def _copy_item(item: ReadItem, data, destination: Destination, path: str) -> None:
     chunk = item.chunk
-    # detach: the destination may be a parameter that requires grad (a model's own state dict);
-    # filling it is not an operation autograd should see, and a view of it refuses copy_ otherwise.
-    tensor, target_offsets = destination.tensor.detach(), destination.offsets
+    tensor, target_offsets = destination.tensor, destination.offsets
     dtype = _TORCH_DTYPES.get(chunk.dtype)
     if tensor.dtype != dtype:
         raise CheckpointError(f"{path}: {chunk.name} ({chunk.kind}) is stored as {chunk.dtype}, the model expects "

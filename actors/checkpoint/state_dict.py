@@ -112,7 +112,9 @@ def _add_tensor(key: str, tensor: torch.Tensor, flat: FlatState) -> None:
         raise CheckpointError(f"state dict entry {key!r}: a DTensor with a Partial placement ({tensor.placements}) holds "
                               "unreduced partial sums, not a state. Fix: redistribute it to Shard or Replicate first")
     offsets, sizes = local_region(tensor)
-    local = local_tensor(tensor)
+    # Detached (the same memory): a piece may be a parameter that requires grad (a model's own
+    # state dict), and filling it, whole or through a view, is not an operation autograd should see.
+    local = local_tensor(tensor).detach()
     if local.device.type == "meta":
         raise CheckpointError(f"state dict entry {key!r} is on the meta device: it has a shape but no memory to save from "
                               "or load into. Fix: materialize the module first (module.to_empty(device=...))")

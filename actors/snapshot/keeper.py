@@ -19,7 +19,7 @@ Snapshots every step make a keeper copy the same files each step and drop the ol
 driver keeps only the newest): the arrays of dropped shard files wait in a pool, by exact size,
 and the next copy of that size goes into one instead of freshly allocated memory (no page
 faults, no kernel zeroing of every page; `array_pool.py`, docs/decisions.md 204). Reads of a
-shard return a view of its array (`read`), which Ray copies into the object store as the reply:
+shard return a view of its array (`read_ranges`), which Ray copies into the object store as the reply:
 no copy here (decision 205).
 """
 from __future__ import annotations
@@ -105,20 +105,14 @@ class SnapshotKeeper:
             self._pool.dropped(self._files.pop(path, None))
             self._files[path] = bytes(data)
 
-    def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes | np.ndarray:
-        """A small file's bytes, or a view of a shard's array: Ray writes the view into the
-        object store out of band as the reply (the one copy; the reader gets a read-only array
-        over it), and the view keeps the array out of the pool until then."""
-        value = self._files.get(path)
-        if value is None:
-            raise FileNotFoundError(path)
-        return value[start:end]
-
     def read_ranges(self, path: str, starts: list[int], ends: list[int]) -> tuple[np.ndarray | bytes, list[int]]:
-        """Many ranges of one file in one reply: (their bytes back to back, each range's length as
-        found, shorter than asked where the file ends first). A load reads a column slice as one
-        range per row (docs/decisions.md 218): thousands of ranges, one call. One range comes as
-        a view, as `read`; several are gathered into one array, a copy of only the bytes asked."""
+        """Ranges of one file in one reply: (their bytes back to back, each range's length as found,
+        shorter than asked where the file ends first). A load reads a column slice as one range
+        per row (docs/decisions.md 218): thousands of ranges, one call. One range of a shard comes
+        as a view of its array: Ray writes the view into the object store as the reply (the one
+        copy; the reader gets a read-only array over it), and the view keeps the array out of the
+        pool until then (decision 205). Several are gathered into one array, a copy of only the
+        bytes asked."""
         value = self._files.get(path)
         if value is None:
             raise FileNotFoundError(path)

@@ -32,7 +32,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import fsspec
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -460,7 +459,6 @@ def _agree_on_bands(coordination: Coordination, own: BaseException | None, bands
     return [band for band in bands if (band.ranks, band.key) in agreed]
 
 
-@torch.no_grad()  # the destinations may be parameters that require grad (a model's own state dict)
 def _read(stored: StoredCheckpoint, flat: FlatState, bands: list[MeshBand]) -> dict:
     """Read this rank's pieces; the banded ones through its groups' hand-over (decision 172). A
     member whose read fails still takes part in every scatter; its error then fails every rank at

@@ -286,15 +286,15 @@ def test_an_array_a_read_still_references_is_never_written_over(ray_session):
     first, second = bytes(range(256)) * 4096, bytes(reversed(range(256))) * 4096
     for path, data in (("kept/shard", second + second), ("a/shard", first)):  # a file held throughout: the pool stays
         keeper.copy(path, [ray_session.put([np.frombuffer(data, dtype=np.uint8)])], len(data))
-    reply = keeper.read("a/shard", 10, 4096)
+    reply, _ = keeper.read_ranges("a/shard", [10], [4096])
     keeper.remove("a/")
     keeper.copy("b/shard", [ray_session.put([np.frombuffer(second, dtype=np.uint8)])], len(second))
     assert keeper.reused == 0 and bytes(reply) == first[10:4096]
-    assert bytes(keeper.read("b/shard")) == second
+    assert bytes(keeper.read_ranges("b/shard", [None], [None])[0]) == second
     del reply
     keeper.remove("b/")
     keeper.copy("c/shard", [ray_session.put([np.frombuffer(first, dtype=np.uint8)])], len(first))
-    assert keeper.reused == 1 and bytes(keeper.read("c/shard")) == first
+    assert keeper.reused == 1 and bytes(keeper.read_ranges("c/shard", [None], [None])[0]) == first
 
 
 def _flip_a_byte_in_every_copy(keepers, suffix: str, offset: int) -> None:
