@@ -4,8 +4,6 @@ the byte ranges that overlap its pieces.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import threading
 import time
@@ -18,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.actors.checkpoint.rank_pieces import MOMENTS, ties_embeddings, rank_layout, replicated_dims, state_tensors
 from rayshard.actors.checkpoint.read_executor import Destination
+from rayshard.actors.checkpoint.collector_paused import collector_paused
 from rayshard.actors.checkpoint.replica_broadcast import HandedPiece, SlicedPiece, broadcast_pieces, buckets
 from rayshard.actors.checkpoint.shard_writer import dtype_name
 from rayshard.actors.checkpoint.stored import StoredCheckpoint, min_segment_bytes_for
@@ -95,23 +94,8 @@ class LoadTargets:
     banded: list[BandedPiece] = ()
 
 
-@contextlib.contextmanager
-def _collector_paused():
-    """A load allocates thousands of small objects (chunks, plans, read items) in a process whose
-    heap holds a whole model's module tree; the cyclic collector's full passes over that heap
-    took ~40% of a small local load (cProfile, dp2 x tp2, small preset). Nothing a load makes is
-    cyclic garbage, so the collector waits until it is done."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 @torch.no_grad()
-@_collector_paused()
+@collector_paused()
 def load_rank_shard(model, optimizer, checkpoint_url: str, all_parameter_names: set[str],
                     manifest: bytes | None = None, handover: HandoverGroups | None = None,
                     only: frozenset[str] | None = None, moments: bool = True) -> dict:

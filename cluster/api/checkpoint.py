@@ -35,6 +35,7 @@ import fsspec
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from rayshard.actors.checkpoint.collector_paused import collector_paused
 from rayshard.actors.checkpoint.coordination import Coordination, Failure
 from rayshard.actors.checkpoint.load import read_and_hand_over, read_once_for
 from rayshard.actors.checkpoint.mesh_bands import (MeshBand, agreed_bands, destinations_with_bands, hand_over_lists,
@@ -128,6 +129,7 @@ class _Snapshot:
     model: ModelDescription | None = None  # what `model=` described, checked and recorded by the first rank
 
 
+@collector_paused()
 def save(state_dict: Mapping, where: str, *, step: int, metadata: dict | None = None,
          process_group=None, model: dict | None = None) -> CheckpointRef:
     """Save `state_dict` as checkpoint `step` of the run `where` (a URL or path; its parent is the
@@ -404,6 +406,7 @@ class _Opened:
     manifest: bytes
 
 
+@collector_paused()
 def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpoint:
     """Fill `state_dict` in place from checkpoint `what` (a run URL or path, its LATEST; `RUN@STEP`;
     or a checkpoint directory), whatever layout wrote it and whatever layout the state dict has:
@@ -488,6 +491,7 @@ def _step_of(opened: _Opened, metadata: dict) -> int:
     return int(step) if isinstance(step, int) else int(opened.step or 0)
 
 
+@collector_paused()
 def plan(state_dict: Mapping, what: str, *, process_group=None) -> LoadPlan:
     """The dry run of `load`: which bytes each rank would read (every rank gets every rank's plan).
     Reads the manifest only; checks the state dict against it as `load` does."""

@@ -316,12 +316,26 @@ def import_hf(directory: str, store, run: str, dtype: str = "float32", file_byte
               log=print, progress=None) -> str:
     """Write a rayshard checkpoint (run@step) from a Hugging Face directory of a family we compute; commit it.
     progress: a bar (cluster/progress.py) advanced by the bytes of each tensor handed to the writer.
-    The import writes into `run` as a trainer does, so it holds the run's writer lease meanwhile."""
+    The directory is read and checked first, so a refusal leaves the store untouched (no run, no
+    lease); the writing holds the run's writer lease, as every writer of a run does."""
+    prepared = _prepare_hf_import(directory, dtype, log)
+    store.refuse_committed(run, prepared.step, "import into another --run, or remove that run first")
     with writer_lease.holding(store, run):
-        return _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, progress)
+        return _write_hf_import(prepared, directory, store, run, dtype, file_bytes, log, progress)
 
 
-def _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, progress) -> str:
+@dataclass(frozen=True)
+class _PreparedHfImport:
+    """A Hugging Face directory read and checked against the model its config.json describes:
+    what the import writes, before anything is written."""
+
+    model: ModelConfig
+    saved: dict  # the run metadata a rayshard export wrote beside the weights ({} when absent)
+    streams: dict  # kind -> (GroupStream, MappingPlan)
+    step: int
+
+
+def _prepare_hf_import(directory: str, dtype: str, log) -> _PreparedHfImport:
     fs, base = fsspec.core.url_to_fs(directory)
     config_path = f"{base}/{CONFIG}"
     if not fs.exists(config_path):
@@ -369,7 +383,13 @@ def _import_holding_the_lease(directory, store, run, dtype, file_bytes, log, pro
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{base}/{RUN_METADATA}: its step {step!r} is not a whole number. Fix: restore the file, "
                               "or delete it to import the weights alone")
-    store.refuse_committed(run, step, "import into another --run, or remove that run first")
+    return _PreparedHfImport(model, saved, streams, step)
+
+
+def _write_hf_import(prepared: _PreparedHfImport, directory, store, run, dtype, file_bytes, log, progress) -> str:
+    model, saved, streams, step = prepared.model, prepared.saved, prepared.streams, prepared.step
+    shapes = parameter_shapes(model)
+    store.refuse_committed(run, step, "import into another --run, or remove that run first")  # again: now we hold the run
     pending = store.begin(run, step)
     pieces = []
     for kind in (PARAM, *MOMENTS):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import fsspec
 import torch
@@ -39,7 +39,7 @@ from rayshard.plans.interop.peft_adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHT
                                                   peft_mapping, refuse_unexportable, refuse_unknown_keys)
 from rayshard.plans.layout.parallel_layout import ParallelLayout
 from rayshard.plans.training.lora import adapter_shapes
-from rayshard.plans.training.model_spec import model_differences
+from rayshard.plans.training.model_spec import ModelConfig, model_differences
 from rayshard.plans.transforms.mapping import Cast, Mapping, Meta
 from rayshard.storage.manifest_io import read_manifest
 
@@ -48,12 +48,28 @@ ADAPTER_DTYPE = "float32"
 
 def import_peft(directory: str, store, run: str, base_url: str, log=print, progress=None) -> str:
     """Commit `run@0` from a PEFT adapter directory on the base checkpoint `base_url` (committed;
-    the caller holds a reader lease on it). The import holds the run's writer lease meanwhile."""
+    the caller holds a reader lease on it). The adapter and the base are read and checked first, so
+    a refusal leaves the store untouched (no run, no lease); the writing holds the run's writer
+    lease, as every writer of a run does."""
+    prepared = _prepare_peft_import(directory, base_url)
+    store.refuse_committed(run, 0, "import into another --run, or remove that run first")
     with writer_lease.holding(store, run):
-        return _import_holding_the_lease(directory, store, run, base_url, log, progress)
+        return _write_peft_import(prepared, directory, store, run, base_url, log, progress)
 
 
-def _import_holding_the_lease(directory, store, run, base_url, log, progress) -> str:
+@dataclass(frozen=True)
+class _PreparedPeftImport:
+    """An adapter directory read and checked against its base: what the import writes."""
+
+    model: ModelConfig  # the base's
+    base_metadata: dict
+    lora: LoraConfig
+    shapes: dict  # adapter name -> shape
+    stream: GroupStream
+    digest: str  # the base's weights digest, recorded in the LoRA run's manifest
+
+
+def _prepare_peft_import(directory: str, base_url: str) -> _PreparedPeftImport:
     fs, path = fsspec.core.url_to_fs(directory)
     path = path.rstrip("/")
     config_path = f"{path}/{ADAPTER_CONFIG}"
@@ -96,11 +112,17 @@ def _import_holding_the_lease(directory, store, run, base_url, log, progress) ->
     digest = weights_digest(base_url)
     _refuse_another_recorded_base(fs, f"{path}/{RUN_METADATA}", digest, base_url)
     stream = GroupStream(plan, tensor_reader(fs, path, tensors))
+    return _PreparedPeftImport(model, base_metadata, lora, shapes, stream, digest)
+
+
+def _write_peft_import(prepared: _PreparedPeftImport, directory, store, run, base_url, log, progress) -> str:
+    model, base_metadata, lora, shapes, stream, digest = (prepared.model, prepared.base_metadata, prepared.lora,
+                                                          prepared.shapes, prepared.stream, prepared.digest)
     dtype = getattr(torch, ADAPTER_DTYPE)
     pieces = [(name, PARAM, lambda n=name: stream.take(n)) for name in stream.order()]
     pieces += [(name, kind, lambda s=shape: torch.zeros(s, dtype=dtype)) for kind in MOMENTS for name, shape in shapes.items()]
     set_total(progress, sum(4 * math.prod(shapes[name]) for name, _, _ in pieces))
-    store.refuse_committed(run, 0, "import into another --run, or remove that run first")
+    store.refuse_committed(run, 0, "import into another --run, or remove that run first")  # again: now we hold the run
     pending = store.begin(run, 0)
     target_fs, target_base = fsspec.core.url_to_fs(pending.url)
     written = write_shard(target_fs, target_base, pending.file_for(0, stem="import"),

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.checkpoint.digest import digest_checkpoint
@@ -179,6 +179,7 @@ def test_a_damaged_directory_is_named_and_nothing_is_committed(written, tmp_path
         import_hf(str(directory), store, "bad", log=lambda *_: None)
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
     assert store.committed_steps("bad") == []
+    assert not (tmp_path / "store" / "bad").exists()  # checked before the run's writer lease: no run left behind
 
 
 def test_an_export_refuses_a_directory_that_holds_files_and_an_import_refuses_two_exports_mixed(written, tmp_path):
@@ -198,8 +199,6 @@ def test_rotary_buffers_of_older_files_are_left_out_and_an_extra_tensor_names_th
     """transformers before 4.31 saved each layer's `rotary_emb.inv_freq` with the weights (derived
     from the config; transformers ignores it on load): the import leaves it out too. A tensor the
     config's model has no place for is refused naming the directory and the tensor."""
-    from safetensors.torch import save_file
-
     url, _, _ = written(False)
     export_hf(url, str(tmp_path / "hf"), include_optimizer=False, log=lambda *_: None)
     weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -215,6 +214,7 @@ def test_rotary_buffers_of_older_files_are_left_out_and_an_extra_tensor_names_th
                                               r"has no place for: model.layers.0.mlp.extra.weight") as refused:
         import_hf(str(tmp_path / "hf"), store, "extra", log=lambda *_: None)
     assert "\n" not in str(refused.value) and store.committed_steps("extra") == []
+    assert not (tmp_path / "store" / "extra").exists()
 
 
 def test_a_failed_export_leaves_no_directory_and_a_retry_succeeds(written, tmp_path):

@@ -10,6 +10,7 @@ Bad input is refused in one line, and nothing is committed.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,6 +179,7 @@ def test_a_bad_adapter_is_refused_in_one_line(imported, tmp_path, capsys, change
                        "--store", store.url)
     assert code == 2 and "\n" not in error and message in error and "Fix:" in error, error
     assert store.committed_steps("bad") == []
+    assert not Path(store.url, "bad").exists()  # checked before the run's writer lease: no run left behind
 
 
 def test_an_adapter_of_another_base_is_refused_naming_the_shapes(imported, tmp_path, capsys):
