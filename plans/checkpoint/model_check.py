@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.checkpoint.state_dict_keys import column_of
+from rayshard.plans.checkpoint.state_dict_keys import SEPARATOR, column_of, key_of
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.training.lora import adapter_planning_model, recorded_adapter_shapes
 from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
@@ -94,7 +94,13 @@ def check_state_dict_matches(tensors: dict[str, tuple[tuple[int, ...], str]], va
                             "state dict")
     for key in value_keys:
         if key not in stored_values:
+            # A value where the checkpoint holds tensors beneath it (a nested dict of numbers where
+            # tensors were saved): named as such, not as missing.
+            beneath = None if column_of(key) in stored else next(
+                (key_of(*column) for column in stored if key_of(*column).startswith(key + SEPARATOR)), None)
             problems.append(f"{key!r} is a tensor in the checkpoint, not a value" if column_of(key) in stored else
+                            f"{key!r} holds values in the state dict where the checkpoint holds tensors "
+                            f"({beneath!r} ...)" if beneath else
                             f"{key!r} is not in the checkpoint")
     if problems:
         more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])}{' ...' if len(problems) > 4 else ''})" \

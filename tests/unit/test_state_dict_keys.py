@@ -3,6 +3,7 @@ the JSON values it keeps (plans/checkpoint/state_dict_keys.py, decision 106)."""
 import pytest
 from hypothesis import given, strategies as st
 
+from rayshard.plans.checkpoint.model_check import check_state_dict_matches
 from rayshard.plans.checkpoint.state_dict_keys import check_json_value, column_of, key_of
 from rayshard.plans.errors import CheckpointError
 
@@ -46,3 +47,18 @@ def test_json_values_are_kept_and_anything_else_is_refused_in_one_line():
     assert "\n" not in str(refused.value) and "'train.rng'" in str(refused.value) and "train.rng.state" in str(refused.value)
     with pytest.raises(CheckpointError, match=r"has the key 0 \(int\)"):
         check_json_value("optim.state", {0: {}})
+
+
+@pytest.mark.parametrize("tensors, values, says", [
+    # a dict of numbers where the checkpoint holds tensors beneath the same key
+    ({}, ["model"], "'model' holds values in the state dict where the checkpoint holds tensors ('model.bf' ...)"),
+    ({}, ["model.bf"], "'model.bf' is a tensor in the checkpoint, not a value"),
+    ({}, ["epoch"], "'epoch' is not in the checkpoint"),
+    ({"loader": ((2,), "int64")}, [], "'loader' is a value in the checkpoint, not a tensor"),
+    ({"model.bf": ((3,), "float32")}, [], "'model.bf' is float32[2, 3] in the checkpoint but float32[3] in the state dict"),
+])
+def test_a_state_dict_unlike_the_checkpoint_is_named_in_one_line(tensors, values, says):
+    stored = {("bf", "param"): ((2, 3), "float32"), ("bf", "exp_avg"): ((2, 3), "float32")}
+    with pytest.raises(CheckpointError) as refused:
+        check_state_dict_matches(tensors, values, stored, {"loader"}, "load of r")
+    assert says in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
