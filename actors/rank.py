@@ -119,6 +119,9 @@ class RankActor:
         # Bumped when the rank is set up again or shut down: a `save_finished` still waiting from an
         # earlier attempt answers at once, so it never holds the save-waits thread from the next one.
         self._save_generation = 0
+        # A warm spare that took a GPU rank's place: the dead rank's CUDA_VISIBLE_DEVICES, which Ray
+        # did not assign to this actor (it started with no GPU) and which it then uses (decision 225).
+        self.adopted_devices: str | None = None
 
     def rendezvous_address(self) -> str:
         """A TCP address on this actor's node that rank 0 will listen on."""
@@ -134,10 +137,31 @@ class RankActor:
         self.shutdown()  # a reused actor leaves its previous group first (and ends its save waits)
         # The GPU Ray assigned to this actor, if any (Ray narrows CUDA_VISIBLE_DEVICES to it); a
         # rank placed on a CPU share stays on the CPU even where the machine has GPUs.
-        device = "cuda" if ray.get_gpu_ids() else "cpu"
-        self.trainer = Trainer(config, rank, init_method, plan, device=device,
+        self.trainer = Trainer(config, rank, init_method, plan, device=self.device_kind(),
                                wrap_runner=wrap_runner_from_environment(), initialize=initialize)
         return RankSetup(rank, os.getpid(), str(self.trainer.device), self.trainer.data_fingerprint())
+
+    def device_kind(self) -> str:
+        """"cuda" where Ray gave this actor a GPU or it took a dead rank's, else "cpu"."""
+        return "cuda" if ray.get_gpu_ids() or self.adopted_devices is not None else "cpu"
+
+    def visible_devices(self) -> str | None:
+        """The GPUs this rank uses, as CUDA_VISIBLE_DEVICES names them (None on a CPU share): what
+        a warm spare needs to take this rank's place after it dies (cluster/run/rank_pool.py)."""
+        if not ray.get_gpu_ids() and self.adopted_devices is None:
+            return None
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+    def adopt_devices(self, visible: str) -> None:
+        """Take a dead GPU rank's place: use its GPUs from the next `setup`. A warm spare starts
+        with no GPU (one reserved per spare would sit idle until a failure), so Ray assigned it
+        none; the dead rank's process is gone and its bundle keeps the GPU reserved, unused by any
+        other actor. CUDA reads CUDA_VISIBLE_DEVICES once, when it initialises, which a spare has
+        not done (importing torch does not), so setting it now is what decides its device."""
+        if torch.cuda.is_initialized():
+            raise RuntimeError("this actor has initialised CUDA already, so it cannot take another rank's GPU")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        self.adopted_devices = visible
 
     def configure_storage(self, conf: dict) -> None:
         """The driver's object-store options (endpoint, retries, timeouts, part size — never

@@ -10,9 +10,10 @@ bound is REUSE_PROBE_S, or BUSY_PEER_BOUND_S for a peer the failed step named si
 still computing its step, or stuck in a collective): one with a warm spare on its node is
 replaced at once instead (decision 185); one still silent after REUSE_PROBE_S has a spare started
 on its node then, so that a stuck peer's replacement is ready as its bound ends (decision 216). A
-replacement is a warm spare where the pool keeps one on the rank's node (CPU ranks: one idle actor
-per node, torch imported, no CPU reserved, started once an attempt has regained the furthest step
-trained), else a new actor in the rank's bundle. Ray moves the
+replacement is a warm spare where the pool keeps one on the rank's node (one idle actor per node,
+torch imported, no CPU or GPU reserved, started once an attempt has regained the furthest step
+trained; a GPU rank's spare takes the dead rank's GPUs, decision 225), else a new actor in the
+rank's bundle. Ray moves the
 bundles of a lost node elsewhere where it can; where it cannot within the start timeout, or the next layout asks for another world or another share per rank, the pool is
 released whole and started afresh (a smaller layout frees the extras).
 """
@@ -46,9 +47,13 @@ class RankPool:
     def __init__(self, start_timeout_s: float, log=print, busy_peer_bound_s: float = BUSY_PEER_BOUND_S,
                  warm_spares: bool = True):
         self.start_timeout_s, self.log, self.busy_peer_bound_s = start_timeout_s, log, busy_peer_bound_s
-        self.warm_spares = warm_spares  # one idle actor per node with CPU ranks, to replace a dead rank at once
+        self.warm_spares = warm_spares  # one idle actor per node with ranks, to replace a dead rank at once
         self.placement, self.actors, self.bundle = None, [], None
-        self.spares: dict[str, object] = {}  # node id -> an idle RankActor on it (no CPU reserved)
+        self.spares: dict[str, object] = {}  # node id -> an idle RankActor on it (no CPU or GPU reserved)
+        # GPU ranks: rank -> the CUDA_VISIBLE_DEVICES its actor uses, asked as each actor starts, so a
+        # spare can take the GPUs of a rank whose process is gone (decision 225).
+        self.devices: dict[int, str] = {}
+        self.adoptions: dict[int, object] = {}  # rank -> its spare's adopt_devices call, during a repair
         self.last_recovery = ""  # one line: which ranks were reused, which restarted
         self.condemned: set[int] = set()  # ranks the failed attempt found dead: replaced unprobed
         self.busy: set[int] = set()  # ranks the failed attempt named silent: probed with busy_peer_bound_s
@@ -71,6 +76,7 @@ class RankPool:
             self.placement, self.actors = start_actors(world, self.start_timeout_s, bundle.get("CPU", 0),
                                                        bundle.get("GPU", 0), log=self.log)
             self.bundle = dict(bundle)
+            self._note_devices(range(world))
             return list(self.actors)
         try:
             self._repair()
@@ -97,7 +103,9 @@ class RankPool:
         for rank in stuck:
             replaced[rank] = self._replace(rank)
         if replaced:
+            self._settle_adoptions(replaced)  # first: a spare that cannot answer it would not answer wait_alive
             wait_alive(self.actors, self.start_timeout_s)
+            self._note_devices([rank for rank, how in replaced.items() if how == "new"])
         reused = [rank for rank in range(len(self.actors)) if rank not in replaced]
         lost = sorted(replaced)
         if busy & set(reused):
@@ -171,18 +179,60 @@ class RankPool:
         node = self._spare_for(rank)
         spare = self.spares.pop(node) if node is not None else None
         if spare is not None:
+            if self.bundle.get("GPU", 0):  # told first, not waited for: its calls run in order (_settle_adoptions)
+                self.adoptions[rank] = spare.adopt_devices.remote(self.devices[rank])
             self.actors[rank] = spare
             return "spare"
-        self.actors[rank] = RankActor.options(
+        self.actors[rank] = self._new_actor(rank)
+        return "new"
+
+    def _new_actor(self, rank: int):
+        return RankActor.options(
             num_cpus=self.bundle.get("CPU", 0), num_gpus=self.bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
         ).remote()
-        return "new"
 
     def _spare_for(self, rank: int) -> str | None:
-        """The node of rank's bundle, where a warm spare waits on it and the node is alive."""
+        """The node of rank's bundle, where a warm spare waits on it and the node is alive (and,
+        for a GPU rank, its GPUs are known: a spare gets them from the rank it replaces)."""
         node = self._bundle_nodes().get(rank)
-        return node if node in self.spares and node in _alive_nodes() else None
+        usable = not self.bundle.get("GPU", 0) or rank in self.devices
+        return node if usable and node in self.spares and node in _alive_nodes() else None
+
+    def _settle_adoptions(self, replaced: dict[int, str]) -> None:
+        """GPU ranks: each spare that took a rank's place was told the dead rank's GPUs (the dead
+        process released them; its bundle keeps them reserved, and nothing else is placed in that
+        bundle). A spare that did not take them within REUSE_PROBE_S is killed and the rank gets a
+        new actor in its bundle (`replaced` says so)."""
+        adoptions, self.adoptions = self.adoptions, {}
+        if not adoptions:
+            return
+        ready, _ = ray.wait(list(adoptions.values()), num_returns=len(adoptions), timeout=REUSE_PROBE_S)
+        for rank, ref in adoptions.items():
+            try:
+                if ref not in ready:
+                    raise TimeoutError(f"no answer within {REUSE_PROBE_S:g} s")
+                ray.get(ref)
+            except Exception as error:  # noqa: BLE001 - the spare is not usable; a new actor is
+                self.log(f"warm spare not used for rank {rank} ({type(error).__name__}: "
+                         f"{(str(error).splitlines() or [''])[0][:200]}); starting a new actor")
+                ray.kill(self.actors[rank], no_restart=True)
+                self.actors[rank], replaced[rank] = self._new_actor(rank), "new"
+
+    def _note_devices(self, ranks) -> None:
+        """GPU ranks: ask each of `ranks`' new actors which GPUs Ray gave it. Bounded; an actor
+        that does not say leaves its rank without a spare (a new actor replaces it, as before)."""
+        if not self.bundle.get("GPU", 0):
+            return
+        asked = {self.actors[rank].visible_devices.remote(): rank for rank in ranks}
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=REUSE_PROBE_S)
+        for ref in ready:
+            try:
+                visible = ray.get(ref)
+            except Exception:  # noqa: BLE001 - died meanwhile: its failure is the next attempt's to find
+                continue
+            if visible:
+                self.devices[asked[ref]] = visible
 
     def _bundle_nodes(self) -> dict[int, str]:
         """Bundle index -> the node Ray placed it on now (a lost node's bundles may be missing)."""
@@ -192,9 +242,10 @@ class RankPool:
             return {}
 
     def start_spares(self) -> None:
-        """An idle actor on every node that holds ranks and has none (CPU ranks only: a GPU rank's
-        actor must own its GPU from its start). It reserves no CPU: it only waits, torch imported,
-        and once it takes a dead rank's place, that rank's bundle keeps the CPU reserved for it.
+        """An idle actor on every node that holds ranks and has none. It reserves no CPU and no
+        GPU: it only waits, torch imported (CUDA not initialised), and once it takes a dead rank's
+        place, that rank's bundle keeps the CPU and GPU reserved for it (a GPU rank's spare is told
+        which GPUs first, `_settle_adoptions`).
         Not waited for, and called once an attempt has regained the furthest step trained, not as
         it starts: a spare's start (importing torch, a few CPU-seconds) ran beside the recovery's
         set-up, load and first steps on the same cores, and slowed them (decisions 213, 215)."""
@@ -204,7 +255,7 @@ class RankPool:
         """A warm spare on each of `nodes` that is alive and has none (see start_spares); how many
         it started."""
         started = 0
-        if not self.warm_spares or not self.bundle or self.bundle.get("GPU", 0):
+        if not self.warm_spares or not self.bundle:
             return started
         try:
             alive = _alive_nodes()
@@ -222,7 +273,7 @@ class RankPool:
     def release(self) -> None:
         for actor in [*self.actors, *self.spares.values()]:
             ray.kill(actor, no_restart=True)
-        self.spares = {}
+        self.spares, self.devices, self.adoptions = {}, {}, {}
         if self.placement is not None:
             remove_placement_group(self.placement)
         self.placement, self.actors, self.bundle = None, [], None

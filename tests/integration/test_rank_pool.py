@@ -94,6 +94,68 @@ def _scenario() -> None:
         ray.shutdown()
 
 
+GPU_BUNDLE = {"CPU": 0.25, "GPU": 1}
+
+
+def _gpu_scenario() -> None:
+    """GPU ranks' warm spares (decision 225), on a Ray that declares two GPUs this machine need not
+    have: Ray assigns them (CUDA_VISIBLE_DEVICES) as on a GPU node, and nothing here initialises
+    CUDA, so the spare's hand-over is checked to the device each actor would train on."""
+    import ray
+
+    from rayshard.cluster.run.rank_pool import RankPool
+
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False)
+    lines = []
+    pool = RankPool(start_timeout_s=120, log=lines.append, busy_peer_bound_s=60)
+    try:
+        first = pool.actors_for(2, GPU_BUNDLE)
+        assert sorted(pool.devices.values()) == ["0", "1"], pool.devices  # one GPU each, as Ray assigned
+        pool.start_spares()
+        [spare] = pool.spares.values()  # a GPU rank's node gets a spare too, reserving no GPU
+        assert ray.get(spare.__ray_call__.remote(lambda self: (ray.get_gpu_ids(), self.device_kind())),
+                       timeout=120) == ([], "cpu")
+        dead_devices = pool.devices[1]
+        victim = ray.get(first[1].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        os.kill(victim, signal.SIGKILL)
+        pool.condemn([1])
+        second = pool.actors_for(2, GPU_BUNDLE)
+        assert second[1]._actor_id == spare._actor_id and second[0]._actor_id == first[0]._actor_id
+        assert "rank(s) [1] from a warm spare" in lines[-1], lines
+        # It trains on the dead rank's GPU: CUDA_VISIBLE_DEVICES set before CUDA starts, the device cuda.
+        taken = ray.get(second[1].__ray_call__.remote(
+            lambda self: (os.environ["CUDA_VISIBLE_DEVICES"], self.device_kind(), self.visible_devices())), timeout=60)
+        assert taken == (dead_devices, "cuda", dead_devices), taken
+        assert pool.devices[1] == dead_devices
+        # A spare that cannot take the GPUs in time (busy here) is not used: a new actor in the
+        # rank's bundle takes the place, with the GPU Ray assigns it there.
+        pool.start_spares()
+        [busy_spare] = pool.spares.values()
+        ray.get(busy_spare.__ray_ready__.remote(), timeout=120)
+        busy_spare.__ray_call__.remote(lambda self: time.sleep(600))
+        victim = ray.get(second[0].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        os.kill(victim, signal.SIGKILL)
+        pool.condemn([0])
+        third = pool.actors_for(2, GPU_BUNDLE)
+        assert third[0]._actor_id not in {busy_spare._actor_id, second[0]._actor_id}
+        assert any(line.startswith("warm spare not used for rank 0") for line in lines), lines
+        assert lines[-1].startswith("recovery: ranks reused [1], restarted [0] ") and "from a warm spare" not in lines[-1], lines
+        assert ray.get(third[0].__ray_call__.remote(lambda self: (ray.get_gpu_ids() != [], self.device_kind())),
+                       timeout=60) == (True, "cuda")
+        assert sorted(pool.devices.values()) == ["0", "1"], pool.devices
+    finally:
+        pool.release()
+        ray.shutdown()
+
+
+@pytest.mark.slow  # its own Ray, four actor starts
+def test_a_gpu_ranks_spare_takes_the_dead_ranks_gpu():
+    done = subprocess.run([sys.executable, "-c", "from tests.integration.test_rank_pool import _gpu_scenario; _gpu_scenario()"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 @pytest.mark.slow  # decision 153: its own Ray and six actor starts (about a minute); the default suite's
 # elastic case (tests/e2e/test_elastic.py) recovers through the pool
 def test_a_killed_rank_is_replaced_by_a_spare_and_busy_peers_are_waited_for_and_reused():
