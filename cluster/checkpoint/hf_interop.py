@@ -43,7 +43,7 @@ from rayshard.plans.training.model_spec import ModelConfig, parameter_shapes
 from rayshard.plans.training.special_tokens import SpecialTokens
 from rayshard.plans.checkpoint.safetensors_layout import DTYPE_NAMES, ITEMSIZE, Entry, file_layout, parse_header
 from rayshard.plans.interop.hf_families import export_config, export_mapping, hub_names, model_config_from_hf
-from rayshard.plans.transforms.mapping import Cast, Mapping, MappingPlan, Meta, UnmappedTensors
+from rayshard.plans.transforms.mapping import Cast, Mapping, MappingPlan, Meta, Unalias, UnmappedTensors
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -76,6 +76,15 @@ class GroupStream:
             group = self.group_of[name]
             self.ready.update(run_group(group, {source: self.load_source(source) for source in group.sources}))
         return self.ready.pop(name)
+
+    def check_ties(self) -> None:
+        """Run now, and forget, each group that checks a tied copy (a file holding both
+        `lm_head.weight` and the embedding it should equal): an import refuses a copy that differs
+        before it writes anything, not halfway through. Rare (save_pretrained leaves the copy out),
+        so the extra read of the two tensors is paid only where the file holds both."""
+        for group in self.plan.groups:
+            if any(isinstance(step.rule, Unalias) for step in group.steps):
+                run_group(group, {source: self.load_source(source) for source in group.sources})
 
 
 def write_safetensors_files(fs, directory: str, prefix: str, outputs: dict[str, Meta], stream: GroupStream,
@@ -379,6 +388,7 @@ def _prepare_hf_import(directory: str, dtype: str, log) -> _PreparedHfImport:
         raise_if_mismatched(expected, found, set(expected), f"{directory} ({kind})",
                             fix="import a directory whose config.json matches its weights")
         streams[kind] = (GroupStream(plan, tensor_reader(fs, base, tensors)), plan)
+        streams[kind][0].check_ties()
     step = (saved.get("metadata") or {}).get("step", 0)
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{base}/{RUN_METADATA}: its step {step!r} is not a whole number. Fix: restore the file, "

@@ -242,10 +242,10 @@ ROTARY_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq\Z")
 
 
 def export_mapping(model: ModelConfig, dtype: str | None = None, source_dtype: str = "float32") -> Mapping:
-    """The export mapping of a built-in family or of a user's plan (cast to `dtype` if given)."""
-    if model.user is None:
-        return hf_mapping(model, dtype)
-    mapping = decode_mapping(_user_plan_for_export(model).hf_mapping)
+    """The export mapping of a built-in family or of a user's plan, cast from the stored
+    `source_dtype` to `dtype` where they differ (a bf16 run exported as float16 is cast, not
+    written as bf16 under a float16 config.json)."""
+    mapping = hf_mapping(model) if model.user is None else decode_mapping(_user_plan_for_export(model).hf_mapping)
     if dtype and dtype != source_dtype:
         mapping = Mapping(mapping.rules + (Cast("*", to=dtype, source=source_dtype),))
     return mapping
@@ -327,9 +327,29 @@ def hf_config(model: ModelConfig, dtype: str) -> dict:
     return config
 
 
+# What each family's transformers config class takes for a key its config.json leaves out (the
+# classes' defaults, transformers 4.45 to 5.x; tests/unit/test_hf_families.py checks this table
+# against the installed classes): a missing key means to the import what it means to
+# transformers. num_key_value_heads None: as many as the attention heads.
+HF_DEFAULTS: dict[str, dict] = {
+    "llama": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=2048, num_key_value_heads=None),
+    "mistral": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=131072, num_key_value_heads=8,
+                    sliding_window=4096),
+    "qwen2": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768, num_key_value_heads=32),
+    "qwen3": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768, num_key_value_heads=32),
+    "phi3": dict(rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=4096, num_key_value_heads=None),
+    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072, num_key_value_heads=8),
+    "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768, num_key_value_heads=16),
+    "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=32768, num_key_value_heads=4),
+}
+
+
 def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     """Our ModelConfig from a config.json of a family we compute; refuses what we would approximate."""
     model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise CheckpointError(f"{where}: model_type={model_type!r} is not a name (a string such as 'llama'). Fix: restore "
+                              "the file")
     if model_type == "gemma3":  # Gemma3ForConditionalGeneration: its text model (plans/interop/hf_gemma.py)
         config, model_type = text_config_of(config, where), "gemma3_text"
     if model_type in NOT_COMPUTED:
@@ -345,6 +365,8 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     if family in GEMMA_ARCHITECTURES:  # plans/interop/hf_gemma.py
         return ModelConfig(**gemma_model_fields(config, family, where),
                            special_tokens=special_tokens_from_hf(config, where)).validate()
+    defaults = HF_DEFAULTS[family]
+    config = {**{key: value for key, value in defaults.items() if value is not None}, **config}
     unsupported = [f"{key}={config[key]!r}" for key, fine in _EXPECTED[family] if key in config and config[key] != fine]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -366,14 +388,33 @@ def model_config_from_hf(config: dict, where: str) -> ModelConfig:
     return ModelConfig(
         vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
         n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads, ffn_dim=config["intermediate_size"],
-        max_seq_len=config.get("max_position_embeddings", 2048),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), rope_scaling=rope_scaling,
+        max_seq_len=config["max_position_embeddings"],
+        rope_theta=_rope_theta(rope, config, where), rope_scaling=rope_scaling,
         special_tokens=special_tokens_from_hf(config, where),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        norm_eps=float(config["rms_norm_eps"]), tie_embeddings=_switch(config, "tie_word_embeddings", False, where),
         family=family, qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(config.get("qkv_bias", True))),
         qk_norm=family in ("qwen3", "qwen3_moe"), sliding_window=int(sliding_window) if sliding_window else None,
         head_size=head_dim if head_dim != config["hidden_size"] // heads else None, **experts,
     ).validate()
+
+
+def _rope_theta(rope: dict, config: dict, where: str) -> float:
+    """RoPE's base, from the rope parameters or the top level (transformers 4.x), a positive
+    finite number (0 or less gives every position the same angle: NaN logits)."""
+    key = "rope_theta" if "rope_theta" not in rope else "rope_parameters.rope_theta"
+    value = rope.get("rope_theta", config.get("rope_theta"))
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(f"{where}: {key}={value!r} is not a positive finite number (RoPE's base). Fix: restore the "
+                              "file")
+    return float(value)
+
+
+def _switch(config: dict, key: str, default: bool, where: str) -> bool:
+    """A true/false key of config.json; a string such as "false" is refused, not read as True."""
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {key}={value!r} is not true or false. Fix: restore the file")
+    return value
 
 
 def special_tokens_from_hf(config: dict, where: str) -> SpecialTokens | None:
@@ -449,8 +490,9 @@ def _check_numbers(config: dict, family: str, where: str) -> None:
     for key in ("rope_parameters", "rope_scaling"):
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise CheckpointError(f"{where}: {key}={config[key]!r} is not a JSON object. Fix: restore the file")
-    if not isinstance(config.get("layer_types") or [], list):
-        raise CheckpointError(f"{where}: layer_types={config['layer_types']!r} is not a list. Fix: restore the file")
+    layer_types = config.get("layer_types") or []
+    if not isinstance(layer_types, list) or not all(isinstance(kind, str) for kind in layer_types):
+        raise CheckpointError(f"{where}: layer_types={config['layer_types']!r} is not a list of names. Fix: restore the file")
     for key in (k for k in _OPTIONAL_REALS if config.get(k) is not None):
         value = config[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):

@@ -125,7 +125,7 @@ def gpt2_model_fields(config: dict, where: str) -> dict:
         raise CheckpointError(f"{where}: layer_norm_epsilon={eps!r} is not a positive finite number. Fix: restore the file")
     unsupported = [f"{key}={config[key]!r}" for key, fine in _EXPECTED if key in config and config[key] != fine]
     activation = config.get("activation_function", "gelu_new")
-    if activation not in ACTIVATIONS:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
         unsupported.append(f"activation_function={activation!r} (rayshard computes {', '.join(ACTIVATIONS)})")
     if config["n_embd"] % config["n_head"]:
         unsupported.append(f"n_head={config['n_head']} (does not divide n_embd={config['n_embd']})")

@@ -215,6 +215,11 @@ class ModelConfig:
         if self.rope_scaling is not None and self.position_embedding != "rope":
             raise ConfigError("model.rope_scaling", self.rope_scaling.rope_type, "scales RoPE, which learned positions do "
                               "not use", "drop rope_scaling, or set position_embedding to rope")
+        theta = self.rope_theta
+        if self.position_embedding == "rope" and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                                                  or not 0 < theta < float("inf")):
+            raise ConfigError("model.rope_theta", theta, "must be a positive finite number (RoPE's base; 0 or less gives "
+                              "NaN logits)", "set it to the base the model was trained with, e.g. 10000 or 500000")
         self._validate_gemma_switches()
 
     def _validate_gemma_switches(self) -> None:

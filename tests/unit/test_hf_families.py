@@ -10,18 +10,20 @@ loss on the tokens is rayshard's within 1e-6 relative.
 """
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.actors.model.transformer import Transformer
 from rayshard.cluster.checkpoint.hf_interop import export_hf, import_hf
 from rayshard.cluster.catalog.store import Store
 from rayshard.plans.errors import CheckpointError
+from rayshard.plans.interop.hf_families import HF_DEFAULTS, SLIDING_WINDOW_FAMILIES
 from rayshard.plans.training.model_spec import parameter_shapes
 
 COMMON = dict(vocab_size=250, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=6,
@@ -133,3 +135,72 @@ def test_a_config_rayshard_would_approximate_is_refused_naming_the_field(tmp_pat
     (tmp_path / "hf" / "config.json").write_text(json.dumps(settings))
     with pytest.raises(CheckpointError, match=field.replace("(", r"\(").replace("[", r"\[")):
         import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "refused", log=lambda *_: None)
+
+
+HF_CLASSES = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+              "qwen3": transformers.Qwen3Config, "phi3": transformers.Phi3Config, "mixtral": transformers.MixtralConfig,
+              "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig}
+
+
+@pytest.mark.parametrize("family", list(HF_CLASSES))
+def test_a_key_config_json_leaves_out_takes_the_transformers_classs_default(family):
+    """HF_DEFAULTS is what each installed transformers config class takes for a missing key."""
+    config_class = HF_CLASSES[family]
+    made = config_class()
+    signature = inspect.signature(config_class.__init__).parameters
+    theirs = dict(rms_norm_eps=made.rms_norm_eps, max_position_embeddings=made.max_position_embeddings,
+                  rope_theta=(getattr(made, "rope_parameters", None) or {}).get("rope_theta", getattr(made, "rope_theta", None)),
+                  num_key_value_heads=signature["num_key_value_heads"].default)
+    if family in SLIDING_WINDOW_FAMILIES:
+        theirs["sliding_window"] = made.sliding_window
+    assert {key: HF_DEFAULTS[family].get(key) for key in theirs} == theirs
+
+
+@pytest.mark.parametrize("family, dropped", [("llama", ["rms_norm_eps"]), ("qwen2", ["rms_norm_eps"]),
+                                             ("mixtral", ["rope_theta", "rope_parameters", "rope_scaling"])])
+def test_a_model_whose_config_json_leaves_keys_out_computes_transformers_logits(tmp_path, family, dropped):
+    reference = hf_model(family, False)
+    with torch.no_grad():
+        reference.model.embed_tokens.weight.mul_(1e-3)  # small activations: the norm's eps shows in the logits
+    reference.save_pretrained(str(tmp_path / "hf"))
+    settings = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in dropped:
+        settings.pop(key, None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(settings))
+    theirs = type(reference).from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()  # as transformers reads it
+    url = import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "r", log=lambda *_: None)
+    _, ours = ours_from(url)
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"model_type": ["llama"]}, "model_type=['llama'] is not a name"),
+    ({"layer_types": [["full_attention"], "full_attention"]}, "is not a list of names"),
+    ({"rope_theta": 0.0, "rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
+     "rope_parameters.rope_theta=0.0 is not a positive finite number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": [1]}}, "rope_parameters.rope_theta=[1] is not a positive"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' is not true or false"),
+])
+def test_a_malformed_config_value_is_refused_in_one_line_and_nothing_is_written(tmp_path, change, says):
+    hf_model("llama", False).save_pretrained(str(tmp_path / "hf"))
+    settings = json.loads((tmp_path / "hf" / "config.json").read_text())
+    settings.update(change)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(CheckpointError) as refused:
+        import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "bad", log=lambda *_: None)
+    assert says in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    assert not (tmp_path / "store" / "bad").exists()
+
+
+def test_a_tied_copy_that_differs_is_refused_before_anything_is_written(tmp_path):
+    """A tied model's file holding lm_head.weight unequal to the embedding: refused in one line
+    while the directory is checked, not after the import began writing into the run."""
+    hf_model("llama", True).save_pretrained(str(tmp_path / "hf"))
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1.0
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lm_head.weight should be a tied copy of model.embed_tokens.weight"):
+        import_hf(str(tmp_path / "hf"), Store(str(tmp_path / "store")), "tied", log=lambda *_: None)
+    assert not (tmp_path / "store" / "tied").exists()

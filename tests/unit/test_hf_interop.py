@@ -93,6 +93,24 @@ def test_a_plain_bf16_hf_directory_imports_as_float32_with_fresh_moments(tmp_pat
     assert all(torch.equal(again[name], original[name]) for name in again)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_bf16_run_exports_in_the_dtype_asked(tmp_path, dtype):
+    """A run stored in bfloat16, exported with --dtype float16 or float32: its tensors are cast to
+    that dtype (config.json says so too), not written as bfloat16 under another name."""
+    hf_config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(2)
+    reference = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16)
+    reference.save_pretrained(str(tmp_path / "plain"))
+    url = import_hf(str(tmp_path / "plain"), Store(str(tmp_path / "store")), "bf", dtype="bfloat16", log=lambda *_: None)
+    export_hf(url, str(tmp_path / "out"), dtype=dtype, include_optimizer=False, log=lambda *_: None)
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == dtype
+    original = reference.state_dict()
+    assert {str(tensor.dtype) for tensor in exported.values()} == {f"torch.{dtype}"}
+    assert all(torch.equal(exported[name], original[name].to(getattr(torch, dtype))) for name in exported)
+
+
 def test_import_lists_missing_and_unexpected_tensors_together(written, tmp_path):
     url, _, _ = written(False)
     export_hf(url, str(tmp_path / "hf"), include_optimizer=False, log=lambda *_: None)
