@@ -120,6 +120,19 @@ class MergedStream:
         return (weight.to(torch.float32) + (delta.t() if transposed else delta)).to(self.dtype)
 
 
+def _refuse_unmergeable(merges: dict, outputs: dict, model, checkpoint_url: str) -> None:
+    """Every adapted projection must be a tensor of the export, or its adapters would be left out
+    of the merged model without a word: GPT-2's Conv1D c_attn and Phi-3's qkv_proj / gate_up_proj
+    fuse the projections the adapters sit on, and the merge adds a delta per projection."""
+    missing = sorted(name for name in merges if name not in outputs)
+    if missing:
+        raise CheckpointError(f"{checkpoint_url}: --merge cannot merge this {model.family} model's adapters: its Hugging "
+                              f"Face export fuses the projections they adapt ({missing[0]} is no tensor of it"
+                              f"{f', nor are {len(missing) - 1} more' if len(missing) > 1 else ''}). Fix: train on a "
+                              "Llama-like family (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, gemma) to "
+                              "export merged weights; this run resumes and reshards as it is")
+
+
 def export_merged(checkpoint_url: str, directory: str, dtype: str | None = None,
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, log=print, progress=None) -> ExportResult:
     """progress: a bar advanced by the bytes of each tensor written (the digest check's read of
@@ -148,6 +161,7 @@ def export_merged(checkpoint_url: str, directory: str, dtype: str | None = None,
     plan = export_mapping(model, None, source_dtype=stored_dtype).plan(metas)  # no cast: merged in float32 first
     outputs = {name: Meta(meta.shape, out_dtype) for name, meta in plan.outputs.items()}
     merges = merged_weight_names(model, lora_target_list(lora))
+    _refuse_unmergeable(merges, outputs, model, checkpoint_url)
     adapter_metas = _weights(adapters)
     stream = MergedStream(GroupStream(plan, _whole(stored, metas)), merges, _whole(adapters, adapter_metas),
                           float(lora["alpha"]) / int(lora["rank"]), out_dtype)

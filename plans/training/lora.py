@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from rayshard.plans.errors import ConfigError
 from rayshard.plans.training.model_plan import ModelPlan, UserModel
-from rayshard.plans.training.model_spec import USER_FAMILY, ModelConfig
+from rayshard.plans.training.model_spec import GATED_MLPS, USER_FAMILY, ModelConfig
 from rayshard.plans.training.parameter_roles import FROZEN, TRAINED, ParameterRoles
 from rayshard.plans.training.tp_plan import COLWISE, LORA_COLWISE, LORA_ROWWISE, ROWWISE, module_style, split_dim_under
 
@@ -74,6 +74,10 @@ def check_lora_fits(model: ModelConfig, lora) -> None:
         user_adapted_modules(model, lora)  # each refusal in one line
         return
     for target in lora.target_list:
+        if target in FEED_FORWARD_TARGETS and model.mlp not in GATED_MLPS:
+            raise ConfigError("lora.targets", lora.targets, f"{target!r} adapts a gated feed-forward's projection, and "
+                              f"this {model.family} model's feed-forward is {model.mlp} (up, activation, down: no "
+                              "adapters for it yet)", "adapt q,k,v,o only")
         layers = adapted_layers(model, target)
         if not layers:
             raise ConfigError("lora.targets", lora.targets, f"{target!r} adapts nothing in {model.family}: its MoE layers "

@@ -75,6 +75,14 @@ def test_lora_refuses_what_it_does_not_run_on_yet():
     with pytest.raises(ConfigError, match="'down' adapts nothing in qwen2_moe"):
         TrainConfig(model=routed_only, lora=LoraConfig(rank=4, targets="q,down")).validate()
     TrainConfig(model=routed_only, lora=LoraConfig(rank=4, targets="q,k,v,o")).validate()
+    # GPT-2's feed-forward is up, GELU, down: the gated feed-forward's adapters do not fit it (they
+    # passed the check and failed in the first forward).
+    gpt2 = ModelChoice("gpt2", preset("tiny", family="gpt2", position_embedding="learned", norm="layernorm",
+                                      mlp="gelu_tanh", qkv_bias=True, wo_bias=True, mlp_bias=True))
+    with pytest.raises(ConfigError, match="this gpt2 model's feed-forward is gelu_tanh") as error:
+        TrainConfig(model=gpt2, lora=LoraConfig(rank=4, targets="q,up")).validate()
+    assert "\n" not in str(error.value) and "Fix: adapt q,k,v,o only" in str(error.value)
+    TrainConfig(model=gpt2, lora=LoraConfig(rank=4, targets="q,k,v,o")).validate()
 
 
 def test_moe_adapters_sit_on_attention_dense_layers_and_the_shared_expert():
