@@ -32,8 +32,8 @@ from rayshard.cluster.checkpoint.export_directory import published_when_done, re
 from rayshard.cluster.progress import advance, set_total
 from rayshard.cluster.catalog import writer_lease
 from rayshard.cluster.checkpoint.transform_exec import run_group
-from rayshard.cluster.data.tokenizer import (TOKENIZER_JSON, copy_tokenizer_files, load_tokenizer, special_tokens_of,
-                                             tokenizer_url_of)
+from rayshard.cluster.data.tokenizer import (TOKENIZER_CONFIG, TOKENIZER_JSON, copy_tokenizer_files, load_tokenizer,
+                                             special_tokens_of, tokenizer_url_of)
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
 from rayshard.plans.errors import CheckpointError, RayshardError
 from rayshard.plans.layout.parallel_layout import ParallelLayout
@@ -389,6 +389,8 @@ def _prepare_hf_import(directory: str, dtype: str, log) -> _PreparedHfImport:
                             fix="import a directory whose config.json matches its weights")
         streams[kind] = (GroupStream(plan, tensor_reader(fs, base, tensors)), plan)
         streams[kind][0].check_ties()
+    if fs.exists(f"{base}/{TOKENIZER_CONFIG}"):  # kept with the run: every later export reads it
+        read_json_object(fs, f"{base}/{TOKENIZER_CONFIG}")
     step = (saved.get("metadata") or {}).get("step", 0)
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{base}/{RUN_METADATA}: its step {step!r} is not a whole number. Fix: restore the file, "

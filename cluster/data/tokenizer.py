@@ -100,8 +100,17 @@ def load_tokenizer(path: str) -> LoadedTokenizer:
     configured, config_json = None, None
     if config_path is not None and fs.exists(config_path):
         config_json = fs.cat_file(config_path).decode()
-        eos = json.loads(config_json).get("eos_token")
+        try:
+            settings = json.loads(config_json)
+        except ValueError as error:
+            raise ConfigError("--tokenizer", path, f"its {TOKENIZER_CONFIG} is not valid JSON ({error})",
+                              f"restore {TOKENIZER_CONFIG}, or remove it to use tokenizer.json alone") from None
+        if not isinstance(settings, dict):
+            raise ConfigError("--tokenizer", path, f"its {TOKENIZER_CONFIG} holds a JSON {type(settings).__name__}, not an "
+                              "object", f"restore {TOKENIZER_CONFIG}, or remove it to use tokenizer.json alone")
+        eos = settings.get("eos_token")
         configured = eos.get("content") if isinstance(eos, dict) else eos
+        configured = configured if isinstance(configured, str) else None
     for candidate in ([configured] if configured else []) + list(EOS_CANDIDATES):
         token_id = tokenizer.token_to_id(candidate)
         if token_id is not None:

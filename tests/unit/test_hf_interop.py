@@ -182,6 +182,11 @@ DAMAGED_DIRECTORIES = {
     "bytes and shape disagree": (lambda d: _damage_header(d, _first_tensor(lambda e: e.update(shape=[1]))),
                                  "do not hold shape [1] of float32"),
     "rayshard.json a list": (lambda d: (d / "rayshard.json").write_text("[]"), "rayshard.json: holds a JSON list"),
+    # Kept with the run and read by every later export: refused at the import, not at each export.
+    "tokenizer config a list": (lambda d: (d / "tokenizer_config.json").write_text('["</s>"]'),
+                                "tokenizer_config.json: holds a JSON list, not an object"),
+    "tokenizer config not JSON": (lambda d: (d / "tokenizer_config.json").write_text('{"eos_token": "</s>",'),
+                                  "tokenizer_config.json: is not valid JSON"),
 }
 
 

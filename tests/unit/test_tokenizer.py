@@ -61,6 +61,22 @@ def test_bad_tokenizer_paths_and_sizes_are_one_line_errors(tmp_path):
         train_tokenizer([str(tmp_path / "tokenizer.json")], 100)
 
 
+@pytest.mark.parametrize("config, says", [('{"eos_token": "</s>",', "is not valid JSON"), ('["</s>"]', "holds a JSON list"),
+                                           ('{"eos_token": ["</s>"]}', None)])
+def test_a_damaged_tokenizer_config_is_a_one_line_error(tmp_path, trained, config, says):
+    """A tokenizer_config.json that is no JSON object is named (it raised json's error, which every
+    Hugging Face export of the run then hit); an eos_token that is no name is passed over."""
+    _, loaded = trained
+    (tmp_path / "tokenizer.json").write_text(loaded.json_text)
+    (tmp_path / "tokenizer_config.json").write_text(config)
+    if says is None:
+        assert load_tokenizer(str(tmp_path)).eos_id == loaded.eos_id
+        return
+    with pytest.raises(ConfigError, match=says) as refused:
+        load_tokenizer(str(tmp_path))
+    assert "\n" not in str(refused.value)
+
+
 def test_tokenizer_without_end_of_document_token_is_refused(tmp_path, trained):
     _, loaded = trained
     document = json.loads(loaded.json_text)
