@@ -17,13 +17,11 @@ import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 
 import pyarrow as pa
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 import pyarrow.parquet as pq
 
+from rayshard.cluster.data.chat_template_environment import compiled_chat_template
 from rayshard.cluster.data.documents import JSONL_SUFFIXES, PARQUET_SUFFIXES, ReadOptions, _first_line, _utf8, read_input_file
 from rayshard.plans.data.errors import DataInputError
 
@@ -59,21 +57,8 @@ class ChatTemplate:
     eos_token: str = ""
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return _compiled(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                               bos_token=self.bos_token, eos_token=self.eos_token)
-
-
-@lru_cache(maxsize=8)
-def _compiled(template: str):
-    # The sandboxed environment with the options transformers renders chat templates with, so a
-    # template renders here exactly as `apply_chat_template` renders it.
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals["raise_exception"] = raise_exception
-    environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-    return environment.from_string(template)
+        return compiled_chat_template(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                            bos_token=self.bos_token, eos_token=self.eos_token)
 
 
 def chat_template_of(config_json: str | None, source: str) -> ChatTemplate:
