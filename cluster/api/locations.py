@@ -40,7 +40,7 @@ def run_location(where: str, field: str = "where") -> RunLocation:
                           else f"pass the run, {run_dir}, with a new step")
     step = None
     if at:
-        if not step_text.isdigit():
+        if not (step_text.isascii() and step_text.isdigit()):  # not '²' (int() refuses) nor '٢٠' (int() reads 20)
             raise ConfigError(field, where, f"the step after '@' must be a whole number, not {step_text!r}",
                               f"write e.g. {parent + '/' if parent else ''}{run}@20")
         step = int(step_text)

@@ -20,6 +20,7 @@ from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.checkpoint.manifest.codec import encode_manifest
 from rayshard.plans.checkpoint.reshard import check_chunks_disjoint_and_complete
+from rayshard.plans.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,45 @@ class PendingCheckpoint:
 
     def manifest(self, chunks: ChunkTable | Iterable[Chunk], metadata: dict) -> bytes:
         """The manifest that commits these chunks; refuses chunks that do not tile every tensor
-        exactly (an overlap or a gap would make a checkpoint no layout can load)."""
+        exactly (an overlap or a gap would make a checkpoint no layout can load), and files it
+        would name that are not there whole."""
         # A gathered ChunkTable stays columns: no record per chunk on the driver (16k ranks: 826k).
         chunks = chunks if isinstance(chunks, ChunkTable) else list(chunks)
         check_chunks_disjoint_and_complete(chunks)
+        self._check_files_written(chunks if isinstance(chunks, ChunkTable) else ChunkTable.from_chunks(chunks))
         return encode_manifest(chunks, metadata)
+
+    def _check_files_written(self, chunks: ChunkTable) -> None:
+        """Every file the manifest names exists and reaches its last chunk's end, read from one
+        listing per directory (all of a save's files share its attempt folder). A writer's own
+        close says its file is whole; what this catches is a file gone since: `ckpt gc` removing
+        an attempt it took for a leftover while a slow rank was still uploading into it (an
+        upload in flight is invisible to its listing), which the commit then named in a manifest
+        LATEST points at (decision 227)."""
+        needed = chunks.file_extents()
+        if not needed:
+            return
+        fs, checkpoint = self.store.fs, self.store.checkpoint_path(self.run, self.step)
+        place = {file: tuple(f"{checkpoint}/{file}".rsplit("/", 1)) for file in needed}  # file -> (directory, name)
+        sizes: dict[tuple[str, str], int] = {}
+        for directory in sorted({where for where, _ in place.values()}):
+            fs.invalidate_cache(directory)  # s3fs keeps listings: one from before the writes would miss them
+            try:
+                listing = fs.ls(directory, detail=True)
+            except FileNotFoundError:
+                listing = []
+            sizes.update({(directory, entry["name"].rstrip("/").rsplit("/", 1)[-1]): int(entry.get("size") or 0)
+                          for entry in listing if entry.get("type") != "directory"})
+        short = []
+        for file, end in needed.items():
+            size = sizes.get(place[file])
+            if size is None or size < end:
+                short.append(f"{file} ({'missing' if size is None else f'{size:,} of {end:,} bytes'})")
+        if short:
+            raise CheckpointError(f"{self.run}@{self.step}: not committed: {len(short)} file(s) it would name are not there "
+                                  f"whole: {', '.join(short[:3])}{' ...' if len(short) > 3 else ''}. A `ckpt gc` may have "
+                                  "removed them as a leftover while a rank was still writing. Fix: save again (and run "
+                                  "gc with a --grace longer than a save takes)")
 
     def commit(self, chunks: ChunkTable | Iterable[Chunk], metadata: dict) -> str:
         """Check and encode the manifest, create it (never overwriting one), move LATEST by

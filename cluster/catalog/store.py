@@ -86,6 +86,9 @@ class Store:
     def require_container(self) -> "Store":
         """This store, once its bucket is known to exist (a local store needs nothing)."""
         missing = self.backend.missing_container(self.root)
+        if missing is not None and self.backend.scheme == "az":
+            raise StoreUnavailable(f"--store={self.url!r}: its container {missing!r} does not exist in the storage account. "
+                                   f"Fix: create it (az storage container create --name {missing}), or correct --store")
         if missing is not None:
             raise StoreUnavailable(f"--store={self.url!r}: its bucket {missing!r} does not exist (at "
                                    f"{self.storage_conf.get('s3', {}).get('endpoint_url') or 'the default S3 endpoint'}). "
@@ -119,7 +122,11 @@ class Store:
         return f"{self.root}/{run}"
 
     def checkpoint_url(self, run: str, step: int) -> str:
-        return self._url(f"{self.root}/{run}/checkpoints/{step_dirname(step)}")
+        return self._url(self.checkpoint_path(run, step))
+
+    def checkpoint_path(self, run: str, step: int) -> str:
+        """run@step's directory as this store's file system names it (no protocol)."""
+        return f"{self.root}/{run}/checkpoints/{step_dirname(step)}"
 
     def new_attempt(self) -> str:
         return f"attempt-{uuid.uuid4().hex[:12]}"
@@ -170,10 +177,11 @@ class Store:
         run, _, step_text = ref.partition("@")
         if run == "latest":
             if not current_run:
-                raise CheckpointError("'latest' needs a run: pass --run NAME, or address the checkpoint as RUN[@STEP]")
+                raise CheckpointError("'latest' names the current run's newest checkpoint, and there is no current run "
+                                      "here. Fix: address the checkpoint as RUN (its newest) or RUN@STEP")
             run = current_run
         if step_text:
-            if not step_text.isdigit():
+            if not (step_text.isascii() and step_text.isdigit()):  # not '²' (int() refuses) nor '٢٠' (int() reads 20)
                 raise CheckpointError(f"{ref}: the step after '@' must be a number, e.g. {run}@20")
             step = int(step_text)
             if step not in self.committed_steps(run):

@@ -35,7 +35,7 @@ from azure.core.exceptions import (ResourceExistsError, ResourceModifiedError,  
 from fsspec.asyn import sync
 
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
-from rayshard.storage.backends.protocol import PendingUpload, PreconditionFailed
+from rayshard.storage.backends.protocol import PendingUpload, PreconditionFailed, refuse_missing_container
 from rayshard.storage.backends.s3_multipart import ChunksReader, MultipartWriter, streamed
 
 
@@ -66,10 +66,15 @@ class AzureBackend(FsspecBackend):
                      else {"etag": token, "match_condition": MatchConditions.IfNotModified})
         try:
             self._call(path, "upload_blob", data, overwrite=True, **condition)
-        except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError):
+        except (ResourceExistsError, ResourceModifiedError, ResourceNotFoundError) as error:
             if self.read_versioned(path)[0] == data:
                 return  # our own write landed on an earlier try of a retried request
+            if isinstance(error, ResourceNotFoundError):
+                refuse_missing_container(self, path)  # not a lost swap: there is no container to write in
             raise PreconditionFailed(path) from None
+
+    def missing_container(self, root: str) -> str | None:
+        return sync(self.fs.loop, _missing_container, self.fs, root)
 
     def open_writer(self, path: str):
         return streamed(BlockBlobWriter, self.fs, path)
@@ -165,6 +170,21 @@ async def _uncommitted_blobs(fs, root: str) -> list[PendingUpload]:
                     if blob.name not in committed]
         except ResourceNotFoundError:
             return []  # no container, so nothing staged in it
+
+
+async def _missing_container(fs, root: str) -> str | None:
+    """The container holding root when Azure says it does not exist; None when it exists or the
+    answer is another refusal (an identity without the container-read permission cannot tell, and
+    its writes then fail on their own)."""
+    container = fs.split_path(root)[0]
+    async with fs.service_client.get_container_client(container) as client:
+        try:
+            await client.get_container_properties()
+        except ResourceNotFoundError:
+            return container
+        except Exception:  # noqa: BLE001 - not known to be missing
+            return None
+    return None
 
 
 async def _discard_uncommitted(fs, path: str) -> None:

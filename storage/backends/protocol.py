@@ -17,10 +17,21 @@ from typing import BinaryIO, Protocol, runtime_checkable
 from fsspec import AbstractFileSystem
 
 from rayshard.plans.checkpoint.reshard import Request
+from rayshard.plans.errors import StoreUnavailable
 
 
 class PreconditionFailed(Exception):
     """The object changed (or appeared) since it was read: another writer got there first."""
+
+
+def refuse_missing_container(backend: "Backend", path: str) -> None:
+    """Raise StoreUnavailable where a conditional write failed because path's bucket (container)
+    does not exist, which the store answers as it answers a missing object: without this it reads
+    as a lost compare-and-swap, and a writer blames another trainer."""
+    missing = backend.missing_container(path)
+    if missing is not None:
+        raise StoreUnavailable(f"{backend.url(path)}: its bucket (container) {missing!r} does not exist. Fix: create it, "
+                               "or correct --store")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import asyncio
 from fsspec.asyn import sync
 
 from rayshard.storage.backends.fsspec_generic import FsspecBackend
-from rayshard.storage.backends.protocol import PendingUpload, PreconditionFailed
+from rayshard.storage.backends.protocol import PendingUpload, PreconditionFailed, refuse_missing_container
 from rayshard.storage.backends.s3_multipart import MultipartWriter, streamed
 
 
@@ -44,6 +44,8 @@ class S3Backend(FsspecBackend):
             if isinstance(error, FileNotFoundError) or _precondition_failed(error):
                 if self.read_versioned(path)[0] == data:
                     return  # our own write landed on an earlier try of a retried request
+                if isinstance(error, FileNotFoundError):
+                    refuse_missing_container(self, path)  # not a lost swap: there is no bucket to write in
                 raise PreconditionFailed(path) from None
             raise
 

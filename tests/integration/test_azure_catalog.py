@@ -4,9 +4,15 @@ and leases do not protect; and gc of the uncommitted blocks a dead writer left, 
 uploads. No Ray: checkpoints are written by the same shard writer the ranks use."""
 from __future__ import annotations
 
-import pytest
+import uuid
 
+import pytest
+import torch
+
+import rayshard.checkpoint as ckpt
 from rayshard.cluster.catalog.retention import collect
+from rayshard.cluster.cli.main import main
+from rayshard.plans.errors import StoreUnavailable
 from rayshard.cluster.catalog.store import Store
 from tests.integration.test_catalog_gc import (  # noqa: F401 (collected here, on this module's `store`)
     test_catalog_is_a_pyarrow_dataset, test_gc_keeps_latest_leased_and_young_things,
@@ -59,3 +65,19 @@ def test_show_diff_and_digest_read_an_azure_catalog(az_store, capsys):
     first = capsys.readouterr().out.strip().splitlines()[-1]
     assert main(["ckpt", "digest", "r@2", "--store", az_store]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == first and first
+
+
+@pytest.mark.parametrize("scheme", ["az", "s3"])
+def test_a_store_whose_container_does_not_exist_is_named_not_blamed_on_another_writer(scheme, request, capsys):
+    """Azure's missing container went unseen (`ckpt ls` listed nothing, exit 0), and a save into a
+    missing bucket or container read the store's not-found as a lost compare-and-swap: "another
+    trainer is starting on it". Both now name the container, and nothing creates it."""
+    live = request.getfixturevalue("az_store" if scheme == "az" else "s3_store")
+    missing = f"{scheme}://rayshard-missing-{uuid.uuid4().hex[:12]}/store"
+    capsys.readouterr()
+    assert main(["ckpt", "ls", "--store", missing]) == 3
+    said = capsys.readouterr().err.strip()
+    assert "does not exist" in said and "\n" not in said, said
+    with pytest.raises(StoreUnavailable, match=r"its bucket \(container\) 'rayshard-missing-.*' does not exist"):
+        ckpt.save({"w": torch.arange(4.0)}, f"{missing}/r1", step=1)
+    assert Store(live).backend.missing_container(missing.split("://", 1)[1]) is not None  # still not made

@@ -100,6 +100,27 @@ def test_chunks_that_do_not_tile_their_tensor_are_never_committed(store, rows_pe
     assert store.committed_steps("r") == [] and store.latest_step("r") is None
 
 
+@pytest.mark.parametrize("damage, says", [("removed", "rank-00001.safetensors (missing)"),
+                                           ("truncated", "rank-00001.safetensors (100 of ")])
+def test_a_file_gone_or_cut_short_before_the_commit_is_never_committed(store, damage, says):
+    """A `ckpt gc` that took a slow rank's attempt for a leftover removed a finished rank's file;
+    the commit then named it in a manifest LATEST pointed at. The commit now lists the files first."""
+    committed = store.begin("r", 2)
+    committed.commit(_write_ranks(committed, _weight(2)), dict(METADATA, step=2))
+    pending = store.begin("r", 4)
+    chunks = _write_ranks(pending, _weight(4))
+    fs, base = fsspec.core.url_to_fs(pending.url)
+    victim = f"{base}/{pending.file_for(1)}"
+    if damage == "removed":
+        fs.rm(victim)
+    else:
+        fs.pipe_file(victim, fs.cat_file(victim)[:100])
+    with pytest.raises(CheckpointError, match="not committed: 1 file") as refused:
+        pending.commit(chunks, dict(METADATA, step=4))
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+    assert store.committed_steps("r") == [2] and store.latest_step("r") == 2
+
+
 @pytest.mark.parametrize("latest", [None, b"\xff\xfe\x00", b"garbage", b"step-00000099"])
 def test_a_missing_or_damaged_latest_resolves_to_the_newest_committed_step(store, capsys, latest):
     """A manifest is written last, so every committed step is whole: with LATEST gone (a crash
@@ -118,3 +139,17 @@ def test_a_missing_or_damaged_latest_resolves_to_the_newest_committed_step(store
     pending = store.begin("r", 8)
     pending.commit(_write_ranks(pending, _weight(8)), dict(METADATA, step=8))
     assert store.latest_step("r") == 8 and store.resolve("r").url == store.checkpoint_url("r", 8)
+
+
+@pytest.mark.parametrize("ref", ["r@²", "r@٢", "r@2x", "r@-2"])
+def test_a_step_that_is_not_ascii_digits_is_refused_in_one_line(store, ref):
+    """'²' reached int() (a traceback) and '٢' was read as step 2."""
+    committed = store.begin("r", 2)
+    committed.commit(_write_ranks(committed, _weight(2)), dict(METADATA, step=2))
+    with pytest.raises(CheckpointError, match="the step after '@' must be a number"):
+        store.resolve(ref)
+
+
+def test_latest_without_a_current_run_says_how_to_name_the_checkpoint(store):
+    with pytest.raises(CheckpointError, match=r"no current run here. Fix: address the checkpoint as RUN \(its newest\)"):
+        store.resolve("latest")
