@@ -4,9 +4,11 @@
 
 Object stores have no locks, so a lease is an object with an expiry: a reader that dies leaves a
 lease that simply expires, and gc deletes expired ones. A reader creates its lease *before* it
-looks at the checkpoint again (see `reading`), so a gc that lists leases after that moment keeps
-the checkpoint; gc also never deletes LATEST and keeps anything younger than its grace period,
-which covers a reader that resolved a checkpoint but has not taken its lease yet.
+looks at the checkpoint's manifest again (see `reading`); gc removes the manifest *before* it
+looks at the step's leases again, and puts the manifest back if it finds one
+(`retention._remove_checkpoint`). Whichever of the two goes second sees the other, so a reader
+that found the manifest keeps its checkpoint, and one that did not is told it was removed. gc
+also never deletes LATEST's checkpoint.
 """
 from __future__ import annotations
 

@@ -89,7 +89,9 @@ def _collect_checkpoints(store: Store, catalog: Catalog, run: str, keep: int, no
             report.kept.append((verdict.url, verdict.why))
             continue
         entry = next(e for e in entries if e.step == verdict.step)
-        _remove_checkpoint(store, entry, dry_run)
+        if not _remove_checkpoint(store, entry, dry_run):
+            report.kept.append((verdict.url, "being read (a reader lease taken while gc removed it: put back)"))
+            continue
         report.removed_checkpoints.append(entry.url)
         report.freed_bytes += entry.size_bytes
 
@@ -121,25 +123,36 @@ def verdicts(entries: list[CheckpointEntry], keep: int, leased: dict[int, list])
     return found
 
 
-def _remove_checkpoint(store: Store, entry, dry_run: bool) -> None:
+def _remove_checkpoint(store: Store, entry, dry_run: bool) -> bool:
+    """Remove a committed checkpoint, manifest first; False when a reader took a lease on it
+    meanwhile, and the manifest is put back. The reader writes its lease, then checks that the
+    manifest exists; gc removes the manifest, then checks for leases: whichever goes second sees
+    the other, so a reader that found the manifest always has its lease seen here (the leases
+    listed before the removal began are older than a gc that removes many checkpoints in turn)."""
     directory = f"{store.root}/{entry.run}/checkpoints/{entry.url.rsplit('/', 1)[-1]}"
+    manifest_path = f"{directory}/{MANIFEST}"
     try:
         chunks, _ = read_manifest(entry.url)
         attempts = sorted({c.file.split("/", 1)[0] for c in chunks if not object_store_escape(c.file)})
     except Exception:  # an unreadable manifest, or one naming keys outside it: its directory goes whole
         attempts = None
     if dry_run:
-        return
-    store.fs.rm_file(f"{directory}/{MANIFEST}")  # invisible first: no reader can start on it after this
+        return True
+    manifest = store.fs.cat_file(manifest_path)
+    store.fs.rm_file(manifest_path)  # invisible first: no reader can start on it after this
+    if leases.active(store, entry.run, time.time()).get(entry.step):
+        store.backend.create_only(manifest_path, manifest)
+        return False
     if attempts is None:
         with contextlib.suppress(FileNotFoundError):  # on S3 a manifest-only directory is gone already
             store.fs.rm(directory, recursive=True)
-        return
+        return True
     for attempt in attempts:
         path = f"{directory}/{attempt}"
         if store.fs.exists(path):
             store.fs.rm(path, recursive=True)
     store.backend.remove_empty_directory(directory)
+    return True
 
 
 def object_store_escape(key: str) -> bool:

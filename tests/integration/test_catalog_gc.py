@@ -126,6 +126,30 @@ def test_gc_keeps_latest_leased_and_young_things(store, capsys):
     assert verify(store.resolve("r@5").url, deep=True).ok and verify(store.resolve("r").url, deep=True).ok
 
 
+def test_a_reader_that_arrives_while_gc_removes_its_checkpoint_keeps_it(store, monkeypatch):
+    """gc listed the leases once, before removing anything: a reader that took its lease after that
+    and found the manifest still there lost its shards. Here the reader arrives at the worst moment,
+    just before gc removes the manifest: gc sees its lease afterwards and puts the manifest back."""
+    for step in (1, 2, 3):
+        write_checkpoint(store, "r", step)
+    before = verify(store.resolve("r@2").url, deep=True)
+    assert before.ok
+    taken = []
+    real_rm_file = store.fs.rm_file  # fsspec's async file systems bind their sync methods per instance
+
+    def reader_arrives_first(path, *args, **kwargs):
+        if path.endswith("step-00000002/manifest.parquet") and not taken:
+            taken.append(leases.acquire(store, "r", 2))  # ...and sees the manifest, not yet removed
+        return real_rm_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "rm_file", reader_arrives_first)
+    report = collect(store, keep=1)
+    assert taken and [u.rsplit("/", 1)[-1] for u in report.removed_checkpoints] == ["step-00000001"]
+    assert any("put back" in why for url, why in report.kept if url.endswith("step-00000002")), report.kept
+    assert store.committed_steps("r") == [2, 3] and verify(store.resolve("r@2").url, deep=True).ok
+    leases.release(store, taken[0])
+
+
 def test_a_checkpoint_named_by_url_is_leased_in_its_own_store(store, tmp_path):
     write_checkpoint(store, "r", 2)
     write_checkpoint(store, "r", 3)
