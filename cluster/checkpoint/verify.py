@@ -17,7 +17,7 @@ import fsspec
 from rayshard.storage.checksums import running_like
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.storage.backends.registry import backend_for
-from rayshard.plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError, StoreUnavailable
 from rayshard.plans.checkpoint.model_check import check_against_own_model
 from rayshard.plans.interop.model_description import check_recorded_description
 from rayshard.plans.checkpoint.reshard import Request, check_chunks_disjoint_and_complete
@@ -81,6 +81,7 @@ def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, p
     ranges = _ranges(members)
     base, name = path.rsplit("/", 1)
     small = {Request(name, start, end, ()): chunk for start, end, chunk in ranges if end - start <= window_bytes}
+    refused = None  # the store's first refusal: raised once every GET in flight has answered (no task left behind)
     with contextlib.closing(backend_for(fs).fetch_ranges(base, list(small), window_bytes)) as arrivals:  # concurrent, streamed
         for request, blob in arrivals:
             chunk, start, end = small[request], request.byte_start, request.byte_end
@@ -88,7 +89,12 @@ def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, p
                 report.bytes_checked += len(blob)
                 advance(progress, len(blob))
                 blob = running_like(_recorded(chunk, expected_header), path).update(blob).text()
-            _compare(file, start, end, chunk, blob, expected_header, report)
+            try:
+                _compare(file, start, end, chunk, blob, expected_header, report)
+            except StoreUnavailable as error:
+                refused = refused or error
+    if refused is not None:
+        raise refused
     for start, end, chunk in (r for r in ranges if r[1] - r[0] > window_bytes):
         running, outcome = running_like(_recorded(chunk, expected_header), path), None
         for offset in range(start, end, window_bytes):  # a big chunk in pieces, CRC carried along
@@ -123,6 +129,13 @@ def _ranges_bytes(ranges: list) -> int:
 def _compare(file: str, start: int, end: int, chunk, actual, expected_header: str, report: VerifyReport) -> None:
     """actual: the checksum of bytes [start, end), the short blob that was read, or the error."""
     what = f"{chunk.name} ({chunk.kind})" if chunk is not None else "the safetensors header"
+    if isinstance(actual, BaseException) and not isinstance(actual, FileNotFoundError):
+        # A refusal or failure of the store (403, 500 after the retries, a timeout) says nothing
+        # about the checkpoint: the verification stops, as a storage error, and names no file to restore.
+        first = (str(actual).strip().splitlines() or ["no detail"])[0][:300]
+        raise StoreUnavailable(f"{file}: reading bytes [{start}, {end}) of {what} failed ({type(actual).__name__}: {first}); "
+                               "the store did not serve them, so the checkpoint could not be verified. Fix: check the "
+                               "store's credentials, permissions and network, then verify again")
     if isinstance(actual, BaseException):
         report.problems.append(f"{file}: could not read bytes [{start}, {end}) of {what}: {actual}")
     elif not isinstance(actual, str):

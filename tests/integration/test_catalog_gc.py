@@ -324,6 +324,22 @@ def test_every_request_denied_is_one_line_naming_the_call(s3_store, fault_proxy,
     assert all(rule.injected for rule in fault_proxy.rules)
 
 
+@pytest.mark.parametrize("fault", ["denied", "error500"])
+def test_a_shard_read_the_store_refuses_is_a_storage_error_not_a_damaged_checkpoint(s3_store, fault_proxy, monkeypatch,
+                                                                                    fault, capsys):
+    """A 403 or a 500 on a shard's GET said "the shard is missing or truncated. Fix: restore the
+    file" (digest, diff, export) or listed the file as damaged (verify --deep, exit 1): the store's
+    refusal says nothing about the checkpoint. Exit 3, one line, nothing to restore."""
+    monkeypatch.setenv("RAYSHARD_S3_MAX_ATTEMPTS", "1")
+    write_checkpoint(Store(s3_store), "r", 1)
+    fault_proxy.add(fault, method="GET", path=r"rank-00000\.safetensors")
+    for argv, says in ((["ckpt", "digest", "r@1"], "which says nothing about the checkpoint"),
+                       (["ckpt", "verify", "r@1", "--deep"], "so the checkpoint could not be verified")):
+        assert main([*argv, "--store", s3_store]) == 3, argv
+        err = capsys.readouterr().err.strip()
+        assert says in err and "restore" not in err and "\n" not in err, err
+
+
 def _full_disk_available() -> bool:
     import shutil
     import subprocess
