@@ -245,6 +245,12 @@ class Store:
                 f"{run}@{step} is committed ({url}), but another writer moved LATEST (now step "
                 f"{self.latest_step(run)}) while this save was committing, so LATEST names the other writer's "
                 f"checkpoint. Fix: run one trainer per run; address this one as {run}@{step}") from None
+        except OSError as error:  # the store failed the swap: the checkpoint is whole, only the pointer is old
+            first = (str(error).strip().splitlines() or ["no detail"])[0][:300]
+            raise StoreUnavailable(
+                f"{run}@{step} is committed ({url}), but moving LATEST to it failed ({type(error).__name__}: {first}), so "
+                f"LATEST still names step {self.latest_step(run)}. Fix: address this one as {run}@{step}; the run's "
+                "next commit moves LATEST past it") from None
         return url
 
     def write_text(self, relative: str, text: str) -> None:

@@ -15,7 +15,7 @@ from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
 from rayshard.actors.checkpoint.stored import StoredCheckpoint
 from rayshard.cluster.catalog.catalog import Catalog
 from rayshard.cluster.catalog.store import Store
-from rayshard.plans.errors import CheckpointError
+from rayshard.plans.errors import CheckpointError, StoreUnavailable
 
 ROWS, COLS = 6, 3
 METADATA = {"run": "r", "step": 4, "layout": {"dp": 1, "fsdp": 2, "tp": 1, "pp": 1}, "model_preset": "tiny"}
@@ -153,3 +153,21 @@ def test_a_step_that_is_not_ascii_digits_is_refused_in_one_line(store, ref):
 def test_latest_without_a_current_run_says_how_to_name_the_checkpoint(store):
     with pytest.raises(CheckpointError, match=r"no current run here. Fix: address the checkpoint as RUN \(its newest\)"):
         store.resolve("latest")
+
+
+def test_a_store_that_fails_latests_swap_says_the_checkpoint_is_committed(store, monkeypatch):
+    """The manifest was created, then the store failed LATEST's write: the caller got the store's
+    bare OSError, and a retry then "already committed". The error now says the step is committed."""
+    committed = store.begin("r", 2)
+    committed.commit(_write_ranks(committed, _weight(2)), dict(METADATA, step=2))
+    pending = store.begin("r", 4)
+    chunks = _write_ranks(pending, _weight(4))
+
+    def failing(path, data, token):
+        raise OSError(121, "We encountered an internal error. Please try again.")
+
+    monkeypatch.setattr(store.backend, "replace_if", failing)
+    with pytest.raises(StoreUnavailable, match=r"r@4 is committed \(.*\), but moving LATEST to it failed \(OSError: .*\), "
+                                               r"so LATEST still names step 2. Fix: address this one as r@4"):
+        pending.commit(chunks, dict(METADATA, step=4))
+    assert store.committed_steps("r") == [2, 4] and store.latest_step("r") == 2
