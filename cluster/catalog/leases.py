@@ -105,7 +105,7 @@ def reading(store, ref, ttl_s: float = DEFAULT_TTL_S, optional: bool = False):
         yield None
         return
     try:
-        if step not in home.committed_steps(run):  # gc may have won the race before our lease
+        if not home.is_committed(run, step):  # gc may have won the race before our lease
             raise CheckpointError(f"{run}@{step} was removed (by `ckpt gc`?) before it could be read. "
                                   f"Fix: resume from a checkpoint that exists: {home.committed_steps(run) or 'none'}")
         yield lease

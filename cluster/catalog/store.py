@@ -146,6 +146,11 @@ class Store:
             raise CheckpointError(f"{run}@{step} is already committed in {self.url}; a checkpoint is never overwritten. "
                                   f"Fix: {fix}")
 
+    def is_committed(self, run: str, step: int) -> bool:
+        """Whether run@step has its manifest: one request, where `committed_steps` makes one per
+        step of the run (a run of 1,200 checkpoints took 17 s to resolve RUN@STEP)."""
+        return 0 <= step <= MAX_STEP and self.fs.exists(f"{self.checkpoint_path(run, step)}/{MANIFEST}")
+
     def committed_steps(self, run: str) -> list[int]:
         base = f"{self.root}/{run}/checkpoints"
         if not self.fs.exists(base):
@@ -184,7 +189,8 @@ class Store:
             if not (step_text.isascii() and step_text.isdigit()):  # not '²' (int() refuses) nor '٢٠' (int() reads 20)
                 raise CheckpointError(f"{ref}: the step after '@' must be a number, e.g. {run}@20")
             step = int(step_text)
-            if step not in self.committed_steps(run):
+            if not self.is_committed(run, step):
+                self.require_container()  # a bucket that does not exist is the answer, not "no such step"
                 raise CheckpointError(f"{run}@{step}: no committed checkpoint at that step in {self.url}. "
                                       f"Committed steps: {self.committed_steps(run) or 'none'}")
         else:
@@ -202,6 +208,7 @@ class Store:
                       f"using the newest committed step, {step} (the next commit rewrites LATEST)",
                           file=sys.stderr)
             elif not pointed:
+                self.require_container()  # a bucket that does not exist is the answer, not "no checkpoint"
                 raise CheckpointError(f"run {run!r} has no committed checkpoint in {self.url}. "
                                       f"Runs with checkpoints there: {self.runs() or 'none'}")
         url = self.checkpoint_url(run, step)

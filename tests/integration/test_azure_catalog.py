@@ -75,9 +75,10 @@ def test_a_store_whose_container_does_not_exist_is_named_not_blamed_on_another_w
     live = request.getfixturevalue("az_store" if scheme == "az" else "s3_store")
     missing = f"{scheme}://rayshard-missing-{uuid.uuid4().hex[:12]}/store"
     capsys.readouterr()
-    assert main(["ckpt", "ls", "--store", missing]) == 3
-    said = capsys.readouterr().err.strip()
-    assert "does not exist" in said and "\n" not in said, said
+    for argv in (["ckpt", "ls", "--store", missing], ["ckpt", "verify", "r1", "--store", missing]):
+        assert main(argv) == 3, argv  # verify said "run 'r1' has no committed checkpoint"
+        said = capsys.readouterr().err.strip()
+        assert "does not exist" in said and "\n" not in said, said
     with pytest.raises(StoreUnavailable, match=r"its bucket \(container\) 'rayshard-missing-.*' does not exist"):
         ckpt.save({"w": torch.arange(4.0)}, f"{missing}/r1", step=1)
     assert Store(live).backend.missing_container(missing.split("://", 1)[1]) is not None  # still not made
