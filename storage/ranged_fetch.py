@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from fsspec.asyn import AsyncFileSystem
 
 from rayshard.plans.checkpoint.reshard import Request
+from rayshard.storage.options import upload_options
 
 MAX_IN_FLIGHT = 8
 
@@ -63,6 +64,7 @@ def fetch_ranges(fs, base: str, requests: Sequence[Request], budget_bytes: int,
         yield from _fetch_in_windows(fs, base, requests, budget_bytes)
         return
     loop = fs.loop
+    deadline_s = upload_options().stall_timeout_s
     arrived: queue.Queue = queue.Queue()
     stop = threading.Event()
     budget_box: list[_ByteBudget] = []
@@ -73,7 +75,13 @@ def fetch_ranges(fs, base: str, requests: Sequence[Request], budget_bytes: int,
 
         async def fetch_one(request: Request) -> None:
             try:
-                blob = await fs._cat_file(f"{base}/{request.file}", start=request.byte_start, end=request.byte_end)
+                # Bounded as a whole: s3fs retries a failed read itself on top of the client's own
+                # retries, so a stalled range took ~50x the configured attempts x read timeout.
+                blob = await asyncio.wait_for(fs._cat_file(f"{base}/{request.file}", start=request.byte_start,
+                                                           end=request.byte_end), timeout=deadline_s)
+            except asyncio.TimeoutError:
+                blob = TimeoutError(f"no bytes within {deadline_s:g} s, retries included (storage.stall_timeout_s: "
+                                    "RAYSHARD_S3_STALL_TIMEOUT_S)")
             except Exception as error:  # handed to the consumer, which names the file and range
                 blob = error
             finally:

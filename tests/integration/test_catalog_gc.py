@@ -413,3 +413,16 @@ def test_a_silent_store_ends_in_one_line_naming_the_call_and_its_bound(s3_store,
         assert err.count("\n") == 1 and "storage request failed: StorageCallTimeout: " in err, err
         assert re.search(r"\w+\(.+\) got no answer within 2 s, retries included", err), err
         assert "RAYSHARD_S3_CALL_TIMEOUT_S" in err and re.search(r", in \w+\.\w+ \(`", err), err
+
+
+def test_a_stalled_shard_read_ends_at_its_bound_as_a_storage_error(s3_store, fault_proxy, monkeypatch, capsys):
+    """Shard reads had no bound of their own: s3fs retried a stalled range on top of the client's
+    retries (204 s and 75 GETs for two ranges with 2 attempts of 2 s). Each range now has
+    storage.stall_timeout_s, retries included, and the command ends in one line, exit 3."""
+    write_checkpoint(Store(s3_store), "r", 1)
+    monkeypatch.setenv("RAYSHARD_S3_STALL_TIMEOUT_S", "3")
+    fault_proxy.add("stall", method="GET", path=r"rank-00000\.safetensors", seconds=20)
+    assert main(["ckpt", "digest", "r@1", "--store", s3_store]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "failed (TimeoutError: no bytes within 3 s, retries included" in err and "RAYSHARD_S3_STALL_TIMEOUT_S" in err, err
+    assert "\n" not in err and "restore" not in err
