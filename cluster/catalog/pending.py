@@ -37,22 +37,21 @@ class PendingCheckpoint:
 
     def manifest(self, chunks: ChunkTable | Iterable[Chunk], metadata: dict) -> bytes:
         """The manifest that commits these chunks; refuses chunks that do not tile every tensor
-        exactly (an overlap or a gap would make a checkpoint no layout can load), and files it
-        would name that are not there whole."""
+        exactly (an overlap or a gap would make a checkpoint no layout can load)."""
         # A gathered ChunkTable stays columns: no record per chunk on the driver (16k ranks: 826k).
         chunks = chunks if isinstance(chunks, ChunkTable) else list(chunks)
         check_chunks_disjoint_and_complete(chunks)
-        self._check_files_written(chunks if isinstance(chunks, ChunkTable) else ChunkTable.from_chunks(chunks))
         return encode_manifest(chunks, metadata)
 
-    def _check_files_written(self, chunks: ChunkTable) -> None:
+    def check_files_written(self, chunks: ChunkTable | Iterable[Chunk]) -> None:
         """Every file the manifest names exists and reaches its last chunk's end, read from one
         listing per directory (all of a save's files share its attempt folder). A writer's own
         close says its file is whole; what this catches is a file gone since: `ckpt gc` removing
         an attempt it took for a leftover while a slow rank was still uploading into it (an
         upload in flight is invisible to its listing), which the commit then named in a manifest
-        LATEST points at (decision 227)."""
-        needed = chunks.file_extents()
+        LATEST points at (decision 227). `commit` runs it; a writer that encodes on one thread and
+        commits on another runs it on the committing one (a listing, kept off a training loop)."""
+        needed = (chunks if isinstance(chunks, ChunkTable) else ChunkTable.from_chunks(list(chunks))).file_extents()
         if not needed:
             return
         fs, checkpoint = self.store.fs, self.store.checkpoint_path(self.run, self.step)
@@ -78,9 +77,12 @@ class PendingCheckpoint:
                                   "gc with a --grace longer than a save takes)")
 
     def commit(self, chunks: ChunkTable | Iterable[Chunk], metadata: dict) -> str:
-        """Check and encode the manifest, create it (never overwriting one), move LATEST by
-        compare-and-swap; returns the committed checkpoint's URL."""
-        return self.commit_manifest(self.manifest(chunks, metadata))
+        """Check and encode the manifest, check its files are there whole, create it (never
+        overwriting one), move LATEST by compare-and-swap; returns the committed checkpoint's URL."""
+        chunks = chunks if isinstance(chunks, ChunkTable) else list(chunks)
+        manifest = self.manifest(chunks, metadata)
+        self.check_files_written(chunks)
+        return self.commit_manifest(manifest)
 
     def commit_manifest(self, manifest: bytes) -> str:
         """The second half of `commit`, for a writer that encodes on one thread and commits on

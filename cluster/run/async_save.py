@@ -156,9 +156,9 @@ class AsyncCheckpointer:
         # Checked and encoded here, on the training thread, so a bad save is reported at once;
         # only the two conditional writes run on the commit thread.
         # Columns concatenated, not a record per chunk: 16k ranks' tables gather, check and encode in ~1.7 s.
-        manifest = pending.checkpoint.manifest(ChunkTable.concat([status.chunks for status in statuses]),
-                                               self.metadata_for(pending.step, pending.parent))
-        self.committing = _committing(pending, manifest)
+        chunks = ChunkTable.concat([status.chunks for status in statuses])
+        manifest = pending.checkpoint.manifest(chunks, self.metadata_for(pending.step, pending.parent))
+        self.committing = _committing(pending, manifest, chunks)
 
     def commit_newest_finished(self, timeout_s: float) -> int | None:
         """After a failure: commit the newest requested save whose every rank had already ended
@@ -177,11 +177,11 @@ class AsyncCheckpointer:
             if statuses is None:
                 continue
             try:
-                manifest = save.checkpoint.manifest(ChunkTable.concat([status.chunks for status in statuses]),
-                                                    self.metadata_for(save.step, save.parent))
+                chunks = ChunkTable.concat([status.chunks for status in statuses])
+                manifest = save.checkpoint.manifest(chunks, self.metadata_for(save.step, save.parent))
             except Exception:  # noqa: BLE001 - not a whole checkpoint: an older one may be
                 continue
-            committing = _committing(save, manifest)
+            committing = _committing(save, manifest, chunks)
             committing.thread.join(timeout_s)
             if "url" not in committing.outcome:
                 return None  # failed or still running: what was committed before stands
@@ -228,13 +228,15 @@ def _finished_statuses(finished: list) -> list[SaveStatus] | None:
     return statuses
 
 
-def _committing(save: PendingSave, manifest: bytes) -> Committing:
-    """Start writing save's manifest and LATEST on a driver thread; its outcome ("url" or
+def _committing(save: PendingSave, manifest: bytes, chunks: ChunkTable) -> Committing:
+    """Start writing save's manifest and LATEST on a driver thread, once its files are listed
+    there whole (off the training thread: a listing of the store); its outcome ("url" or
     "error") is read by whoever waits for the thread."""
     outcome: dict = {}
 
     def commit() -> None:
         try:
+            save.checkpoint.check_files_written(chunks)
             outcome["url"] = save.checkpoint.commit_manifest(manifest)
         except BaseException as error:  # noqa: BLE001 - re-raised (or, after a failure, dropped) by the reader
             outcome["error"] = error
