@@ -269,6 +269,11 @@ class RankActor:
     def shutdown(self) -> None:
         with self._saves_changed:
             self._save_generation += 1
+            # The previous attempt's saves go with it: a snapshot of the same step in the next
+            # attempt has the same URL, and `save_finished`, which can run before `stage_save`
+            # registers the new save, answered with the old one's chunks, naming files that the
+            # resume had already removed (decision 228).
+            self.background_saves.clear()
             self._saves_changed.notify_all()
         if self.trainer is not None:
             self.trainer.shutdown()
