@@ -72,9 +72,9 @@ class PendingCheckpoint:
                 short.append(f"{file} ({'missing' if size is None else f'{size:,} of {end:,} bytes'})")
         if short:
             raise CheckpointError(f"{self.run}@{self.step}: not committed: {len(short)} file(s) it would name are not there "
-                                  f"whole: {', '.join(short[:3])}{' ...' if len(short) > 3 else ''}. A `ckpt gc` may have "
-                                  "removed them as a leftover while a rank was still writing. Fix: save again (and run "
-                                  "gc with a --grace longer than a save takes)")
+                                  f"whole: {', '.join(short[:3])}{' ...' if len(short) > 3 else ''}; removed after they were "
+                                  "written (a `ckpt gc` run while a rank was still writing takes its attempt for a "
+                                  "leftover). Fix: save again, and run gc with a --grace longer than a save takes")
 
     def commit(self, chunks: ChunkTable | Iterable[Chunk], metadata: dict) -> str:
         """Check and encode the manifest, check its files are there whole, create it (never

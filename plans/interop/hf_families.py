@@ -411,7 +411,9 @@ def _rope_theta(rope: dict, config: dict, where: str) -> float:
 
 def _switch(config: dict, key: str, default: bool, where: str) -> bool:
     """A true/false key of config.json; a string such as "false" is refused, not read as True."""
-    value = config.get(key, default)
+    value = config.get(key)
+    if value is None:  # absent, or written as null: the class's default
+        return default
     if not isinstance(value, bool):
         raise CheckpointError(f"{where}: {key}={value!r} is not true or false. Fix: restore the file")
     return value
