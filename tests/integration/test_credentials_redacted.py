@@ -73,7 +73,9 @@ def test_a_missing_bucket(s3_store, monkeypatch, capsys, cleanup_clients):
                  ["ckpt", "digest", f"{missing}/r/checkpoints/step-00000001"]):
         text, _ = _run(argv, capsys)
         _assert_redacted(text)
-    assert "has no committed checkpoint" in _run(["ckpt", "verify", "r", "--store", missing], capsys)[0]
+    # The bucket is the answer, not "run 'r' has no committed checkpoint" (decision 227).
+    text = _run(["ckpt", "verify", "r", "--store", missing], capsys)[0]
+    assert "its bucket 'rayshard-missing-" in text and "does not exist" in text, text
 
 
 @pytest.mark.parametrize("faults", ["every-request", "shard-reads"])
