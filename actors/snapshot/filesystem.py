@@ -88,7 +88,10 @@ class SnapshotFileSystem(AbstractFileSystem):
                                      "or writing snapshots")
         if not self._keepers:
             names = [name for name in ray.util.list_named_actors() if name.startswith(KEEPER_PREFIX)]
-            handles = {name[len(KEEPER_PREFIX):]: ray.get_actor(name) for name in names}
+            handles = {}
+            for name in names:  # a keeper that died after the listing is no keeper (Ray raises ValueError)
+                with contextlib.suppress(ValueError):
+                    handles[name[len(KEEPER_PREFIX):]] = ray.get_actor(name)
             self._keepers = {node: keeper for node, keeper in handles.items() if not _is_silent(keeper)}
             if handles and not self._keepers:
                 raise SnapshotKeeperLost(f"every snapshot keeper ({len(handles)}) let a call run out its "
