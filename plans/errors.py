@@ -4,6 +4,11 @@ The CLI prints these without a traceback; anything else is a bug and keeps its t
 """
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """An error's message for a one-line report: its first line, bounded, or "no detail"."""
+    return (str(error).strip().splitlines() or ["no detail"])[0][:limit]
+
+
 class RayshardError(Exception):
     """Base for errors caused by input (configs, layouts, checkpoints, schedules)."""
 

@@ -20,7 +20,7 @@ from rayshard.storage.backends.registry import backend_for
 from rayshard.actors.checkpoint.shard_writer import STAGE_BYTES, dtype_name
 from rayshard.plans.checkpoint.reshard import HeaderCheck, ReadItem, Request, coalesce
 from rayshard.plans.checkpoint.safetensors_layout import SAFETENSORS_DTYPES
-from rayshard.plans.errors import CheckpointError, RayshardError, StoreUnavailable
+from rayshard.plans.errors import CheckpointError, RayshardError, StoreUnavailable, first_line
 
 WINDOW_BYTES = 64 * 2**20
 
@@ -38,8 +38,8 @@ def _short_read(path: str, start: int, end: int, what: str, got) -> RayshardErro
     the store refusing or failing the request (StoreUnavailable: a 403, a 500 after the retries, a
     timeout, which say nothing about the checkpoint and must not send anyone to restore files)."""
     if isinstance(got, BaseException) and not isinstance(got, FileNotFoundError):
-        first = (str(got).strip().splitlines() or ["no detail"])[0][:300]
-        return StoreUnavailable(f"{path}: reading bytes [{start}, {end}) of {what} failed ({type(got).__name__}: {first}); "
+        return StoreUnavailable(f"{path}: reading bytes [{start}, {end}) of {what} failed "
+                                f"({type(got).__name__}: {first_line(got)}); "
                                 "the store did not serve them, which says nothing about the checkpoint. Fix: check the "
                                 "store's credentials, permissions and network, then run again")
     detail = ("an error: " + str(got) if isinstance(got, BaseException) else

@@ -60,8 +60,18 @@ def active(store, run: str, now: float | None = None) -> dict[int, list[Lease]]:
             for step, leases in all_leases(store, run).items()}
 
 
+def held(store, run: str, step: int, now: float | None = None) -> list[Lease]:
+    """Unexpired leases of one step, from its own directory (gc's second look, per checkpoint it
+    removes: one listing of that step, not of every step's)."""
+    return [lease for lease in _leases_under(store, run, lease_dir(store, run, step)).get(step, [])
+            if lease.expires_unix > (now or time.time())]
+
+
 def all_leases(store, run: str) -> dict[int, list[Lease]]:
-    base = f"{store.root}/{run}/leases"
+    return _leases_under(store, run, f"{store.root}/{run}/leases")
+
+
+def _leases_under(store, run: str, base: str) -> dict[int, list[Lease]]:
     if not store.fs.exists(base):
         return {}
     paths = [p for p in store.fs.find(base) if p.endswith(".json")]

@@ -131,16 +131,16 @@ def _remove_checkpoint(store: Store, entry, dry_run: bool) -> bool:
     listed before the removal began are older than a gc that removes many checkpoints in turn)."""
     directory = f"{store.root}/{entry.run}/checkpoints/{entry.url.rsplit('/', 1)[-1]}"
     manifest_path = f"{directory}/{MANIFEST}"
+    manifest = store.fs.cat_file(manifest_path)  # read once: decoded here, and put back if a reader came
     try:
-        chunks, _ = read_manifest(entry.url)
+        chunks, _ = read_manifest(entry.url, manifest)
         attempts = sorted({c.file.split("/", 1)[0] for c in chunks if not object_store_escape(c.file)})
     except Exception:  # an unreadable manifest, or one naming keys outside it: its directory goes whole
         attempts = None
     if dry_run:
         return True
-    manifest = store.fs.cat_file(manifest_path)
     store.fs.rm_file(manifest_path)  # invisible first: no reader can start on it after this
-    if leases.active(store, entry.run, time.time()).get(entry.step):
+    if leases.held(store, entry.run, entry.step):
         store.backend.create_only(manifest_path, manifest)
         return False
     if attempts is None:

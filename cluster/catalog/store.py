@@ -31,7 +31,7 @@ from rayshard.storage.backends.registry import backend_for
 from rayshard.storage.options import StorageOptions
 from rayshard.cluster.catalog.pending import PendingCheckpoint
 from rayshard.plans.checkpoint.manifest.codec import MANIFEST
-from rayshard.plans.errors import CheckpointError, ConfigError, StoreUnavailable
+from rayshard.plans.errors import CheckpointError, ConfigError, StoreUnavailable, first_line
 from rayshard.plans.redaction import Redactor, carries_credentials
 from rayshard.plans.run_names import check_checkpoint_ref, is_location
 
@@ -253,9 +253,9 @@ class Store:
                 f"{self.latest_step(run)}) while this save was committing, so LATEST names the other writer's "
                 f"checkpoint. Fix: run one trainer per run; address this one as {run}@{step}") from None
         except OSError as error:  # the store failed the swap: the checkpoint is whole, only the pointer is old
-            first = (str(error).strip().splitlines() or ["no detail"])[0][:300]
             raise StoreUnavailable(
-                f"{run}@{step} is committed ({url}), but moving LATEST to it failed ({type(error).__name__}: {first}), so "
+                f"{run}@{step} is committed ({url}), but moving LATEST to it failed "
+                f"({type(error).__name__}: {first_line(error)}), so "
                 f"LATEST still names step {self.latest_step(run)}. Fix: address this one as {run}@{step}; the run's "
                 "next commit moves LATEST past it") from None
         return url

@@ -17,7 +17,7 @@ import fsspec
 from rayshard.storage.checksums import running_like
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.storage.backends.registry import backend_for
-from rayshard.plans.errors import CheckpointError, StoreUnavailable
+from rayshard.plans.errors import CheckpointError, StoreUnavailable, first_line
 from rayshard.plans.checkpoint.model_check import check_against_own_model
 from rayshard.plans.interop.model_description import check_recorded_description
 from rayshard.plans.checkpoint.reshard import Request, check_chunks_disjoint_and_complete
@@ -132,8 +132,8 @@ def _compare(file: str, start: int, end: int, chunk, actual, expected_header: st
     if isinstance(actual, BaseException) and not isinstance(actual, FileNotFoundError):
         # A refusal or failure of the store (403, 500 after the retries, a timeout) says nothing
         # about the checkpoint: the verification stops, as a storage error, and names no file to restore.
-        first = (str(actual).strip().splitlines() or ["no detail"])[0][:300]
-        raise StoreUnavailable(f"{file}: reading bytes [{start}, {end}) of {what} failed ({type(actual).__name__}: {first}); "
+        raise StoreUnavailable(f"{file}: reading bytes [{start}, {end}) of {what} failed "
+                               f"({type(actual).__name__}: {first_line(actual)}); "
                                "the store did not serve them, so the checkpoint could not be verified. Fix: check the "
                                "store's credentials, permissions and network, then verify again")
     if isinstance(actual, BaseException):
