@@ -31,7 +31,7 @@ from rayshard.cluster.checkpoint.described_source import open_source
 from rayshard.cluster.checkpoint.export_directory import published_when_done, refuse_non_empty, staged_url
 from rayshard.cluster.progress import advance, set_total
 from rayshard.cluster.catalog import writer_lease
-from rayshard.cluster.checkpoint.transform_exec import run_group
+from rayshard.cluster.checkpoint.transform_exec import Adjust, run_group
 from rayshard.cluster.data.tokenizer import (TOKENIZER_CONFIG, TOKENIZER_JSON, copy_tokenizer_files, load_tokenizer,
                                              special_tokens_of, tokenizer_url_of)
 from rayshard.plans.checkpoint.chunks import EXP_AVG, EXP_AVG_SQ, PARAM
@@ -63,8 +63,8 @@ class GroupStream:
     """Hands out a plan's outputs one by one, computing each group once, when first asked, and
     forgetting it once all its outputs are handed out (outputs are requested group by group)."""
 
-    def __init__(self, plan: MappingPlan, load_source: Callable[[str], torch.Tensor]):
-        self.plan, self.load_source = plan, load_source
+    def __init__(self, plan: MappingPlan, load_source: Callable[[str], torch.Tensor], adjust: Adjust | None = None):
+        self.plan, self.load_source, self.adjust = plan, load_source, adjust
         self.group_of = plan.group_of()
         self.ready: dict[str, torch.Tensor] = {}
 
@@ -74,7 +74,7 @@ class GroupStream:
     def take(self, name: str) -> torch.Tensor:
         if name not in self.ready:
             group = self.group_of[name]
-            self.ready.update(run_group(group, {source: self.load_source(source) for source in group.sources}))
+            self.ready.update(run_group(group, {source: self.load_source(source) for source in group.sources}, self.adjust))
         return self.ready.pop(name)
 
     def check_ties(self) -> None:

@@ -8,7 +8,9 @@
   MoE families and users' models map as `plans/interop/peft_adapters.py` says (decision 169).
 - `export_merged`: the Hugging Face directory of the base (`hf_interop.py`'s mapping, config.json,
   tokenizer) with each adapted projection's weight replaced by W + (alpha / r) B A, computed in
-  float32 from the stored values and only then cast to the export dtype. The base is the one the
+  float32 from the stored values and only then cast to the export dtype; where the family's export
+  fuses projections (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn), each is merged before
+  the fusion (`LoraMerge`). The base is the one the
   checkpoint names, checked against its recorded digest first (one streaming read): adapters
   merged into other weights would be a silently different model.
 
@@ -97,40 +99,49 @@ def _base_name(base_url: str | None) -> str | None:
     return imported_from if isinstance(imported_from, str) else None
 
 
-class MergedStream:
-    """The base's Hugging Face tensors, each adapted projection's with (alpha / r) B A added in
-    float32 (transposed where the weight is, a Conv1D's) and cast to `dtype` after."""
+class LoraMerge:
+    """The merged export's `Adjust` (`transform_exec.run_group`): where an adapted projection's
+    weight first stands alone ([out, in], `merged_weight_names`), (alpha / r) B A is added in
+    float32, in PEFT's order (get_delta_weight, then add); a fused export concatenates after."""
 
-    def __init__(self, base: GroupStream, merges: dict[str, tuple[str, bool]], read_adapter, scale: float, dtype: str):
-        self.base, self.merges, self.read_adapter, self.scale = base, merges, read_adapter, scale
-        self.dtype = getattr(torch, dtype)
+    def __init__(self, merges: dict[str, str], read_adapter, scale: float):
+        self.merges, self.read_adapter, self.scale = merges, read_adapter, scale
+        self.merged: set[str] = set()
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        module = self.merges.get(name)
+        if module is None:
+            return tensor
+        a, b = (self.read_adapter(f"{module}.{matrix}").to(torch.float32) for matrix in "ab")
+        self.merged.add(name)
+        return tensor.to(torch.float32) + (b @ a) * self.scale
+
+
+class _CastStream:
+    """A stream's tensors cast to the export dtype: after the merge, never before it."""
+
+    def __init__(self, base: GroupStream, dtype: str):
+        self.base, self.dtype = base, getattr(torch, dtype)
 
     def order(self) -> list[str]:
         return self.base.order()
 
     def take(self, name: str) -> torch.Tensor:
-        weight = self.base.take(name)
-        merge = self.merges.get(name)
-        if merge is None:
-            return weight.to(self.dtype)
-        module, transposed = merge
-        a, b = (self.read_adapter(f"{module}.{matrix}").to(torch.float32) for matrix in "ab")
-        # PEFT's order (get_delta_weight, then add): (B @ A) * scale, added to the weight.
-        delta = (b @ a) * self.scale
-        return (weight.to(torch.float32) + (delta.t() if transposed else delta)).to(self.dtype)
+        return self.base.take(name).to(self.dtype)
 
 
-def _refuse_unmergeable(merges: dict, outputs: dict, model, checkpoint_url: str) -> None:
-    """Every adapted projection must be a tensor of the export, or its adapters would be left out
-    of the merged model without a word: GPT-2's Conv1D c_attn and Phi-3's qkv_proj / gate_up_proj
-    fuse the projections the adapters sit on, and the merge adds a delta per projection."""
-    missing = sorted(name for name in merges if name not in outputs)
-    if missing:
-        raise CheckpointError(f"{checkpoint_url}: --merge cannot merge this {model.family} model's adapters: its Hugging "
-                              f"Face export fuses the projections they adapt ({missing[0]} is no tensor of it"
-                              f"{f', nor are {len(missing) - 1} more' if len(missing) > 1 else ''}). Fix: train on a "
-                              "Llama-like family (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, gemma) to "
-                              "export merged weights; this run resumes and reshards as it is")
+def _refuse_unmerged(merges: dict[str, str], plan, adapter_names, checkpoint_url: str) -> set[str]:
+    """Every adapter the checkpoint holds has a place in the export (a source or a step's output
+    named as `merged_weight_names` says), or it would be left out of the merged model without a
+    word; checked before anything is written. Returns the names the merge will adjust."""
+    appearing = {name for group in plan.groups for name in (*group.sources, *(o for step in group.steps for o in step.outputs))}
+    placed = {module for name, module in merges.items() if name in appearing}
+    held = sorted({name.rsplit(".", 1)[0] for name in adapter_names} - placed)
+    if held:
+        raise CheckpointError(f"{checkpoint_url}: --merge has no weight of the export to merge the adapter {held[0]} into"
+                              f"{f' (nor {len(held) - 1} more)' if len(held) > 1 else ''}. Fix: export the adapters with "
+                              "--format peft; this run resumes and reshards as it is")
+    return {name for name in merges if name in appearing}
 
 
 def export_merged(checkpoint_url: str, directory: str, dtype: str | None = None,
@@ -161,15 +172,18 @@ def export_merged(checkpoint_url: str, directory: str, dtype: str | None = None,
     plan = export_mapping(model, None, source_dtype=stored_dtype).plan(metas)  # no cast: merged in float32 first
     outputs = {name: Meta(meta.shape, out_dtype) for name, meta in plan.outputs.items()}
     merges = merged_weight_names(model, lora_target_list(lora))
-    _refuse_unmergeable(merges, outputs, model, checkpoint_url)
     adapter_metas = _weights(adapters)
-    stream = MergedStream(GroupStream(plan, _whole(stored, metas)), merges, _whole(adapters, adapter_metas),
-                          float(lora["alpha"]) / int(lora["rank"]), out_dtype)
+    placed = _refuse_unmerged(merges, plan, adapter_metas, checkpoint_url)
+    merge = LoraMerge(merges, _whole(adapters, adapter_metas), float(lora["alpha"]) / int(lora["rank"]))
+    stream = _CastStream(GroupStream(plan, _whole(stored, metas), merge), out_dtype)
     set_total(progress, sum(Entry(name, meta.dtype, meta.shape).nbytes for name, meta in outputs.items()))
     # A new model: imported back it starts at step 0 with fresh moments, and says what it was merged from.
     merged_from = {"adapters": checkpoint_url, "step": adapters.metadata.get("step"), "lora": lora, "base": recorded}
     with published_when_done(fs, base, directory) as staging:
         written = write_safetensors_files(fs, staging, WEIGHTS, outputs, stream, max_shard_bytes, progress)
+        if merge.merged != placed:  # every group ran: a name not adjusted is a bug, never a model to publish
+            raise CheckpointError(f"{checkpoint_url}: --merge left out the adapters of {sorted(placed - merge.merged)[0]}; "
+                                  "nothing was published")
         stored.check_partial_reads()
         adapters.check_partial_reads()
         written += write_model_files(fs, staging, staged_url(staging, base, directory), model, stored.metadata, out_dtype, log)

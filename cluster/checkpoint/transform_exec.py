@@ -1,6 +1,8 @@
 """Runs one group of a mapping plan (`plans/transforms/mapping.py`) on real tensors."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from rayshard.plans.errors import CheckpointError
@@ -8,9 +10,25 @@ from rayshard.plans.transforms.mapping import (Add, Cast, ConcatRows, Drop, Grou
                                          Unalias, Unstack)
 
 
-def run_group(group: Group, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The group's outputs from its source tensors, applying its steps in order."""
+# Called on each tensor of a group the first time its name appears (a source, or a step's output):
+# the name and the tensor -> the tensor to go on with. The LoRA merge adds an adapter's delta there,
+# where a projection's weight stands alone before a fused export concatenates it with others.
+Adjust = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def run_group(group: Group, tensors: dict[str, torch.Tensor], adjust: Adjust | None = None) -> dict[str, torch.Tensor]:
+    """The group's outputs from its source tensors, applying its steps in order (and `adjust` to
+    each name the first time it appears: a Transpose or Cast that keeps a name is not a new one)."""
     state = dict(tensors)
+    seen: set[str] = set()
+
+    def adjust_new(names) -> None:
+        for name in names:
+            if adjust is not None and name in state and name not in seen:
+                seen.add(name)
+                state[name] = adjust(name, state[name])
+
+    adjust_new(list(state))
     for step in group.steps:
         rule = step.rule
         if isinstance(rule, Rename):
@@ -48,4 +66,5 @@ def run_group(group: Group, tensors: dict[str, torch.Tensor]) -> dict[str, torch
                                       "Fix: import with untied embeddings (tie_word_embeddings false in config.json)")
         else:  # Alias produces no step
             raise CheckpointError(f"no executor for rule {rule!r}")
+        adjust_new(step.outputs)
     return {name: state[name] for name in group.outputs}

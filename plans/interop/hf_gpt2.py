@@ -49,6 +49,14 @@ def gpt2_hub_name(name: str) -> str | None:
     return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
 
 
+def gpt2_projection_weights(layer: int) -> dict[str, str]:
+    """Each attention projection's weight where `gpt2_mapping` has it alone and as nn.Linear
+    stores it, [out, in], in export order of rows: q, k and v between their split and the fusion
+    into c_attn, o before its Conv1D transpose. A LoRA merge adds its delta there."""
+    hf = f"transformer.h.{layer}.attn."
+    return {**{part: hf + f"{part}_plain.weight" for part in "qkv"}, "o": hf + "c_proj.weight"}
+
+
 def gpt2_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     """Our names -> GPT2LMHeadModel's (what its save_pretrained writes), in the export direction."""
     refuse_unexportable_gpt2(model)
@@ -57,7 +65,7 @@ def gpt2_mapping(model: ModelConfig, dtype: str | None = None) -> Mapping:
     rules: list = [Rename("tok_embeddings.weight", "transformer.wte.weight"),
                    Rename("pos_embeddings.weight", "transformer.wpe.weight")]
     for leaf in ("weight", "bias"):
-        plain = tuple(hf + f"attn.{part}_plain.{leaf}" for part in "qkv")  # only between the two rules
+        plain = tuple(hf + f"attn.{part}_plain.{leaf}" for part in "qkv")  # only between the two rules (as gpt2_projection_weights)
         rules += [Rename(ours + f"attention_norm.{leaf}", hf + f"ln_1.{leaf}"),
                   SplitRows(ours + f"attention.qkv.{leaf}", plain, (head, head, head), model.n_heads),
                   ConcatRows(plain, hf + f"attn.c_attn.{leaf}", (dim, dim, dim), 1),

@@ -17,7 +17,8 @@ take no adapters, decision 140). Their `target_modules` then name the parent too
 (`mlp.gate_proj`, `shared_expert.gate_proj`), so PEFT, which matches a name against the end of a
 module's path, adapts exactly our modules and never a routed expert's `experts.E.gate_proj`.
 Phi-3 fuses q/k/v and gate/up in the Hub too (one PEFT adapter would span three of ours) and the
-GPT-2 family fuses q|k|v; both are refused naming `--merge` as the way out.
+GPT-2 family fuses q|k|v; both are refused naming `--merge` as the way out (the merge adds each
+adapter's delta before the fusion, `merged_weight_names`).
 
 Users' models (`--model-factory`): an adapter beside module M is PEFT's adapter on the module the
 plan's `hf_mapping` makes of M's weight, where that mapping only renames it (and perhaps
@@ -37,6 +38,7 @@ import re
 
 from rayshard.plans.errors import CheckpointError
 from rayshard.plans.interop.hf_families import refuse_unexportable_moe
+from rayshard.plans.interop.hf_gpt2 import gpt2_projection_weights
 from rayshard.plans.training.lora import (ATTENTION_TARGETS, LORA_TARGETS, adapter_module, feed_forward_path,
                                           user_adapter_module, user_target_modules)
 from rayshard.plans.training.model_spec import MOE_FAMILIES, ModelConfig
@@ -107,16 +109,21 @@ def peft_mapping(targets, dtype: str | None = None, source_dtype: str = "float32
     return Mapping(tuple(rules))
 
 
-def merged_weight_names(model: ModelConfig, targets) -> dict[str, tuple[str, bool]]:
-    """The Hugging Face export's weight of each adapted projection -> the adapter module merged
-    into it and whether that weight is stored transposed (a Conv1D)
-    (`model.layers.0.self_attn.q_proj.weight` -> (`layers.0.attention.lora.q`, False)); an MoE
-    layer's gate/up/down adapters merge into its shared expert's."""
+def merged_weight_names(model: ModelConfig, targets) -> dict[str, str]:
+    """Where the merged export adds each adapter's delta -> the adapter module: the name, in the
+    export mapping of the model's family, under which the adapted projection's weight first stands
+    alone as [out, in] (`transform_exec.run_group` adjusts each name once, where it first appears).
+    Llama-like families: the Hugging Face export's own q_proj ... down_proj (an MoE layer's
+    gate/up/down its shared expert's), which Phi-3's export then fuses into qkv_proj and
+    gate_up_proj; GPT-2: q, k and v between their split and c_attn (`gpt2_projection_weights`);
+    a user's model: its own weight, before its plan's hf_mapping renames, transposes or fuses it."""
     if model.user is not None:
-        return {f"{hf_module}.weight": (user_adapter_module(module), transposed)
-                for module, (hf_module, transposed) in user_peft_modules(model, targets).items()}
+        return {f"{module}.weight": user_adapter_module(module) for module in user_target_modules(model, targets)}
+    if model.family == "gpt2":
+        return {gpt2_projection_weights(layer)[target]: adapter_module(layer, target, model)
+                for layer in range(model.n_layers) for target in ordered_targets(targets) if target in ATTENTION_TARGETS}
     return {f"model.layers.{layer}.{_hf_module(target, feed_forward_path(model, layer))}.weight":
-            (adapter_module(layer, target, model), False)
+            adapter_module(layer, target, model)
             for layer in range(model.n_layers) for target in ordered_targets(targets)
             if target in ATTENTION_TARGETS or feed_forward_path(model, layer) is not None}
 

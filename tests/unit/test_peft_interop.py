@@ -18,14 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from rayshard.cluster.catalog.store import Store
 from rayshard.cluster.checkpoint.hf_interop import import_hf
-from rayshard.cluster.checkpoint.lora_export import _refuse_unmergeable, export_merged, export_peft
+from rayshard.cluster.checkpoint.lora_export import export_merged, export_peft
 from rayshard.cluster.checkpoint.peft_import import import_peft
 from rayshard.cluster.cli.main import main
-from rayshard.plans.errors import CheckpointError
-from rayshard.plans.interop.hf_families import export_mapping
-from rayshard.plans.interop.peft_adapters import merged_weight_names
-from rayshard.plans.training.model_spec import parameter_shapes, preset
-from rayshard.plans.transforms.mapping import Meta
 from rayshard.storage.manifest_io import read_manifest
 from tests.peft_models import ALL_MODULES, ATTENTION_MODULES, hf_model, our_model, peft_adapter
 
@@ -247,23 +242,3 @@ def test_an_export_imported_onto_other_weights_of_the_same_shapes_is_refused(imp
     assert store.committed_steps("moved") == []
     assert main(["ckpt", "import", "--format", "peft", str(tmp_path / "exported"), "--base", "llama-base", "--run", "moved",
                  "--store", store.url]) == 0
-
-
-@pytest.mark.parametrize("family", ["phi3", "gpt2"])
-def test_a_merge_into_fused_projections_is_refused_not_left_out(family):
-    """Phi-3's export fuses gate/up (and q/k/v), GPT-2's c_attn q/k/v: a per-projection merge would
-    have no tensor to add its delta to, and the adapters were silently left out of the merged model."""
-    switches = dict(position_embedding="learned", norm="layernorm", mlp="gelu_tanh", qkv_bias=True, wo_bias=True,
-                    mlp_bias=True, n_kv_heads=4) if family == "gpt2" else {}
-    model = preset("tiny", family=family, **switches).validate()
-    outputs = export_mapping(model).plan({name: Meta(tuple(shape), "float32")
-                                          for name, shape in parameter_shapes(model).items()}).outputs
-    merges = merged_weight_names(model, ("q", "k", "v", "o"))
-    with pytest.raises(CheckpointError, match=f"--merge cannot merge this {family} model's adapters") as refused:
-        _refuse_unmergeable(merges, outputs, model, "run@3")
-    assert "\n" not in str(refused.value)
-    llama = preset("tiny").validate()
-    _refuse_unmergeable(merged_weight_names(llama, ("q", "k", "v", "o", "gate", "up", "down")),
-                        export_mapping(llama).plan({name: Meta(tuple(shape), "float32")
-                                                    for name, shape in parameter_shapes(llama).items()}).outputs,
-                        llama, "run@3")

@@ -2,27 +2,23 @@
 whose plan's hf_mapping renames (and transposes, GPT-2's Conv1D) attn.proj, mlp.fc and mlp.proj
 and fuses q|k|v into c_attn. Adapters on the renamed modules export as PEFT adapters on
 GPT2LMHeadModel's modules, which PEFT loads and computes our logits with (fp32, 1e-5), and the
-merged export equals PEFT's merge_and_unload; an adapter on a fused q is refused in one line."""
+merged export equals PEFT's merge_and_unload; an adapter on a fused q is refused in one line as a
+PEFT adapter and merges into c_attn."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 
 import pytest
 import torch
 import transformers
 
-from rayshard.actors.checkpoint.save import save_rank_shard
 from rayshard.actors.model.lora import apply_user_lora
 from rayshard.actors.model.user_model import describe_factory, import_factory
-from rayshard.cluster.catalog.store import Store
-from rayshard.cluster.checkpoint.digest import weights_digest
 from rayshard.cluster.checkpoint.hf_interop import export_hf
 from rayshard.cluster.checkpoint.lora_export import export_merged, export_peft
 from rayshard.cluster.cli.main import main
-from rayshard.plans.checkpoint.chunks import Chunk
 from rayshard.plans.config import LoraConfig
-from rayshard.plans.layout.parallel_layout import ParallelLayout
+from tests.lora_checkpoints import commit_lora_checkpoint
 from tests.unit.checkpoint_factory import write_user_checkpoint
 
 peft = pytest.importorskip("peft")
@@ -31,27 +27,13 @@ QUIET = dict(log=lambda *_: None)
 
 
 def _lora_checkpoint(store_url: str, run: str, base_url: str, base_model, lora: LoraConfig):
-    """A LoRA checkpoint of the example as a run writes it: random adapters (B nonzero), one AdamW
-    step for real moments, the manifest's lora and lora_base. Returns (url, our adapted model)."""
+    """A LoRA checkpoint of the example as a run writes it. Returns (url, our adapted model)."""
     spec = describe_factory(FACTORY)
     model = import_factory(FACTORY)().module
     model.load_state_dict(base_model.state_dict())
     apply_user_lora(model, spec, lora)
-    generator = torch.Generator().manual_seed(4)
-    adapters = {name: param for name, param in model.named_parameters() if ".lora." in f".{name}"}
-    with torch.no_grad():
-        for param in adapters.values():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    optimizer = torch.optim.AdamW(adapters.values(), lr=1e-3)
-    tokens = torch.randint(0, 256, (2, 12), generator=generator)
-    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    pending = Store(store_url).begin(run, 1)
-    rows = save_rank_shard(model, optimizer, {}, pending.url, pending.file_for(0), only=frozenset(adapters))
-    metadata = {"run": run, "step": 1, "layout": ParallelLayout().to_dict(), "model": spec.to_dict(), "model_preset": None,
-                "lora": asdict(lora), "lora_base": {"url": base_url, "seed": 0, "digest": weights_digest(base_url)}}
-    return pending.commit([Chunk.from_row(row) for row in rows], metadata), model.eval()
+    return commit_lora_checkpoint(store_url, run, base_url=base_url, model=model, model_description=spec.to_dict(),
+                                  lora=lora, vocab_size=256), model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +82,19 @@ def test_an_adapter_on_a_fused_module_is_refused_in_one_line(base, tmp_path, cap
     assert code == 2 and "\n" not in error, error
     assert "makes blocks.0.attn.q.weight part of transformer.h.0.attn.c_attn.weight" in error and "--merge" in error, error
     assert not (tmp_path / "never" / "adapter_model.safetensors").exists()
+
+
+def test_an_adapter_on_a_fused_module_merges_before_the_fusion(base, tmp_path):
+    """The way out the refusal above names: the merged export adds q's delta to the model's own
+    weight before its hf_mapping fuses it into c_attn (decision 229)."""
+    root, base_url, base_model = base
+    lora = LoraConfig(rank=4, alpha=8.0, targets="q,o", base=base_url)
+    url, ours = _lora_checkpoint(str(root / "store"), "fused-merge", base_url, base_model, lora)
+    export_merged(url, str(tmp_path / "merged"), **QUIET)
+    tokens = torch.randint(0, 256, (3, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        merged = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()(tokens).logits
+        plain = transformers.GPT2LMHeadModel.from_pretrained(str(root / "hf"), dtype=torch.float32).eval()(tokens).logits
+        expected = ours(tokens)
+    assert (expected - plain).abs().max() > 1e-2
+    assert (merged - expected).abs().max().item() <= 1e-5
