@@ -9,6 +9,9 @@ the budget, storage never idles between windows, and the first pieces are in pla
 which is what lets a read-once load hand them to its replicas while it is still reading.
 
 Filesystems without an async API (memory://, local) are read window by window as before.
+
+Every range read from a store, here or one window at a time by `read_range` (a chunk larger than
+the fetch budget), is bounded as a whole by `storage.stall_timeout_s`, retries included.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 
-from fsspec.asyn import AsyncFileSystem
+from fsspec.asyn import AsyncFileSystem, sync
+from fsspec.exceptions import FSTimeoutError
 
 from rayshard.plans.checkpoint.reshard import Request
 from rayshard.storage.options import upload_options
@@ -80,8 +84,7 @@ def fetch_ranges(fs, base: str, requests: Sequence[Request], budget_bytes: int,
                 blob = await asyncio.wait_for(fs._cat_file(f"{base}/{request.file}", start=request.byte_start,
                                                            end=request.byte_end), timeout=deadline_s)
             except asyncio.TimeoutError:
-                blob = TimeoutError(f"no bytes within {deadline_s:g} s, retries included (storage.stall_timeout_s: "
-                                    "RAYSHARD_S3_STALL_TIMEOUT_S)")
+                blob = TimeoutError(_stalled(deadline_s))
             except Exception as error:  # handed to the consumer, which names the file and range
                 blob = error
             finally:
@@ -114,6 +117,22 @@ def fetch_ranges(fs, base: str, requests: Sequence[Request], budget_bytes: int,
             fetching.result()
         else:  # the consumer's own error is the one to report; GETs in flight finish in the background
             fetching.add_done_callback(lambda future: future.exception())
+
+
+def read_range(fs, path: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of one object, bounded as each range of `fetch_ranges` is: a
+    TimeoutError (an OSError) once storage.stall_timeout_s passes, retries included."""
+    if not isinstance(fs, AsyncFileSystem) or fs.asynchronous:
+        return fs.cat_file(path, start=start, end=end)
+    deadline_s = upload_options().stall_timeout_s
+    try:
+        return sync(fs.loop, fs._cat_file, path, start=start, end=end, timeout=deadline_s)
+    except FSTimeoutError:
+        raise TimeoutError(_stalled(deadline_s)) from None
+
+
+def _stalled(deadline_s: float) -> str:
+    return f"no bytes within {deadline_s:g} s, retries included (storage.stall_timeout_s: RAYSHARD_S3_STALL_TIMEOUT_S)"
 
 
 def _next_arrival(arrived: queue.Queue, fetching) -> tuple[Request, bytes | BaseException]:

@@ -17,6 +17,7 @@ import torch
 from rayshard.storage.checksums import RunningChecksum, matches, running_like
 from rayshard.storage.partial_reads import partial_read
 from rayshard.storage.backends.registry import backend_for
+from rayshard.storage.ranged_fetch import read_range
 from rayshard.actors.checkpoint.shard_writer import STAGE_BYTES, dtype_name
 from rayshard.plans.checkpoint.reshard import HeaderCheck, ReadItem, Request, coalesce
 from rayshard.plans.checkpoint.safetensors_layout import SAFETENSORS_DTYPES
@@ -423,7 +424,7 @@ def _serve_large(fs, base: str, request: Request, lookup, window_bytes: int, rep
 
 def _cat(fs, path: str, start: int, end: int, what: str) -> bytearray:
     try:
-        data = fs.cat_file(path, start=start, end=end)
+        data = read_range(fs, path, start, end)
     except (FileNotFoundError, OSError) as error:
         raise _short_read(path, start, end, what, error) from None
     if len(data) != end - start:

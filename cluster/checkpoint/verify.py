@@ -17,6 +17,7 @@ import fsspec
 from rayshard.storage.checksums import running_like
 from rayshard.storage.manifest_io import read_manifest
 from rayshard.storage.backends.registry import backend_for
+from rayshard.storage.ranged_fetch import read_range
 from rayshard.plans.errors import CheckpointError, StoreUnavailable, first_line
 from rayshard.plans.checkpoint.model_check import check_against_own_model
 from rayshard.plans.interop.model_description import check_recorded_description
@@ -99,7 +100,7 @@ def _check_file(fs, path: str, file: str, members: list, report: VerifyReport, p
         running, outcome = running_like(_recorded(chunk, expected_header), path), None
         for offset in range(start, end, window_bytes):  # a big chunk in pieces, CRC carried along
             try:
-                data = fs.cat_file(path, start=offset, end=min(offset + window_bytes, end))
+                data = read_range(fs, path, offset, min(offset + window_bytes, end))
             except OSError as error:
                 outcome = error
                 break

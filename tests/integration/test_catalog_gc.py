@@ -12,7 +12,9 @@ import fsspec
 import pytest
 import torch
 
+from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
+from rayshard.actors.checkpoint.stored import StoredCheckpoint
 
 from rayshard.plans.checkpoint.manifest.codec import encode_manifest
 from rayshard.cluster.catalog import leases
@@ -22,7 +24,9 @@ from rayshard.cluster.catalog.retention import collect
 from rayshard.cluster.catalog.store import Store
 from rayshard.cluster.checkpoint.verify import verify
 from rayshard.plans.checkpoint.chunks import Chunk
-from rayshard.plans.errors import CheckpointError, ConfigError
+from rayshard.plans.checkpoint.reshard import Target
+from rayshard.plans.errors import CheckpointError, ConfigError, StoreUnavailable
+from rayshard.storage.options import configure
 
 
 @pytest.fixture(params=["s3", "local"])
@@ -426,3 +430,25 @@ def test_a_stalled_shard_read_ends_at_its_bound_as_a_storage_error(s3_store, fau
     err = capsys.readouterr().err.strip()
     assert "failed (TimeoutError: no bytes within 3 s, retries included" in err and "RAYSHARD_S3_STALL_TIMEOUT_S" in err, err
     assert "\n" not in err and "restore" not in err
+
+
+def test_a_stalled_window_of_a_large_chunk_ends_at_its_bound(s3_store, fault_proxy, monkeypatch):
+    """A chunk larger than the read window is read one window after another (verify --deep, and
+    a load's large requests): each window had no bound of its own, only the client's retries. Now
+    each is bounded like every range, by storage.stall_timeout_s, and fails as a storage error."""
+    url, _ = write_checkpoint(Store(s3_store), "r", 1)
+    monkeypatch.setenv("RAYSHARD_S3_STALL_TIMEOUT_S", "3")
+    configure()  # as a command or a rank applies the environment's storage options
+    try:
+        fault_proxy.add("stall", method="GET", path=r"rank-00000\.safetensors", seconds=30)
+        with pytest.raises(StoreUnavailable, match=r"no bytes within 3 s, retries included") as stalled:
+            verify(url, deep=True, window_bytes=16)
+        assert "\n" not in str(stalled.value)
+        stored = StoredCheckpoint(url)
+        target = Target("w", "param", (0, 0), (64, 4))
+        with pytest.raises(StoreUnavailable, match=r"no bytes within 3 s, retries included") as stalled:
+            stored.read({target: Destination(torch.empty(64, 4), (0, 0))}, window_bytes=16)
+        assert "rank-00000.safetensors" in str(stalled.value)
+    finally:
+        monkeypatch.delenv("RAYSHARD_S3_STALL_TIMEOUT_S")
+        configure()
