@@ -3,7 +3,7 @@ group of their own, each wait bounded.
 
 A save is four exchanges of small records (what each rank holds; who writes what under which
 attempt; the chunks each wrote; the committed URL), a load two (the checkpoint and its manifest;
-the parts each read). Every rank takes part in every exchange whatever happened to it, sending
+the parts each read, or only whether every rank read cleanly and whole). Every rank takes part in every exchange whatever happened to it, sending
 either its answer or its failure, so a rank that fails makes the others fail at the next
 exchange, naming it, instead of leaving them waiting. A rank that dies or hangs is bounded by the
 group's timeout (`RAYSHARD_CHECKPOINT_TIMEOUT_S`, default 1800 s, torch's own default): the
@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from rayshard.plans.errors import CheckpointError
@@ -98,6 +99,16 @@ class Coordination:
         box = [record]
         self._run(phase, lambda: dist.broadcast_object_list(box, group=self.group, group_src=0))
         return box[0]
+
+    def all_true(self, phase: str, mine: bool) -> bool:
+        """Whether every rank's `mine` is true, on every rank: one small all-reduce, where a
+        gather and a broadcast of records are four collectives and two pickles (a load whose ranks
+        all read cleanly skips its records exchange, decision 229)."""
+        if not self.distributed:
+            return mine
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        self._run(phase, lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group))
+        return bool(flag.item())
 
     def scatter(self, phase: str, records: list | None = None):
         """records[r] (given on the root) on rank r."""

@@ -419,7 +419,7 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
     (flat, own), metadata = _flattened(state_dict), {}
     with contextlib.ExitStack() as held_by_first:  # the first rank's reader lease
         opened = _open(coordination, what, held_by_first)
-        stats, stored, bands = None, None, []
+        stats, stored, bands, verified = None, None, [], None
         # Decided from the URL alone, so alike on every rank: all of them take part in the agreement.
         banding = coordination.size > 1 and read_once_for(opened.url)
         try:
@@ -438,10 +438,14 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
                 stats["partial_reads"] = stored.take_partial_reads()
         except Exception as error:
             own = error
-        gathered = coordination.gather("collecting what each rank read", _record(coordination, own, stats))
-        verified = _verify_parts(gathered, opened) if coordination.is_root else None
-        outcome = coordination.broadcast("verifying the chunks read in parts",
-                                         [Failure.of(0, verified)] if isinstance(verified, BaseException) else verified)
+        # Most loads read every chunk whole on one rank: nothing to combine, nothing to report.
+        outcome = coordination.all_true("agreeing that every rank read its chunks whole",
+                                        own is None and not stats["partial_reads"])
+        if not outcome:
+            gathered = coordination.gather("collecting what each rank read", _record(coordination, own, stats))
+            verified = _verify_parts(gathered, opened) if coordination.is_root else None
+            outcome = coordination.broadcast("verifying the chunks read in parts",
+                                             [Failure.of(0, verified)] if isinstance(verified, BaseException) else verified)
     if isinstance(outcome, list):
         coordination.raise_failures(outcome, own or (verified if isinstance(verified, BaseException) else None))
     fill_values(flat, metadata.get("state") or {})
