@@ -22,6 +22,7 @@ import torch
 import rayshard.actors.snapshot.filesystem  # noqa: F401  (serves rayshard-snapshot:// in this rank, installed or not)
 from rayshard.actors.training.reports import RankSetup, StepMetrics
 from rayshard.actors.training.trainer import Trainer, WrapRunner
+from rayshard.actors.parallel.group_sockets import cut_group_sockets
 from rayshard.actors.waiting_where import where_thread_is
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
 from rayshard.plans.config import TrainConfig
@@ -53,9 +54,11 @@ def leaves_its_group_on_failure(method):
     the driver names the rank that failed first before the ones that only lost their peer.
 
     Destroying the group is not enough: a gloo group's sockets close only when nothing refers to
-    it any more, and the model's meshes do, as do the error's traceback frames. So the traceback
-    is kept as text (the driver shows it with RAYSHARD_DEBUG=1), the frames are dropped with the
-    trainer, and a collection frees the group now rather than at some later one."""
+    it any more, and the model's meshes do, as do the error's traceback frames, and a pending
+    operation of the group keeps them open even then. So its sockets are shut down first
+    (`cut_group_sockets`, decision 232); then the traceback is kept as text (the driver shows it
+    with RAYSHARD_DEBUG=1), the frames are dropped with the trainer, and a collection frees the
+    group now rather than at some later one."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         self.running = (method.__name__, threading.get_ident(), time.monotonic())  # for where_it_waits
@@ -72,6 +75,9 @@ def leaves_its_group_on_failure(method):
         # gloo only: NCCL's destroy can block on outstanding work, and its watchdog already
         # aborts a collective whose peer is gone.
         if self.trainer is not None and self.trainer.device.type == "cpu":
+            # First: the peers see this rank leave now, every group's connections included (one a
+            # pending gloo operation keeps open outlives the group's destruction, decision 232).
+            cut_group_sockets()
             _drop_frames(failed)
             with contextlib.suppress(Exception):  # the group is lost either way; the error is what matters
                 self.shutdown()

@@ -152,7 +152,8 @@ def one_recovery(store: Path, snapshot_every: int, preset: str, ckpt_every: int 
     writes = [m["snapshot_write_s"] for m in metrics if m.get("snapshot_write_s") is not None]
     for _, line in console.lines:  # what failed, what the recovery read, which ranks it reused (rank_pool.py)
         if line.startswith(("recovery:", "[controller] restarting", "snapshot", "loaded step")):
-            print(f"  {line[:240]}", flush=True)
+            # A recovery line whole: it names a silent peer and where it waited (decision 217).
+            print(f"  {line if line.startswith('recovery:') else line[:240]}", flush=True)
     resumed = [m for m in metrics if m.get("time", 0) > killed]  # the steps trained after the kill
     print("  steps after the kill: " + ", ".join(
         f"{m['step']} {m['step_s']:.2f} s" + (f" (snapshot blocked {m['snapshot_blocked_s']:.2f} s)"

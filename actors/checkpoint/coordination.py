@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rayshard.actors.parallel.group_sockets import recording_group_sockets
 from rayshard.plans.errors import CheckpointError
 
 TIMEOUT_ENV = "RAYSHARD_CHECKPOINT_TIMEOUT_S"
@@ -152,6 +153,7 @@ def group_for(process_group, timeout: float):
         del _GROUPS[stale]
     if key not in _GROUPS:
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        _GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout),
-                                      use_local_synchronization=True)
+        with recording_group_sockets():
+            _GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout),
+                                          use_local_synchronization=True)
     return _GROUPS[key]

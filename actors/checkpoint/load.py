@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rayshard.storage.manifest_io import read_manifest
+from rayshard.actors.parallel.group_sockets import recording_group_sockets
 from rayshard.actors.checkpoint.rank_pieces import MOMENTS, ties_embeddings, rank_layout, replicated_dims, state_tensors
 from rayshard.actors.checkpoint.read_executor import Destination
 from rayshard.actors.checkpoint.collector_paused import collector_paused
@@ -313,7 +314,8 @@ class HandoverGroups:
                 if all(len(group) == 1 for group in enumeration):
                     continue  # nothing is handed over within a group of one (dp 1, or tp 1)
                 if enumeration not in by_members:
-                    by_members[enumeration], _ = dist.new_subgroups_by_enumeration([list(m) for m in enumeration])
+                    with recording_group_sockets():
+                        by_members[enumeration], _ = dist.new_subgroups_by_enumeration([list(m) for m in enumeration])
                 made[dims] = by_members[enumeration]
             self._made[key] = made
         return self._made[key]

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+from rayshard.actors.parallel.group_sockets import recording_group_sockets
 from rayshard.actors.checkpoint.async_save import AsyncSaver
 from rayshard.actors.checkpoint.cast_view import FloatView
 from rayshard.actors.checkpoint.load import HandoverGroups, load_rank_shard
@@ -110,9 +111,10 @@ class Trainer:
             keep_freed_host_memory()  # a step's activations live in host memory: reuse, not refault, them
         forget_previous_meshes()
         forget_previous_compiles()
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.layout.world_size,
-                                timeout=timedelta(seconds=config.resources.collective_timeout_s))
-        self.mesh = init_device_mesh(self.device.type, self.layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+        with recording_group_sockets():  # a rank that leaves after a failure shuts the leftovers (decision 232)
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=self.layout.world_size,
+                                    timeout=timedelta(seconds=config.resources.collective_timeout_s))
+            self.mesh = init_device_mesh(self.device.type, self.layout.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
         # Kept for this process group's lifetime: hand-over groups across loads, host buffers across saves.
         self.handover_groups, self.async_saver = HandoverGroups(), AsyncSaver()
         # Which parameters train and which the run's checkpoints store (plans/training/parameter_roles.py).
