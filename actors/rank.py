@@ -22,6 +22,7 @@ import torch
 import rayshard.actors.snapshot.filesystem  # noqa: F401  (serves rayshard-snapshot:// in this rank, installed or not)
 from rayshard.actors.training.reports import RankSetup, StepMetrics
 from rayshard.actors.training.trainer import Trainer, WrapRunner
+from rayshard.actors.parallel.failed_groups import keep_until_timed_out, release_timed_out
 from rayshard.actors.parallel.group_sockets import cut_group_sockets
 from rayshard.actors.waiting_where import where_thread_is
 from rayshard.plans.checkpoint.chunk_table import ChunkTable
@@ -78,10 +79,12 @@ def leaves_its_group_on_failure(method):
             # First: the peers see this rank leave now, every group's connections included (one a
             # pending gloo operation keeps open outlives the group's destruction, decision 232).
             cut_group_sockets()
+            # Then keep the groups: freed now, one whose worker still waits in an operation would
+            # stop this whole process in its destructor; they go at a set-up after their timeout.
+            keep_until_timed_out(self.trainer.groups_held(), self.trainer.config.resources.collective_timeout_s)
             _drop_frames(failed)
             with contextlib.suppress(Exception):  # the group is lost either way; the error is what matters
-                self.shutdown()
-            gc.collect()
+                self.shutdown()  # (which collects: the frames' objects go now)
         raise failed
     return guarded
 
@@ -141,6 +144,7 @@ class RankActor:
         """plan: the run's PipelinePlan (pp > 1), shipped once and replayed every step.
         initialize: draw the initial weights; False when a load fills every parameter next."""
         self.shutdown()  # a reused actor leaves its previous group first (and ends its save waits)
+        release_timed_out()  # a failed run's groups, once nothing can be waiting in them (decision 233)
         # The GPU Ray assigned to this actor, if any (Ray narrows CUDA_VISIBLE_DEVICES to it); a
         # rank placed on a CPU share stays on the CPU even where the machine has GPUs.
         self.trainer = Trainer(config, rank, init_method, plan, device=self.device_kind(),
@@ -284,3 +288,7 @@ class RankActor:
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None
+            # The model, its optimizer and their meshes sit in reference cycles: collected now, the
+            # run's process groups (threads, connections) and host memory go before the next run
+            # builds its own, not at some later collection (decision 233).
+            gc.collect()

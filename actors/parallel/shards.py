@@ -22,9 +22,13 @@ from rayshard.plans.layout.parallel_layout import STAGE_MESH_DIMS
 
 # DTensor's computation costs ~0.5 ms a call (it builds small tensors); a load or save asks for
 # every parameter and moment several times, which on the small preset was half the load time.
-# Remembered by what the answer depends on (global shape, placements, mesh, this process's rank),
-# not on the tensor object: `get_state_dict` wraps parameters and optimizer states in fresh
-# DTensors at every call, so a memo on the object missed every save of rayshard.checkpoint.
+# Remembered by what the answer depends on (global shape, placements, the mesh's shape and this
+# rank's coordinate in it), not on the tensor object: `get_state_dict` wraps parameters and
+# optimizer states in fresh DTensors at every call, so a memo on the object missed every save of
+# rayshard.checkpoint. Nor on the mesh object: a key holds its mesh, the mesh its process groups,
+# and a destroyed group's gloo threads and sockets live as long as anything holds it, so a reused
+# rank kept every earlier run's groups alive (four loop threads per run at dp2 x tp2, each waking
+# to poll; hundreds of them slowed every later run in the process, decision 233).
 _REGIONS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 _REGIONS_KEPT = 8192
 
@@ -40,10 +44,11 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     if not isinstance(tensor, DTensor):
         return (0,) * tensor.dim(), tuple(tensor.shape)
     mesh = tensor.device_mesh
-    key = (tuple(tensor.shape), tuple(tensor.placements), mesh, mesh.get_rank())
+    coordinate = mesh.get_coordinate()
+    key = (tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape), tuple(coordinate))
     region = _REGIONS.get(key)
     if region is None:
-        region = region_at(tuple(tensor.shape), tuple(mesh.shape), mesh.get_coordinate(), tensor.placements)
+        region = region_at(tuple(tensor.shape), tuple(mesh.shape), coordinate, tensor.placements)
         if len(_REGIONS) >= _REGIONS_KEPT:  # a process that builds model after model: start afresh
             _REGIONS.clear()
         _REGIONS[key] = region

@@ -13,10 +13,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from rayshard.actors.parallel.group_sockets import recording_group_sockets
+from rayshard.actors.parallel.mesh_caches import forget_previous_meshes
 from rayshard.actors.checkpoint.async_save import AsyncSaver
 from rayshard.actors.checkpoint.cast_view import FloatView
 from rayshard.actors.checkpoint.load import HandoverGroups, load_rank_shard
@@ -49,18 +48,6 @@ from rayshard.plans.pipeline.plan import PipelinePlan, build_pipeline_plan
 # Given the rank's step runner and the rank, returns the runner the trainer drives: a generic hook
 # (`actors/rank.py` takes one by name), through which tests install faults from outside.
 WrapRunner = Callable[[StepRunner, int], StepRunner]
-
-
-def forget_previous_meshes() -> None:
-    """Drop DTensor's caches of sharding decisions before a reused process trains again.
-
-    They are keyed by DeviceMesh equality, which compares shapes and ranks but not process
-    groups: a new mesh equal to an earlier run's would pick up that run's destroyed groups
-    ("Could not resolve the process group registered under the name 19"), or a new group that
-    reused the name, and its collectives would hang or talk to the wrong ranks.
-    """
-    _clear_sharding_prop_cache()
-    clear_redistribute_planner_cache()
 
 
 def forget_previous_compiles() -> None:
@@ -355,6 +342,12 @@ class Trainer:
 
     def data_fingerprint(self) -> str:
         return self.data.fingerprint()
+
+    def groups_held(self) -> tuple:
+        """What holds this rank's process groups: the default group, the root mesh (every mesh
+        group is registered there) and the load's hand-over groups."""
+        world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        return world, self.mesh, self.handover_groups
 
     def shutdown(self) -> None:
         if dist.is_initialized():
