@@ -45,7 +45,8 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
         return (0,) * tensor.dim(), tuple(tensor.shape)
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
-    key = (tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape), tuple(coordinate))
+    key = (tuple(tensor.shape), tuple(tensor.placements), tuple(mesh.shape),
+           None if coordinate is None else tuple(coordinate))  # None: a rank outside the mesh holds nothing
     region = _REGIONS.get(key)
     if region is None:
         region = region_at(tuple(tensor.shape), tuple(mesh.shape), coordinate, tensor.placements)
