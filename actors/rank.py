@@ -120,6 +120,10 @@ class RankActor:
     def __init__(self):
         torch.set_num_threads(1)
         _import_what_a_load_needs()
+        # What the imports made lives as long as the process: out of every later collection, so
+        # the one each shutdown runs (to free a run's groups, decision 233) scans only what runs
+        # made: 0.26 s a collection on this 2-core machine before, about 0 after.
+        gc.freeze()
         self.trainer = None
         self.running: tuple[str, int, float] | None = None  # the peer-facing call running: name, thread, since
         # checkpoint URL -> its background save on this rank; `save_finished` (another thread) reads it

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 # (module, attribute path) of each cache with a `cache_clear`, beside the two torch clears by name.
 _MESH_HOLDING_CACHES = (
@@ -32,9 +34,6 @@ _MESH_HOLDING_CACHES = (
 
 def forget_previous_meshes() -> None:
     """Empty every DTensor cache that keys on, or holds, a device mesh."""
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
     _clear_sharding_prop_cache()
     clear_redistribute_planner_cache()
     for module_name, path in _MESH_HOLDING_CACHES:

@@ -37,9 +37,13 @@ def threads_in(ray, actors) -> list[int]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 def test_runs_on_reused_ranks_leave_no_gloo_group_behind(run_training, rank_pool, ray_session, tmp_path):
+    # Compared with before each run, not with none: a run that failed earlier in the session on
+    # these ranks keeps its groups until their timeout has passed (the test below).
     for index, layout in enumerate([ParallelLayout(dp=2, tp=2), ParallelLayout(fsdp=2, tp=2)]):
+        before = threads_in(ray_session, rank_pool[:4])
         run_training(small_config(tmp_path / str(index), layout, steps=2, ckpt_every=2))
-        assert threads_in(ray_session, rank_pool[:4]) == [0, 0, 0, 0], f"after the run on {layout}"
+        after = threads_in(ray_session, rank_pool[:4])
+        assert all(a <= b for a, b in zip(after, before)), f"after the run on {layout}: {after}, before it {before}"
 
 
 @pytest.mark.slow  # fresh actors and a wait past the timeout; test_group_leaving runs the failure path by default
