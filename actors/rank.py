@@ -55,11 +55,12 @@ def leaves_its_group_on_failure(method):
     the driver names the rank that failed first before the ones that only lost their peer.
 
     Destroying the group is not enough: a gloo group's sockets close only when nothing refers to
-    it any more, and the model's meshes do, as do the error's traceback frames, and a pending
-    operation of the group keeps them open even then. So its sockets are shut down first
-    (`cut_group_sockets`, decision 232); then the traceback is kept as text (the driver shows it
-    with RAYSHARD_DEBUG=1), the frames are dropped with the trainer, and a collection frees the
-    group now rather than at some later one."""
+    it any more. So its sockets are shut down first (`cut_group_sockets`, decision 232): the peers
+    see this rank leave at once. The groups themselves are kept until their timeout has passed
+    (`keep_until_timed_out`, decision 233): freed now, one whose worker still waits in an
+    operation would stop this process in its destructor. Then the traceback is kept as text (the
+    driver shows it with RAYSHARD_DEBUG=1), the frames are dropped with the trainer, and the
+    shutdown's collection frees the rest of the run now."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         self.running = (method.__name__, threading.get_ident(), time.monotonic())  # for where_it_waits
