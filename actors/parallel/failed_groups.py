@@ -27,8 +27,7 @@ def keep_until_timed_out(holders: object, timeout_s: float) -> None:
     _KEPT.append((time.monotonic() + timeout_s + MARGIN_S, holders))
 
 
-def release_timed_out() -> int:
-    """Let go of the groups whose operations have all timed out; returns how many are still kept."""
+def release_timed_out() -> None:
+    """Let go of the groups whose operations have all timed out."""
     now = time.monotonic()
     _KEPT[:] = [(after, holders) for after, holders in _KEPT if after > now]
-    return len(_KEPT)
