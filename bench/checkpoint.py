@@ -26,7 +26,9 @@ sampled every 2 ms.
 --object-store: layout B's ranks also load A's checkpoint once from an S3 server (moto, started
 here on 127.0.0.1, the server the tests use) and the read amplification of that resharded load
 is printed: on object stores short row segments are read as whole rows, so a tp that cuts the
-row-parallel weights' rows reads them as bands, once per tp group (docs/decisions.md 146).
+row-parallel weights' rows reads them as bands, once per tp group (docs/decisions.md 146). The
+API's checkpoint is loaded from S3 too, read once per replica group and band and by every rank
+alone (decision 234): `--layout-b dp=2,tp=2` shows the dp replicas' share of it.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from bench.peak_rss import PeakRSS  # noqa: E402
 from rayshard.actors.training.device_memory import peak_memory_bytes  # noqa: E402
+from rayshard.cluster.catalog.store import step_dirname  # noqa: E402
 from rayshard.plans.config import DataConfig, ModelChoice, TrainConfig  # noqa: E402
 from rayshard.plans.layout.parallel_layout import ParallelLayout  # noqa: E402
 
@@ -306,16 +309,43 @@ def _phase_b(rank, config, port, root, repeats, queue):
         loaded = _our_load(trainer, object_store)
         reads.update({"s3_read": loaded["bytes_read"], "s3_needed": loaded.get("bytes_needed", 0),
                       "s3_received": loaded["bytes_received"]})
+        reads["s3_api"] = _api_loads_from_s3(trainer, os.environ[API_OBJECT_STORE_URL])
     queue.put((rank, results, memory, reads, _peak_rss()))
     trainer.shutdown()
 
 
 OBJECT_STORE_URL = "RAYSHARD_BENCH_OBJECT_STORE_URL"  # where phase B's ranks find the checkpoint on S3
+API_OBJECT_STORE_URL = "RAYSHARD_BENCH_API_OBJECT_STORE_URL"  # and the API's checkpoint of repeat 0 (its directory)
 
 
-def _upload_to_moto(local_checkpoint: str):
+def _api_loads_from_s3(trainer, what: str) -> dict:
+    """The API's load of `what` from S3 read once per replica group and band (the default on an
+    object store, decisions 172 and 234), then by every rank alone (`RAYSHARD_READ_ONCE=0`): the
+    bytes its plan reads over all ranks and the slowest rank's seconds, each after one untimed load."""
+    import rayshard.checkpoint as ckpt
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    def load():
+        state = _dcp_state(trainer)
+        ckpt.load(state, what)
+        set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    figures = {}
+    for read_once in ("1", "0"):
+        os.environ["RAYSHARD_READ_ONCE"] = read_once
+        try:
+            planned = ckpt.plan(_dcp_state(trainer), what).bytes_read
+            load()
+            figures[read_once] = (planned, _timed(load)[0])
+        finally:
+            os.environ.pop("RAYSHARD_READ_ONCE", None)
+    return figures
+
+
+def _upload_to_moto(local_checkpoint: str, api_checkpoint: str | None = None):
     """Start a moto S3 server on 127.0.0.1, copy the checkpoint into a bucket and point this process's
-    environment (inherited by the spawned ranks) at it. Returns (the checkpoint's s3 URL, the server)."""
+    environment (inherited by the spawned ranks) at it; with `api_checkpoint`, that API
+    checkpoint's directory too. Returns (the checkpoint's s3 URL, the server)."""
     import logging
 
     import fsspec
@@ -337,6 +367,9 @@ def _upload_to_moto(local_checkpoint: str):
     fs.put(local_checkpoint, "bench/checkpoint", recursive=True)
     url = "s3://bench/checkpoint"
     os.environ[OBJECT_STORE_URL] = url
+    if api_checkpoint is not None:
+        fs.put(api_checkpoint, "bench/api-checkpoint", recursive=True)
+        os.environ[API_OBJECT_STORE_URL] = "s3://bench/api-checkpoint"
     return url, server
 
 
@@ -375,7 +408,8 @@ def main() -> None:
     config_a = TrainConfig(layout=LAYOUT_A, **common).validate()
     config_b = TrainConfig(layout=args.layout_b, **common).validate()
     phase_a = _spawn(_phase_a, config_a, args.root, args.repeats)
-    server = _upload_to_moto(f"{args.root}/rayshard-0")[1] if args.object_store else None
+    api_checkpoint = f"{args.root}/api-store/api/checkpoints/{step_dirname(0)}"
+    server = _upload_to_moto(f"{args.root}/rayshard-0", api_checkpoint)[1] if args.object_store else None
     try:
         phase_b = _spawn(_phase_b, config_b, args.root, args.repeats)
     finally:
@@ -426,6 +460,10 @@ def main() -> None:
         print(f"resharded load to {args.layout_b.describe()} from S3 (moto): rayshard read {read / MiB:.2f} MiB for "
               f"{needed / MiB:.2f} MiB its ranks hold: read amplification {read / max(1, needed):.4f}x (goal <= 1.05; "
               f"{received / MiB:.2f} MiB more handed over between ranks: replicas' pieces and tp groups' column slices)")
+        (once, once_s), (alone, alone_s) = phase_b[0][3]["s3_api"]["1"], phase_b[0][3]["s3_api"]["0"]
+        print(f"API load onto {args.layout_b.describe()} from S3 (moto), one run each: read once per replica group and "
+              f"band {once / MiB:.2f} MiB in {once_s:.3f} s; every rank alone {alone / MiB:.2f} MiB in {alone_s:.3f} s "
+              f"(bytes alone / once {alone / max(1, once):.2f}x)")
     print("extra RSS above each rank's baseline during the operation, max over ranks and repeats (MiB):")
     for key in ("save", "load", "reshard"):
         phase = phase_a if key != "reshard" else phase_b

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from rayshard.actors.checkpoint.mesh_replicas import ReplicaPiece
 from rayshard.actors.checkpoint.read_executor import Destination
-from rayshard.actors.checkpoint.replica_broadcast import SlicedPiece
+from rayshard.actors.checkpoint.replica_broadcast import HandedPiece, SlicedPiece
 from rayshard.actors.checkpoint.state_dict import FlatState
 from rayshard.actors.parallel.shards import region_at
 from rayshard.plans.checkpoint.column_bands import (BAND_BLOCK_BYTES, BandBlock, band_of, reader_shares, split_band,
@@ -116,7 +117,7 @@ def _band_of(key: str, tensor: DTensor, held, local: torch.Tensor, index, min_se
 
 def agreed_bands(listed: list[tuple[int, list[tuple]]]) -> set[tuple[tuple[int, ...], str]]:
     """On the first rank, from every rank's (global rank, signatures): the (group ranks, key) of
-    each band that every member of its group listed with the same band and blocks."""
+    each band (or replica, `mesh_replicas.py`) that every member of its group listed alike."""
     by_band: dict[tuple, dict[int, tuple]] = {}
     for rank, signatures in listed:
         for signature in signatures:
@@ -125,22 +126,27 @@ def agreed_bands(listed: list[tuple[int, list[tuple]]]) -> set[tuple[tuple[int, 
             if set(members) == set(band[0]) and len(set(members.values())) == 1}
 
 
-def destinations_with_bands(destinations: dict[Target, Destination], bands: list[MeshBand]) -> dict[Target, Destination]:
-    """What this rank reads itself: its pieces, less the banded ones (received), plus its shares."""
-    banded = {band.target for band in bands}
-    mine = {target: destination for target, destination in destinations.items() if target not in banded}
+def destinations_with_bands(destinations: dict[Target, Destination], bands: list[MeshBand],
+                            replicas: list[ReplicaPiece] = ()) -> dict[Target, Destination]:
+    """What this rank reads itself: its pieces, less the banded ones and the replicas another
+    member reads (received), plus its shares of the bands."""
+    received = {band.target for band in bands} | {r.target for r in replicas if r.reader != r.member}
+    mine = {target: destination for target, destination in destinations.items() if target not in received}
     for band in bands:
         if band.share is not None:
             mine[band.share] = Destination(band.staging, band.share.offsets)
     return mine
 
 
-def hand_over_lists(bands: list[MeshBand]) -> tuple[list[SlicedPiece], list[int], list[Target | None], list[int]]:
-    """The bands' blocks as `read_and_hand_over` takes them: pieces, the global rank reading each,
-    the target it is read in on its reader (else None), its phase (its group's place in the one
-    global order of groups)."""
+def hand_over_lists(bands: list[MeshBand], replicas: list[ReplicaPiece] = ()
+                    ) -> tuple[list[HandedPiece | SlicedPiece], list[int], list[Target | None], list[int]]:
+    """The bands' blocks and the replicas (readers set) as `read_and_hand_over` takes them:
+    pieces, the global rank reading each, the target it is read in on its reader (else None), its
+    phase (its group's place in the one global order of groups, bands' and replicas' alike)."""
     bands = sorted(bands, key=lambda band: (band.ranks, band.key))
-    order = {ranks: phase for phase, ranks in enumerate(sorted({band.ranks for band in bands}))}
+    replicas = sorted(replicas, key=lambda replica: (replica.ranks, replica.key))
+    order = {ranks: phase for phase, ranks in
+             enumerate(sorted({band.ranks for band in bands} | {replica.ranks for replica in replicas}))}
     pieces, readers, read_as, phases = [], [], [], []
     for band in bands:
         band_offsets, _ = band.band
@@ -158,4 +164,9 @@ def hand_over_lists(bands: list[MeshBand]) -> tuple[list[SlicedPiece], list[int]
             readers.append(band.ranks[block.reader])
             read_as.append(band.share if mine else None)
             phases.append(order[band.ranks])
+    for replica in replicas:
+        pieces.append(HandedPiece(replica.local, replica.group))
+        readers.append(replica.ranks[replica.reader])
+        read_as.append(replica.target if replica.reader == replica.member else None)
+        phases.append(order[replica.ranks])
     return pieces, readers, read_as, phases

@@ -14,8 +14,10 @@ rank streams its share into its own file under the attempt (`write_shard`); the 
 the gathered chunks (tiling checked, create-only manifest, compare-and-swap LATEST) and tells the
 others. A load is: the first rank resolves the checkpoint and sends its manifest; every rank
 reads exactly the byte ranges that overlap its pieces, straight into the state dict's tensors,
-checksums verified (`StoredCheckpoint.read`); the chunks read in parts are verified together on
-the first rank. Exchanges: `actors/checkpoint/coordination.py` (bounded; a failed rank is named).
+checksums verified (`StoredCheckpoint.read`); on an object store, a piece several ranks hold alike
+is read by one of them and broadcast, and column slices are read once per group as whole rows
+(`mesh_replicas.py`, `mesh_bands.py`); the chunks read in parts are verified together on the
+first rank. Exchanges: `actors/checkpoint/coordination.py` (bounded; a failed rank is named).
 No Ray anywhere.
 """
 from __future__ import annotations
@@ -40,6 +42,7 @@ from rayshard.actors.checkpoint.coordination import Coordination, Failure
 from rayshard.actors.checkpoint.load import read_and_hand_over, read_once_for
 from rayshard.actors.checkpoint.mesh_bands import (MeshBand, agreed_bands, destinations_with_bands, hand_over_lists,
                                                    mesh_bands)
+from rayshard.actors.checkpoint.mesh_replicas import ReplicaPiece, mesh_replicas, with_readers
 from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
 from rayshard.actors.checkpoint.staging import HostStaging
 from rayshard.actors.checkpoint.state_dict import FlatState, destinations, fill_values, flatten
@@ -419,7 +422,7 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
     (flat, own), metadata = _flattened(state_dict), {}
     with contextlib.ExitStack() as held_by_first:  # the first rank's reader lease
         opened = _open(coordination, what, held_by_first)
-        stats, stored, bands, verified = None, None, [], None
+        stats, stored, bands, replicas, verified = None, None, [], [], None
         # Decided from the URL alone, so alike on every rank: all of them take part in the agreement.
         banding = coordination.size > 1 and read_once_for(opened.url)
         try:
@@ -427,14 +430,14 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
                 raise own
             stored, metadata = _check(flat, opened, what)
             if banding:
-                bands = mesh_bands(flat, stored.index, min_segment_bytes_for(stored.fs))
+                bands, replicas = _hand_overs(flat, stored, coordination, process_group)
         except Exception as error:
             own = error
         if banding:
-            bands = _agree_on_bands(coordination, own, bands)
+            bands, replicas = _agree_on_hand_overs(coordination, own, bands, replicas)
         try:
             if own is None:
-                stats = _read(stored, flat, bands)
+                stats = _read(stored, flat, bands, replicas)
                 stats["partial_reads"] = stored.take_partial_reads()
         except Exception as error:
             own = error
@@ -452,30 +455,42 @@ def load(state_dict: Mapping, what: str, *, process_group=None) -> LoadedCheckpo
     return LoadedCheckpoint(opened.url, opened.run, _step_of(opened, metadata), metadata.get("metadata"))
 
 
-def _agree_on_bands(coordination: Coordination, own: BaseException | None, bands: list[MeshBand]) -> list[MeshBand]:
-    """The bands every member of their group listed alike (`agreed_bands`), or, where a rank failed
-    before reading, that failure on every rank: nobody starts a scatter a peer never joins."""
-    listed = coordination.gather("agreeing on the bands read once per group",
-                                 _record(coordination, own, (dist.get_rank(), [band.signature for band in bands])))
+def _hand_overs(flat: FlatState, stored: StoredCheckpoint, coordination: Coordination,
+                process_group) -> tuple[list[MeshBand], list[ReplicaPiece]]:
+    """This rank's pieces its groups read once on this store: the bands (column slices), then
+    the replicas (pieces held alike) that are not banded."""
+    bands = mesh_bands(flat, stored.index, min_segment_bytes_for(stored.fs))
+    return bands, mesh_replicas(flat, stored.index, {band.key for band in bands}, coordination.group, process_group)
+
+
+def _agree_on_hand_overs(coordination: Coordination, own: BaseException | None, bands: list[MeshBand],
+                         replicas: list[ReplicaPiece]) -> tuple[list[MeshBand], list[ReplicaPiece]]:
+    """The bands and replicas every member of their group listed alike (`agreed_bands`), the
+    replicas' readers chosen; or, where a rank failed before reading, that failure on every rank:
+    nobody starts a scatter or broadcast a peer never joins."""
+    signatures = [band.signature for band in bands] + [replica.signature for replica in replicas]
+    listed = coordination.gather("agreeing on the pieces read once per group",
+                                 _record(coordination, own, (dist.get_rank(), signatures)))
     agreed = None
     if coordination.is_root:
         agreed = _failures(listed) or agreed_bands(listed)
-    agreed = coordination.broadcast("sending the agreed bands", agreed)
+    agreed = coordination.broadcast("sending the agreed pieces", agreed)
     if isinstance(agreed, list):
         coordination.raise_failures(agreed, own)
-    return [band for band in bands if (band.ranks, band.key) in agreed]
+    return ([band for band in bands if (band.ranks, band.key) in agreed],
+            with_readers([replica for replica in replicas if (replica.ranks, replica.key) in agreed]))
 
 
-def _read(stored: StoredCheckpoint, flat: FlatState, bands: list[MeshBand]) -> dict:
-    """Read this rank's pieces; the banded ones through its groups' hand-over (decision 172). A
-    member whose read fails still takes part in every scatter; its error then fails every rank at
-    the next exchange."""
+def _read(stored: StoredCheckpoint, flat: FlatState, bands: list[MeshBand], replicas: list[ReplicaPiece]) -> dict:
+    """Read this rank's pieces; the banded ones and the replicas through its groups' hand-over
+    (decision 172, 234). A member whose read fails still takes part in every scatter and
+    broadcast; its error then fails every rank at the next exchange."""
     wanted = destinations(flat)
-    if not bands:
+    if not bands and not replicas:
         return stored.read(wanted)
-    pieces, readers, read_as, phases = hand_over_lists(bands)
-    stats, received, failure = read_and_hand_over(stored, destinations_with_bands(wanted, bands), pieces, readers,
-                                                  read_as, phases, dist.get_rank(), {})
+    pieces, readers, read_as, phases = hand_over_lists(bands, replicas)
+    stats, received, failure = read_and_hand_over(stored, destinations_with_bands(wanted, bands, replicas), pieces,
+                                                  readers, read_as, phases, dist.get_rank(), {})
     if failure is not None:
         raise failure
     return {**stats, "bytes_received": received}
@@ -510,10 +525,11 @@ def plan(state_dict: Mapping, what: str, *, process_group=None) -> LoadPlan:
                 raise own
             stored, metadata = _check(flat, opened, what)
             wanted = destinations(flat)
-            # As the load reads: banded pieces through their shares (unagreed: a plan waits on no scatter).
-            bands = (mesh_bands(flat, stored.index, min_segment_bytes_for(stored.fs))
-                     if coordination.size > 1 and read_once_for(opened.url) else [])
-            read = stored.plan(destinations_with_bands(wanted, bands))
+            # As the load reads: banded pieces through their shares, replicas by their readers
+            # (unagreed: a plan waits on no scatter, so members whose state dicts differ may be off).
+            bands, replicas = (_hand_overs(flat, stored, coordination, process_group)
+                               if coordination.size > 1 and read_once_for(opened.url) else ([], []))
+            read = stored.plan(destinations_with_bands(wanted, bands, with_readers(replicas)))
             needed = sum(math.prod(target.sizes) * destination.tensor.element_size()
                          for target, destination in wanted.items())
             mine = RankPlan(coordination.rank, len(flat.pieces), needed, read.bytes_read, len(read.requests), read.files)

@@ -16,6 +16,7 @@ import torch
 
 import rayshard.checkpoint as ckpt
 from tests.forked_ranks import run_ranks
+from tests.nested_state import nested
 
 ROWS, COLUMNS = 64, 48  # a row of 192 bytes: a column slice of it is read as whole rows on S3
 SOURCE_RANKS = 4
@@ -36,18 +37,6 @@ def _global(name: str) -> torch.Tensor:
 NAMES = ("model.down.weight", "optim.state.down.weight.exp_avg")
 
 
-def _nested(flat: dict) -> dict:
-    """{"model": {"down.weight": ...}, "optim": {"state": {"down.weight": {"exp_avg": ...}}}}"""
-    state: dict = {}
-    for key, value in flat.items():
-        if key.startswith("optim.state."):
-            fqn, _, kind = key.removeprefix("optim.state.").rpartition(".")
-            state.setdefault("optim", {}).setdefault("state", {}).setdefault(fqn, {})[kind] = value
-        else:
-            state.setdefault("model", {})[key.removeprefix("model.")] = value
-    return state
-
-
 def _save_rows(rank: int, init_method: str, world_size: int, results, where: str) -> None:
     """Four ranks save every tensor sharded by rows: four chunks per tensor, in four files."""
     import torch.distributed as dist
@@ -58,7 +47,7 @@ def _save_rows(rank: int, init_method: str, world_size: int, results, where: str
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-        state = _nested({name: distribute_tensor(_global(name), mesh, [Shard(0)]) for name in NAMES})
+        state = nested({name: distribute_tensor(_global(name), mesh, [Shard(0)]) for name in NAMES})
         results[rank] = ckpt.save(state, where, step=1).url
     except Exception as error:  # noqa: BLE001 (the test reads every rank's line)
         results[rank] = f"error {type(error).__name__}: {error}"
@@ -86,8 +75,8 @@ def _load_tp(rank: int, init_method: str, world_size: int, results, spec: dict) 
         expected = {name: distribute_tensor(_global(name), mesh, flat[name].placements).to_local() for name in NAMES}
         if rank == spec.get("without_exp_avg_on"):  # this rank's loop asks for the weight only
             del flat[NAMES[1]]
-        plan = ckpt.plan(_nested(flat), spec["where"])
-        ckpt.load(_nested(flat), spec["where"])
+        plan = ckpt.plan(nested(flat), spec["where"])
+        ckpt.load(nested(flat), spec["where"])
         results[rank] = {"exact": all(torch.equal(flat[name].to_local(), expected[name]) for name in flat),
                          "planned_read": plan.bytes_read, "planned_requests": sum(r.requests for r in plan.ranks)}
     except Exception as error:  # noqa: BLE001
@@ -163,7 +152,7 @@ def test_a_corrupt_byte_in_a_chunk_read_in_shares_fails_every_rank_naming_it(s3_
     from rayshard.storage.manifest_io import read_manifest
 
     where = f"{s3_store}/one"
-    ref = ckpt.save(_nested({name: _global(name) for name in NAMES}), where, step=1)
+    ref = ckpt.save(nested({name: _global(name) for name in NAMES}), where, step=1)
     down = next(chunk for chunk in read_manifest(ref.url)[0] if chunk.kind == "param")
     store = Store(s3_store)
     path = f"{ref.url.removeprefix('s3://')}/{down.file}"
@@ -195,9 +184,9 @@ def test_a_loop_resumes_on_tp2_from_s3_through_bands_bit_for_bit(s3_store, tmp_p
     real, marks = api.hand_over_lists, tmp_path / "banded"
     marks.mkdir()
 
-    def noting(bands):  # the forked ranks inherit it: each notes the keys it banded
+    def noting(bands, replicas=()):  # the forked ranks inherit it: each notes the keys it banded
         (marks / str(os.getpid())).write_text("\n".join(sorted(band.key for band in bands)))
-        return real(bands)
+        return real(bands, replicas)
 
     monkeypatch.setattr(api, "hand_over_lists", noting)
     resumed = run_ranks(forked_job, 2, {"mesh": [["tp", 2]], "load": f"{s3_store}/loop",
