@@ -128,6 +128,32 @@ def _api_load(trainer, root: str, repeat: int, run: str = "api"):
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+ASYNC_METHODS = ("api", "api-optimizer", "dcp")
+
+
+def _async_blocked(trainer, root: str, repeat: int, method: str) -> float:
+    """Seconds an async save blocks its caller (slowest rank), state dict included: the API's
+    (copied to host before it returns), the API's given the optimizer (whose tensors are copied in
+    the background, its next step waiting for the copy), DCP's `async_save` (staged before it
+    returns). The save itself is then waited for, untimed."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import rayshard.checkpoint as ckpt
+
+    dist.barrier()
+    started = time.perf_counter()
+    if method == "dcp":
+        future = dcp.async_save(_dcp_state(trainer), storage_writer=dcp.FileSystemWriter(f"{root}/dcp-async-{repeat}"))
+    else:
+        future = ckpt.async_save(_dcp_state(trainer), f"{root}/api-store/async-{method}", step=repeat,
+                                 optimizer=trainer.optimizer if method == "api-optimizer" else None)
+    blocked = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    future.result()
+    dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
+    return float(blocked)
+
+
 def _time_commits() -> list[float]:
     """Seconds of each commit this process makes (create-only manifest, fsynced; LATEST swap)."""
     from rayshard.cluster.catalog.pending import PendingCheckpoint
@@ -277,6 +303,9 @@ def _phase_a(rank, config, port, root, repeats, queue):
             results[f"load/{method}"].append(seconds)
             memory[f"load/{method}"].append(extra)
     results["save/api-commit"] = commits[-repeats:] if rank == 0 else []
+    for repeat in range(repeats):
+        for method in _rotated(ASYNC_METHODS, repeat):
+            results.setdefault(f"async/{method}", []).append(_async_blocked(trainer, root, repeat, method))
     shard_bytes = sum(len(b) for b in _raw_bytes(trainer))
     queue.put((rank, results, memory, shard_bytes, _peak_rss()))
     trainer.shutdown()
@@ -445,6 +474,10 @@ def main() -> None:
             state_dict = medians[f"{key}/sd"]
             print(f"  {'':<32}of which get/set_state_dict {state_dict:.3f}s; without it DCP/API "
                   f"{(dcp - state_dict) / max(1e-9, api - state_dict):5.2f}")
+    blocked = {method: medians[f"async/{method}"] for method in ASYNC_METHODS}
+    print(f"  async save, blocked until it returns (state dict included): API {blocked['api']:.3f}s, API given the "
+          f"optimizer {blocked['api-optimizer']:.3f}s, DCP {blocked['dcp']:.3f}s  (DCP/API {blocked['dcp'] / blocked['api']:.2f}, "
+          f"DCP/API given the optimizer {blocked['dcp'] / blocked['api-optimizer']:.2f})")
     print("  per-repeat seconds (slowest rank), to judge the spread on a shared machine:")
     for key in ("load", "reshard"):
         print(f"    {key:<8}" + "  ".join(f"{m} " + ",".join(f"{t:.3f}" for t in times[f"{key}/{m}"])

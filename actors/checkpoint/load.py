@@ -256,8 +256,10 @@ def read_and_hand_over(stored: StoredCheckpoint, destinations: dict[Target, Dest
 
     reader = threading.Thread(target=read_all, name="checkpoint-read", daemon=True)
     reader.start()
-    received = broadcast_pieces(pieces, cut, my_rank, ready=lambda position: in_place[position].wait())
-    reader.join()
+    try:
+        received = broadcast_pieces(pieces, cut, my_rank, ready=lambda position: in_place[position].wait())
+    finally:
+        reader.join()  # a failed hand-over leaves no read still writing into the caller's tensors
     seconds["broadcast_after_read"] = time.perf_counter() - started - seconds["read"]
     return outcome.get("stats", {}), received, outcome.get("error")
 

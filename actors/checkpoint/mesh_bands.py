@@ -117,7 +117,7 @@ def _band_of(key: str, tensor: DTensor, held, local: torch.Tensor, index, min_se
 
 def agreed_bands(listed: list[tuple[int, list[tuple]]]) -> set[tuple[tuple[int, ...], str]]:
     """On the first rank, from every rank's (global rank, signatures): the (group ranks, key) of
-    each band (or replica, `mesh_replicas.py`) that every member of its group listed alike."""
+    each band that every member of its group listed with the same band and blocks."""
     by_band: dict[tuple, dict[int, tuple]] = {}
     for rank, signatures in listed:
         for signature in signatures:

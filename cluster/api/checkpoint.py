@@ -38,11 +38,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rayshard.actors.checkpoint.collector_paused import collector_paused
-from rayshard.actors.checkpoint.coordination import Coordination, Failure
+from rayshard.actors.checkpoint.coordination import Coordination, Failure, timeout_s
+from rayshard.actors.checkpoint.deferred_copy import DeferredCopy, StepGates, is_written_by, optimizers_of, written_by
 from rayshard.actors.checkpoint.load import read_and_hand_over, read_once_for
 from rayshard.actors.checkpoint.mesh_bands import (MeshBand, agreed_bands, destinations_with_bands, hand_over_lists,
                                                    mesh_bands)
-from rayshard.actors.checkpoint.mesh_replicas import ReplicaPiece, mesh_replicas, with_readers
+from rayshard.actors.checkpoint.mesh_replicas import (ReplicaPiece, agreed_groups, group_signatures, mesh_replicas,
+                                                      with_readers)
 from rayshard.actors.checkpoint.shard_writer import Piece, write_shard
 from rayshard.actors.checkpoint.staging import HostStaging
 from rayshard.actors.checkpoint.state_dict import FlatState, destinations, fill_values, flatten
@@ -149,32 +151,55 @@ def save(state_dict: Mapping, where: str, *, step: int, metadata: dict | None = 
     coordination = Coordination(process_group, _save_name(where, step))
     own, snapshot = None, _Snapshot()
     try:
-        snapshot = _snapshot(state_dict, metadata, step, staging=None, model=model)
+        snapshot, _ = _snapshot(state_dict, metadata, step, staging=None, model=model)
     except Exception as error:  # reported to every rank at the first exchange
         own = error
     return _save(coordination, where, step, snapshot, own)
 
 
 def async_save(state_dict: Mapping, where: str, *, step: int, metadata: dict | None = None,
-               process_group=None, model: dict | None = None) -> Future:
+               process_group=None, model: dict | None = None, optimizer=None) -> Future:
     """`save` in the background: returns once this rank's state is copied to host memory (later
     changes to the tensors are not saved); the future's result is the committed `CheckpointRef`,
     or its exception the save's failure. One async save runs at a time per process: a second one
     (or a `save`, `load` or `plan`) first waits for the one in flight. Keep the process group
-    alive until the future is done."""
+    alive until the future is done.
+
+    optimizer: the optimizer (or a list of them) whose next `step()` is the only thing that writes
+    its parameters and state before the save has copied them. Given, the call returns without
+    copying those: they are copied in the background beside the next forward and backward, and
+    that `step()` waits until the copy is done (a step pre-hook); every other tensor (a buffer a
+    forward changes) is copied before the call returns. Do not pass it if anything else writes the
+    parameters in place before that step (an EMA copied into them, a manual `param.data` update)."""
     _wait_for_async_save()
     coordination = Coordination(process_group, _save_name(where, step))  # made here: it may be a collective
-    own, snapshot = None, _Snapshot()
+    own, snapshot, deferred = None, _Snapshot(), None
     try:
-        snapshot = _snapshot(state_dict, metadata, step, staging=_STAGING, model=model)
+        optimizers = optimizers_of(optimizer)
+        snapshot, deferred = _snapshot(state_dict, metadata, step, staging=_STAGING, model=model,
+                                       deferring=written_by(optimizers) if optimizers else None)
+        if deferred is not None:
+            _GATES.hold(optimizers, deferred)
     except Exception as error:
         own = error
     global _IN_FLIGHT
     with _LOCK:
-        _IN_FLIGHT = _EXECUTOR.submit(_save, coordination, where, step, snapshot, own)
+        _IN_FLIGHT = _EXECUTOR.submit(_copy_and_save, coordination, where, step, snapshot, own, deferred)
     if own is not None:
         raise own  # the background exchange still tells the other ranks
     return _IN_FLIGHT
+
+
+def _copy_and_save(coordination: Coordination, where: str, step: int, snapshot: _Snapshot,
+                   own: BaseException | None, deferred: DeferredCopy | None) -> CheckpointRef:
+    """On the saving thread: the deferred copy first (its failure is this rank's, told to the
+    others at the first exchange), then the save."""
+    if deferred is not None and own is None:
+        try:
+            deferred.run(_STAGING, snapshot.tensors)
+        except Exception as error:  # noqa: BLE001 - reported through the save's exchanges
+            own = error
+    return _save(coordination, where, step, snapshot, own)
 
 
 _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayshard-async-save")
@@ -183,21 +208,44 @@ _LOCK = threading.Lock()
 _IN_FLIGHT: Future | None = None
 
 
+_GATES = StepGates()  # the optimizers' step pre-hooks of async saves, removed by the next call here
+
+
+def _forget_the_parents_saves() -> None:
+    """In a forked child: the parent's saving thread is not there (an executor inherited with it
+    would take work and never run it), nor is its save in flight, whose copy the inherited
+    optimizer hooks would wait for until their bound. The child starts with none of them."""
+    global _EXECUTOR, _LOCK, _IN_FLIGHT
+    _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayshard-async-save")
+    _LOCK, _IN_FLIGHT = threading.Lock(), None
+    _GATES.release_done()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_saves)
+
+
 def _wait_for_async_save() -> None:
     """An async save in flight uses the same exchanges (and staging buffers): let it finish first.
-    Its failure belongs to its own future, not to the call that waits."""
+    Its failure belongs to its own future, not to the call that waits. Its optimizer hooks, done
+    with once it has finished, are removed here, outside any optimizer step."""
     with _LOCK:
         in_flight = _IN_FLIGHT
     if in_flight is not None:
         with contextlib.suppress(Exception):
             in_flight.result()
+    _GATES.release_done()
 
 
 def _save_name(where, step) -> str:
     return f"save of {where}@{step}"
 
 
-def _snapshot(state_dict: Mapping, metadata, step, staging: HostStaging | None, model: dict | None = None) -> _Snapshot:
+def _snapshot(state_dict: Mapping, metadata, step, staging: HostStaging | None, model: dict | None = None,
+              deferring: set | None = None) -> tuple[_Snapshot, DeferredCopy | None]:
+    """The state as the save writes it, and the copy left for later if any. With `staging`,
+    tensors are host copies; with `deferring` too (the memory the optimizer writes, `written_by`),
+    those tensors' copies are left to the `DeferredCopy` returned (their places in the snapshot
+    are None until it runs)."""
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
         raise ConfigError("step", step, f"must be a whole number from 0 to {MAX_STEP:,}",
                           "pass the optimizer steps completed, e.g. step=20")
@@ -208,13 +256,23 @@ def _snapshot(state_dict: Mapping, metadata, step, staging: HostStaging | None, 
         check_json_value("metadata", metadata)
     flat = flatten(state_dict)
     tensors = [piece.local for piece in flat.pieces]
+    deferred = None
     if staging is not None:
         keys = [(piece.key, piece.held.offsets) for piece in flat.pieces]
-        tensors = staging.copy(keys, tensors)
         staging.keep_only(keys)
+        later = [i for i, tensor in enumerate(tensors) if deferring and is_written_by(tensor, deferring)]
+        deferred_indices = set(later)
+        now = [i for i in range(len(tensors)) if i not in deferred_indices]
+        copies: list = [None] * len(tensors)
+        for index, copy in zip(now, staging.copy([keys[i] for i in now], [tensors[i] for i in now])):
+            copies[index] = copy
+        if later:
+            deferred = DeferredCopy.of(later, [keys[i] for i in later], [tensors[i] for i in later], timeout_s())
+        tensors = copies
     # JSON text now: a value the caller changes after an async save returns is not saved.
-    return _Snapshot([piece.held for piece in flat.pieces], tensors, json.dumps(flat.values), json.dumps(metadata),
-                     _mesh_of(flat), description)
+    snapshot = _Snapshot([piece.held for piece in flat.pieces], tensors, json.dumps(flat.values), json.dumps(metadata),
+                         _mesh_of(flat), description)
+    return snapshot, deferred
 
 
 def _mesh_of(flat: FlatState) -> dict:
@@ -465,20 +523,22 @@ def _hand_overs(flat: FlatState, stored: StoredCheckpoint, coordination: Coordin
 
 def _agree_on_hand_overs(coordination: Coordination, own: BaseException | None, bands: list[MeshBand],
                          replicas: list[ReplicaPiece]) -> tuple[list[MeshBand], list[ReplicaPiece]]:
-    """The bands and replicas every member of their group listed alike (`agreed_bands`), the
-    replicas' readers chosen; or, where a rank failed before reading, that failure on every rank:
-    nobody starts a scatter or broadcast a peer never joins."""
-    signatures = [band.signature for band in bands] + [replica.signature for replica in replicas]
-    listed = coordination.gather("agreeing on the pieces read once per group",
-                                 _record(coordination, own, (dist.get_rank(), signatures)))
+    """The bands every member of their group listed alike (`agreed_bands`) and the replicas of
+    the groups whose members all listed the same pieces (`agreed_groups`), their readers chosen;
+    or, where a rank failed before reading, that failure on every rank: nobody starts a scatter
+    or broadcast a peer never joins."""
+    mine = (dist.get_rank(), [band.signature for band in bands], group_signatures(replicas))
+    listed = coordination.gather("agreeing on the pieces read once per group", _record(coordination, own, mine))
     agreed = None
     if coordination.is_root:
-        agreed = _failures(listed) or agreed_bands(listed)
+        agreed = _failures(listed) or (agreed_bands([(rank, signatures) for rank, signatures, _ in listed]),
+                                       agreed_groups([groups for _, _, groups in listed]))
     agreed = coordination.broadcast("sending the agreed pieces", agreed)
     if isinstance(agreed, list):
         coordination.raise_failures(agreed, own)
-    return ([band for band in bands if (band.ranks, band.key) in agreed],
-            with_readers([replica for replica in replicas if (replica.ranks, replica.key) in agreed]))
+    banded, groups = agreed
+    return ([band for band in bands if (band.ranks, band.key) in banded],
+            with_readers([replica for replica in replicas if replica.group_id in groups]))
 
 
 def _read(stored: StoredCheckpoint, flat: FlatState, bands: list[MeshBand], replicas: list[ReplicaPiece]) -> dict:

@@ -9,7 +9,9 @@ layers TP does not touch stay plain tensors (copied on every rank). Data: a fixe
 step from (seed, step), asymmetric, split over the data-parallel ranks.
 
 SPEC keys: mesh [[name, size], ...]; where (run URL); steps; save_at [steps]; async_at [steps]
-(saved with async_save, the next step changing the tensors before the write ends); load (what to
+(saved with async_save, the next step changing the tensors before the write ends); async_optimizer
+(those async saves are given the optimizer: its tensors are copied beside the next forward and
+backward, its step waiting for the copy); load (what to
 resume from); resave (a run to save into right after loading, at the loaded step); out (JSON
 file rank 0 writes: losses per step, loaded step, refs); fail_rank / fail_at (that rank raises
 inside its state dict's flattening at that save); kill_at (rank 1 kills itself -9 during the save
@@ -123,7 +125,8 @@ def run(spec: dict) -> dict:
                 _die_while_saving()
             try:
                 if step in spec.get("async_at", ()):
-                    pending = ckpt.async_save(state, spec["where"], step=step, metadata={"by": "job"})
+                    pending = ckpt.async_save(state, spec["where"], step=step, metadata={"by": "job"},
+                                              optimizer=optimizer if spec.get("async_optimizer") else None)
                 else:
                     report["refs"].append(ckpt.save(state, spec["where"], step=step, metadata={"by": "job"}).url)
             except Exception as error:  # noqa: BLE001 (reported to the test as the line a user sees)

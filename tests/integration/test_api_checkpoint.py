@@ -171,6 +171,110 @@ def test_an_async_save_returns_before_its_write_and_saves_the_state_it_was_given
     assert fresh["train"] == {"step": 5, "seen": [1, 2]}
 
 
+class _NormedNet(torch.nn.Module):
+    """A weight the optimizer writes and a buffer a forward writes (BatchNorm's running mean)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.up = torch.nn.Linear(5, 7)
+        self.norm = torch.nn.BatchNorm1d(7)
+
+    def forward(self, x):
+        return self.norm(self.up(x))
+
+
+def _train_step(net, optimizer, step: int, then_step: bool = True) -> None:
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(6, 5, generator=generator) * torch.linspace(0.5, 3.0, 5) + torch.arange(5) * 0.2
+    net(x).pow(2).mean().backward()
+    if then_step:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_an_async_save_given_the_optimizer_copies_its_tensors_beside_the_next_backward(tmp_path, monkeypatch):
+    """async_save(..., optimizer=opt) returns before the parameters and moments are copied; the
+    next forward and backward run meanwhile (changing the buffer, copied at the call); the next
+    optimizer.step() waits for the copy. The checkpoint holds the state as it was at the call."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from rayshard.actors.checkpoint.deferred_copy import DeferredCopy
+
+    net = _NormedNet()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.05)
+    _train_step(net, optimizer, 1)
+    model_state, optim_state = get_state_dict(net, optimizer)
+    expected = {key: value.clone() for key, value in net.state_dict().items()}
+    moments = {key: value.clone() for key, value in optimizer.state[net.up.weight].items()}
+    release, copying = threading.Event(), threading.Event()
+    real_run = DeferredCopy.run
+
+    def held_run(self, staging, into):
+        copying.set()
+        assert release.wait(timeout=60)
+        return real_run(self, staging, into)
+
+    monkeypatch.setattr(DeferredCopy, "run", held_run)
+    future = ckpt.async_save({"model": model_state, "optim": optim_state}, str(tmp_path / "runs" / "r"), step=1,
+                             optimizer=optimizer)
+    assert copying.wait(timeout=60) and not future.done()  # returned while the copy waits
+    _train_step(net, optimizer, 2, then_step=False)  # forward and backward run beside the copy
+    assert not torch.equal(net.norm.running_mean, expected["norm.running_mean"])
+    stepping = threading.Thread(target=optimizer.step)
+    stepping.start()
+    stepping.join(timeout=0.5)
+    assert stepping.is_alive()  # held by the pre-hook until the copy is done
+    assert torch.equal(net.up.weight, expected["up.weight"])
+    release.set()
+    stepping.join(timeout=60)
+    assert not stepping.is_alive() and not torch.equal(net.up.weight, expected["up.weight"])
+    assert future.result(timeout=60).step == 1
+
+    fresh = _NormedNet()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    _train_step(fresh, fresh_optimizer, 7)  # its own state, to be overwritten
+    fresh_model, fresh_optim = get_state_dict(fresh, fresh_optimizer)
+    ckpt.load({"model": fresh_model, "optim": fresh_optim}, str(tmp_path / "runs" / "r"))
+    for key, value in expected.items():  # the buffer as at the call, not after the next forward
+        assert torch.equal(fresh_model[key], value), key
+    for kind, value in moments.items():
+        assert torch.equal(fresh_optim["state"]["up.weight"][kind], value), kind
+    assert len(optimizer._optimizer_step_pre_hooks) == 0  # the load took the done hook away
+
+
+def test_an_async_save_with_the_optimizer_saves_what_a_blocking_save_does_on_fsdp2(tmp_path):
+    """Two identical FSDP2 runs: one saves step 2 blocking, the other with async_save given the
+    optimizer, training on at once; the checkpoints are equal tensor for tensor, moments included."""
+    runs = tmp_path / "runs"
+    blocking = _ranks(2, mesh=[["dp_shard", 2]], where=f"{runs}/blocking", steps=3, save_at=[2])
+    deferred = _ranks(2, mesh=[["dp_shard", 2]], where=f"{runs}/deferred", steps=3, async_at=[2], async_optimizer=True)
+    assert all("error" not in report and "exception" not in report for report in blocking + deferred), (blocking, deferred)
+    assert _equal(blocking[0]["refs"][0], deferred[0]["refs"][0]) > 0
+    assert deferred[0]["losses"] == blocking[0]["losses"]
+
+
+def _async_save_in_child(rank: int, init_method: str, world_size: int, results, where: str) -> None:
+    try:
+        results[rank] = ckpt.async_save({"model": {"w": torch.ones(3)}}, where, step=2).result(timeout=30).step
+    except Exception as error:  # noqa: BLE001 (the test reads the line)
+        results[rank] = f"{type(error).__name__}: {error}"
+
+
+def test_a_process_forked_after_an_async_save_saves_asynchronously_too(tmp_path):
+    """The parent's saving thread does not survive a fork: the child gets its own (it waited
+    forever on the inherited executor before)."""
+    assert ckpt.async_save({"model": {"w": torch.ones(3)}}, str(tmp_path / "runs" / "parent"), step=1).result(timeout=60)
+    assert run_ranks(_async_save_in_child, 1, str(tmp_path / "runs" / "child"))[0] == 2
+
+
+def test_an_async_save_refuses_an_optimizer_that_is_not_one_in_one_line(tmp_path):
+    with pytest.raises(CheckpointError, match="optimizer= takes a torch.optim.Optimizer") as error:
+        ckpt.async_save({"model": {"w": torch.ones(2)}}, str(tmp_path / "runs" / "r"), step=1, optimizer="adam")
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "runs" / "r" / "LATEST").exists()
+
+
 def test_plain_tensors_and_values_round_trip_and_mismatches_are_refused_in_one_line(tmp_path):
     where = str(tmp_path / "runs" / "r")
     state = {"model": {"w": torch.randn(5, 3), "half": torch.randn(4).to(torch.bfloat16)},

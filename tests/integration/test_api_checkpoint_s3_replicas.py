@@ -5,7 +5,8 @@ from the S3 test server (moto behind the test proxy, which records every request
 Each load runs twice on the same checkpoint: read once (the default on an object store) and with
 `RAYSHARD_READ_ONCE=0` (every rank reads its own pieces, the API's load before decision 234).
 Both are bit-exact; read once, the ranks together read one copy of the replicated state instead
-of one per replica, in as many fewer GET requests."""
+of one per replica: the bytes each load read (its reads' own count, summed over the ranks) and
+its plan say so alike."""
 from __future__ import annotations
 
 import pytest
@@ -49,24 +50,37 @@ def _save(rank: int, init_method: str, world_size: int, results, where: str) -> 
         dist.destroy_process_group()
 
 
-def _load(rank: int, init_method: str, world_size: int, results, spec: dict) -> None:
+def _load_rank(rank: int, init_method: str, world_size: int, results, spec: dict) -> None:
     """Load as `spec["kind"]` places the state: "hsdp", a (dp_replicate 2, dp_shard 2) mesh with
-    the matrices (Replicate, Shard(0)) and the norm replicated on both dims; "plain", every
-    tensor a plain tensor on every rank (a DDP loop's state dict)."""
+    the matrices (Replicate, Shard(0)); "dptp", a (dp_replicate 2, tp 2) mesh with the matrices
+    (Replicate, Shard(1)), column slices a tp group bands; in both the norm replicated on both
+    dims; "plain", every tensor a plain tensor on every rank (a DDP loop's state dict)."""
     import os
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    import rayshard.cluster.api.checkpoint as api
+
     torch.set_num_threads(1)
     os.environ["RAYSHARD_READ_ONCE"] = spec["read_once"]
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    read, real_read = {}, api._read
+
+    def counted(*args):  # what this rank's load read from the store, by its reads' own count
+        stats = real_read(*args)
+        read["bytes"] = stats["bytes_read"]
+        return stats
+
+    api._read = counted
     try:
         names = (*MATRICES, NORM)
-        if spec["kind"] == "hsdp":
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-            placements = {name: [Replicate(), Shard(0)] for name in MATRICES} | {NORM: [Replicate(), Replicate()]}
+        if spec["kind"] in ("hsdp", "dptp"):
+            inner = "dp_shard" if spec["kind"] == "hsdp" else "tp"
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", inner))
+            cut = Shard(0) if spec["kind"] == "hsdp" else Shard(1)
+            placements = {name: [Replicate(), cut] for name in MATRICES} | {NORM: [Replicate(), Replicate()]}
             flat = {name: distribute_tensor(torch.zeros_like(_global(name)), mesh, placements[name]) for name in names}
             expected = {name: distribute_tensor(_global(name), mesh, placements[name]).to_local() for name in names}
             local = {name: tensor.to_local() for name, tensor in flat.items()}
@@ -78,7 +92,7 @@ def _load(rank: int, init_method: str, world_size: int, results, spec: dict) -> 
         plan = ckpt.plan(nested(flat), spec["where"])
         ckpt.load(nested(flat), spec["where"])
         results[rank] = {"exact": all(torch.equal(local[name], expected[name]) for name in flat),
-                         "planned_read": plan.bytes_read}
+                         "planned_read": plan.bytes_read, "read": read["bytes"]}
     except Exception as error:  # noqa: BLE001
         results[rank] = {"error": f"{type(error).__name__}: {error}"}
     finally:
@@ -96,44 +110,51 @@ def _saved(s3_store, run: str = "replicas") -> str:
     return where
 
 
-def _load_twice(fault_proxy, where: str, kind: str) -> dict:
-    """(data GETs, planned bytes) of the load read once and of the load read by every rank."""
-    outcome = {}
-    for read_once in ("auto", "0"):
-        fault_proxy.requests.clear()
-        reports = run_ranks(_load, 4, {"where": where, "kind": kind, "read_once": read_once})
-        assert all(report.get("exact") for report in reports.values()), reports
-        outcome[read_once] = (_data_gets(fault_proxy), reports[0]["planned_read"])
-    return outcome
+def _loaded(fault_proxy, where: str, kind: str, read_once: str, **spec) -> tuple[int, int, int]:
+    """(bytes the ranks' loads read, bytes their plans said, data GETs)."""
+    fault_proxy.requests.clear()
+    reports = run_ranks(_load_rank, 4, {"where": where, "kind": kind, "read_once": read_once, **spec})
+    assert all(report.get("exact") for report in reports.values()), reports
+    return sum(report["read"] for report in reports.values()), reports[0]["planned_read"], _data_gets(fault_proxy)
 
 
-STATE_BYTES = (len(MATRICES) * ROWS + 1) * COLUMNS * 4  # one copy of everything, every chunk read whole
+MATRIX_BYTES, NORM_BYTES = ROWS * COLUMNS * 4, COLUMNS * 4
+STATE_BYTES = len(MATRICES) * MATRIX_BYTES + NORM_BYTES  # one copy of everything, every chunk read whole
 
 
-def test_a_ddp_loop_on_four_ranks_reads_one_copy_of_its_plain_tensors_bit_exact(s3_store, fault_proxy):
-    outcome = _load_twice(fault_proxy, _saved(s3_store), "plain")
-    (gets, planned), (gets_alone, planned_alone) = outcome["auto"], outcome["0"]
-    assert (planned, planned_alone) == (STATE_BYTES, 4 * STATE_BYTES)
-    assert gets < gets_alone and gets_alone >= 4 * SOURCE_RANKS, (gets, gets_alone)
-
-
-@pytest.mark.slow  # the default suite's budget: the DDP case above runs the same path
-def test_an_hsdp_load_reads_each_shard_once_across_its_replicas_bit_exact(s3_store, fault_proxy):
-    """The matrices' two dp_shard halves once each across dp_replicate (not twice); the norm,
-    replicated on both dims of a mesh spanning every rank, once across all four."""
-    outcome = _load_twice(fault_proxy, _saved(s3_store), "hsdp")
-    (gets, planned), (gets_alone, planned_alone) = outcome["auto"], outcome["0"]
-    norm = COLUMNS * 4
-    assert (planned, planned_alone) == (STATE_BYTES, 2 * (STATE_BYTES - norm) + 4 * norm)
+def _read_once_and_alone(fault_proxy, where: str, kind: str, once: int, alone: int) -> None:
+    """Both loads bit-exact, reading (and planning) `once` and `alone` bytes, in fewer GETs once."""
+    read, planned, gets = _loaded(fault_proxy, where, kind, "auto")
+    read_alone, planned_alone, gets_alone = _loaded(fault_proxy, where, kind, "0")
+    assert (read, planned) == (once, once) and (read_alone, planned_alone) == (alone, alone)
     assert gets < gets_alone, (gets, gets_alone)
 
 
-def test_a_rank_that_does_not_ask_for_a_replica_leaves_it_read_alone_and_waits_on_nobody(s3_store, fault_proxy):
-    """Rank 1's state dict leaves the norm out: the norm is not agreed (rank 1 would never join its
-    broadcast), so the other three read it each for itself; the matrices are still read once."""
-    where = _saved(s3_store)
-    reports = run_ranks(_load, 4, {"where": where, "kind": "plain", "read_once": "auto", "without_norm_on": 1})
-    assert all(report.get("exact") for report in reports.values()), reports
+def test_an_hsdp_load_reads_each_shard_once_across_its_replicas_bit_exact(s3_store, fault_proxy):
+    """The matrices' two dp_shard halves once each across dp_replicate (not twice); the norm,
+    replicated on both dims of a mesh spanning every rank, once across all four."""
+    _read_once_and_alone(fault_proxy, _saved(s3_store), "hsdp", STATE_BYTES,
+                         2 * len(MATRICES) * MATRIX_BYTES + 4 * NORM_BYTES)
+
+
+def test_bands_over_tp_and_the_replicated_norm_are_read_once_in_one_load_bit_exact(s3_store, fault_proxy):
+    """dp_replicate 2 x tp 2: each tp group reads its band of whole rows once (its column
+    slices, which alone it would read as whole rows twice), the norm is read once by all four."""
+    _read_once_and_alone(fault_proxy, _saved(s3_store), "dptp", 2 * len(MATRICES) * MATRIX_BYTES + NORM_BYTES,
+                         4 * len(MATRICES) * MATRIX_BYTES + 4 * NORM_BYTES)
+
+
+@pytest.mark.slow  # the default suite's budget: the corrupt-byte test below loads plain tensors read once too
+def test_a_ddp_loop_on_four_ranks_reads_one_copy_of_its_plain_tensors_bit_exact(s3_store, fault_proxy):
+    _read_once_and_alone(fault_proxy, _saved(s3_store), "plain", STATE_BYTES, 4 * STATE_BYTES)
+
+
+def test_a_group_whose_members_list_other_pieces_reads_them_alone_and_waits_on_nobody(s3_store, fault_proxy):
+    """Rank 1's state dict leaves the norm out: the group of all four (the norm's) is not agreed,
+    so ranks 0, 2 and 3 read the norm each for itself; the matrices' groups ({0, 2}, {1, 3}
+    along dp_replicate) still read each half once."""
+    read, planned, _ = _loaded(fault_proxy, _saved(s3_store), "hsdp", "auto", without_norm_on=1)
+    assert read == len(MATRICES) * MATRIX_BYTES + 3 * NORM_BYTES
 
 
 def test_a_corrupt_byte_in_a_replica_fails_every_rank_naming_it(s3_store, fault_proxy):
@@ -150,7 +171,8 @@ def test_a_corrupt_byte_in_a_replica_fails_every_rank_naming_it(s3_store, fault_
     data = bytearray(store.fs.cat_file(path))
     data[chunk.byte_start + 4 * COLUMNS + 8] ^= 0x40
     store.fs.pipe_file(path, bytes(data))
-    reports = run_ranks(_load, 4, {"where": where, "kind": "plain", "read_once": "auto"})
+    reports = run_ranks(_load_rank, 4, {"where": where, "kind": "plain", "read_once": "auto"})
+    assert all("error" in report for report in reports.values()), reports
     errors = [reports[rank].get("error", "") for rank in range(4)]
     readers = [rank for rank, error in enumerate(errors) if not error.startswith("RanksFailed")]
     assert len(readers) == 1, errors

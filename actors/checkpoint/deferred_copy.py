@@ -1,0 +1,122 @@
+"""An async save's copy of what only the optimizer writes, deferred until just before its next step.
+
+Between two optimizer steps nothing writes the parameters or the optimizer's state: forward and
+backward only read them, gradients live elsewhere. So `rayshard.checkpoint.async_save(...,
+optimizer=opt)` need not wait for their copy to host memory: it copies every other tensor of the
+state dict at once (a buffer such as BatchNorm's running statistics, which a forward changes),
+returns, and copies the optimizer's tensors in the background beside the next forward and
+backward, while a step pre-hook on each optimizer holds its next `step()` until that copy is done.
+The trainer's own async save overlaps its copy the same way (`async_save.py`).
+
+Which tensors only the optimizer writes is read off the optimizer itself: a state-dict piece whose
+memory is that of one of its parameters or state tensors (AdamW's moments and step) is deferred,
+whatever view or DTensor shard the state dict holds of it. On a GPU the deferred copy runs on a
+side stream that waits for the work queued before the call (an event recorded then), not for the
+forward queued after it.
+
+The hooks stay registered, done and free, until the next `rayshard.checkpoint` call takes them
+away: removing a hook while `step()` iterates its hooks (from inside one, or from the copying
+thread) would change a dict under that iteration.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rayshard.actors.checkpoint.staging import HostStaging
+from rayshard.actors.parallel.shards import local_tensor
+from rayshard.plans.errors import CheckpointError
+
+
+def optimizers_of(optimizer) -> list[torch.optim.Optimizer]:
+    """`optimizer=` as a list: one optimizer, several, or None (no deferral)."""
+    if optimizer is None:
+        return []
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for each in optimizers:
+        if not isinstance(each, torch.optim.Optimizer):
+            raise CheckpointError(f"optimizer= takes a torch.optim.Optimizer (or a list of them), not a "
+                                  f"{type(each).__name__}. Fix: pass the optimizer whose step() comes next")
+    return optimizers
+
+
+def _memory_of(tensor: torch.Tensor) -> tuple:
+    local = local_tensor(tensor)
+    return local.device, local.untyped_storage().data_ptr()
+
+
+def written_by(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple]:
+    """The memory (device, storage) of every parameter and state tensor of `optimizers`."""
+    memory = set()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                memory.add(_memory_of(parameter))
+                for value in optimizer.state.get(parameter, {}).values():
+                    if isinstance(value, torch.Tensor):
+                        memory.add(_memory_of(value))
+    return memory
+
+
+def is_written_by(tensor: torch.Tensor, memory: set[tuple]) -> bool:
+    return _memory_of(tensor) in memory
+
+
+@dataclass
+class DeferredCopy:
+    """The state-dict pieces (by index) copied in the background, and whether that is done."""
+
+    indices: list[int]
+    keys: list[Hashable]
+    tensors: list[torch.Tensor]
+    timeout_s: float
+    events: dict = field(default_factory=dict)  # cuda device -> the event recorded when the save was asked for
+    copied: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def of(cls, indices: list[int], keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
+           timeout_s: float) -> "DeferredCopy":
+        events = {}
+        for device in {tensor.device for tensor in tensors if tensor.is_cuda}:
+            events[device] = torch.cuda.current_stream(device).record_event()
+        return cls(indices, list(keys), list(tensors), timeout_s, events)
+
+    def run(self, staging: HostStaging, into: list) -> None:
+        """Copy (on the saving thread) into `staging`, placing each copy at its index of `into`."""
+        try:
+            for index, copy in zip(self.indices, staging.copy(self.keys, self.tensors, after=self.events)):
+                into[index] = copy
+        finally:
+            self.copied.set()  # a failed copy fails the save, never the optimizer's wait
+
+    def wait(self) -> None:
+        """Block until the copy is done, at most the checkpoint timeout."""
+        if self.copied.is_set():
+            return
+        if not self.copied.wait(self.timeout_s):
+            raise CheckpointError(f"the async save's copy of the optimizer's tensors did not finish within "
+                                  f"{self.timeout_s:g} s, so optimizer.step() cannot overwrite them safely. Fix: look "
+                                  "for a stuck device copy; RAYSHARD_CHECKPOINT_TIMEOUT_S sets the bound")
+
+
+class StepGates:
+    """The step pre-hooks of the async saves made so far, each waiting for its copy."""
+
+    def __init__(self):
+        self._handles: list = []
+
+    def hold(self, optimizers: Iterable[torch.optim.Optimizer], copy: DeferredCopy) -> None:
+        def before_step(*_) -> None:  # (a pre-hook returning anything but None would replace step's arguments)
+            copy.wait()
+
+        for optimizer in optimizers:
+            self._handles.append(optimizer.register_step_pre_hook(before_step))
+
+    def release_done(self) -> None:
+        """Remove the hooks (outside any `step()`: from a `rayshard.checkpoint` call on the caller's thread)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
