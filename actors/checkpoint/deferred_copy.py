@@ -14,13 +14,17 @@ whatever view or DTensor shard the state dict holds of it. On a GPU the deferred
 side stream that waits for the work queued before the call (an event recorded then), not for the
 forward queued after it.
 
-The hooks stay registered, done and free, until the next `rayshard.checkpoint` call takes them
-away: removing a hook while `step()` iterates its hooks (from inside one, or from the copying
-thread) would change a dict under that iteration.
+Each optimizer gets one step pre-hook, the first time it is passed, and keeps it: the hook waits
+for that optimizer's copy in flight, if any, and is free otherwise. Adding or removing a hook per
+save would change the optimizer's dict of hooks, which `step()` iterates, whenever a save was
+asked for from another thread or from inside a hook. What is out of reach of a pre-hook is not
+covered: a step replayed from a CUDA graph runs no Python, and pre-hooks registered before ours
+(global ones included) run before it waits.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,12 +44,21 @@ def optimizers_of(optimizer) -> list[torch.optim.Optimizer]:
         if not isinstance(each, torch.optim.Optimizer):
             raise CheckpointError(f"optimizer= takes a torch.optim.Optimizer (or a list of them), not a "
                                   f"{type(each).__name__}. Fix: pass the optimizer whose step() comes next")
+        if not getattr(type(each).step, "hooked", False):  # torch wraps step() in Optimizer.__init__
+            raise CheckpointError(f"optimizer= got a {type(each).__name__} whose step() runs no step pre-hooks (it did "
+                                  "not run torch.optim.Optimizer.__init__), so its next step could not wait for the "
+                                  "copy. Fix: leave optimizer= out (the save then copies everything before returning)")
     return optimizers
 
 
-def _memory_of(tensor: torch.Tensor) -> tuple:
+def _memory_of(tensor: torch.Tensor) -> tuple | None:
+    """(device, storage address), or None for a tensor whose memory is not a storage of its own
+    (a wrapper subclass: a quantized or float8 tensor), which is then copied before the call returns."""
     local = local_tensor(tensor)
-    return local.device, local.untyped_storage().data_ptr()
+    try:
+        return local.device, local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def written_by(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple]:
@@ -58,11 +71,13 @@ def written_by(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple]:
                 for value in optimizer.state.get(parameter, {}).values():
                     if isinstance(value, torch.Tensor):
                         memory.add(_memory_of(value))
+    memory.discard(None)
     return memory
 
 
 def is_written_by(tensor: torch.Tensor, memory: set[tuple]) -> bool:
-    return _memory_of(tensor) in memory
+    found = _memory_of(tensor)
+    return found is not None and found in memory
 
 
 @dataclass
@@ -90,7 +105,13 @@ class DeferredCopy:
             for index, copy in zip(self.indices, staging.copy(self.keys, self.tensors, after=self.events)):
                 into[index] = copy
         finally:
-            self.copied.set()  # a failed copy fails the save, never the optimizer's wait
+            self.abandon()  # a failed copy fails the save, never the optimizer's wait
+
+    def abandon(self) -> None:
+        """Done, copied or not: the optimizer's step goes on, and the live tensors are let go of
+        (an optimizer state replaced later is not kept alive by this save)."""
+        self.tensors, self.events = [], {}
+        self.copied.set()
 
     def wait(self) -> None:
         """Block until the copy is done, at most the checkpoint timeout."""
@@ -103,20 +124,32 @@ class DeferredCopy:
 
 
 class StepGates:
-    """The step pre-hooks of the async saves made so far, each waiting for its copy."""
+    """One step pre-hook per optimizer ever passed, kept, each waiting for that optimizer's copy
+    in flight (none: it returns at once)."""
 
     def __init__(self):
-        self._handles: list = []
+        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> DeferredCopy | None
+        self._lock = threading.Lock()
 
     def hold(self, optimizers: Iterable[torch.optim.Optimizer], copy: DeferredCopy) -> None:
-        def before_step(*_) -> None:  # (a pre-hook returning anything but None would replace step's arguments)
-            copy.wait()
-
         for optimizer in optimizers:
-            self._handles.append(optimizer.register_step_pre_hook(before_step))
+            with self._lock:
+                new = optimizer not in self._copies
+                self._copies[optimizer] = copy
+            if new:
+                optimizer.register_step_pre_hook(self._before_step)
 
-    def release_done(self) -> None:
-        """Remove the hooks (outside any `step()`: from a `rayshard.checkpoint` call on the caller's thread)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def _before_step(self, optimizer, args, kwargs) -> None:  # (returning anything but None would replace step's arguments)
+        with self._lock:
+            copy = self._copies.get(optimizer)
+        if copy is not None:
+            copy.wait()
+            with self._lock:
+                if self._copies.get(optimizer) is copy:  # (not a newer save's, held meanwhile from another thread)
+                    self._copies[optimizer] = None
+
+    def forget(self) -> None:
+        """The copies are over (the save in flight has ended) or not ours (a forked child's)."""
+        with self._lock:
+            for optimizer in list(self._copies):
+                self._copies[optimizer] = None

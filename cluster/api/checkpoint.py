@@ -170,7 +170,10 @@ def async_save(state_dict: Mapping, where: str, *, step: int, metadata: dict | N
     copying those: they are copied in the background beside the next forward and backward, and
     that `step()` waits until the copy is done (a step pre-hook); every other tensor (a buffer a
     forward changes) is copied before the call returns. Do not pass it if anything else writes the
-    parameters in place before that step (an EMA copied into them, a manual `param.data` update)."""
+    parameters in place before that step (an EMA copied into them, a manual `param.data` update,
+    another optimizer sharing a parameter, a step replayed from a CUDA graph, a step pre-hook
+    registered earlier), nor call this from inside `step()`. A state dict of copies
+    (`StateDictOptions(cpu_offload=True)`) defers nothing: those copies are taken before the call."""
     _wait_for_async_save()
     coordination = Coordination(process_group, _save_name(where, step))  # made here: it may be a collective
     own, snapshot, deferred = None, _Snapshot(), None
@@ -183,8 +186,13 @@ def async_save(state_dict: Mapping, where: str, *, step: int, metadata: dict | N
     except Exception as error:
         own = error
     global _IN_FLIGHT
-    with _LOCK:
-        _IN_FLIGHT = _EXECUTOR.submit(_copy_and_save, coordination, where, step, snapshot, own, deferred)
+    try:
+        with _LOCK:
+            _IN_FLIGHT = _EXECUTOR.submit(_copy_and_save, coordination, where, step, snapshot, own, deferred)
+    except BaseException:
+        if deferred is not None:
+            deferred.abandon()  # it will never run: the optimizer must not wait for it
+        raise
     if own is not None:
         raise own  # the background exchange still tells the other ranks
     return _IN_FLIGHT
@@ -194,11 +202,14 @@ def _copy_and_save(coordination: Coordination, where: str, step: int, snapshot: 
                    own: BaseException | None, deferred: DeferredCopy | None) -> CheckpointRef:
     """On the saving thread: the deferred copy first (its failure is this rank's, told to the
     others at the first exchange), then the save."""
-    if deferred is not None and own is None:
-        try:
-            deferred.run(_STAGING, snapshot.tensors)
-        except Exception as error:  # noqa: BLE001 - reported through the save's exchanges
-            own = error
+    if deferred is not None:
+        if own is not None:
+            deferred.abandon()  # the save fails at its first exchange: nothing to copy for
+        else:
+            try:
+                deferred.run(_STAGING, snapshot.tensors)
+            except Exception as error:  # noqa: BLE001 - reported through the save's exchanges
+                own = error
     return _save(coordination, where, step, snapshot, own)
 
 
@@ -208,7 +219,7 @@ _LOCK = threading.Lock()
 _IN_FLIGHT: Future | None = None
 
 
-_GATES = StepGates()  # the optimizers' step pre-hooks of async saves, removed by the next call here
+_GATES = StepGates()  # the optimizers' step pre-hooks, each waiting for its async save's copy
 
 
 def _forget_the_parents_saves() -> None:
@@ -218,7 +229,7 @@ def _forget_the_parents_saves() -> None:
     global _EXECUTOR, _LOCK, _IN_FLIGHT
     _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayshard-async-save")
     _LOCK, _IN_FLIGHT = threading.Lock(), None
-    _GATES.release_done()
+    _GATES.forget()
 
 
 os.register_at_fork(after_in_child=_forget_the_parents_saves)
@@ -226,14 +237,13 @@ os.register_at_fork(after_in_child=_forget_the_parents_saves)
 
 def _wait_for_async_save() -> None:
     """An async save in flight uses the same exchanges (and staging buffers): let it finish first.
-    Its failure belongs to its own future, not to the call that waits. Its optimizer hooks, done
-    with once it has finished, are removed here, outside any optimizer step."""
+    Its failure belongs to its own future, not to the call that waits."""
     with _LOCK:
         in_flight = _IN_FLIGHT
     if in_flight is not None:
         with contextlib.suppress(Exception):
             in_flight.result()
-    _GATES.release_done()
+    _GATES.forget()  # its copy is over: the optimizers' hooks wait for nothing now
 
 
 def _save_name(where, step) -> str:

@@ -11,7 +11,8 @@ step from (seed, step), asymmetric, split over the data-parallel ranks.
 SPEC keys: mesh [[name, size], ...]; where (run URL); steps; save_at [steps]; async_at [steps]
 (saved with async_save, the next step changing the tensors before the write ends); async_optimizer
 (those async saves are given the optimizer: its tensors are copied beside the next forward and
-backward, its step waiting for the copy); load (what to
+backward, its step waiting for the copy); hold_copy_s (that copy starts so many seconds late;
+the report's "deferred" counts the pieces it copies); load (what to
 resume from); resave (a run to save into right after loading, at the loaded step); out (JSON
 file rank 0 writes: losses per step, loaded step, refs); fail_rank / fail_at (that rank raises
 inside its state dict's flattening at that save); kill_at (rank 1 kills itself -9 during the save
@@ -23,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -115,6 +117,17 @@ def run(spec: dict) -> dict:
         if spec.get("resave"):
             report["resaved"] = ckpt.save(state_of(model, optimizer, step), spec["resave"], step=step).url
     pending = None
+    if spec.get("hold_copy_s"):  # the deferred copy starts late: the next step must wait for it
+        from rayshard.actors.checkpoint.deferred_copy import DeferredCopy
+
+        real_run = DeferredCopy.run
+
+        def late_run(copy, staging, into):
+            report["deferred"] = len(copy.indices)
+            time.sleep(spec["hold_copy_s"])
+            return real_run(copy, staging, into)
+
+        DeferredCopy.run = late_run
     for step in range(step + 1, spec["steps"] + 1):
         report["losses"][step] = train_step(model, optimizer, step, dp, dp_rank)
         if step in spec.get("save_at", ()) or step in spec.get("async_at", ()):

@@ -240,7 +240,37 @@ def test_an_async_save_given_the_optimizer_copies_its_tensors_beside_the_next_ba
         assert torch.equal(fresh_model[key], value), key
     for kind, value in moments.items():
         assert torch.equal(fresh_optim["state"]["up.weight"][kind], value), kind
-    assert len(optimizer._optimizer_step_pre_hooks) == 0  # the load took the done hook away
+    # One hook per optimizer, kept, and free once the copy is done: more saves add none, steps go on.
+    for step in (2, 3):
+        ckpt.async_save({"model": get_state_dict(net, optimizer)[0]}, str(tmp_path / "runs" / "r"), step=step,
+                        optimizer=optimizer).result(timeout=60)
+        _train_step(net, optimizer, step + 10)
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
+
+
+def test_a_deferred_copy_that_fails_fails_the_save_and_lets_the_step_go_on(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    net = _NormedNet()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.05)
+    _train_step(net, optimizer, 1)
+    real_copy = api._STAGING.copy
+
+    def copy(keys, tensors, after=None):
+        if after is not None:  # the deferred copy's call (the immediate one passes no events)
+            raise MemoryError("host memory is full (a test's injected failure)")
+        return real_copy(keys, tensors)
+
+    monkeypatch.setattr(api._STAGING, "copy", copy)
+    model_state, optim_state = get_state_dict(net, optimizer)
+    future = ckpt.async_save({"model": model_state, "optim": optim_state}, str(tmp_path / "runs" / "r"), step=1,
+                             optimizer=optimizer)
+    assert isinstance(future.exception(timeout=60), MemoryError)
+    stepping = threading.Thread(target=_train_step, args=(net, optimizer, 2))
+    stepping.start()
+    stepping.join(timeout=60)
+    assert not stepping.is_alive()  # not held until the copy's bound
+    assert Store(str(tmp_path / "runs")).committed_steps("r") == []
 
 
 def test_an_async_save_with_the_optimizer_saves_what_a_blocking_save_does_on_fsdp2(tmp_path):
@@ -248,9 +278,14 @@ def test_an_async_save_with_the_optimizer_saves_what_a_blocking_save_does_on_fsd
     optimizer, training on at once; the checkpoints are equal tensor for tensor, moments included."""
     runs = tmp_path / "runs"
     blocking = _ranks(2, mesh=[["dp_shard", 2]], where=f"{runs}/blocking", steps=3, save_at=[2])
-    deferred = _ranks(2, mesh=[["dp_shard", 2]], where=f"{runs}/deferred", steps=3, async_at=[2], async_optimizer=True)
+    deferred = _ranks(2, mesh=[["dp_shard", 2]], where=f"{runs}/deferred", steps=3, async_at=[2], async_optimizer=True,
+                      hold_copy_s=0.5)
     assert all("error" not in report and "exception" not in report for report in blocking + deferred), (blocking, deferred)
-    assert _equal(blocking[0]["refs"][0], deferred[0]["refs"][0]) > 0
+    # Every tensor of the state dict is a parameter or its AdamW state (7 parameters, 3 states
+    # each), so all 28 pieces were copied late, while step 3's forward and backward ran; step 3's
+    # optimizer.step() waited for them, or the checkpoint would hold step 3's values.
+    assert [report["deferred"] for report in deferred] == [28, 28]
+    assert _equal(blocking[0]["refs"][0], deferred[0]["refs"][0]) == 28
     assert deferred[0]["losses"] == blocking[0]["losses"]
 
 
