@@ -213,12 +213,18 @@ def _read_and_hand_over(stored: StoredCheckpoint, targets: LoadTargets, groups: 
 
 def read_and_hand_over(stored: StoredCheckpoint, destinations: dict[Target, Destination],
                        pieces: list[HandedPiece | SlicedPiece], readers: list[int], read_as: list[Target | None],
-                       phases: list[int], my_rank: int, seconds: dict) -> tuple[dict, int, BaseException | None]:
+                       phases: list[int], my_rank: int, seconds: dict,
+                       reads_end_before_a_failure: bool = False) -> tuple[dict, int, BaseException | None]:
     """The hand-over itself, for the trainer's ranks and `rayshard.checkpoint.load` alike: read
     `destinations` in a background thread, the targets the pieces are read as (`read_as`, by the
     reader `readers[i]`) first, bucket by bucket, while this thread hands each bucket over as soon
     as it is in place. Every member of a group lists its pieces in the same order, phases as every
-    other member does. Returns (read stats, bytes received, this rank's read error)."""
+    other member does. Returns (read stats, bytes received, this rank's read error).
+
+    reads_end_before_a_failure: a hand-over that fails (a peer gone) raises only once this rank's
+    own reads have ended, so none keeps writing into tensors the caller holds on to (the API's).
+    The trainer's ranks drop a failed load's tensors with its attempt, and raise at once: a read
+    from a silent snapshot keeper would otherwise hold a second recovery up to its own bound."""
     cut = buckets(pieces, readers, BROADCAST_BUCKET_BYTES, phases)
     # A bucket is in place once every target it is cut from is read (a share of a band may span
     # several buckets, and a bucket hold several shares' blocks); targets are read in the order of
@@ -258,8 +264,11 @@ def read_and_hand_over(stored: StoredCheckpoint, destinations: dict[Target, Dest
     reader.start()
     try:
         received = broadcast_pieces(pieces, cut, my_rank, ready=lambda position: in_place[position].wait())
-    finally:
-        reader.join()  # a failed hand-over leaves no read still writing into the caller's tensors
+    except BaseException:
+        if reads_end_before_a_failure:
+            reader.join()
+        raise
+    reader.join()
     seconds["broadcast_after_read"] = time.perf_counter() - started - seconds["read"]
     return outcome.get("stats", {}), received, outcome.get("error")
 

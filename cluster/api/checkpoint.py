@@ -560,7 +560,8 @@ def _read(stored: StoredCheckpoint, flat: FlatState, bands: list[MeshBand], repl
         return stored.read(wanted)
     pieces, readers, read_as, phases = hand_over_lists(bands, replicas)
     stats, received, failure = read_and_hand_over(stored, destinations_with_bands(wanted, bands, replicas), pieces,
-                                                  readers, read_as, phases, dist.get_rank(), {})
+                                                  readers, read_as, phases, dist.get_rank(), {},
+                                                  reads_end_before_a_failure=True)
     if failure is not None:
         raise failure
     return {**stats, "bytes_received": received}
