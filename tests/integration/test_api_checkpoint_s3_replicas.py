@@ -20,6 +20,7 @@ ROWS, COLUMNS = 64, 48
 SOURCE_RANKS = 4
 MATRICES = ("model.up.weight", "optim.state.up.weight.exp_avg")
 NORM = "model.norm.weight"  # a plain tensor when saved: written once
+ODD = {"model.odd.weight": (61, 45), "optim.state.odd.weight.exp_avg": (61, 45), "optim.state.odd.weight.step": ()}
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +30,7 @@ def _bounded_exchanges(monkeypatch):
 
 def _global(name: str) -> torch.Tensor:
     generator = torch.Generator().manual_seed(sum(map(ord, name)))
-    return torch.randn(*((COLUMNS,) if name == NORM else (ROWS, COLUMNS)), generator=generator)
+    return torch.randn((COLUMNS,) if name == NORM else ODD.get(name, (ROWS, COLUMNS)), generator=generator)
 
 
 def _save(rank: int, init_method: str, world_size: int, results, where: str) -> None:
@@ -42,8 +43,9 @@ def _save(rank: int, init_method: str, world_size: int, results, where: str) -> 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-        state = {name: distribute_tensor(_global(name), mesh, [Shard(0)]) for name in MATRICES}
-        results[rank] = ckpt.save(nested({**state, NORM: _global(NORM)}), where, step=1).url
+        state = {name: distribute_tensor(_global(name), mesh, [Shard(0)]) for name in (*MATRICES, *ODD) if ODD.get(name) != ()}
+        plain = {name: _global(name) for name in (NORM, "optim.state.odd.weight.step")}
+        results[rank] = ckpt.save(nested({**state, **plain}), where, step=1).url
     except Exception as error:  # noqa: BLE001 (the test reads every rank's line)
         results[rank] = f"error {type(error).__name__}: {error}"
     finally:
@@ -76,7 +78,16 @@ def _load_rank(rank: int, init_method: str, world_size: int, results, spec: dict
     api._read = counted
     try:
         names = (*MATRICES, NORM)
-        if spec["kind"] in ("hsdp", "dptp"):
+        if spec["kind"] == "uneven":  # 6 ranks: (dp_replicate 3, dp_shard 2), 61 rows cut 31 + 30, and a 0-d step
+            names = tuple(ODD)
+            mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+            placements = {name: [Replicate(), Shard(0)] for name in names}
+            flat = {name: distribute_tensor(torch.zeros_like(_global(name)), mesh, placements[name])
+                    for name in names if ODD[name]} | {"optim.state.odd.weight.step": torch.zeros(())}
+            expected = {name: (distribute_tensor(_global(name), mesh, placements[name]).to_local() if ODD[name]
+                               else _global(name)) for name in names}
+            local = {name: tensor.to_local() if ODD[name] else tensor for name, tensor in flat.items()}
+        elif spec["kind"] in ("hsdp", "dptp"):
             inner = "dp_shard" if spec["kind"] == "hsdp" else "tp"
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", inner))
             cut = Shard(0) if spec["kind"] == "hsdp" else Shard(1)
@@ -113,7 +124,8 @@ def _saved(s3_store, run: str = "replicas") -> str:
 def _loaded(fault_proxy, where: str, kind: str, read_once: str, **spec) -> tuple[int, int, int]:
     """(bytes the ranks' loads read, bytes their plans said, data GETs)."""
     fault_proxy.requests.clear()
-    reports = run_ranks(_load_rank, 4, {"where": where, "kind": kind, "read_once": read_once, **spec})
+    ranks = 6 if kind == "uneven" else 4
+    reports = run_ranks(_load_rank, ranks, {"where": where, "kind": kind, "read_once": read_once, **spec})
     assert all(report.get("exact") for report in reports.values()), reports
     return sum(report["read"] for report in reports.values()), reports[0]["planned_read"], _data_gets(fault_proxy)
 
@@ -147,6 +159,20 @@ def test_bands_over_tp_and_the_replicated_norm_are_read_once_in_one_load_bit_exa
 @pytest.mark.slow  # the default suite's budget: the corrupt-byte test below loads plain tensors read once too
 def test_a_ddp_loop_on_four_ranks_reads_one_copy_of_its_plain_tensors_bit_exact(s3_store, fault_proxy):
     _read_once_and_alone(fault_proxy, _saved(s3_store), "plain", STATE_BYTES, 4 * STATE_BYTES)
+
+
+@pytest.mark.slow
+def test_uneven_shards_over_three_replicas_and_a_0d_step_are_read_once_bit_exact(s3_store, fault_proxy):
+    """Six ranks, (dp_replicate 3, dp_shard 2): 61 rows saved as 16 + 15 + 15 + 15 and loaded as
+    31 + 30, each half read once across its three replicas; the 0-d step (a plain tensor) once."""
+    where = _saved(s3_store)
+    read, planned, _ = _loaded(fault_proxy, where, "uneven", "auto")
+    read_alone, planned_alone, _ = _loaded(fault_proxy, where, "uneven", "0")
+    # Not exact multiples of the tensors' bytes: these files hold other tensors too, and a file
+    # read only in part has its safetensors header read and checked as well (23,724 and 68,544 here).
+    matrices = 2 * 61 * 45 * 4
+    assert (read, read_alone) == (planned, planned_alone)
+    assert matrices + 4 <= read < (read_alone / 2.5) and read_alone >= 3 * matrices + 6 * 4
 
 
 def test_a_group_whose_members_list_other_pieces_reads_them_alone_and_waits_on_nobody(s3_store, fault_proxy):
