@@ -120,11 +120,15 @@ def _api_save(trainer, root: str, repeat: int, run: str = "api"):
 
 
 def _api_load(trainer, root: str, repeat: int, run: str = "api"):
+    _api_load_from(trainer, f"{root}/api-store/{run}@{repeat}")
+
+
+def _api_load_from(trainer, what: str):
     import rayshard.checkpoint as ckpt
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _dcp_state(trainer)
-    ckpt.load(state, f"{root}/api-store/{run}@{repeat}")
+    ckpt.load(state, what)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -352,12 +356,9 @@ def _api_loads_from_s3(trainer, what: str) -> dict:
     object store, decisions 172 and 234), then by every rank alone (`RAYSHARD_READ_ONCE=0`): the
     bytes its plan reads over all ranks and the slowest rank's seconds, each after one untimed load."""
     import rayshard.checkpoint as ckpt
-    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     def load():
-        state = _dcp_state(trainer)
-        ckpt.load(state, what)
-        set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        _api_load_from(trainer, what)
 
     figures = {}
     for read_once in ("1", "0"):

@@ -115,8 +115,6 @@ class DeferredCopy:
 
     def wait(self) -> None:
         """Block until the copy is done, at most the checkpoint timeout."""
-        if self.copied.is_set():
-            return
         if not self.copied.wait(self.timeout_s):
             raise CheckpointError(f"the async save's copy of the optimizer's tensors did not finish within "
                                   f"{self.timeout_s:g} s, so optimizer.step() cannot overwrite them safely. Fix: look "
